@@ -1,11 +1,14 @@
 """A tool-calling round trip with the official OpenAI client (run the server first).
 
-    asyncllm serve --enable-auto-tool-choice --tool-call-parser hermes &
+    asyncllm serve --enable-auto-tool-choice --tool-call-parser hermes --structured-output-disable-any-whitespace &
     python examples/tool_calling.py
 
 With a real chat model (Qwen3, Llama 3.1, ...) leave `tool_choice` out ("auto"):
 the model decides to call the tool. The bundled tiny model never would, so this
 example names the function, which constrains the reply to its arguments' schema.
+`--structured-output-disable-any-whitespace` writes that JSON in the compact layout: by default (as vLLM's)
+any JSON whitespace may come between its tokens, and the bundled model's random weights would write
+whitespace until `max_tokens` (a real model closes the JSON; drop the flag with one).
 """
 
 import json

@@ -223,8 +223,8 @@ class InputBatch:
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
         inputs.drafted = drafted
         if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
-            inputs.failed = _exhausted_requests(req_ids, sample_indices, drafted,
-                                                sampling_metadata.logits_processors.exhausted)
+            inputs.failed, inputs.exhausted_drafts = _exhausted_requests(
+                req_ids, sample_indices, drafted, sampling_metadata.logits_processors.exhausted)
         if drafted and self.keeps_states:  # the state layers keep each draft's states (asyncllm/models/row_states.py)
             rows = self.rows.np
             inputs.attn_metadata.state_drafts = [(int(rows[sample_indices[r.sample]]), len(r.drafts)) for r in drafted]
@@ -372,11 +372,18 @@ def _plan_state_checkpoints(metadata: AttentionMetadata, sched_out: SchedulerOut
 
 
 def _exhausted_requests(req_ids: list[str], sample_indices: list[int], drafted: list[DraftedRequest],
-                        exhausted: tuple[int, ...]) -> dict[str, str]:
-    """The requests of `exhausted` logits rows that sample right after their committed tokens (not after a draft,
-    which may be rejected), with `EXHAUSTED_ERROR`."""
+                        exhausted: tuple[int, ...]) -> tuple[dict[str, str], dict[int, int]]:
+    """The requests of `exhausted` logits rows that sample right after their committed tokens, with
+    `EXHAUSTED_ERROR`; and the drafted requests with such a row after a draft (which may be rejected), by sampling
+    index, with the number of drafts before their first one (`StepInputs.exhausted_drafts`)."""
     committed = dict(enumerate(sample_indices))  # logits row -> index into req_ids
+    after_drafts: dict[int, tuple[int, int]] = {}  # logits row -> (sampling index, drafts before it)
     for request in drafted:  # its usual row follows its drafts; its first draft row follows its committed tokens
         del committed[request.sample]
         committed[request.first_row] = sample_indices[request.sample]
-    return {req_ids[committed[row]]: EXHAUSTED_ERROR for row in exhausted if row in committed}
+        after_drafts[request.sample] = (request.sample, len(request.drafts))
+        after_drafts.update((request.first_row + j, (request.sample, j)) for j in range(1, len(request.drafts)))
+    first: dict[int, int] = {}
+    for sample, j in sorted(after_drafts[row] for row in exhausted if row in after_drafts):
+        first.setdefault(sample, j)
+    return {req_ids[committed[row]]: EXHAUSTED_ERROR for row in exhausted if row in committed}, first

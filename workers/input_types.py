@@ -63,6 +63,9 @@ class StepInputs:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests that fail at this step, with their error: those with no allowed token left to sample
     (`LogitsProcessorsMetadata.exhausted`)."""
+    exhausted_drafts: dict[int, int] = field(default_factory=dict)
+    """Drafted requests (by sampling index) with no allowed token left at a row after j >= 1 drafts, by the first
+    such j: they fail if their verified tokens reach that row (`exhausted_after_drafts`)."""
 
     @property
     def num_tokens(self) -> int:

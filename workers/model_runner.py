@@ -36,13 +36,14 @@ from asyncllm.workers.generation_rules import GenerationRules
 from asyncllm.workers.input_batch import InputBatch
 from asyncllm.workers.input_types import StepInputs
 from asyncllm.workers.kv_cache_setup import KVCacheSetup
+from asyncllm.workers.logits_processors import EXHAUSTED_ERROR
 from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
 from asyncllm.workers.mm_runner import MultiModalRunner, is_multimodal
 from asyncllm.workers.prompt_embeds import PromptEmbedsRunner
 from asyncllm.workers.sampler import Sampler, SamplerOutput
-from asyncllm.workers.spec_decode import verify_drafts
+from asyncllm.workers.spec_decode import exhausted_after_drafts, verify_drafts
 from asyncllm.workers.swap import CPUSwapSpace
 from asyncllm.workers.token_feedback import InFlightStep
 
@@ -227,6 +228,8 @@ class ModelRunner(KVCacheSetup):
         verified = None
         if inputs.drafted:  # speculative decoding: the draft rows follow the usual ones
             verified = verify_drafts(sampled, inputs.drafted)
+            failed.update((inputs.req_ids[inputs.sample_indices[sample]], EXHAUSTED_ERROR)
+                          for sample in exhausted_after_drafts(verified, inputs.exhausted_drafts))
             del sampled[len(inputs.sample_indices) :]
             self._roll_back_states(inputs, verified)
             self._count_penalized_outputs(inputs, verified)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftPosition", "DraftedRequest", "plan_drafted", "verify_drafts"]
+__all__ = ["DraftPosition", "DraftedRequest", "exhausted_after_drafts", "plan_drafted", "verify_drafts"]
 
 
 @dataclass
@@ -94,3 +94,10 @@ def verify_drafts(sampled: list[int], drafted: list[DraftedRequest]) -> dict[int
             tokens.append(sampled[request.sample])
         out[request.sample] = tokens
     return out
+
+
+def exhausted_after_drafts(verified: dict[int, list[int]], exhausted_drafts: dict[int, int]) -> list[int]:
+    """The drafted requests (by sampling index) whose verified tokens include one sampled from a row with no allowed
+    token (the row after j drafts gives the (j + 1)th token): they fail, as without drafts, with no token sampled
+    there."""
+    return [sample for sample, j in exhausted_drafts.items() if len(verified[sample]) > j]

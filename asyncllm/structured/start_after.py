@@ -60,12 +60,12 @@ class Marker:
         starts = _found(tokens, self.ids) if self.ids else []
         if not self.suffix:
             return [(i, i + len(self.ids)) for i in starts]
-        spans = []
-        for j in _found(tokens, self.suffix):
-            opened = [i for i in starts if 0 <= j - (i + len(self.ids)) < self.max_between]
-            if opened:
-                spans.append((opened[0], j + len(self.suffix)))
-        return spans
+        suffixes, by_end = _found(tokens, self.suffix), {}
+        for i in starts:  # each start with the first suffix after it (not a later turn's ``<|message|>``)
+            after = [j for j in suffixes if j >= i + len(self.ids)]
+            if after and after[0] - (i + len(self.ids)) < self.max_between:
+                by_end.setdefault(after[0] + len(self.suffix), i)
+        return [(i, end) for end, i in by_end.items()]  # starts in order: so are their ends
 
     def ends(self, tokens: Sequence[int]) -> bool:
         """Whether `tokens` end with the marker."""
@@ -73,11 +73,14 @@ class Marker:
         return bool(spans) and spans[-1][1] == min(len(tokens), self.span)
 
     def written_by(self, prompt_ids: Sequence[int]) -> bool:
-        """Whether the prompt's end already wrote the marker (within `_SLACK` tokens of its end) and did not open it
-        again after it (Qwen3.5 ends a prompt with ``<think>\\n`` after a user text that holds ``</think>``)."""
+        """Whether the prompt's end already wrote the marker (ending within `_SLACK` tokens of its end) and did not
+        open it again after it (Qwen3.5 ends a prompt with ``<think>\\n`` after a user text that holds ``</think>``).
+        A marker with a suffix may take fewer tokens than `span`: a short earlier turn's (gpt-oss's last answer)
+        is not this reply's."""
         tail = list(prompt_ids[-self.span - _SLACK:])
         spans = self.spans(tail)
-        return bool(spans) and not (self.opener and _found(tail[spans[-1][1]:], self.opener))
+        return bool(spans) and len(tail) - spans[-1][1] <= _SLACK and not (
+            self.opener and _found(tail[spans[-1][1]:], self.opener))
 
     def spanned(self, token_ids: Sequence[int], opened: bool) -> int:
         """The tokens between the opening tag and this marker in a reply's `token_ids`, neither counted (vLLM's

@@ -17,7 +17,7 @@ import json
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncEngine, SamplingParams, StructuredOutputs
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, StructuredOutputs
 from asyncllm.bundled import bundled_model_path
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.ngram import NgramProposer
@@ -197,3 +197,15 @@ async def test_blocks_filled_by_accepted_drafts_enter_the_prefix_cache(bundled_e
             assert value == engine.stats().spec_decode_num_accepted_tokens
     assert outputs[0] == outputs[1]
     assert hits[0] == hits[1] >= 4 * 64 - 4 * 16
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_draft_row_with_no_allowed_token_fails_the_request_once_reached(bundled_engines) -> None:
+    """After 42 42 (drafted from the prompt's 42s) bad words forbid both allowed tokens: the request fails as without
+    drafts, never taking the token sampled from that row."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, allowed_token_ids=[42, 77],
+                            bad_words_token_ids=[[42, 42, 42], [42, 42, 77]])
+    for engine in bundled_engines:  # with drafts: 42 42 42 42 verified at the step after the first 42
+        with pytest.raises(InvalidRequestError) as failure:
+            await engine.generate({"prompt_token_ids": [42] * 24}, params)
+        assert failure.value.field == "allowed_token_ids"
