@@ -135,8 +135,11 @@ class ModelConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_int("seed", self.seed, 0)
-        if self.max_model_len != AUTO_MAX_MODEL_LEN or not isinstance(self.max_model_len, int):
-            check_int("max_model_len", self.max_model_len, 1, optional=True)
+        length = self.max_model_len
+        if length is not None and (not isinstance(length, int) or isinstance(length, bool)
+                                   or (length < 1 and length != AUTO_MAX_MODEL_LEN)):
+            raise ConfigError("max_model_len", length, "an int >= 1, -1 (fitted to the KV cache; the CLI's 'auto') "
+                              "or None (the model's maximum)")
         check_int("max_logprobs", self.max_logprobs, -1)
         check_bool("disable_sliding_window", self.disable_sliding_window)
         check_choice("load_format", self.load_format, LOAD_FORMATS)

@@ -101,26 +101,35 @@ def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, side: str, p
                ) -> Iterator[PreTrainedTokenizerBase]:
     """The tokenizer to encode with ``truncation=True, max_length=max_length`` cutting on `side`, as vLLM sets it:
     "left" for a generation (its special tokens, BOS, then the text's last tokens), "right" for pooling (a
-    text's start, [CLS] included, as sentence-transformers). A copy with its own backend, held under a lock: a
-    fast tokenizer's truncation setting lives in its backend, and setting the shared one would race other
-    threads' encodes. `InvalidRequestError` for a `max_length` no larger than the special tokens added (HF's
-    tokenizer would keep only them, or not cut at all)."""
+    text's start, [CLS] included, as sentence-transformers). A copy with its own backend, held under its own lock
+    while the caller encodes: a fast tokenizer's truncation setting lives in its backend, and setting the shared
+    one would race other threads' encodes. A `max_length` of just the special tokens keeps only them, as HF's
+    (and vLLM's) tokenizer; a smaller one is an `InvalidRequestError` (HF's would not cut at all)."""
     special = tokenizer.num_special_tokens_to_add(pair=pair)
-    if max_length <= special:
+    if max_length < special:
         raise InvalidRequestError("truncate_prompt_tokens", f"is {max_length}, but the tokenizer adds {special} "
-                                                            f"special tokens: keep at least {special + 1}")
-    with _TRUNCATING_LOCK:
+                                                            f"special tokens, which it never cuts: keep at least "
+                                                            f"{special}")
+    with _TRUNCATING_LOCK:  # only to find or make the copy: encodes on other copies (and sides) run meanwhile
         copies = _TRUNCATING.setdefault(tokenizer, {})
         if side not in copies:
-            copies[side] = copy.copy(tokenizer)
-            if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer's Rust backend
-                copies[side]._tokenizer = copy.deepcopy(tokenizer._tokenizer)
-            copies[side].truncation_side = side
-        yield copies[side]
+            copies[side] = (_truncating_copy(tokenizer, side), threading.Lock())
+        cutting, lock = copies[side]
+    with lock:
+        yield cutting
 
 
-_TRUNCATING: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-"""Each tokenizer's truncating copies (`truncating`), by side; they go with the tokenizer."""
+def _truncating_copy(tokenizer: PreTrainedTokenizerBase, side: str) -> PreTrainedTokenizerBase:
+    cutting = copy.copy(tokenizer)
+    if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer's Rust backend
+        cutting._tokenizer = copy.deepcopy(tokenizer._tokenizer)
+    cutting.truncation_side = side
+    return cutting
+
+
+_TRUNCATING: weakref.WeakKeyDictionary[Any, dict[str, tuple[Any, threading.Lock]]] = weakref.WeakKeyDictionary()
+"""Each tokenizer's truncating copies (`truncating`), by side, each with the lock its encodes hold; they go with
+the tokenizer."""
 _TRUNCATING_LOCK = threading.Lock()
 
 

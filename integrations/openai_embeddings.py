@@ -50,7 +50,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     user: str | None = None
     """End-user id for the caller's own abuse tracking; accepted and not used by asyncllm."""
     truncate_prompt_tokens: int | None = None
-    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    """vLLM's: cut the prompt to k tokens (-1: as many as max_model_len allows): a text `input` keeps its first
+    tokens, cut by the tokenizer on the right with its special tokens ([CLS] ... [SEP]); token ids their last k."""
     normalize: bool | None = None
     """vLLM's: false returns the raw hidden state; null or left out: the model's default (L2-normalized unless
     the engine's ``pooler_config`` says otherwise)."""

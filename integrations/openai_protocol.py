@@ -145,7 +145,8 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
-    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    """vLLM's: cut the prompt to k tokens (-1: as many as max_model_len allows): token ids keep their last k, a
+    text prompt is cut by the tokenizer on the left, its special tokens kept (BOS, then the text's last tokens)."""
     prompt_logprobs: LaxCount = None
     """vLLM's: each prompt token's logprob and the N most likely there (not with stream, but for 0)."""
     skip_special_tokens: bool = True

@@ -45,7 +45,8 @@ class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """A served name or a LoRA module's name; left out, the served model."""
     truncate_prompt_tokens: int | None = None
-    """vLLM's: keep each prompt's last k tokens (-1: as many as max_model_len allows)."""
+    """vLLM's: cut each prompt to k tokens (-1: as many as max_model_len allows): a text keeps its first tokens,
+    cut by the tokenizer on the right with its special tokens (a pair longest-first); token ids their last k."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
     cache_salt: str | None = None

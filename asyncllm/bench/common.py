@@ -41,6 +41,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bench_max_model_len(text: str) -> int:
+    """An argparse type: ``--max-model-len``, at least 1. vLLM's -1 / ``auto`` (the engine core fits it to the KV
+    cache) is not built for bench, which sizes its engine from the workload's longest request."""
+    if text.strip().lower() in ("-1", "auto"):
+        raise argparse.ArgumentTypeError(f"{text} (auto: fit to the KV cache) is not built for asyncllm bench; give "
+                                         "a length of at least 1, or leave it unset for the workload's longest "
+                                         "request")
+    return positive_int(text)
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a number above 0 (``inf`` allowed)."""
     try:
@@ -65,7 +75,7 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     model.add_argument("--max-num-seqs", type=int, default=256)
     model.add_argument("--max-num-batched-tokens", type=int, default=None)
-    model.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")
+    model.add_argument("--max-model-len", type=bench_max_model_len, default=None, help="default: the workload's longest request")
     model.add_argument("--attention-backend", default=None, help="torch_sdpa or triton (default: the device's)")
     model.add_argument("--tensor-parallel-size", type=int, default=1)
     model.add_argument("--pipeline-parallel-size", type=int, default=1,

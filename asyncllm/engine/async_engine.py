@@ -20,7 +20,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.engine.data_parallel import replica_devices
+from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
 from asyncllm.engine.engine_control import EngineControl
 from asyncllm.engine.engine_requests import EngineRequests
 from asyncllm.engine.engine_weights import EngineWeights
@@ -29,8 +29,8 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, check_not_forked, finish_in_thread, start_replica, start_replicas,
-    stop_all, stop_forgotten, weakly,
+    LaunchSpec, Replica, ReplicaSet, check_not_forked, finish_in_thread, start_replica,
+    start_replicas, stop_all, stop_forgotten, weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
@@ -68,7 +68,8 @@ class AsyncEngine(EngineRequests, EngineControl):
 
         Cheap like the constructor: the first request (or `start`) asks the core
         which model it serves and loads the tokenizer. `kwargs` are the host-side
-        fields (disable_log_stats, prometheus_registry, ...); `aclose` detaches
+        fields (disable_log_stats, prometheus_registry, ...; the model, tokenizer and
+        max_model_len are the core's, whatever is given); `aclose` detaches
         and leaves the core running for the other hosts. A ``tcp://`` address
         needs the core's shared secret: `key`, or ASYNCLLM_ENGINE_KEY (docs/security.md).
         """
@@ -76,12 +77,13 @@ class AsyncEngine(EngineRequests, EngineControl):
         from asyncllm.engine.connect import check_address, default_address
 
         address = check_address(default_address() if address is None else address, key)
-        engine = cls(address, **kwargs)  # the address stands in for the model until start
+        engine = cls.__new__(cls)
+        engine._init(EngineConfig.create(address, **kwargs), address)  # the address stands in for the model
         if engine.config.data_parallel_size > 1:
             raise NotBuiltError("data_parallel_size", engine.config.data_parallel_size,
                                 "data parallelism over a shared engine core (AsyncEngine.connect, `asyncllm engine`)")
-        engine._connect_address = address
         engine._engine_key = resolve_key(address, key)
+        engine._fits_max_model_len = False  # the core's max_model_len is the core's (any given one gives way to it)
         return engine
 
     @classmethod
@@ -90,11 +92,11 @@ class AsyncEngine(EngineRequests, EngineControl):
         engine._init(config)
         return engine
 
-    def _init(self, config: EngineConfig) -> None:
+    def _init(self, config: EngineConfig, connect_address: str | None = None) -> None:
         self.config = config
         self._fits_max_model_len = config.max_model_len == AUTO_MAX_MODEL_LEN
         """max_model_len -1: `config` gets the core's fitted value, and a restarted core fits it again."""
-        self._connect_address: str | None = None
+        self._connect_address = connect_address
         """Set by `connect`: attach to this core instead of starting one."""
         self._engine_key: str | None = None
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
@@ -108,7 +110,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         """The loop `_start_lock` belongs to (`_loop_start_lock`)."""
         self._starting: asyncio.Task[Prepared] | None = None
         """The replicas' start in progress, which `aclose` cancels."""
-        self._observer = RequestObserver(config.model, config.prometheus_registry)
+        self._observer = RequestObserver(config.model, config.prometheus_registry, named=connect_address is None)
         """Replica 0's observer (the only one with data_parallel_size 1)."""
         self.metrics_registry = self._observer.registry
         """The prometheus_client CollectorRegistry holding this engine's `asyncllm:` series."""
@@ -312,13 +314,14 @@ class AsyncEngine(EngineRequests, EngineControl):
         replica.processor = replica.core = None
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
-        if self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum, as at the start
-            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)
+        if owned and self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum
+            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (a shared core's must stay what it was)
         try:
             await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         except BaseException:
             replica.processor = processor  # still dead: stats() and new requests say so
             raise
+        self.config = served_max_model_len(self._replicas.replicas, self.config)  # the restarted core's fit counts
         if owned:  # sent now, before any request can reach the new core
             await self._weights.replay(replica)
 

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import fields
 from itertools import zip_longest
+from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["ReplicaLoad", "WAITING_WEIGHT", "combined_stats", "replica_devices", "replica_env",
+__all__ = ["ReplicaLoad", "WAITING_WEIGHT", "combined_stats", "replica_devices", "replica_env", "served_max_model_len",
            "visible_cuda_devices"]
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -120,3 +122,14 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
     total.sleep_level = max(s.sleep_level for s in replicas)
     total.awaiting_weights = any(s.awaiting_weights for s in replicas)
     return total
+
+
+def served_max_model_len(replicas: Sequence[Any], config: EngineConfig) -> EngineConfig:
+    """`config` with the least max_model_len the replicas' cores serve (`replica.Replica`s), which every processor then enforces: as
+    vLLM, whose max_model_len ``auto`` is one value for all its data-parallel engines (each replica's core fits
+    its own KV cache; with one replica, or a set max_model_len, this is the core's)."""
+    least = min(replica.max_model_len for replica in replicas if replica.max_model_len)
+    for replica in replicas:
+        if replica.processor is not None:
+            replica.processor._prompts.ready(least)  # the processor thread's limit, first set from its core's Ready
+    return config.replace(max_model_len=least)

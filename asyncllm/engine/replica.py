@@ -25,7 +25,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env
+from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env, served_max_model_len
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.prepare import Prepared, prepare
@@ -37,7 +37,8 @@ from asyncllm.procutil import forked
 from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
-           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly", "abandon", "check_not_forked"]
+           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly",
+           "abandon", "check_not_forked"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class Replica:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     processor: Processor | None = None
     core: CoreProcess | None = None
+    max_model_len: int = 0
+    """What its core serves (its `Ready`'s; ``auto``: fitted to its KV cache), known once it started."""
     _seen_dead: Processor | None = None
     """The dead processor whose core's gauges were zeroed already (`check_dead`)."""
 
@@ -220,6 +223,7 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         core = await in_thread(launch_core, prepared.config, prepared.hf_config_json,
                                replica_env(spec.devices, replica.index), config.max_model_len == AUTO_MAX_MODEL_LEN,
                                abandoned=_stop_untold)
+    replica.observer.stats.owns_core = core is not None  # before its first snapshot: its counters end with it
     processor = _processor(replica, prepared, core, spec, timeout_s)
     try:
         ready = await asyncio.wrap_future(processor.start())
@@ -228,8 +232,7 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         raise
     if ready.max_model_len != prepared.config.max_model_len:  # max_model_len auto: the core fitted it to its KV cache
         prepared.config = prepared.config.replace(max_model_len=ready.max_model_len)
-    replica.processor, replica.core = processor, core
-    replica.observer.stats.owns_core = core is not None  # its counters end with it (`HostStats.mark_closed`)
+    replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 
 
@@ -315,6 +318,7 @@ async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: La
         raise
     prepared = results[0]
     assert isinstance(prepared, Prepared)
+    prepared.config = served_max_model_len(replicas, prepared.config)
     return prepared
 
 

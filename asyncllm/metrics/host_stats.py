@@ -82,6 +82,8 @@ class HostStats:
         carry the label engine="<index>"), else None (no engine label)."""
         self.owns_core = False
         """Whether this host launched its core (not `AsyncEngine.connect`): the core's counters end with it."""
+        self.named = True
+        """Whether `model_name` is the model (an attached host: the core's address until the core names it)."""
         self.engine = EngineView(SchedulerStats(), False, SchedulerStats())
         """`scheduler`, `reports_engine` and `retired_engine` in one object, replaced whole: a scrape thread reads
         it once and never sees a core's counters both live and retired, or in neither."""

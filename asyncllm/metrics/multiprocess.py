@@ -10,21 +10,28 @@ files in that folder and ``/metrics`` serves a `MultiProcessCollector` over them
   they grew by: an engine garbage-collected takes nothing back);
 - engine-wide counters (preemptions, prefix cache, spec decode): the core's
   counts, exported by its reporter host only. Each process writes what the
-  counter grew by while it reported: all of it for the core's first reporter,
-  from its first snapshot on for a host that took over from one that left (no
-  double count; what the core counted between the two is lost);
+  counter grew by while it reported: all of it for a core the host owns or
+  for a shared core's first reporter, from its first snapshot on for a host
+  that took over a shared core from one that left (no double count; what the
+  core counted between the two is lost);
 - gauges: ``livemostrecent``, written by the reporter host only; a gauge the
-  process no longer exports is written with timestamp 0, which that mode skips.
+  process no longer exports is written once with timestamp 0, which that mode
+  skips.
 
-A file keeps every series once written, so a ``model_name`` is written from its
-first counter or histogram above 0 on (not the address an attached host is
-labelled with until it learns the model).
+A file keeps every series once written, so a ``model_name`` is written once the
+host knows its model (`HostStats.named`: at construction for an engine that
+owns its core, when the core names it for an attached one), never the address
+an attached host is labelled with until then.
 
 A daemon thread writes every `SYNC_INTERVAL_S` seconds; a scrape writes the
 scraping process first, an engine closing (`prometheus.retire`) writes its last
-counts and hides its gauges (a uvicorn or gunicorn worker exits without atexit
-hooks), and an interpreter's exit writes once more and removes the live gauges'
-file (`prometheus_client.multiprocess.mark_process_dead`).
+counts and hides its gauges (a worker killed by SIGKILL runs no atexit hook),
+and an interpreter's exit (uvicorn and gunicorn workers exit through sys.exit)
+writes once more and removes the live gauges' file
+(`prometheus_client.multiprocess.mark_process_dead`). A forked child (gunicorn
+``--preload``) starts over with its own pid: nothing of the parent's growth,
+the inherited counts as its baseline, its thread started at its first
+snapshot, sync or mirror (`_fork`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import atexit
 import glob
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -43,7 +51,9 @@ from prometheus_client import values
 from prometheus_client.core import Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
-__all__ = ["multiprocess_dir", "mirror", "multiprocess_latest", "sync", "SYNC_INTERVAL_S"]
+from asyncllm.errors import ConfigError
+
+__all__ = ["multiprocess_dir", "checked_dir", "mirror", "multiprocess_latest", "resume", "sync", "SYNC_INTERVAL_S"]
 
 logger = logging.getLogger("asyncllm.engine")
 
@@ -59,55 +69,88 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def checked_dir() -> str:
+    """`multiprocess_dir`, which must be set: a `ConfigError` naming PROMETHEUS_MULTIPROC_DIR unless it is a
+    writable folder (else each write, scrape and exit would fail)."""
+    folder = multiprocess_dir()
+    if folder is None or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError("PROMETHEUS_MULTIPROC_DIR", folder, "prometheus_client's multiprocess mode writes each "
+                          "host process's series into that folder: make it an existing writable directory, or "
+                          "unset the variable")
+    return folder
+
+
 class _Writer:
     """This process's values in the folder: per counter (and histogram sample) what it grew by in each collector."""
 
     def __init__(self, value_class: Any = None) -> None:
         self.collectors: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.lock = threading.Lock()
+        """Added and read under `lock` (a WeakSet changed while iterated raises)."""
         if value_class is None:  # a MutexValue: the folder was set after prometheus_client was imported
             value_class = values.ValueClass if values.ValueClass is not values.MutexValue else values.MultiProcessValue()
         self._value_class = value_class
         from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES  # which imports this module
 
         self._engine_counters = ENGINE_COUNTER_NAMES
+        self.thread_pid: int | None = None
+        """The process in which the writer thread runs (None: not started)."""
+        self.fork_baseline: dict[Any, dict[_Key, float]] | None = None
+        """Each collector's samples as the process forks: the child's `_last_seen`."""
+        self._active: set[str] = set()
+        """The model names a host knows (`HostStats.named`): written from then on, at 0 too."""
+        self.start_over({})
+
+    def start_over(self, last_seen: dict[Any, dict[_Key, float]]) -> None:
+        """No values written yet, in this pid's files; `last_seen`: the counts already written by another pid."""
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        """The process whose files these are."""
         self._values: dict[_Key, Any] = {}
-        self._last_seen: weakref.WeakKeyDictionary[Any, dict[_Key, float]] = weakref.WeakKeyDictionary()
+        self._last_seen: weakref.WeakKeyDictionary[Any, dict[_Key, float]] = weakref.WeakKeyDictionary(last_seen)
         """Per collector, each counter's value at the last sync (while it exports it)."""
         self._grown: dict[_Key, float] = defaultdict(float)
         """What this process writes for each counter: a collector that went away takes nothing back."""
-        self._active: set[str | None] = set()
-        """The model names with a counter or histogram above 0: written from then on, at 0 too."""
+        self._shown: set[_Key] = set()
+        """The gauges written with a timestamp: a gauge no longer exported is hidden once, then forgotten."""
 
     def sync(self) -> None:
         with self.lock:
-            per_collector = [(collector, _samples(collector)) for collector in list(self.collectors)]
-            self._active.update(_model(key) for _, samples in per_collector for key, value in samples.items()
-                                if value and key[0] != "gauge")
+            per_collector = [(collector, _samples(collector), collector.owned_core_models())
+                             for collector in list(self.collectors)]
+            for collector, _, _ in per_collector:
+                self._active.update(collector.named_models())
             gauges: dict[_Key, float] = defaultdict(float)
-            for collector, samples in per_collector:
-                self._add_growth(self._last_seen.setdefault(collector, {}), samples, gauges)
-            for key in [k for k in self._values if k[0] == "gauge" and k not in gauges]:
+            for collector, samples, owned in per_collector:
+                self._add_growth(self._last_seen.setdefault(collector, {}), samples, gauges, owned)
+            for key in self._shown - gauges.keys():
                 self._values[key].set(0.0, 0.0)  # gone: livemostrecent skips timestamp 0
+            self._shown = set(gauges)
             now = time.time()
             for key, value in [*gauges.items(), *self._grown.items()]:
                 self._value(key).set(value, now if key[0] == "gauge" else None)
 
-    def _add_growth(self, last_seen: dict[_Key, float], samples: dict[_Key, float], gauges: dict[_Key, float]) -> None:
+    def _add_growth(self, last_seen: dict[_Key, float], samples: dict[_Key, float], gauges: dict[_Key, float],
+                    owned: set[str]) -> None:
         for key in [k for k in last_seen if k not in samples]:
             del last_seen[key]  # this host no longer reports the core: a later report counts from its first value
         for key, value in samples.items():
             if _model(key) not in self._active:
-                continue  # all 0: perhaps a name held only until the host attached (no way to remove it later)
+                continue  # not named yet: perhaps the core's address (no way to remove a series later)
             if key[0] == "gauge":
                 gauges[key] += value
                 continue
             last = last_seen.get(key)
-            if last is None and not (key[0] == "counter" and key[1] in self._engine_counters and (key in self._grown or _reported_elsewhere(key))):
-                last = 0.0  # this process's own series, or the core's first reporter: all of it
+            if last is None and not self._taken_over(key, owned):
+                last = 0.0  # this process's own series, its own core, or a shared core's first reporter: all of it
             if last is not None:
                 self._grown[key] += max(0.0, value - last)
             last_seen[key] = value
+
+    def _taken_over(self, key: _Key, owned: set[str]) -> bool:
+        """Whether a new report of `key` continues another host's: an engine-wide counter of a shared core (not
+        one this collector's hosts own) that this process or another already wrote."""
+        return (key[0] == "counter" and key[1] in self._engine_counters and _model(key) not in owned
+                and (key in self._grown or _reported_elsewhere(key)))
 
     def _value(self, key: _Key) -> Any:
         value = self._values.get(key)
@@ -160,33 +203,78 @@ def _add_family(totals: dict[_Key, float], family: Metric) -> None:
 
 _writer: _Writer | None = None
 _writer_lock = threading.Lock()
+_STALE_FILE = re.compile(r"_(\d+)\.db$")
 
 
 def mirror(collector: Any) -> None:
-    """Write `collector`'s series into the multiprocess folder from now on (until it is garbage-collected)."""
+    """Write `collector`'s series into the multiprocess folder from now on (until it is garbage-collected);
+    a `ConfigError` unless the folder is a writable directory."""
     global _writer
+    folder = checked_dir()
     with _writer_lock:
         if _writer is None:
+            _warn_if_stale(folder)
             _writer = _Writer()
-            threading.Thread(target=_sync_forever, args=(_writer,), name="asyncllm-prometheus-multiproc",
-                             daemon=True).start()
             atexit.register(_at_exit, _writer)
-        _writer.collectors.add(collector)
+        with _writer.lock:
+            _writer.collectors.add(collector)
+        _start_thread(_writer)
+
+
+def resume() -> None:
+    """Start this process's writer thread if it has none: a forked child's first snapshot (`RequestObserver`)."""
+    writer = _writer
+    if writer is not None and writer.thread_pid != os.getpid():
+        with _writer_lock:
+            _start_thread(writer)
+
+
+def _start_thread(writer: _Writer) -> None:
+    if writer.thread_pid != os.getpid():
+        writer.thread_pid = os.getpid()
+        threading.Thread(target=_sync_forever, args=(writer,), name="asyncllm-prometheus-multiproc",
+                         daemon=True).start()
+
+
+def _warn_if_stale(folder: str) -> None:
+    """vLLM's warning, for files of processes no longer running (the live workers' files are expected)."""
+    stale = sorted(name for name in os.listdir(folder)
+                   if (match := _STALE_FILE.search(name)) is not None and not _running(int(match.group(1))))
+    if stale:
+        logger.warning("asyncllm: PROMETHEUS_MULTIPROC_DIR=%s holds the files of processes no longer running "
+                       "(%s): their counts are added into every scrape; empty the folder before the host "
+                       "processes start", folder, ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def sync() -> None:
-    """Write this process's series now (a scrape does, so its own process is current)."""
+    """Write this process's series now (a scrape does, so its own process is current; an engine closing does).
+    A failed write is logged, not raised: the scrapes show the last values written."""
     if _writer is not None:
-        _writer.sync()
+        resume()
+        try:
+            _writer.sync()
+        except OSError:
+            logger.exception("asyncllm: could not write the Prometheus series to PROMETHEUS_MULTIPROC_DIR=%s",
+                             multiprocess_dir())
 
 
 def _sync_forever(writer: _Writer) -> None:
     logged = False
-    while True:
+    while writer.thread_pid == os.getpid():
         time.sleep(SYNC_INTERVAL_S)
         try:
             writer.sync()
-        except OSError:  # the folder went away or filled up: the scrapes show the last values written
+        except Exception:  # noqa: BLE001 - the folder went away or filled up, or a bug: the thread carries on
             if not logged:
                 logged = True
                 logger.exception("asyncllm: could not write the Prometheus series to PROMETHEUS_MULTIPROC_DIR=%s "
@@ -196,8 +284,41 @@ def _sync_forever(writer: _Writer) -> None:
 def _at_exit(writer: _Writer) -> None:
     from prometheus_client.multiprocess import mark_process_dead
 
+    if os.getpid() != writer.pid:  # a child forked without the fork hooks: these are its parent's files
+        return
     writer.sync()
     mark_process_dead(os.getpid())
+
+
+def _before_fork() -> None:
+    """Hold the locks over the fork (a child never inherits one held by another thread) and take the baseline."""
+    _writer_lock.acquire()
+    if _writer is not None:
+        _writer.lock.acquire()
+        try:
+            _writer.fork_baseline = {collector: _samples(collector) for collector in list(_writer.collectors)}
+        except Exception:  # noqa: BLE001 - a fork must not fail for metrics: the child counts from 0
+            _writer.fork_baseline = None
+
+
+def _after_fork_in_parent() -> None:
+    if _writer is not None:
+        _writer.fork_baseline = None
+        _writer.lock.release()
+    _writer_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """The child's own files, from the inherited counts on; its thread starts with its first write (`resume`)."""
+    global _writer_lock
+    _writer_lock = threading.Lock()
+    if _writer is not None:
+        _writer.start_over(_writer.fork_baseline or {})
+        _writer.fork_baseline = None
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def multiprocess_latest() -> bytes:

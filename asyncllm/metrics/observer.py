@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+from asyncllm.metrics import multiprocess
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.prometheus import attach, retire
 from asyncllm.metrics.request_timing import apply_events, observe_finished
@@ -52,8 +53,10 @@ class RequestObserver:
     `metrics.finished_time` then).
     """
 
-    def __init__(self, model_name: str, registry: Any = None) -> None:
+    def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
+        """`named`: `model_name` is the model (False: an attached host's core address, until `set_model_name`)."""
         self.stats = HostStats(model_name)
+        self.stats.named = named
         self.registry = attach(self.stats, registry)
         """The `CollectorRegistry` the metrics live in (the host's, or a private one)."""
         self._tracer = RequestTracer(model_name) if tracing_available() else None
@@ -77,6 +80,7 @@ class RequestObserver:
 
     def _label(self, model_name: str) -> None:
         self.stats.model_name = model_name
+        self.stats.named = True
         if self._tracer is not None:
             self._tracer.model_name = model_name
 
@@ -114,6 +118,7 @@ class RequestObserver:
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
         """The core's snapshot; `reporter` says whether this host exports the engine-wide series."""
         self.stats.take_snapshot(stats, reporter)
+        multiprocess.resume()  # a forked child (gunicorn --preload) starts writing its series
 
     def on_output(self, collector: RequestCollector, out: RequestOutputDelta, item: StreamDelta | BaseException,
                   now: float, is_prefilling: bool) -> None:

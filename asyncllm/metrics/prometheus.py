@@ -118,12 +118,25 @@ class AsyncLLMCollector(Collector):
                 return
             key = (stats.model_name, stats.engine_index)
             retired = HostStats(stats.model_name)  # new, not added to: a scrape may be reading the old one
-            retired.engine_index = stats.engine_index
+            retired.engine_index, retired.named = stats.engine_index, stats.named
             for closed in (self._retired.get(key), stats):
                 if closed is not None:
                     retired.absorb(closed)
             self._sources.discard(stats)  # with the swap: no scrape counts `stats` twice or not at all
             self._retired[key] = retired
+
+    def named_models(self) -> set[str]:
+        """The model names of the hosts that know their model (`HostStats.named`)."""
+        with self._lock:
+            return {stats.model_name for stats in [*self._sources, *self._retired.values()] if stats.named}
+
+    def owned_core_models(self) -> set[str]:
+        """The models whose engine-wide series here come only from cores these hosts own (their counts start at
+        0 with the host, never taken over from another host's report)."""
+        with self._lock:
+            sources = list(self._sources)
+        owned = {stats.model_name for stats in sources if stats.owns_core}
+        return owned - {stats.model_name for stats in sources if not stats.owns_core and stats.reports_engine}
 
     def describe(self) -> Iterable[Metric]:
         """The families without samples, so the registry refuses a clashing name up front."""
@@ -260,7 +273,7 @@ def retire(stats: HostStats, registry: CollectorRegistry) -> None:
     if collector is not None:
         collector.retire(stats)
         if multiprocess_dir() is not None:
-            sync()  # its last counts, and its gauges gone: a uvicorn worker exits without atexit hooks
+            sync()  # its last counts, and its gauges gone, now: the process may live on, or be killed (no atexit)
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, AsyncLLMCollector] = weakref.WeakKeyDictionary()
@@ -275,9 +288,9 @@ def attach(stats: HostStats, registry: Any = None) -> CollectorRegistry:
         collector = _collectors.get(registry)
         if collector is None:
             collector = AsyncLLMCollector()
+            if multiprocess_dir() is not None:
+                mirror(collector)  # first: a ConfigError for a folder that is not there registers nothing
             registry.register(collector)
             _collectors[registry] = collector
-            if multiprocess_dir() is not None:
-                mirror(collector)
     collector.add(stats)
     return registry

@@ -45,7 +45,7 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
                                                                                max_length=6))).max() < 1e-5
         assert len(cut.prompt_token_ids) == 6 and cut.prompt_token_ids[0] == 2  # [CLS] kept
         with pytest.raises(InvalidRequestError, match="adds 2 special tokens") as info:  # it would not be cut
-            await engine.embed(TEXTS[2], truncate_prompt_tokens=2)
+            await engine.embed(TEXTS[2], truncate_prompt_tokens=1)
         assert info.value.field == "truncate_prompt_tokens"
         with pytest.raises(InvalidRequestError, match="does not support matryoshka") as info:
             await engine.embed(TEXTS[0], PoolingParams(dimensions=8))  # vLLM's: no is_matryoshka in the config

@@ -47,6 +47,19 @@ def test_int_range() -> None:
             int_range(bad)
 
 
+def test_bench_refuses_max_model_len_auto_and_lengths_below_1(capsys) -> None:
+    """-1 would have run the model's maximum with no fit: refused, naming auto; 0 would have been unset."""
+    from asyncllm.bench.common import add_common_args
+
+    parser = argparse.ArgumentParser()
+    add_common_args(parser)
+    assert parser.parse_args(["--max-model-len", "96"]).max_model_len == 96
+    for bad, says in (("-1", "not built for asyncllm bench"), ("auto", "not built"), ("0", "at least 1, got 0")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", bad])
+        assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", ["llama_bias", "qwen2", "qwen3"])  # biases, tied embeddings, q/k norms
 def test_model_bytes_count_every_parameter_read_by_a_decode_step(family: str, tmp_path) -> None:
     save_tiny_checkpoint(tmp_path, family)

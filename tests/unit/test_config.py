@@ -133,8 +133,8 @@ def test_the_cpu_prefix_cache_tier_needs_prefix_caching() -> None:
 def test_vllm_dtype_aliases_and_max_model_len_auto() -> None:
     assert [EngineConfig.create("m", dtype=d).dtype for d in ("half", "float")] == ["float16", "float32"]
     assert EngineConfig.create("m", max_model_len=-1).max_model_len == -1  # auto: fitted by the core
-    for bad in (-2, 0, -1.0):
-        with pytest.raises(ConfigError) as info:
+    for bad in (-2, 0, -1.0, True, "auto"):
+        with pytest.raises(ConfigError, match=r"-1 \(fitted to the KV cache; the CLI's 'auto'\)") as info:
             EngineConfig.create("m", max_model_len=bad)
         assert info.value.field == "max_model_len"
 

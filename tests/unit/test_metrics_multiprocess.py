@@ -92,16 +92,16 @@ def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tm
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     writer, stats = _host(3001, 0, 0.1)
-    stats.model_name = "ipc:///tmp/core.sock"  # an attached host until the core names its model
-    stats.time_to_first_token = HostStats("m").time_to_first_token
-    stats.request_success = dict.fromkeys(stats.request_success, 0)
+    stats.model_name, stats.named = "ipc:///tmp/core.sock", False  # an attached host until the core names its model
+    stats.generation_tokens_total = 2
     writer.sync()
-    stats.model_name, stats.generation_tokens_total = "m", 3
+    stats.model_name, stats.named, stats.generation_tokens_total = "m", True, 3
     writer.sync()
     engine = SimpleNamespace(metrics_registry=CollectorRegistry())  # empty: the route reads the folder
     body = asyncio.run(_Handlers(SimpleNamespace(engine=engine)).metrics(None)).body.decode()
     assert 'asyncllm:generation_tokens_total{model_name="m"} 3.0' in body
     assert 'asyncllm:request_success_total{finished_reason="stop",model_name="m"} 0.0' in body
+    assert 'asyncllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in body
     assert "ipc://" not in body
 
 

@@ -187,9 +187,28 @@ def test_a_cut_text_is_the_tokenizers_own_as_vllm_sets_its_side(tokenizer: Any, 
                 text, truncation=True, max_length=k).input_ids
     assert encode_prompt(tokenizer, text, max_length=5) == ids[:1] + ids[-4:]
     assert tokenizer.truncation_side == "right" and tokenizer.backend_tokenizer.truncation is None
-    with pytest.raises(InvalidRequestError, match="is 1, but the tokenizer adds 1 special tokens") as info:
-        encode_prompt(tokenizer, text, max_length=1)  # HF's would keep BOS alone
-    assert info.value.field == "truncate_prompt_tokens"
+    for side, reference in sides.items():  # k = the special tokens: BOS alone, as HF's (and vLLM's)
+        assert encode_prompt(tokenizer, text, max_length=1, truncation_side=side) == reference(
+            text, truncation=True, max_length=1).input_ids == ids[:1]
+
+
+def test_truncating_copies_lock_apart(tokenizer: Any) -> None:
+    """Each side's copy has its own lock, held while its caller encodes; the global one only while finding it, so
+    an encode on the other side runs meanwhile (the whole encode under one lock serialised every thread)."""
+    import threading
+
+    from asyncllm.tokenizer import truncating
+
+    done = threading.Event()
+
+    def encode_right() -> None:
+        with truncating(tokenizer, 3, "right") as cutting:
+            cutting("a b c d e f", truncation=True, max_length=3)
+        done.set()
+
+    with truncating(tokenizer, 3, "left"):
+        threading.Thread(target=encode_right, daemon=True).start()
+        assert done.wait(2.0)
 
 
 def test_prompt_tokenizer_cuts_text_chat_and_token_ids_as_vllm(tokenizer: Any) -> None:

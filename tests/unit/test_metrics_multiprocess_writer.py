@@ -1,0 +1,187 @@
+"""Prometheus multiprocess mode: the writer over forks, a bad folder, idle hosts, hidden gauges and engine restarts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from asyncllm.errors import ConfigError
+from asyncllm.metrics import multiprocess, prometheus
+from asyncllm.metrics.host_stats import HostStats
+from asyncllm.metrics.multiprocess import _Writer
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.metrics.prometheus import AsyncLLMCollector
+from asyncllm.protocol import SchedulerStats
+
+M = (("model_name", "m"),)
+
+
+def _writer(pid: int, *stats: HostStats) -> _Writer:
+    writer = _Writer(values.MultiProcessValue(lambda: pid))
+    writer.held = []  # the writer holds its collectors weakly
+    for one in stats:
+        collector = AsyncLLMCollector()
+        collector.add(one)
+        writer.collectors.add(collector)
+        writer.held.append(collector)
+    return writer
+
+
+def _scrape(folder: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples}
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    return str(tmp_path)
+
+
+@pytest.fixture
+def module_writer(folder, monkeypatch: pytest.MonkeyPatch):
+    """The module's own writer, as a host process has it; its thread stopped and no atexit hook left behind."""
+    monkeypatch.setattr(multiprocess, "_writer", None)
+    monkeypatch.setattr(multiprocess, "atexit", SimpleNamespace(register=lambda *args: None))
+    yield
+    if multiprocess._writer is not None:
+        multiprocess._writer.thread_pid = None  # its thread ends after its next sleep
+
+
+def test_forked_child_writes_its_own_growth_once_even_if_the_lock_was_held(folder, module_writer) -> None:
+    observer = RequestObserver("m")
+    observer.stats.generation_tokens_total = 5
+    multiprocess.sync()
+    holder = threading.Thread(target=lambda: (multiprocess._writer.lock.acquire(), time.sleep(0.2),
+                                              multiprocess._writer.lock.release()))
+    holder.start()
+    time.sleep(0.05)
+    pid = os.fork()  # while another thread holds the writer's lock
+    if pid == 0:
+        signal.alarm(5)  # an inherited held lock would hang the child
+        observer.on_scheduler_stats(SchedulerStats(num_requests_running=1), True)  # starts the child's writer
+        threads = [t.name for t in threading.enumerate()]
+        observer.stats.generation_tokens_total += 2
+        multiprocess._at_exit(multiprocess._writer)  # its exit: its own growth, not the parent's 5 again
+        os._exit(0 if "asyncllm-prometheus-multiproc" in threads else 3)
+    holder.join()
+    assert os.waitpid(pid, 0)[1] == 0
+    scraped = _scrape(folder)
+    assert scraped[("asyncllm:generation_tokens_total", M)] == 7
+    assert ("asyncllm:num_requests_running", M) not in scraped  # the child's gauges left with it
+
+
+def test_at_exit_of_a_process_that_is_not_the_writers_writes_nothing(folder) -> None:
+    stats = HostStats("m")
+    stats.generation_tokens_total = 5
+    writer = _writer(os.getpid(), stats)
+    writer.pid = os.getpid() + 1  # forked without the hooks: the parent's files
+    multiprocess._at_exit(writer)
+    assert os.listdir(folder) == []
+
+
+def test_a_folder_that_is_not_there_is_refused_at_attach(tmp_path, monkeypatch, module_writer) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "missing"))
+    registry = CollectorRegistry()
+    with pytest.raises(ConfigError, match="PROMETHEUS_MULTIPROC_DIR"):
+        prometheus.attach(HostStats("m"), registry)
+    assert list(registry.collect()) == []  # nothing registered
+
+
+def test_retire_logs_a_failed_write(folder, module_writer, monkeypatch, caplog) -> None:
+    stats = HostStats("m")
+    registry = prometheus.attach(stats)
+
+    def full() -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(multiprocess._writer, "sync", full)
+    stats.mark_closed()
+    with caplog.at_level(logging.ERROR, logger="asyncllm.engine"):
+        prometheus.retire(stats, registry)
+    assert "could not write the Prometheus series" in caplog.text
+
+
+def test_files_of_processes_no_longer_running_are_warned_about(folder, module_writer, caplog) -> None:
+    for name in ("counter_4194305.db", f"counter_{os.getpid()}.db"):  # above pid_max: never running
+        open(os.path.join(folder, name), "wb").close()
+    with caplog.at_level(logging.WARNING, logger="asyncllm.engine"):
+        prometheus.attach(HostStats("m"))
+        prometheus.attach(HostStats("m"))
+    assert caplog.text.count("no longer running") == 1
+    assert "counter_4194305.db" in caplog.text and f"counter_{os.getpid()}.db" not in caplog.text
+
+
+def test_an_idle_reporter_writes_its_series_but_an_unnamed_host_none(folder) -> None:
+    idle, unnamed = HostStats("m"), HostStats("ipc:///tmp/core.sock")
+    unnamed.named = False
+    idle.take_snapshot(SchedulerStats(num_requests_running=3), True)
+    _writer(4001, idle, unnamed).sync()
+    scraped = _scrape(folder)
+    assert scraped[("asyncllm:num_requests_running", M)] == 3
+    assert scraped[("asyncllm:generation_tokens_total", M)] == 0
+    assert not any("ipc://" in dict(labels).get("model_name", "") for _, labels in scraped)
+
+
+def test_a_gauge_no_longer_exported_is_hidden_once(folder) -> None:
+    stats = HostStats("m")
+    stats.take_snapshot(SchedulerStats(num_requests_running=3), True)
+    writer = _writer(4002, stats)
+    writer.sync()
+    stats.mark_closed()
+    writer.sync()
+    assert ("asyncllm:num_requests_running", M) not in _scrape(folder)
+    written: list[tuple[float, float | None]] = []
+    for value in writer._values.values():
+        value.set = lambda v, t=None: written.append((v, t))
+    writer.sync()
+    assert (0.0, 0.0) not in written
+
+
+def test_engines_with_their_own_cores_count_from_0(folder) -> None:
+    """A second engine of the process, and a restarted one, each on a core of its own."""
+    first, second = HostStats("m"), HostStats("m")
+    first.owns_core = second.owns_core = True
+    first.take_snapshot(SchedulerStats(num_preemptions_total=5), True)
+    writer = _writer(4003, first)
+    writer.sync()
+    collector = AsyncLLMCollector()
+    collector.add(second)
+    writer.collectors.add(collector)
+    second.take_snapshot(SchedulerStats(num_preemptions_total=3), True)
+    writer.sync()
+    assert _scrape(folder)[("asyncllm:num_preemptions_total", M)] == 8
+
+
+def test_mirror_waits_for_a_sync_and_the_thread_survives_any_error(folder, module_writer, monkeypatch,
+                                                                   caplog) -> None:
+    prometheus.attach(HostStats("m"))
+    writer, calls = multiprocess._writer, []
+    with writer.lock:  # a sync in progress: the collectors must not change under it
+        adder = threading.Thread(target=prometheus.attach, args=(HostStats("m"),))
+        adder.start()
+        adder.join(0.1)
+        assert adder.is_alive()
+    adder.join()
+
+    def failing() -> None:
+        calls.append(1)
+        if len(calls) >= 3:
+            writer.thread_pid = None
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(writer, "sync", failing)
+    monkeypatch.setattr(multiprocess, "SYNC_INTERVAL_S", 0.001)
+    writer.thread_pid = os.getpid()
+    with caplog.at_level(logging.ERROR, logger="asyncllm.engine"):
+        multiprocess._sync_forever(writer)
+    assert len(calls) == 3 and caplog.text.count("could not write") == 1
