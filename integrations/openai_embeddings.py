@@ -22,7 +22,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
+from asyncllm.integrations.openai_protocol import CacheSalt, ServerLimits, completion_prompts, request_options
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
 from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
@@ -57,7 +57,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     the engine's ``pooler_config`` says otherwise)."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     """vLLM's: requests with different salts never share prefix-cached KV."""
     add_generation_prompt: bool = False
     """For messages (vLLM's): end the rendered prompt with the assistant's turn opening."""

@@ -96,6 +96,8 @@ Nullable = Annotated[T | None, _NULL_IS_DEFAULT]
 and handlers read None so): JSON null decodes to the field's default (`_Request`). A wrong type is still a 400
 naming the field."""
 LaxCount = Annotated[int | bool | None, _BOOL_IS_COUNT]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1)] | None
+"""vLLM's ``cache_salt``: a non-empty string if given (its server refuses ""; the engine API takes "" as a salt)."""
 """A logprob count (vLLM's ``int | None``): JSON true is 1 and false 0, as vLLM's pydantic reads them (lax mode)."""
 
 
@@ -157,7 +159,7 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF or Lark), ``json_object: true``."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     """vLLM's: requests with different salts never share prefix-cached KV."""
     use_beam_search: bool = False
     """vLLM's: beam search of width n (completions: best_of when given) instead of sampling (openai_beam_search.py)."""

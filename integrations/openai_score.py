@@ -26,7 +26,7 @@ from asyncllm.engine import scoring
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
+from asyncllm.integrations.openai_protocol import CacheSalt, completion_prompts, decode_request
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import gather_until
@@ -49,7 +49,7 @@ class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cut by the tokenizer on the right with its special tokens (a pair longest-first); token ids their last k."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     """Requests with different salts never share prefix-cached KV."""
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_protocol import ChatCompletionRequest
+from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionRequest
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
 
@@ -64,7 +64,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     min_p: float | None = None
     repetition_penalty: float | None = None
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

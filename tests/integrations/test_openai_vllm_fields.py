@@ -3,6 +3,7 @@ fields vLLM declares nullable, ``/tokenize``'s ``return_token_strs``, and the se
 
 from __future__ import annotations
 
+import msgspec
 import prometheus_client
 import pytest
 
@@ -144,3 +145,19 @@ async def test_logprobs_as_vllm_reads_them(app) -> None:
     assert all(entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0 for entry in content)
     assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
     assert two.status_code == 400 and two.json()["error"]["param"] == "top_logprobs", two.text
+
+
+def test_an_empty_cache_salt_is_refused_as_vllm() -> None:
+    """vLLM's server: "Parameter 'cache_salt' must be a non-empty string if provided" (the engine API keeps "")."""
+    from asyncllm.integrations.openai_embeddings import EmbeddingRequest
+    from asyncllm.integrations.openai_score import ScoreRequest
+    from asyncllm.integrations.responses_api import ResponsesRequest
+
+    bodies = [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": []}),
+              (EmbeddingRequest, {"input": "x"}), (ScoreRequest, {"text_1": "a", "text_2": "b"}),
+              (ResponsesRequest, {"input": "x"})]
+    for kind, body in bodies:
+        with pytest.raises(InvalidRequestError) as info:
+            decode_request(msgspec.json.encode({"model": "m", **body, "cache_salt": ""}), kind)
+        assert info.value.field == "cache_salt", kind
+        assert decode_request(msgspec.json.encode({"model": "m", **body, "cache_salt": "t"}), kind).cache_salt == "t"
