@@ -122,8 +122,8 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> tuple[A
     try:
         _check_fits(segment.size, command.tensors)
         model = _meta_model(runner)
-        tensors = as_loaded(model, runner.hf_config, command.tensors)
-        check_tied_head_equal(segment.buf, command.tensors, tensors)
+        tensors, tied_pair = as_loaded(model, command.tensors)
+        check_tied_head_equal(segment.buf, tied_pair)
         meta = iter((t.name, torch.empty(t.shape, device="meta")) for t in tensors)
         headers = _HeadersOnly(model)
         try:

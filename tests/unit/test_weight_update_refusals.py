@@ -78,10 +78,65 @@ def test_a_pushed_tied_head_is_the_embedding_and_skipped_tensors_keep_their_shap
     assert torch.equal(embedding, -head)
 
 
+def _tied_qwen_vl(folder: Path) -> str:
+    """A tiny Qwen2-VL's config.json with tied embeddings (as Qwen2-VL-2B ships: the flag on the outer config), to
+    serve with dummy weights."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                        "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=14)
+    Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=500,
+                  video_token_id=501, architectures=["Qwen2VLForConditionalGeneration"]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_tied_head_is_pushed_into_the_parameter_it_shares_in_an_image_text_model(tmp_path: Path) -> None:
+    runner = _runner(_tied_qwen_vl(tmp_path / "vl"), load_format="dummy")
+    embedding = runner.model.language_model.model.embed_tokens.weight  # the decoder's, under the wrapper's prefix
+    head = torch.randn(embedding.shape)
+    for pushed, reason in [({"lm_head.weight": torch.zeros(3)}, r"tied embedding's shape \[512, 64\].*got \[3\]"),
+                           ({"model.language_model.embed_tokens.weight": head, "lm_head.weight": head + 1},
+                            "'lm_head.weight' equal to 'model.language_model.embed_tokens.weight'")]:
+        reply = _push(runner, pushed)
+        assert isinstance(weights_error(reply), InvalidRequestError) and re.search(reason, reply.error), reply
+    assert not _push(runner, {"lm_head.weight": head}).error
+    assert torch.equal(embedding, head)
+
+
+def test_a_tied_head_takes_the_embeddings_shape_and_one_the_loader_cannot_write_is_refused() -> None:
+    runner = _runner(tiny_checkpoint("opt", word_embed_proj_dim=32))  # hidden_size 64: the embedding is [512, 32]
+    embedding = runner.model.model.embed_tokens.weight
+    reply = _push(runner, {"lm_head.weight": torch.zeros(512, 64)})
+    assert re.search(r"tied embedding's shape \[512, 32\].*got \[512, 64\]", reply.error), reply
+    head = torch.randn(512, 32)
+    assert _push(runner, {"lm_head.weight": head}) == protocol.WeightsUpdated("t") and torch.equal(embedding, head)
+    gpt2 = _runner(tiny_checkpoint("gpt2"))  # its loader takes the embedding as transformer.wte only
+    embedding, head = gpt2.model.model.embed_tokens.weight, torch.randn(512, 64)
+    reply = _push(gpt2, {"lm_head.weight": head})
+    assert isinstance(weights_error(reply), InvalidRequestError) and "not 'lm_head.weight' alone" in reply.error
+    assert _push(gpt2, {"transformer.wte.weight": head, "lm_head.weight": head}) == protocol.WeightsUpdated("t")
+    assert torch.equal(embedding, head)
+
+
 def _served(path: str) -> SimpleNamespace:
     """What `check_update` reads of a runner: the model is only built, on the meta device."""
     return SimpleNamespace(config=EngineConfig.create(path, max_model_len=256), hf_config=load_hf_config(path),
                            model=None, device=CPU, dtype=torch.float32, rank=0, tp_size=1)
+
+
+def test_a_tied_head_has_the_whole_embeddings_shape_on_a_rank_holding_its_slice() -> None:
+    from asyncllm.workers.pushed_weights import as_loaded
+    from asyncllm.workers.weight_update import _meta_model
+
+    runner = _served(tiny_checkpoint("gemma3"))
+    runner.rank, runner.tp_size = 1, 2
+    model = _meta_model(runner)
+    assert model.model.embed_tokens.weight.shape == (256, 64)  # this rank's rows of 512
+    head = protocol.WeightTensor("lm_head.weight", "float32", [512, 64], 0)
+    assert as_loaded(model, [head]) == ([protocol.WeightTensor("model.embed_tokens.weight", "float32", [512, 64], 0)],
+                                        None)
 
 
 def _with_tensor(served: str, folder: Path, name: str) -> str:
