@@ -76,6 +76,9 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     pooling_type: str = "LAST"
     """Set by the engine from the model's pooling (`POOLING_TYPES`; ``pooler_config`` or the checkpoint's
     sentence-transformers config), not by callers: which prompt rows make the embedding."""
+    token_type_start: int | None = None
+    """Set by the engine for a `score` pair, not by callers: the prompt index where the tokenizer's
+    ``token_type_ids`` turn 1 (the second text; vLLM's ``compressed_token_type_ids``). None: every token type 0."""
 
     def validate(self, hidden_size: int | None = None) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):

@@ -90,6 +90,8 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
             from safetensors.torch import save_file
 
             save_file({"linear.weight": torch.randn(n_out, n_in) * n_in**-0.5}, str(folder / sub / "model.safetensors"))
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": f"{len(modules)}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})  # vLLM normalizes only with it listed
         (folder / "modules.json").write_text(json.dumps(modules))
         (folder / "1_Pooling").mkdir(exist_ok=True)
         (folder / "1_Pooling" / "config.json").write_text(json.dumps(

@@ -189,6 +189,8 @@ class ModelRunner(KVCacheSetup):
         if self.prompt_embeds is not None and embeds is None:  # (image-text models take no embedded prompts)
             embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
+        if getattr(self.model, "takes_token_types", False):  # BERT: a score pair's second text is token type 1
+            extra["token_type_starts"] = self.pooler.token_type_starts(inputs.req_ids)
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
         if self.mm_runner is not None:  # items whose placeholders disagree with their data: their requests fail
             failed.update(self.mm_runner.take_failed())

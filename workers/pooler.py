@@ -69,6 +69,12 @@ class Pooler:
             step_sum = rows.sum(dim=0)
             self.pooled[req_id] = (step_sum if total is None else total + step_sum, count + rows.shape[0])
 
+    def token_type_starts(self, req_ids: list[str]) -> list[int | None] | None:
+        """Where each of the step's requests turns to token type 1 (a score pair's second text), None for the
+        others; None when no request of the step has one (every token type 0)."""
+        starts = [getattr(self.requests.get(req_id), "token_type_start", None) for req_id in req_ids]
+        return starts if any(start is not None for start in starts) else None
+
     def samples_any(self, req_ids: list[str], sample_indices: list[int]) -> bool:
         """Whether an embedding request samples this step (its embedding goes out with the step's output)."""
         return bool(self.requests) and any(req_ids[i] in self.requests for i in sample_indices)

@@ -27,7 +27,8 @@ from asyncllm.models.architectures import (
 from asyncllm.models.st_dense import dense_modules
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
+__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "pooling_model_of", "sentence_transformers_config",
+           "sentence_transformers_normalize", "sentence_transformers_pooling"]
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
@@ -68,10 +69,18 @@ class ClassifierHead:
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
         """The token ids of the pair's one prompt (vLLM's cross-encoder encoding); ``max_length``: cut by the
         tokenizer (``truncation=True``: the longer text first, special tokens kept)."""
+        return self.encode_pair_types(tokenizer, text_1, text_2, max_length)[0]
+
+    def encode_pair_types(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
+                          ) -> tuple[list[int], int | None]:
+        """`encode_pair`'s ids and where the tokenizer's ``token_type_ids`` turn 1 (the second text, BERT's
+        segment B; vLLM's ``compressed_token_type_ids``), None where they stay 0 (or the tokenizer has none)."""
         cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
-        if self.use_sep_token:
-            return list(tokenizer(text_1, text_2, **cut).input_ids)
-        return list(tokenizer(text_1 + text_2, **cut).input_ids)
+        if not self.use_sep_token:
+            return list(tokenizer(text_1 + text_2, **cut).input_ids), None
+        encoding = tokenizer(text_1, text_2, **cut)
+        types = list(encoding.get("token_type_ids") or [])
+        return list(encoding.input_ids), types.index(1) if 1 in types else None
 
 
 def activate(logits: list[float], activation: str) -> list[float]:
@@ -144,16 +153,20 @@ class PoolingModel:
     """Embeddings' ``normalize`` when a request leaves it None (``pooler_config``'s)."""
     matryoshka: Matryoshka | None = None
     """Which ``dimensions`` embeddings may be cut to; None: none (a model not prepared from a config)."""
+    do_lower_case: bool = False
+    """Lowercase text prompts and score pairs before tokenizing them (the sentence-transformers config's
+    ``do_lower_case``, as vLLM)."""
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
         classification request's with the pooling type (an encoder's head reads the CLS row)."""
         if pooling is None:
             return pooling
-        if pooling.task != "embed":
-            return msgspec.structs.replace(pooling, pooling_type=self.pooling_type)
+        if pooling.task != "embed":  # token_type_start: set for a score pair only, when it is tokenized
+            return msgspec.structs.replace(pooling, pooling_type=self.pooling_type, token_type_start=None)
         normalize = self.normalize if pooling.normalize is None else pooling.normalize
-        return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type)
+        return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type,
+                                       token_type_start=None)
 
     def check(self, pooling: PoolingParams | None) -> None:
         """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation)."""
@@ -174,32 +187,70 @@ class PoolingModel:
             (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
 
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
+        return self.encode_pair_types(tokenizer, text_1, text_2, max_length)[0]
+
+    def encode_pair_types(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
+                          ) -> tuple[list[int], int | None]:
+        """`ClassifierHead.encode_pair_types`; `InvalidRequestError` for a model without a classifier."""
         if self.classifier is None:
             raise InvalidRequestError("text_2", f"this model ({self.architecture}) has no classification head to "
                                                 "score a pair as one prompt")
-        return self.classifier.encode_pair(tokenizer, text_1, text_2, max_length)
+        return self.classifier.encode_pair_types(tokenizer, text_1, text_2, max_length)
+
+
+_ST_ENCODER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                      "sentence_camembert_config.json", "sentence_albert_config.json",
+                      "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+"""The names sentence-transformers saves its Transformer module's config under (vLLM's list)."""
+
+
+def sentence_transformers_config(path: str | None) -> dict[str, Any]:
+    """The folder's sentence-transformers encoder config (``max_seq_length``, ``do_lower_case``: vLLM's
+    ``encoder_config``), {} without one."""
+    for name in _ST_ENCODER_CONFIGS if path is not None else ():
+        if os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name)) as f:
+                return json.load(f) or {}
+    return {}
+
+
+def _st_modules(path: str | None) -> list[dict[str, Any]] | None:
+    """The folder's ``modules.json`` (its sentence-transformers pipeline), None without one."""
+    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
+        return None
+    with open(os.path.join(path, "modules.json")) as f:
+        return json.load(f)
+
+
+def _st_module(modules: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
+    return next((m for m in modules if str(m.get("type", "")).endswith(f".{kind}")), None)
+
+
+def sentence_transformers_normalize(path: str | None) -> bool:
+    """Embeddings' default ``normalize`` (vLLM's): with a ``modules.json`` that lists a Pooling module, whether it
+    lists a Normalize module too; else True."""
+    modules = _st_modules(path)
+    if modules is None or _st_module(modules, "Pooling") is None:
+        return True
+    return _st_module(modules, "Normalize") is not None
 
 
 def sentence_transformers_pooling(path: str | None) -> str | None:
     """The pooling type the checkpoint folder's sentence-transformers config declares (``modules.json``'s
     Pooling module's ``config.json``), None without one; `NotBuiltError` for a mode asyncllm does not pool."""
-    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
+    module = _st_module(_st_modules(path) or [], "Pooling")
+    if module is None:
         return None
-    with open(os.path.join(path, "modules.json")) as f:
-        modules = json.load(f)
-    for module in modules:
-        if str(module.get("type", "")).endswith(".Pooling"):
-            config_path = os.path.join(path, module.get("path", ""), "config.json")
-            if not os.path.isfile(config_path):
-                return None
-            with open(config_path) as f:
-                config = json.load(f)
-            on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
-            if len(on) > 1 or any(key not in _ST_POOLING_MODES for key in on):
-                raise NotBuiltError("model", ", ".join(on), f"the sentence-transformers pooling {', '.join(on)} "
-                                    f"(built: one of {', '.join(_ST_POOLING_MODES)})")
-            return _ST_POOLING_MODES[on[0]] if on else None
-    return None
+    config_path = os.path.join(path or "", module.get("path", ""), "config.json")
+    if not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+    if len(on) > 1 or any(key not in _ST_POOLING_MODES for key in on):
+        raise NotBuiltError("model", ", ".join(on), f"the sentence-transformers pooling {', '.join(on)} "
+                            f"(built: one of {', '.join(_ST_POOLING_MODES)})")
+    return _ST_POOLING_MODES[on[0]] if on else None
 
 
 def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
@@ -209,16 +260,19 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
     asyncllm does not apply); embeddings' pooling from ``pooler_config``, else the checkpoint folder's
     sentence-transformers config, else LAST."""
     pooler = pooler_config or {}
-    normalize = bool(pooler.get("normalize", True))
+    normalize = pooler.get("normalize")
+    normalize = sentence_transformers_normalize(path) if normalize is None else bool(normalize)
+    lower = bool(sentence_transformers_config(path).get("do_lower_case", False))
     if architecture in CLASSIFICATION_ARCHITECTURES:
         own = "LAST"  # where the head reads: a decoder's last row, an encoder's CLS row (or ModernBERT's mean)
         if architecture in ENCODER_ARCHITECTURES:
             own = "MEAN" if getattr(hf_config, "classifier_pooling", "cls") == "mean" else "CLS"
         if pooler.get("pooling_type", own) != own:
             raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")
-        return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own)
+        return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own,
+                            do_lower_case=lower)
     default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     dense_modules(path)  # its Dense modules readable, their activations built (the workers apply them)
     return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize,
-                        matryoshka)
+                        matryoshka, lower)

@@ -20,7 +20,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import read_generation_config, sampling_fields_of
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
-from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of
+from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
@@ -102,7 +102,7 @@ def _prepare(config: EngineConfig) -> Prepared:
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
-    max_model_len = _max_model_len(config, text_config)
+    max_model_len = _max_model_len(config, text_config, path)
     tokenizer_name = config.tokenizer or _model_tokenizer_path(config, path)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
         tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
@@ -120,8 +120,6 @@ def _prepare(config: EngineConfig) -> Prepared:
         _classifier_from_tokens(text_config, arch, tokenizer)
     if arch in ENCODER_ARCHITECTURES:
         resolved = _encoder_config(resolved)
-        if getattr(hf_config, "sep_token_id", None) is None:  # the model's token types follow it (models/bert.py)
-            hf_config.sep_token_id = getattr(tokenizer, "sep_token_id", None)
     spec = config.scheduler_config.speculative
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
@@ -316,11 +314,14 @@ def _model_tokenizer_path(config: EngineConfig, path: str) -> str:
     return resolve_model_path(config.model, config.tokenizer_revision, config.download_dir, weights=False)
 
 
-def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+def _max_model_len(config: EngineConfig, hf_config: Any, path: str | None = None) -> int:
     limit, what = max_positions(hf_config), "the model's max_position_embeddings (times its rope scaling factor)"
     window = getattr(hf_config, "sliding_window", None)
     if config.disable_sliding_window and isinstance(window, int) and window > 0 and (limit is None or window < limit):
         limit, what = window, "the sliding window (disable_sliding_window)"  # no window ever slides: full attention
+    seq_length = sentence_transformers_config(path).get("max_seq_length")
+    if isinstance(seq_length, int) and seq_length > 0 and (limit is None or seq_length < limit):  # vLLM's
+        limit, what = seq_length, "the sentence-transformers config's max_seq_length"  # (encoder_config)
     if config.max_model_len in (None, AUTO_MAX_MODEL_LEN):  # auto: the core lowers it to the KV cache's capacity
         return limit or 2048
     if limit is not None and config.max_model_len > limit:

@@ -7,8 +7,11 @@ checked against the model (vocabulary, ``max_model_len``), or an `InvalidRequest
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from asyncllm import errors
 from asyncllm.engine.pooling_model import PoolingModel
@@ -120,15 +123,23 @@ class PromptTokenizer:
         classify, score) on the right, as vLLM's pooling runner and sentence-transformers."""
         pooling = job.options.pooling is not None
         keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
+        lower = self.pooling_model is not None and self.pooling_model.do_lower_case  # vLLM's, before tokenizing
+        prompt = job.prompt.lower() if lower else job.prompt
         if job.options.text_pair is None:
-            return encode_prompt(self.tokenizer, job.prompt, max_length=keep,
+            return encode_prompt(self.tokenizer, prompt, max_length=keep,
                                  truncation_side="right" if pooling else "left")
-        return self._encode_pair(job.prompt, job.options.text_pair, keep)
+        text_pair = job.options.text_pair.lower() if lower else job.options.text_pair
+        token_ids, type_start = self._encode_pair(prompt, text_pair, keep)
+        if type_start is not None and job.options.pooling is not None:  # the second text's token type, to the model
+            pooling_params = msgspec.structs.replace(job.options.pooling, token_type_start=type_start)
+            job.options = dataclasses.replace(job.options, pooling=pooling_params)
+        return token_ids
 
-    def _encode_pair(self, prompt: str, text_pair: str, max_length: int | None) -> list[int]:
-        """The pair's one prompt as the classifier encodes it (`score`); ``max_length``: cut on the right."""
+    def _encode_pair(self, prompt: str, text_pair: str, max_length: int | None) -> tuple[list[int], int | None]:
+        """The pair's one prompt as the classifier encodes it (`score`), and where its token type 1 starts (None:
+        all 0); ``max_length``: cut on the right."""
         assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
         if max_length is None:
-            return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
+            return self.pooling_model.encode_pair_types(self.tokenizer, prompt, text_pair)
         with truncating(self.tokenizer, max_length, "right", pair=True) as tokenizer:
-            return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)
+            return self.pooling_model.encode_pair_types(tokenizer, prompt, text_pair, max_length)

@@ -4,7 +4,8 @@ Sentence-embedding checkpoints such as bge, e5, gte, all-MiniLM and multilingual
 every token attends to every token of its prompt, so a prompt is computed whole, in one step (the host turns
 chunked prefill and prefix caching off for these architectures), and the model keeps no KV cache. Each layer is
 post-LN: ``h = LN(h + attn(h)); h = LN(h + down(act(up(h))))``. The embedding sums the word, absolute position
-and token-type (0) embeddings, then a LayerNorm. RoBERTa and XLM-R number positions from ``pad_token_id + 1``.
+and token-type embeddings (type 0; 1 for a score pair's second text, where the host's tokenizer marks it), then a
+LayerNorm. RoBERTa and XLM-R number positions from ``pad_token_id + 1``.
 
 The projections are the parallel linears (query, key and value fused in one column-parallel matrix, the output
 projections row-parallel), so tensor parallelism splits the heads and the intermediate features; the embeddings
@@ -83,8 +84,8 @@ class BertEmbeddingModel(EncoderModel):
             raise NotBuiltError("model", cfg.position_embedding_type, "BERT position embeddings other than absolute")
         self.vocab_size = cfg.vocab_size
         self.offset = position_offset(cfg)
-        self.sep_token_id = getattr(cfg, "sep_token_id", None) if cfg.type_vocab_size > 1 else None
-        """Token types follow it (set by the host from the tokenizer): 1 after a prompt's first separator."""
+        self.takes_token_types = cfg.type_vocab_size > 1
+        """The runner passes ``token_type_starts`` (score pairs' second texts, from the host's tokenizer)."""
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype=dtype)
@@ -92,28 +93,15 @@ class BertEmbeddingModel(EncoderModel):
         self.layers = nn.ModuleList(_Layer(cfg, dtype, tp) for _ in range(cfg.num_hidden_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, token_type_starts: list[int | None] | None = None) -> torch.Tensor:
         """``[T]`` ids of whole prompts laid end to end -> ``[T, hidden]`` last hidden states."""
         spans = prompt_spans(attn_metadata)
         hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
-                  + self.token_type_embeddings(self._token_types(input_ids, spans)))
+                  + self.token_type_embeddings(_token_types(input_ids, spans, token_type_starts)))
         hidden = self.embed_norm(hidden)
         for layer in self.layers:
             hidden = layer(hidden, spans)
         return hidden
-
-    def _token_types(self, input_ids: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """0 for every token, and 1 after the first separator of a prompt when the model has two types: a pair
-        ``[CLS] a [SEP] b [SEP]`` as BERT's tokenizer marks it."""
-        types = torch.zeros_like(input_ids)
-        if self.sep_token_id is None:
-            return types
-        seps = (input_ids == self.sep_token_id).nonzero().flatten().tolist()
-        for start, end in spans:
-            first = next((i for i in seps if start <= i < end), None)
-            if first is not None:
-                types[first + 1:end] = 1
-        return types
 
     # ---- weights
     def _canonical(self, raw_name: str) -> str | None:
@@ -163,6 +151,18 @@ class BertEmbeddingModel(EncoderModel):
         old = {"attn_out": "attention.output.dense.", "attn_norm": "attention.output.LayerNorm.",
                "up": "intermediate.dense.", "down": "output.dense.", "out_norm": "output.LayerNorm."}[module]
         return [(base + old + leaf, None)]
+
+
+def _token_types(input_ids: torch.Tensor, spans: list[tuple[int, int]],
+                 starts: list[int | None] | None) -> torch.Tensor:
+    """0 for every token, and 1 from ``starts[i]`` to the end of prompt i: a score pair's second text, where the
+    host's tokenizer marked it (``token_type_ids``, as vLLM passes them). A single text is all 0, "[SEP]" in it
+    or not."""
+    types = torch.zeros_like(input_ids)
+    for (start, end), first in zip(spans, starts or ()):
+        if first is not None:
+            types[start + first:end] = 1
+    return types
 
 
 def _canonical(name: str) -> str:

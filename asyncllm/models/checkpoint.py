@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
+from asyncllm.models.st_dense import dense_pickle_patterns
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -67,11 +68,11 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         path = snapshot_download(
             model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
             allow_patterns=_HUB_ALLOW_PATTERNS if weights else _TOKENIZER_PATTERNS)
-        if not weights or glob.glob(os.path.join(path, "*.safetensors")):
-            return path
-        return snapshot_download(  # no safetensors: the PyTorch pickles (asyncllm/models/pt_checkpoint.py)
+        pickles = [] if not weights else (dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors"))
+                                          else ["*.bin", "*.pt"])  # (asyncllm/models/pt_checkpoint.py)
+        return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
             model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
-            allow_patterns=[*_HUB_ALLOW_PATTERNS, "*.bin", "*.pt"])
+            allow_patterns=[*_HUB_ALLOW_PATTERNS, *pickles])
     except HFValidationError as exc:
         raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
     except LocalEntryNotFoundError as exc:

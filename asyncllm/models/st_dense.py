@@ -10,6 +10,7 @@ worker, applied to each pooled embedding before ``dimensions`` and the L2 norm (
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["DenseModule", "dense_modules", "embedding_width", "load_dense_projection"]
+__all__ = ["DenseModule", "dense_modules", "dense_pickle_patterns", "embedding_width", "load_dense_projection"]
 
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 """sentence-transformers' ``activation_function`` names asyncllm applies (its default is Tanh)."""
@@ -53,6 +54,18 @@ def dense_modules(path: str | None) -> list[DenseModule]:
         out.append(DenseModule(folder, int(config["in_features"]), int(config["out_features"]),
                                bool(config.get("bias", True)), _ACTIVATIONS[name]))
     return out
+
+
+def dense_pickle_patterns(path: str) -> list[str]:
+    """The hub patterns of the PyTorch weights of the snapshot's Dense modules that have no safetensors in it (older
+    sentence-transformers repos: a root ``model.safetensors`` beside ``2_Dense/pytorch_model.bin``), as vLLM
+    fetches each Dense folder's ``model.safetensors`` else its ``pytorch_model.bin``."""
+    if not os.path.isfile(os.path.join(path, "modules.json")):
+        return []
+    with open(os.path.join(path, "modules.json")) as f:
+        folders = [m.get("path", "") for m in json.load(f) if str(m.get("type", "")).endswith(".Dense")]
+    return [f"{folder}/{name}" for folder in folders if not glob.glob(os.path.join(path, folder, "*.safetensors"))
+            for name in ("*.bin", "*.pt")]
 
 
 def embedding_width(path: str | None, hidden_size: int) -> int:

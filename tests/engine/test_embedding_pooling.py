@@ -48,7 +48,8 @@ def _with_st_pooling(source: str, folder: str, **modes: bool) -> str:
     for name in os.listdir(source):
         os.symlink(os.path.join(source, name), os.path.join(folder, name))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     with open(os.path.join(folder, "modules.json"), "w") as f:
         json.dump(modules, f)
     config = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,

@@ -48,6 +48,29 @@ def test_prompts_end_to_end_equal_transformers_from_prefixed_and_old_names() -> 
     assert torch.equal(model.compute_logits(out[:2]), torch.zeros(2, 90))
 
 
+def test_bert_token_types_are_one_for_a_pairs_second_text_only() -> None:
+    """A single text containing [SEP] (id 3) is all type 0 (as transformers' tokenizer gives it); a pair's second
+    text, from the start the host sends, type 1."""
+    from asyncllm.pooling import PoolingParams
+    from asyncllm.workers.pooler import Pooler
+
+    reference, model = _pair()
+    model.load_weights(reference.state_dict().items())
+    assert model.takes_token_types
+    prompts, types = [[2, 17, 3, 8, 9, 3], [2, 9, 3, 40, 3]], [[0] * 6, [0, 0, 0, 1, 1]]
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    pooler = Pooler()
+    pooler.requests.update({"single": PoolingParams(), "pair": PoolingParams(task="classify", token_type_start=3)})
+    starts = pooler.token_type_starts(["single", "pair"])
+    assert starts == [None, 3] and pooler.token_type_starts(["single"]) is None
+    with torch.no_grad():
+        out = model(ids, positions, [], SimpleNamespace(query_start_loc_cpu=[0, 6, 11]), token_type_starts=starts)
+        for prompt, type_ids, rows in zip(prompts, types, (out[:6], out[6:])):
+            expected = reference(torch.tensor([prompt]), token_type_ids=torch.tensor([type_ids])).last_hidden_state[0]
+            torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0)
+
+
 def test_unknown_and_misshapen_weights_are_refused_by_name() -> None:
     reference, model = _pair()
     with pytest.raises(ConfigError, match="unexpected weights: encoder.layer.0.crossattention.x"):
