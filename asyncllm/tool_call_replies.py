@@ -1,9 +1,11 @@
-"""The streams of formats whose whole reply is calls: ``llama3_json``, ``mistral``, and ``granite`` and
-``phi4_mini_json`` (Mistral's list format after their own tag), and ``pythonic`` (read whole at the reply's end).
+"""The streams of formats whose reply ends in calls: ``mistral`` (content, then ``[TOOL_CALLS]`` and the calls),
+``granite`` and ``phi4_mini_json`` (Mistral's list format after their own tag, opening the reply), and ``pythonic``
+(read whole at the reply's end).
 
-Such a reply opens with its format's opener and is calls only if all of it
-reads as calls (and there is one); otherwise all of it is content, at its end,
-as `ToolParser.parse` has always read it. Streamed (``stream_arguments``), a
+The calls part is calls only if all of it reads as calls (and there is one;
+after a ``mistral`` JSON list, text is ignored, as vLLM's ``raw_decode``
+ignores it); otherwise all of the reply is content, at its end, as
+`ToolParser.parse` has always read it. Streamed (``stream_arguments``), a
 call's first piece goes out once its name is read and its arguments as they
 are read (tool_call_streams.py), but it is `done` only at the reply's end,
 once the reply is known to be calls; a call that started streaming in a reply
@@ -23,12 +25,11 @@ from asyncllm.json_stream import JsonObjectScanner
 from asyncllm.tool_call_streams import (CallObject, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
-__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "GraniteStream", "Phi4MiniStream", "PythonicStream",
-           "pythonic_calls", "PYTHON_TAG", "TOOL_CALLS", "ARGS", "GRANITE_TOOL_CALL", "FUNCTOOLS"]
+__all__ = ["ArgumentsObject", "MistralStream", "GraniteStream", "Phi4MiniStream", "PythonicStream",
+           "pythonic_calls", "TOOL_CALLS", "ARGS", "GRANITE_TOOL_CALL", "GRANITE_STRING_TOOL_CALL", "FUNCTOOLS"]
 
-PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-GRANITE_TOOL_CALL, FUNCTOOLS = "<|tool_call|>", "functools"
+GRANITE_TOOL_CALL, GRANITE_STRING_TOOL_CALL, FUNCTOOLS = "<|tool_call|>", "<tool_call>", "functools"
 _JSON_SPACE = " \t\n\r"
 
 
@@ -67,11 +68,12 @@ class ArgumentsObject:
 
 
 class _CallsReplyStream(ToolCallDeltaStream):
-    """A reply that opens with one of `OPENERS` is calls (read after `TAG`: `_between` reads what is outside
-    calls, a call's reader the rest); any other reply is content, as it comes."""
+    """A reply that opens with one of `OPENERS` is calls (read after it: `_between` reads what is outside
+    calls, a call's reader the rest); any other reply is content, as it comes. With `CONTENT_FIRST`, the text
+    before the first opener, wherever it is, is content and the calls follow it."""
 
     OPENERS: tuple[str, ...] = ()
-    TAG = ""
+    CONTENT_FIRST = False
 
     def __init__(self, stream_arguments: bool) -> None:
         self._stream_arguments = stream_arguments
@@ -82,6 +84,7 @@ class _CallsReplyStream(ToolCallDeltaStream):
         self._held: list[ReplyPart] = []  # without stream_arguments: the calls, until the reply's end
         self._index = 0  # whole calls read
         self._trailing_space = False  # past whitespace that only the reply's end may follow
+        self._sent = 0  # characters of the reply sent as content before its opener (`CONTENT_FIRST`)
 
     def feed(self, text: str) -> list[ReplyPart]:
         if self._mode == "content":
@@ -89,9 +92,8 @@ class _CallsReplyStream(ToolCallDeltaStream):
         self._text.append(text)
         if self._mode is not None:
             self._pending += text
-        elif self._decide() == "content":
-            return ["".join(self._text)]
-        return self._read() if self._mode == "calls" else []
+            return self._read() if self._mode == "calls" else []
+        return self._content_first() if self.CONTENT_FIRST else self._decide()
 
     def finish(self) -> list[ReplyPart]:
         if self._mode == "content":
@@ -100,7 +102,7 @@ class _CallsReplyStream(ToolCallDeltaStream):
             if self._stream_arguments:  # the calls were sent: now they are known whole
                 return [ToolCallDelta(index, done=True) for index in range(self._index)]
             return self._held
-        text = "".join(self._text)  # not calls: all of it is content
+        text = "".join(self._text)[self._sent:]  # not calls: all of it is content
         return [text] if text else []
 
     @abc.abstractmethod
@@ -115,13 +117,29 @@ class _CallsReplyStream(ToolCallDeltaStream):
         """What of `_pending` the open call may read ("" to wait for more)."""
         return self._pending
 
-    def _decide(self) -> str | None:
-        head = "".join(self._text).lstrip()
+    def _decide(self) -> list[ReplyPart]:
+        text = "".join(self._text)
+        head = text.lstrip()
         if not head or any(opener.startswith(head) for opener in self.OPENERS):
-            return None  # whitespace, or an opener's first characters
-        self._mode = "calls" if head.startswith(self.OPENERS) else "content"
-        self._pending = head.removeprefix(self.TAG)
-        return self._mode
+            return []  # whitespace, or an opener's first characters
+        opener = next((opener for opener in self.OPENERS if head.startswith(opener)), None)
+        if opener is None:
+            self._mode = "content"
+            return [text]
+        self._mode, self._pending = "calls", head[len(opener):]
+        return self._read()
+
+    def _content_first(self) -> list[ReplyPart]:
+        """Content up to the first opener (held back while the text may end in its start); then the calls."""
+        text, opener = "".join(self._text), self.OPENERS[0]
+        start = text.find(opener, self._sent)
+        end = start if start >= 0 else len(text) - partial_tag_suffix(text, opener)
+        parts: list[ReplyPart] = [text[self._sent:end]] if end > self._sent else []
+        self._sent = max(self._sent, end)
+        if start >= 0:
+            self._mode, self._pending = "calls", text[start + len(opener):]
+            parts += self._read()
+        return parts
 
     def _read(self) -> list[ReplyPart]:
         parts: list[ReplyPart] = []
@@ -170,33 +188,14 @@ class _CallsReplyStream(ToolCallDeltaStream):
             self._mode = "broken"
 
 
-class Llama3JsonStream(_CallsReplyStream):
-    """``llama3_json``: ``{"name", "parameters"}`` objects joined by ``;`` and whitespace, maybe after
-    ``<|python_tag|>`` (the first object right after it)."""
-
-    OPENERS = ("{", PYTHON_TAG)
-    TAG = PYTHON_TAG
-    SEPARATORS = " \t\r\n;"
-
-    def _between(self, parts: list[ReplyPart]) -> bool:
-        char = self._pending[0]
-        if char == "{" and not self._trailing_space:
-            self._call = CallObject(self._index, ("parameters", "arguments"), self._stream_arguments)
-        elif self._index == 0:
-            self._mode = "broken"  # the first object comes at once
-        elif self._trailing_space or char not in self.SEPARATORS:
-            self._trailing()
-        else:
-            self._pending = self._pending[1:]
-        return True
-
-
 class MistralStream(_CallsReplyStream):
-    """``mistral``: after ``[TOOL_CALLS]``, a JSON list of ``{"name", "arguments"}`` objects (tokenizers before
-    v11), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]`` (v11 and later)."""
+    """``mistral``: content, then after ``[TOOL_CALLS]`` a JSON list of ``{"name", "arguments"}`` objects
+    (tokenizers before v11; text after the list is ignored), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]``
+    (v11 and later)."""
 
     OPENERS = (TOOL_CALLS,)
-    TAG = TOOL_CALLS
+    CONTENT_FIRST = True
+    TRAILING_IGNORED = True
 
     def __init__(self, stream_arguments: bool, new_id: Callable[[], str] = tool_call_id) -> None:
         """`new_id`: the calls' id maker (the ``mistral`` parser's: `mistral_tool_call_id`)."""
@@ -268,7 +267,9 @@ class MistralStream(_CallsReplyStream):
         char = self._pending[:1]
         if not char:
             return False
-        if self._state == "end":
+        if self._state == "end" and self.TRAILING_IGNORED:
+            self._pending = ""  # as vLLM's raw_decode: what follows the list is not read
+        elif self._state == "end":
             self._trailing()
         elif self._state == "item" and char == "{":
             self._state = "next"
@@ -281,17 +282,18 @@ class MistralStream(_CallsReplyStream):
 
 
 class GraniteStream(MistralStream):
-    """``granite``: ``<|tool_call|>`` then a JSON list of ``{"name", "arguments"}`` objects (Granite 3.x)."""
+    """``granite``: ``<|tool_call|>`` (Granite 3.0) or ``<tool_call>`` (3.1) then a JSON list of
+    ``{"name", "arguments"}`` objects."""
 
-    OPENERS = (GRANITE_TOOL_CALL,)
-    TAG = GRANITE_TOOL_CALL
+    OPENERS = (GRANITE_TOOL_CALL, GRANITE_STRING_TOOL_CALL)
+    CONTENT_FIRST = TRAILING_IGNORED = False
 
 
 class Phi4MiniStream(MistralStream):
     """``phi4_mini_json``: ``functools`` then a JSON list of ``{"name", "arguments"}`` objects (Phi-4-mini)."""
 
     OPENERS = (FUNCTOOLS,)
-    TAG = FUNCTOOLS
+    CONTENT_FIRST = TRAILING_IGNORED = False
 
 
 def pythonic_calls(text: str) -> list[tuple[str, str]] | None:

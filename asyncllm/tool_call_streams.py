@@ -6,8 +6,9 @@ object with a `JsonObjectScanner` (json_stream.py): the call's first piece
 (its id and name) goes out once its name is read, and its arguments as
 json.dumps writes them, piece by piece as they are read
 (``stream_arguments``), or the call whole once it is one. `HermesStream`
-reads ``<tool_call>`` blocks with it; tool_call_replies.py the formats whose
-whole reply is calls; tool_calls.py holds the parsers that make these streams.
+reads ``<tool_call>`` blocks with it, `Llama3JsonStream` the call objects
+anywhere in a reply; tool_call_replies.py the formats whose reply ends in
+calls; tool_calls.py holds the parsers that make these streams.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 from asyncllm.json_stream import JsonObjectScanner
 
 __all__ = ["ToolCallDelta", "ReplyPart", "ToolCallDeltaStream", "CallObject", "TaggedBlockStream", "HermesStream",
-           "tool_call_id", "mistral_tool_call_id", "partial_tag_suffix"]
+           "Llama3JsonStream", "tool_call_id", "mistral_tool_call_id", "partial_tag_suffix", "PYTHON_TAG"]
+
+PYTHON_TAG = "<|python_tag|>"
 
 
 def tool_call_id() -> str:
@@ -88,8 +91,12 @@ class CallObject:
     """
 
     def __init__(self, index: int, arguments_keys: tuple[str, ...], stream_arguments: bool,
-                 new_id: Callable[[], str] = tool_call_id) -> None:
+                 new_id: Callable[[], str] = tool_call_id, serialized: bool = False,
+                 arguments_required: bool = False) -> None:
+        """`serialized`: arguments written as a JSON string holding an object (Granite 4's) are that object (as
+        vLLM's ``hermes``); `arguments_required`: an object without an arguments key is no call (``llama3_json``)."""
         self.json = JsonObjectScanner()
+        self._serialized, self._required = serialized, arguments_required
         self.index = index
         self.id = new_id()
         self._keys = arguments_keys
@@ -118,7 +125,11 @@ class CallObject:
     def close(self) -> list[ToolCallDelta] | None:
         """The call's last pieces once its object has ended; None when it is not a whole call (its text is content)."""
         key = self._arguments_key()
+        if key is None and self._required:
+            return None
         arguments = self.json.value(key) if key is not None else "{}"
+        if self._serialized and arguments.startswith('"'):
+            arguments = _serialized_object(arguments)
         text = self.json.value("name") if self.json.done else ""
         if not text.startswith('"') or not arguments.startswith("{"):
             return None
@@ -145,6 +156,15 @@ class CallObject:
 
     def _arguments_key(self) -> str | None:
         return next((key for key in self._keys if key in self.json.values), None)
+
+
+def _serialized_object(text: str) -> str:
+    """A JSON string's text holding a JSON object: that object as json.dumps writes it (else `text`)."""
+    try:
+        value = json.loads(json.loads(text))
+    except (ValueError, RecursionError):
+        return text
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else text
 
 
 class TaggedBlockStream(ToolCallDeltaStream):
@@ -257,7 +277,8 @@ class HermesStream(TaggedBlockStream):
         self._after_object = ""  # the open block's text after its object: whitespace, or it is not a call
 
     def _open_block(self) -> None:
-        self._call, self._after_object = CallObject(self._index, ("arguments",), self._stream_arguments), ""
+        self._call = CallObject(self._index, ("arguments",), self._stream_arguments, serialized=True)
+        self._after_object = ""
 
     def _feed_block(self, text: str) -> list[ReplyPart]:
         assert self._call is not None
@@ -275,3 +296,95 @@ class HermesStream(TaggedBlockStream):
             return self._as_content()
         self._calls += 1
         return list(deltas)
+
+
+class Llama3JsonStream(ToolCallDeltaStream):
+    """``llama3_json``: each JSON object of the reply that is ``{"name", "parameters" (or "arguments")}`` is a
+    call, wherever it is, as vLLM reads them (a ``{`` that starts no JSON value is text, and the next one is
+    tried; an object that is no call is text, braces inside it included). The text around the calls is
+    content, less the ``<|python_tag|>``, ``;`` and whitespace at the reply's start and after each call that
+    only another call or the reply's end follows. Each call is whole (`done`) once its object closes."""
+
+    SEPARATORS = " \t\r\n;"
+
+    def __init__(self, stream_arguments: bool) -> None:
+        self._stream_arguments = stream_arguments
+        self._buffer = ""  # text not read yet
+        self._call: CallObject | None = None  # the open object
+        self._object: list[str] = []  # its text
+        self._index = 0  # the next call's index
+        self._calls = 0  # whole calls read
+        self._space: str | None = ""  # separators held before any content (None: content came since the last call)
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        self._buffer += text
+        parts: list[ReplyPart] = []
+        while self._read_object(parts) if self._call is not None else self._read_text(parts):
+            pass
+        return parts
+
+    def finish(self) -> list[ReplyPart]:
+        parts: list[ReplyPart] = []
+        while self._call is not None:  # an object the reply's end cut off is text: the next "{" is tried
+            self._not_json(parts)
+            while self._read_object(parts) if self._call is not None else self._read_text(parts):
+                pass
+        self._content(parts, self._buffer)
+        self._buffer = ""
+        if self._space and not self._calls:  # a reply without calls: all of it is content
+            parts.append(self._space)
+        return parts
+
+    def _read_text(self, parts: list[ReplyPart]) -> bool:
+        """Content up to the next ``{`` (held back while the text may end in ``<|python_tag|>``'s start)."""
+        start = self._buffer.find("{")
+        end = start if start >= 0 else len(self._buffer) - partial_tag_suffix(self._buffer, PYTHON_TAG)
+        self._content(parts, self._buffer[:end])
+        self._buffer = self._buffer[end:]
+        if start >= 0:
+            self._call = CallObject(self._index, ("arguments", "parameters"), self._stream_arguments,
+                                    arguments_required=True)
+            self._object = []
+        return start >= 0
+
+    def _read_object(self, parts: list[ReplyPart]) -> bool:
+        assert self._call is not None
+        used, deltas = self._call.feed(self._buffer)
+        parts += deltas
+        if self._call.json.error:
+            self._not_json(parts)
+            return True
+        self._object.append(self._buffer[:used])
+        self._buffer = self._buffer[used:]
+        if not self._call.json.done:
+            return False
+        call, self._call = self._call, None
+        ends = call.close()
+        self._index = call.index + 1 if ends is not None or call.started else self._index
+        if ends is None:  # a JSON object that is no call: text (a call that started streaming stays)
+            self._content(parts, "".join(self._object))
+        else:
+            parts += ends
+            self._calls, self._space = self._calls + 1, ""  # separators before it are dropped
+        return True
+
+    def _not_json(self, parts: list[ReplyPart]) -> None:
+        """The open object's ``{`` starts no JSON value: it is text, and what follows it is read again."""
+        assert self._call is not None
+        if self._call.started:
+            self._index = self._call.index + 1
+        self._buffer = ("".join(self._object) + self._buffer)[1:]
+        self._call = None
+        self._content(parts, "{")
+
+    def _content(self, parts: list[ReplyPart], text: str) -> None:
+        if self._space is not None:
+            rest = text.lstrip(self.SEPARATORS)
+            while rest.startswith(PYTHON_TAG):
+                rest = rest[len(PYTHON_TAG):].lstrip(self.SEPARATORS)
+            self._space += text[:len(text) - len(rest)]
+            if not rest:
+                return
+            text, self._space = self._space + rest, None
+        if text:
+            parts.append(text)

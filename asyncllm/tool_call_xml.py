@@ -82,7 +82,7 @@ def typed_value(text: str, kind: str | None) -> Any:
     kind = kind or "string"
     if kind in _STRINGS:
         return text
-    if kind.startswith("int") or kind in ("uint", "long", "short"):
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
         try:
             return int(text)
         except ValueError:
@@ -94,9 +94,9 @@ def typed_value(text: str, kind: str | None) -> Any:
             return text
         if not math.isfinite(number):  # JSON has no nan or inf
             return text
-        return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
+        return int(number) if number.is_integer() else number  # as vLLM's: 2.0 and 1e3 are ints
     if kind in ("boolean", "bool", "binary"):
-        return {"true": True, "false": False}.get(text.lower(), text)
+        return text.lower() == "true"  # as vLLM's: anything else is false
     for parse in (json.loads, ast.literal_eval):  # object, array, dict, list, and types the schema made up
         try:
             value = parse(text)

@@ -7,17 +7,17 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
   blocks (Hermes 2/3, Qwen2.5, Qwen3, QwQ, and the bundled tiny model's
   template);
-- ``llama3_json``: a JSON object ``{"name": ..., "parameters": {...}}`` (or
-  several joined by ``;``), maybe after ``<|python_tag|>`` (Llama 3.1-3.3);
+- ``llama3_json``: JSON objects ``{"name": ..., "parameters": {...}}`` anywhere
+  in the reply (several joined by ``;``), maybe after ``<|python_tag|>`` (Llama 3.1-3.3);
 - ``pythonic``: a Python list of calls ``[f(a=1), g(b="x")]`` with literal
   arguments (Llama 3.2 and 4, and other models prompted that way);
-- ``mistral``: ``[TOOL_CALLS]`` and a JSON list of calls, or ``name[ARGS]{...}``
-  per call (Mistral's models);
+- ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON list of calls, or
+  ``name[ARGS]{...}`` per call (Mistral's models);
 - ``openai``: gpt-oss's harmony messages addressed to ``functions.NAME``, their
   body the JSON arguments (harmony.py; after the ``openai_gptoss`` reasoning
   parser, which the server requires with it).
-- ``granite`` / ``phi4_mini_json``: ``<|tool_call|>`` / ``functools`` and a
-  JSON list of calls (Granite 3.x / Phi-4-mini);
+- ``granite`` / ``phi4_mini_json``: ``<|tool_call|>`` (or ``<tool_call>``) /
+  ``functools`` and a JSON list of calls (Granite 3.x / Phi-4-mini);
 - ``qwen3_coder``: ``<tool_call>`` blocks of ``<function=NAME>`` and
   ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
   request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`); ``seed_oss``
@@ -48,9 +48,9 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
-from asyncllm.tool_call_replies import GraniteStream, Llama3JsonStream, MistralStream, Phi4MiniStream, PythonicStream
+from asyncllm.tool_call_replies import GraniteStream, MistralStream, Phi4MiniStream, PythonicStream
 from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
-from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
+from asyncllm.tool_call_streams import (HermesStream, Llama3JsonStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
                                         mistral_tool_call_id, partial_tag_suffix, tool_call_id)
 
 __all__ = ["ToolCall", "ToolCallDelta", "ReplyPart", "ParsedReply", "ToolParser", "ToolCallDeltaStream",
@@ -189,7 +189,8 @@ class HermesToolParser(ToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
-    """``{"name": "f", "parameters": {...}}`` (``; `` between several), maybe after ``<|python_tag|>``."""
+    """``{"name": "f", "parameters": {...}}`` objects anywhere in the reply (``; `` between several), maybe after
+    ``<|python_tag|>``."""
 
     def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
         return Llama3JsonStream(stream_arguments)

@@ -166,7 +166,7 @@ def test_a_closing_tag_never_reaches_the_arguments() -> None:
 def test_a_call_that_breaks_after_its_first_piece_stays_and_its_text_is_content() -> None:
     cases = [('<tool_call>{"name": "f", "arguments": {"x": 1}, }</tool_call>done', "stop", '{"x": 1}'),
              ('<tool_call>{"name": "f", "arguments": {"x": 1}} junk</tool_call>', "stop", '{"x": 1}'),
-             ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "stop", ""),  # not an object
+             ('<tool_call>{"name": "f", "arguments": "x"}</tool_call>', "stop", ""),  # not an object
              ('<tool_call>{"name": "f", "arguments": {"x": "ab', "length", '{"x": "ab')]  # cut by max_tokens
     for text, reason, sent in cases:
         whole, whole_finish = _whole(text, reason)
@@ -240,16 +240,39 @@ def test_llama3_json_streams_each_objects_arguments(values: list[dict], tag: boo
     assert finish == "tool_calls" and _calls(merge_deltas(deltas, tools=True)) == _calls(message)
 
 
-def test_llama3_json_reply_is_calls_only_if_every_object_is_one() -> None:
-    text = '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": [1]}'
-    assert _whole(text, parser="llama3_json") == ({"role": "assistant", "content": text}, "stop")
-    deltas, finish = _streamed(list(text), parser="llama3_json")
-    message = merge_deltas(deltas, tools=True)
-    assert finish == "stop" and message["content"] == text  # the first call was sent; the text is content too
-    assert _calls(message) == [("f", '{"a": 1}'), ("g", "")]
-    for text in ('<|python_tag|> {"name": "f"}', '{"name": "f"}\xa0;', "Plain text."):  # as json.loads read them
-        assert _streamed(list(text), parser="llama3_json")[1] == "stop" and not _calls(_whole(text, parser="llama3_json")[0])
-    assert _calls(_whole('{"name": "f"} ;\xa0 ', parser="llama3_json")[0]) == [("f", "{}")]
+def test_hermes_arguments_serialized_as_a_string_are_that_object() -> None:
+    # Granite 4 writes them so; vLLM's test_hermes_parser_non_streaming_serialized_arguments decodes them
+    text = '<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n</tool_call>'
+    assert _calls(_whole(text)[0]) == [("get_db_config", '{"param": "max_connections"}')]
+    for pieces in ([text], list(text)):
+        assert _calls(merge_deltas(_streamed(pieces)[0], tools=True)) == [("get_db_config", '{"param": "max_connections"}')]
+
+
+LLAMA3_REPLIES = [  # vLLM's tests/tool_parsers/test_llama3_json_tool_parser.py cases, and the text around them
+    ('Here is the result: {"name": "f", "parameters": {}} Would you like to know more?',
+     "Here is the result:  Would you like to know more?", [("f", "{}")]),
+    ('{"name": "f", "parameters": {"q": "t"}} I used {f} for this.', "I used {f} for this.", [("f", '{"q": "t"}')]),
+    ('{"name": "f", "parameters": {"q": "t"}} I passed {"q": "t"}', 'I passed {"q": "t"}', [("f", '{"q": "t"}')]),
+    ('{hi {"name": "f", "arguments": {}};\n{"name": "g", "parameters": {"a": [1]}} ; ', "{hi",
+     [("f", "{}"), ("g", '{"a": [1]}')]),
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": [1]}',
+     '; {"name": "g", "parameters": [1]}', [("f", '{"a": 1}')]),
+    ('{"name": "f"}', '{"name": "f"}', []),  # neither parameters nor arguments: no call
+    ('{"name": "f", "parameters": {invalid json}', '{"name": "f", "parameters": {invalid json}', []),
+    ('{"a": {"name": "f", "parameters": {}}', '{"a":', [("f", "{}")]),  # the outer object never closes
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA3_REPLIES)
+def test_llama3_json_reads_call_objects_anywhere_in_the_reply(text: str, content: str, calls: list) -> None:
+    message, finish = _whole(text, parser="llama3_json")
+    assert ((message["content"] or "").strip(), _calls(message), finish) == (
+        content, calls, "tool_calls" if calls else "stop")
+    for pieces in (list(text), _pieces(text, random.Random(1))):
+        deltas, finish = _streamed(pieces, parser="llama3_json")
+        streamed = merge_deltas(deltas, tools=True)
+        assert (streamed["content"] or "").strip() == content and finish == ("tool_calls" if calls else "stop")
+        assert _calls(streamed)[:len(calls)] == calls  # then a call that started streaming and broke, if any
 
 
 COMMON = ['{"name": "f", ', '"arguments": {"x": [1, "a"]}', "}", "{", '"name": "g"', ", ", "\n", " ", "text", '"', "1",
@@ -300,3 +323,23 @@ def test_mistral_replies_that_are_not_calls_are_content() -> None:
         deltas, finish = _streamed(list(text), parser="mistral")
         assert finish == "stop" and merge_deltas(deltas, tools=True)["content"] == text
     assert _calls(_whole("[TOOL_CALLS] f [ARGS] {} \xa0", parser="mistral")[0]) == [("f", "{}")]
+
+
+@pytest.mark.parametrize("text, content, calls", [  # vLLM's tests/tool_parsers/test_mistral_tool_parser.py cases
+    ('Hello[TOOL_CALLS] [{"name": "add", "arguments":{"a": 1, "b": 2}}]', "Hello", [("add", '{"a": 1, "b": 2}')]),
+    ('[TOOL_CALLS] [{"name": "f", "arguments":{"city": "Dallas"}}]\nextra trailing data', None,
+     [("f", '{"city": "Dallas"}')]),  # what follows the list is not read, as vLLM's raw_decode
+    ('hi{hi[TOOL_CALLS]bash[ARGS]{"command": "re.compile(r\'{}\')"}', "hi{hi", [("bash", '{"command": "re.compile(r\'{}\')"}')]),
+    ("I will add them.[TOOL_CALLS]add[ARGS]{\"a\": 1}[TOOL_CALLS]f[ARGS]{}", "I will add them.",
+     [("add", '{"a": 1}'), ("f", "{}")]),
+])
+def test_mistral_content_comes_before_the_calls(text: str, content: str | None, calls: list) -> None:
+    message, finish = _whole(text, parser="mistral")
+    assert (message["content"], _calls(message), finish) == (content, calls, "tool_calls")
+    for pieces in (list(text), _pieces(text, random.Random(2))):
+        deltas, finish = _streamed(pieces, parser="mistral")
+        streamed = merge_deltas(deltas, tools=True)
+        assert (streamed["content"], _calls(streamed), finish) == (content, calls, "tool_calls")
+    broken = "Hello[TOOL_CALLS]f[ARGS]{"  # calls that do not read: all of the reply is content
+    assert _whole(broken, parser="mistral")[0]["content"] == broken
+    assert merge_deltas(_streamed(list(broken), parser="mistral")[0], tools=True)["content"] == broken

@@ -132,3 +132,12 @@ def test_pythonic_literals_json_cannot_write_are_content(literal: str) -> None:
     content, calls = stream.feed(text)
     more_content, more_calls = stream.finish()
     assert calls + more_calls == [] and content + more_content == text
+
+
+def test_qwen3_coder_numbers_and_booleans_as_vllm_types_them() -> None:
+    typed_value = tool_call_xml.typed_value
+    assert [typed_value(text, "number") for text in ("2.0", "1e3", "2.5", "3", "-0.0")] == [2, 1000, 2.5, 3, 0]
+    assert all(type(typed_value(text, "number")) is int for text in ("2.0", "1e3"))
+    assert [typed_value(text, "boolean") for text in ("true", "TRUE", "false", "yes", "1")] == [
+        True, True, False, False, False]  # anything but true is false, as vLLM's
+    assert typed_value("7", "unsigned") == 7

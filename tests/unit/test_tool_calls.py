@@ -253,7 +253,8 @@ def test_qwen3_coder_streamed_pieces_join_to_the_whole_calls(seed: int) -> None:
     assert len(pieces) > 3  # arguments came a parameter at a time, not whole at the end
 
 
-@pytest.mark.parametrize("parser_name, tag", [("granite", "<|tool_call|>"), ("phi4_mini_json", "functools")])
+@pytest.mark.parametrize("parser_name, tag", [("granite", "<|tool_call|>"), ("granite", "<tool_call> "),
+                                              ("phi4_mini_json", "functools")])
 def test_granite_and_phi4_mini_lists_of_calls(parser_name: str, tag: str) -> None:
     reply = tag + '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1}}]'
     expected = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')]
