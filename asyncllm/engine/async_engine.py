@@ -312,6 +312,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             return
         await finish_in_thread(replica.stop)
         replica.processor = replica.core = None
+        replica.max_model_len = 0  # its next core's fit (a dead one's no longer holds the others down)
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
         if owned and self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum

@@ -125,11 +125,12 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
 
 
 def served_max_model_len(replicas: Sequence[Any], config: EngineConfig) -> EngineConfig:
-    """`config` with the least max_model_len the replicas' cores serve (`replica.Replica`s), which every processor then enforces: as
-    vLLM, whose max_model_len ``auto`` is one value for all its data-parallel engines (each replica's core fits
-    its own KV cache; with one replica, or a set max_model_len, this is the core's)."""
-    least = min(replica.max_model_len for replica in replicas if replica.max_model_len)
+    """`config` with the least max_model_len the replicas' cores serve (`replica.Replica`s), which every processor
+    then enforces (a core fitted longer still ends a sequence at its own: docs/configuration.md), as vLLM's one
+    max_model_len ``auto`` for all its data-parallel engines (each replica's core fits its own KV cache; with one
+    replica, or a set max_model_len, this is the core's, and no processor is told anything)."""
+    least = min((replica.max_model_len for replica in replicas if replica.max_model_len), default=config.max_model_len)
     for replica in replicas:
-        if replica.processor is not None:
+        if replica.processor is not None and replica.max_model_len not in (0, least):  # else its Ready's stands
             replica.processor._prompts.ready(least)  # the processor thread's limit, first set from its core's Ready
     return config.replace(max_model_len=least)

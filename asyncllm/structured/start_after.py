@@ -75,11 +75,12 @@ class Marker:
     def written_by(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt's end already wrote the marker (ending within `_SLACK` tokens of its end) and did not
         open it again after it (Qwen3.5 ends a prompt with ``<think>\\n`` after a user text that holds ``</think>``).
-        A marker with a suffix may take fewer tokens than `span`: a short earlier turn's (gpt-oss's last answer)
-        is not this reply's."""
+        A marker with a suffix (gpt-oss's final header) must end the prompt itself: an earlier turn's, however
+        short that turn and the ones after it, is not this reply's."""
         tail = list(prompt_ids[-self.span - _SLACK:])
         spans = self.spans(tail)
-        return bool(spans) and len(tail) - spans[-1][1] <= _SLACK and not (
+        slack = 0 if self.suffix else _SLACK
+        return bool(spans) and len(tail) - spans[-1][1] <= slack and not (
             self.opener and _found(tail[spans[-1][1]:], self.opener))
 
     def spanned(self, token_ids: Sequence[int], opened: bool) -> int:

@@ -106,12 +106,14 @@ def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> 
     final = Marker((7, 8), suffix=(9,), max_between=3)
     assert final.ends([1, 7, 8, 9]) and final.ends([7, 8, 4, 4, 9]) and final.ends([6, 7, 8, 4, 9])
     assert not final.ends([7, 8, 4, 4, 4, 9]) and not final.ends([7, 8, 9, 4]) and not final.ends([1, 8, 9])
-    assert final.written_by([1, 7, 8, 4, 9, 5]) and not final.written_by([1, 7, 8, 4, 5])
+    assert final.written_by([1, 7, 8, 4, 9]) and not final.written_by([1, 7, 8, 4, 5])
+    assert not final.written_by([1, 7, 8, 4, 9, 5])  # a header must end the prompt itself (gpt-oss's ends there)
     assert final.spanned([1, 2, 7, 8, 4, 9, 5], opened=True) == 2
     harmony = Marker((7, 8), suffix=(9,), max_between=20)  # an earlier turn's final answer, then a user turn (6 11 9)
     previous = [6, 7, 8, 9, 1, 1, 1, 10, 6, 11, 9, 2, 2, 10, 6, 12]  # ... <|start|>assistant: not written yet
     assert not harmony.written_by(previous) and harmony.written_by(previous + [7, 8, 9])
-    assert not harmony.written_by([7, 8, 9, *[1] * 9])  # (it ends within 8 tokens of the prompt's end, as others)
+    assert not harmony.written_by([7, 8, 9, *[1] * 9])
+    assert not harmony.written_by([6, 7, 8, 9, 1, 10, 6, 12])  # "Hi", then straight to a new assistant turn
     assert Marker((7, 8)).ends([1, 7, 8]) and not Marker((7, 8)).ends([7, 8, 4, 9])  # others stay exact
 
 
