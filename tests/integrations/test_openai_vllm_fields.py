@@ -98,7 +98,8 @@ async def test_tokenize_returns_token_strs_when_asked(app, bundled_tokenizer) ->
 
 def test_served_model_name_labels_the_metrics() -> None:
     """As vLLM's ``PrometheusStatLogger`` (``model_config.served_model_name``): ``serve --served-model-name foo bar``
-    labels every series ``foo``, and an attached host learning its model keeps it; without one, the model."""
+    labels every series ``foo``, and an attached host learning its model keeps it; without one, the name the app
+    serves (the bundled model's ``asyncllm-tiny``, not its folder)."""
     def labels(engine) -> set[str]:
         text = prometheus_client.generate_latest(engine.metrics_registry).decode()
         return {line.split('model_name="')[1].split('"')[0] for line in text.splitlines()
@@ -108,7 +109,7 @@ def test_served_model_name_labels_the_metrics() -> None:
     named._replicas[0].observer.set_model_name("/models/from-the-core")  # what an attached host learns
     plain, _ = _serve_engine(_parser().parse_args(["serve"]))
     assert labels(named) == {"foo"}
-    assert labels(plain) == {plain.config.model}
+    assert labels(plain) == {"asyncllm-tiny"}
 
 
 def test_logprob_counts_take_bools_as_vllm() -> None:
