@@ -78,19 +78,38 @@ def check_tied_head_equal(buf: Any, pair: TiedPair | None) -> None:
 
 
 def _tied_embedding(model: nn.Module) -> _Tied | None:
-    """The parameter ``model``'s LM head shares with its embedding, if it has one (a pipeline stage before the last
-    holds no head: its loader skips a pushed one as it skips a checkpoint's)."""
-    for module_name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if module_name.rsplit(".", 1)[-1] != "lm_head" or not isinstance(weight, nn.Parameter):
-            continue
-        names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is weight]
-        own = [name for name in names if not name.endswith(TIED_HEAD)]
-        if own:
-            shape = [getattr(module, "vocab_size", weight.shape[0]), *weight.shape[1:]]
-            return _Tied(weight, shape, [ckpt for name in own for ckpt in _checkpoint_names(name)],
-                         {TIED_HEAD, *(name for name in names if name.endswith(TIED_HEAD))})
+    """The parameter ``model``'s LM head shares with its embedding, if it has one; on a pipeline stage that holds
+    the embedding but no head (the first of a tied model's: its loader writes a pushed head into the embedding, as
+    the last stage's does into its own copy), the embedding; a middle stage holds neither (its loader skips it)."""
+    heads = [module for name, module in model.named_modules()
+             if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(getattr(module, "weight", None), nn.Parameter)]
+    if not heads:
+        return _first_stage_embedding(model)
+    for module in heads:
+        tied = _tied_to(model, module)
+        if tied is not None:
+            return tied
     return None
+
+
+def _first_stage_embedding(model: nn.Module) -> _Tied | None:
+    for module in model.modules():
+        embed = getattr(getattr(module, "model", None), "embed_tokens", None)
+        if getattr(module, "tie_word_embeddings", False) and isinstance(getattr(embed, "weight", None), nn.Parameter):
+            return _tied_to(model, embed)
+    return None
+
+
+def _tied_to(model: nn.Module, module: nn.Module) -> _Tied | None:
+    """``module``'s weight as the tied parameter, if it is registered under a name other than the head's."""
+    weight = module.weight
+    names = [name for name, param in model.named_parameters(remove_duplicate=False) if param is weight]
+    own = [name for name in names if not name.endswith(TIED_HEAD)]
+    if not own:
+        return None
+    shape = [getattr(module, "vocab_size", weight.shape[0]), *weight.shape[1:]]
+    return _Tied(weight, shape, [ckpt for name in own for ckpt in _checkpoint_names(name)],
+                 {TIED_HEAD, *(name for name in names if name.endswith(TIED_HEAD))})
 
 
 def _checkpoint_names(name: str) -> list[str]:

@@ -10,7 +10,6 @@ and how a pair of texts becomes one prompt (docs/pooling.md).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from asyncllm.models.architectures import (
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
 )
-from asyncllm.models.st_dense import dense_modules
+from asyncllm.models.st_dense import dense_modules, read_json, st_modules
 from asyncllm.pooling import PoolingParams
 
 __all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "pooling_model_of", "sentence_transformers_config",
@@ -209,17 +208,8 @@ def sentence_transformers_config(path: str | None) -> dict[str, Any]:
     ``encoder_config``), {} without one."""
     for name in _ST_ENCODER_CONFIGS if path is not None else ():
         if os.path.isfile(os.path.join(path, name)):
-            with open(os.path.join(path, name)) as f:
-                return json.load(f) or {}
+            return read_json(os.path.join(path, name), dict)
     return {}
-
-
-def _st_modules(path: str | None) -> list[dict[str, Any]] | None:
-    """The folder's ``modules.json`` (its sentence-transformers pipeline), None without one."""
-    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
-        return None
-    with open(os.path.join(path, "modules.json")) as f:
-        return json.load(f)
 
 
 def _st_module(modules: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
@@ -229,7 +219,7 @@ def _st_module(modules: list[dict[str, Any]], kind: str) -> dict[str, Any] | Non
 def sentence_transformers_normalize(path: str | None) -> bool:
     """Embeddings' default ``normalize`` (vLLM's): with a ``modules.json`` that lists a Pooling module, whether it
     lists a Normalize module too; else True."""
-    modules = _st_modules(path)
+    modules = st_modules(path)
     if modules is None or _st_module(modules, "Pooling") is None:
         return True
     return _st_module(modules, "Normalize") is not None
@@ -238,14 +228,13 @@ def sentence_transformers_normalize(path: str | None) -> bool:
 def sentence_transformers_pooling(path: str | None) -> str | None:
     """The pooling type the checkpoint folder's sentence-transformers config declares (``modules.json``'s
     Pooling module's ``config.json``), None without one; `NotBuiltError` for a mode asyncllm does not pool."""
-    module = _st_module(_st_modules(path) or [], "Pooling")
+    module = _st_module(st_modules(path) or [], "Pooling")
     if module is None:
         return None
     config_path = os.path.join(path or "", module.get("path", ""), "config.json")
     if not os.path.isfile(config_path):
         return None
-    with open(config_path) as f:
-        config = json.load(f)
+    config = read_json(config_path, dict)
     on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
     if len(on) > 1 or any(key not in _ST_POOLING_MODES for key in on):
         raise NotBuiltError("model", ", ".join(on), f"the sentence-transformers pooling {', '.join(on)} "

@@ -157,11 +157,11 @@ def _token_types(input_ids: torch.Tensor, spans: list[tuple[int, int]],
                  starts: list[int | None] | None) -> torch.Tensor:
     """0 for every token, and 1 from ``starts[i]`` to the end of prompt i: a score pair's second text, where the
     host's tokenizer marked it (``token_type_ids``, as vLLM passes them). A single text is all 0, "[SEP]" in it
-    or not."""
+    or not. A start before the prompt marks it all (never the rows of the prompt before it in the batch)."""
     types = torch.zeros_like(input_ids)
     for (start, end), first in zip(spans, starts or ()):
         if first is not None:
-            types[start + first:end] = 1
+            types[start + max(first, 0):end] = 1
     return types
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["DenseModule", "dense_modules", "dense_pickle_patterns", "embedding_width", "load_dense_projection"]
+__all__ = ["DenseModule", "dense_modules", "dense_pickle_patterns", "embedding_width", "load_dense_projection",
+           "read_json", "st_modules"]
 
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 """sentence-transformers' ``activation_function`` names asyncllm applies (its default is Tanh)."""
@@ -34,19 +35,38 @@ class DenseModule:
     """``identity`` or ``tanh``."""
 
 
+def st_modules(path: str | None) -> list[dict[str, Any]] | None:
+    """The folder's ``modules.json`` (its sentence-transformers pipeline), None without one."""
+    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
+        return None
+    modules = read_json(os.path.join(path, "modules.json"), list)
+    if not all(isinstance(module, dict) for module in modules):
+        raise ConfigError("model", os.path.join(path, "modules.json"), "a modules.json listing JSON objects")
+    return modules
+
+
+def read_json(file: str, kind: type[list] | type[dict]) -> Any:
+    """``file``'s JSON (null: an empty ``kind``); `ConfigError` naming it unless it parses to a ``kind``."""
+    try:
+        with open(file) as f:
+            value = json.load(f)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ConfigError("model", file, f"a {os.path.basename(file)} of valid JSON ({exc})") from exc
+    value = kind() if value is None else value
+    if not isinstance(value, kind):
+        raise ConfigError("model", file, f"a {os.path.basename(file)} holding a JSON "
+                                         f"{'list' if kind is list else 'object'}, not a {type(value).__name__}")
+    return value
+
+
 def dense_modules(path: str | None) -> list[DenseModule]:
     """The folder's Dense modules in pipeline order (none without a ``modules.json``)."""
-    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
-        return []
-    with open(os.path.join(path, "modules.json")) as f:
-        modules = json.load(f)
     out = []
-    for module in modules:
+    for module in st_modules(path) or []:
         if not str(module.get("type", "")).endswith(".Dense"):
             continue
-        folder = os.path.join(path, module.get("path", ""))
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
+        folder = os.path.join(path, module.get("path", ""))  # type: ignore[arg-type]
+        config = read_json(os.path.join(folder, "config.json"), dict)
         name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if name not in _ACTIVATIONS:
             raise NotBuiltError("model", name, f"a sentence-transformers Dense module with {name} (built: "
@@ -60,10 +80,7 @@ def dense_pickle_patterns(path: str) -> list[str]:
     """The hub patterns of the PyTorch weights of the snapshot's Dense modules that have no safetensors in it (older
     sentence-transformers repos: a root ``model.safetensors`` beside ``2_Dense/pytorch_model.bin``), as vLLM
     fetches each Dense folder's ``model.safetensors`` else its ``pytorch_model.bin``."""
-    if not os.path.isfile(os.path.join(path, "modules.json")):
-        return []
-    with open(os.path.join(path, "modules.json")) as f:
-        folders = [m.get("path", "") for m in json.load(f) if str(m.get("type", "")).endswith(".Dense")]
+    folders = [m.get("path", "") for m in st_modules(path) or [] if str(m.get("type", "")).endswith(".Dense")]
     return [f"{folder}/{name}" for folder in folders if not glob.glob(os.path.join(path, folder, "*.safetensors"))
             for name in ("*.bin", "*.pt")]
 

@@ -71,6 +71,13 @@ def test_bert_token_types_are_one_for_a_pairs_second_text_only() -> None:
             torch.testing.assert_close(rows, expected, atol=1e-5, rtol=0)
 
 
+def test_a_token_type_start_before_its_prompt_marks_no_other_prompts_rows() -> None:
+    from asyncllm.models.bert import _token_types
+
+    types = _token_types(torch.arange(7), [(0, 3), (3, 7)], [None, -2])
+    assert types.tolist() == [0, 0, 0, 1, 1, 1, 1]
+
+
 def test_unknown_and_misshapen_weights_are_refused_by_name() -> None:
     reference, model = _pair()
     with pytest.raises(ConfigError, match="unexpected weights: encoder.layer.0.crossattention.x"):

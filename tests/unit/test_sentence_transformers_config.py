@@ -46,6 +46,21 @@ def test_normalize_defaults_to_the_listed_normalize_module_as_vllm(tmp_path) -> 
     assert pooling_model_of("BertModel", config, listed, {"normalize": False}).normalize is False
 
 
+@pytest.mark.parametrize("file, text", [("sentence_bert_config.json", "[1]"), ("sentence_bert_config.json", "{"),
+                                        ("modules.json", "{}"), ("modules.json", "[1]")])
+def test_a_malformed_sentence_transformers_file_is_refused_by_name(tmp_path, file: str, text: str) -> None:
+    from asyncllm.engine.pooling_model import sentence_transformers_config, sentence_transformers_normalize
+    from asyncllm.models.st_dense import dense_pickle_patterns
+
+    folder = _folder(tmp_path, "m", [_TRANSFORMER, _POOLING])
+    (tmp_path / "m" / file).write_text(text)
+    reads = [sentence_transformers_config] if file != "modules.json" else [sentence_transformers_normalize,
+                                                                              dense_pickle_patterns]
+    for read in reads:
+        with pytest.raises(ConfigError, match=file):
+            read(folder)
+
+
 def test_max_seq_length_caps_max_model_len_and_do_lower_case_is_read(tmp_path) -> None:
     hf_config = SimpleNamespace(max_position_embeddings=64)
     path = _folder(tmp_path, "st", [_TRANSFORMER, _POOLING], {"max_seq_length": 8, "do_lower_case": True})

@@ -139,6 +139,22 @@ def test_a_tied_head_has_the_whole_embeddings_shape_on_a_rank_holding_its_slice(
                                         None)
 
 
+def test_a_tied_head_is_written_into_the_embedding_on_both_pipeline_stages() -> None:
+    from asyncllm.models.pipeline import PipelineStage
+    from asyncllm.workers.pushed_weights import as_loaded
+    from asyncllm.workers.weight_update import _meta_model
+
+    head = protocol.WeightTensor("lm_head.weight", "float32", [512, 64], 0)
+    for rank in range(2):  # the first stage holds the embedding and no head, the last its own copy and the head
+        runner = _served(tiny_checkpoint("gemma3"))
+        runner.stage = PipelineStage(rank, 2, rank, rank + 1)
+        model = _meta_model(runner)
+        tensors, _ = as_loaded(model, [head])
+        assert [t.name for t in tensors] == ["model.embed_tokens.weight"]
+        assert model.load_weights([(t.name, torch.empty(t.shape, device="meta")) for t in tensors]) == {
+            "model.embed_tokens.weight"}
+
+
 def _with_tensor(served: str, folder: Path, name: str) -> str:
     """A copy of the checkpoint ``served`` with one more tensor, ``name`` (an expert's up matrix's shape)."""
     shutil.copytree(served, folder)
