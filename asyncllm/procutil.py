@@ -17,6 +17,7 @@ import faulthandler
 import logging
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -315,9 +316,29 @@ def remove_dir(path: str) -> None:
 
 
 def free_tcp_port() -> int:
+    """A port free on 127.0.0.1 now, for a listener to bind later: below the kernel's ephemeral range where there is
+    one (/proc), since a port there is what other processes' outgoing connections take meanwhile (the workers'
+    torch.distributed rendezvous failed with EADDRINUSE under load); else one the kernel picks."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 16384), low), 32) if low > 2048 else ():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux's ip_local_port_range), 0 when unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def claim_socket(socket_path: str, field: str, value: str, owner: str) -> None:
