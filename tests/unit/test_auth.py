@@ -34,13 +34,14 @@ def core_io(monkeypatch: pytest.MonkeyPatch):
 
 
 def _hello(ctx: zmq.Context, address: str, key: str | None, plain: bool = False) -> tuple[zmq.Socket, ConnectionWatch]:
-    if plain:  # a client that knows nothing of CURVE
+    if plain:  # a client that knows nothing of CURVE, watched before it connects (its one refusal is not missed)
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        watch = ConnectionWatch(dealer)
         dealer.connect(address)
     else:
         dealer = open_dealer(ctx, address, key)
-    watch = ConnectionWatch(dealer)
+        watch = ConnectionWatch(dealer)
     _send_hello(dealer, refused=key != KEY)
     return dealer, watch
 
