@@ -205,6 +205,7 @@ class GptOssReasoningParser(ReasoningParser):
     needs_special_tokens = True
     forced_tool_calls = False
     prompt_ends_thinking = False
+    opened_by_prompt = False  # nothing opens the analysis channel: the Responses API counts 0 reasoning tokens
 
     def stream(self, answering: bool = False) -> HarmonyReasoningStream:
         return HarmonyReasoningStream()

@@ -123,6 +123,8 @@ def test_reasoning_tokens_are_counted_between_the_tags_as_vllm_counts_them() -> 
     assert close.spanned([1, 2, 7, 8, 4, 4], opened=True) == 2  # the prompt opened the thinking
     assert close.spanned([1, 2, 3], opened=True) == 3 and close.spanned([1, 2, 7, 8], opened=False) == 0
     assert close.spanned([7, 8, 6, 8, 5, 5], opened=False) == 2  # an end before the opener does not end it
+    harmony = get_reasoning_parser("openai_gptoss")  # its channels are not counted (docs/integrations/openai-server.md)
+    assert Marker((7, 8), suffix=(9,), max_between=20).spanned([5, 5, 7, 8, 9, 1], harmony.opened_by_prompt) == 0
 
 
 def test_reasoning_then_a_tool_call() -> None:
