@@ -3,6 +3,7 @@ and ``/metrics`` (Prometheus text)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -67,7 +68,8 @@ class _Handlers:
         from asyncllm.metrics.multiprocess import multiprocess_dir, multiprocess_latest
 
         if multiprocess_dir() is not None:  # every host process's series, summed (vLLM's multiprocess mode)
-            return Response(multiprocess_latest(), media_type=CONTENT_TYPE_LATEST)
+            body = await asyncio.to_thread(multiprocess_latest)  # file writes and reads: off the event loop
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -68,7 +68,9 @@ class Marker:
         return [(i, end) for end, i in by_end.items()]  # starts in order: so are their ends
 
     def ends(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` end with the marker."""
+        """Whether `tokens` end with the marker (checked per sampled token in the core's step loop)."""
+        if not self.suffix:
+            return bool(self.ids) and tuple(tokens[-len(self.ids):]) == self.ids
         spans = self.spans(tokens[-self.span:])
         return bool(spans) and spans[-1][1] == min(len(tokens), self.span)
 
