@@ -25,12 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.engine.pooling_model import activate
-from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, encode_embedding
 from asyncllm.integrations.openai_http import json_response
-from asyncllm.integrations.openai_protocol import decode_request, request_options
-from asyncllm.integrations.openai_score import classify_all, pooling_listing
+from asyncllm.integrations.openai_protocol import decode_request, take_request_id
+from asyncllm.integrations.openai_score import classify_all, pooling_listing, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput
 
@@ -117,8 +116,7 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
         outputs = await embed_all(engine, prompts, req, lora, until=until, request_log=log, request_id=request_id)
         pooled = [out.embedding for out in outputs]
     else:
-        options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
-        outputs = await classify_all(engine, prompts, options, until=until, request_log=log, request_id=request_id,
+        outputs = await classify_all(engine, prompts, pooling_options(req, lora), until=until, request_log=log, request_id=request_id,
                                      field="input" if req.messages is None else "messages", api="pooling")
         assert engine.pooling_model is not None and engine.pooling_model.classifier is not None, "a classify task"
         pooled = [_activated(out, task, _use_activation(req), engine.pooling_model.classifier) for out in outputs]
@@ -129,10 +127,8 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
 
 def _request_id(req: PoolingRequest, request: Request) -> str:
     """``pool-`` and the ``X-Request-Id`` header, else the body's ``request_id``, else a random id (vLLM's)."""
-    sent = request.headers.get("x-request-id") or req.request_id
-    if sent is not None:
-        check_request_id(sent, "(or the X-Request-Id header) ")
-    return f"pool-{sent or uuid.uuid4().hex}"
+    take_request_id(req, request.headers)
+    return f"pool-{req.request_id or uuid.uuid4().hex}"
 
 
 def _use_activation(req: PoolingRequest) -> bool | None:

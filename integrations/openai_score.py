@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from asyncllm.lora import LoRARequest
 
 __all__ = ["ClassificationRequest", "ScoreRequest", "RerankRequest", "score_routes", "classify_all", "rerank_results",
-           "pooling_listing"]
+           "pooling_listing", "pooling_options"]
 
 
 class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -105,7 +105,7 @@ class _Handlers:
         if any(prompt == "" for prompt in prompts):
             raise InvalidRequestError("input", "an input is an empty string: there is nothing to classify")
         request_id = route_id("classify", request.headers)
-        outputs = await classify_all(self.server.engine, prompts, _options(req, lora),
+        outputs = await classify_all(self.server.engine, prompts, pooling_options(req, lora),
                                      until=lambda: wait_disconnect(request), request_log=self.server.request_log,
                                      request_id=request_id)
         data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
@@ -117,7 +117,7 @@ class _Handlers:
         model, lora = self.server._model(req.model)
         _check_count("text_2", req.text_2, self.server.limits.max_prompts)
         request_id = route_id("score", request.headers)
-        outputs = await self._score(request, request_id, req.text_1, req.text_2, _options(req, lora))
+        outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora))
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
         return _json(pooling_listing(request_id, model, data, outputs))
 
@@ -132,7 +132,7 @@ class _Handlers:
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         request_id = route_id("rerank", request.headers)
         try:
-            outputs = await self._score(request, request_id, req.query, texts, _options(req, lora), "rerank")
+            outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora), "rerank")
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
@@ -197,7 +197,8 @@ def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], t
     return results
 
 
-def _options(req: _PoolingRequest, lora: LoRARequest | None) -> dict[str, Any]:
+def pooling_options(req: Any, lora: LoRARequest | None) -> dict[str, Any]:
+    """A pooling request's engine options (`_PoolingRequest`'s fields, or an embeddings body's on /pooling)."""
     return {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora,
             "truncate_prompt_tokens": req.truncate_prompt_tokens}
 
