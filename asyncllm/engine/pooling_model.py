@@ -65,15 +65,12 @@ class ClassifierHead:
     def num_labels(self) -> int:
         return len(self.labels)
 
-    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
-        """The token ids of the pair's one prompt (vLLM's cross-encoder encoding); ``max_length``: cut by the
-        tokenizer (``truncation=True``: the longer text first, special tokens kept)."""
-        return self.encode_pair_types(tokenizer, text_1, text_2, max_length)[0]
-
-    def encode_pair_types(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
-                          ) -> tuple[list[int], int | None]:
-        """`encode_pair`'s ids and where the tokenizer's ``token_type_ids`` turn 1 (the second text, BERT's
-        segment B; vLLM's ``compressed_token_type_ids``), None where they stay 0 (or the tokenizer has none)."""
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
+                    ) -> tuple[list[int], int | None]:
+        """The token ids of the pair's one prompt (vLLM's cross-encoder encoding; ``max_length``: cut by the
+        tokenizer, ``truncation=True``: the longer text first, special tokens kept) and where the tokenizer's
+        ``token_type_ids`` turn 1 (the second text, BERT's segment B; vLLM's ``compressed_token_type_ids``), None
+        where they stay 0 (or the tokenizer has none)."""
         cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
         if not self.use_sep_token:
             return list(tokenizer(text_1 + text_2, **cut).input_ids), None
@@ -185,16 +182,13 @@ class PoolingModel:
         elif task == "embed" and pooling.dimensions is not None:
             (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
 
-    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
-        return self.encode_pair_types(tokenizer, text_1, text_2, max_length)[0]
-
-    def encode_pair_types(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
-                          ) -> tuple[list[int], int | None]:
-        """`ClassifierHead.encode_pair_types`; `InvalidRequestError` for a model without a classifier."""
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
+                    ) -> tuple[list[int], int | None]:
+        """`ClassifierHead.encode_pair`; `InvalidRequestError` for a model without a classifier."""
         if self.classifier is None:
             raise InvalidRequestError("text_2", f"this model ({self.architecture}) has no classification head to "
                                                 "score a pair as one prompt")
-        return self.classifier.encode_pair_types(tokenizer, text_1, text_2, max_length)
+        return self.classifier.encode_pair(tokenizer, text_1, text_2, max_length)
 
 
 _ST_ENCODER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",

@@ -140,6 +140,6 @@ class PromptTokenizer:
         all 0); ``max_length``: cut on the right."""
         assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
         if max_length is None:
-            return self.pooling_model.encode_pair_types(self.tokenizer, prompt, text_pair)
+            return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
         with truncating(self.tokenizer, max_length, "right", pair=True) as tokenizer:
-            return self.pooling_model.encode_pair_types(tokenizer, prompt, text_pair, max_length)
+            return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)

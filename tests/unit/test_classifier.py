@@ -98,9 +98,9 @@ def test_the_host_reads_labels_activations_and_pair_encoding(classifier: str) ->
     model = pooling_model_of(config.architectures[0], config)
     assert model.classifier == ClassifierHead(("class_0", "class_1", "class_2"))
     tokenizer = AutoTokenizer.from_pretrained(classifier)
-    assert model.encode_pair(tokenizer, "def f", "(x):") == tokenizer("def f", "(x):").input_ids
+    assert model.encode_pair(tokenizer, "def f", "(x):")[0] == tokenizer("def f", "(x):").input_ids
     joined = ClassifierHead(("LABEL_0",), use_sep_token=False)
-    assert joined.encode_pair(tokenizer, "def f", "(x):") == tokenizer("def f(x):").input_ids
+    assert joined.encode_pair(tokenizer, "def f", "(x):") == (tokenizer("def f(x):").input_ids, None)
     for fields, classify, score in [
         ({"problem_type": "regression"}, "identity", "classify"),
         ({"problem_type": "multi_label_classification"}, "sigmoid", "classify"),
