@@ -207,9 +207,10 @@ def pick_replica(replicas: list[Replica]) -> Replica | None:
 async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec,
                         closed: Callable[[], bool] | None = None) -> Prepared:
     """Prepare the host side (model folder, tokenizer), launch or attach to the core, start the processor thread;
-    returns once the core serves, `Prepared.config` holding the core's max_model_len (``auto``: fitted to its KV
-    cache). On failure nothing of it is left running. `closed` (a supervisor's restart): a shared core being
-    restarted is waited for, up to the startup timeout or until `closed()` (`prepare_attached`)."""
+    returns once the core serves, `Replica.max_model_len` holding the core's (``auto``: fitted to its KV cache;
+    `data_parallel.served_max_model_len` puts the replicas' least into the config). On failure nothing of it is
+    left running. `closed` (a supervisor's restart): a shared core being restarted is waited for, up to the
+    startup timeout or until `closed()` (`prepare_attached`)."""
     timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
     core: CoreProcess | None = None
     if spec.connect_address is not None:
@@ -230,8 +231,6 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
     except BaseException:
         await finish_in_thread(_stop, processor, core)
         raise
-    if ready.max_model_len != prepared.config.max_model_len:  # max_model_len auto: the core fitted it to its KV cache
-        prepared.config = prepared.config.replace(max_model_len=ready.max_model_len)
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 
