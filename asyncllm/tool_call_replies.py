@@ -78,13 +78,12 @@ class _CallsReplyStream(ToolCallDeltaStream):
     def __init__(self, stream_arguments: bool) -> None:
         self._stream_arguments = stream_arguments
         self._mode: str | None = None  # None: undecided, "content", "calls" or "broken"
-        self._text: list[str] = []  # the reply (its content if it is not calls)
+        self._text: list[str] = []  # the reply not sent as content (all of it content if it is not calls)
         self._pending = ""  # calls: the text not read yet
         self._call: CallObject | ArgumentsObject | None = None
         self._held: list[ReplyPart] = []  # without stream_arguments: the calls, until the reply's end
         self._index = 0  # whole calls read
         self._trailing_space = False  # past whitespace that only the reply's end may follow
-        self._sent = 0  # characters of the reply sent as content before its opener (`CONTENT_FIRST`)
 
     def feed(self, text: str) -> list[ReplyPart]:
         if self._mode == "content":
@@ -102,7 +101,7 @@ class _CallsReplyStream(ToolCallDeltaStream):
             if self._stream_arguments:  # the calls were sent: now they are known whole
                 return [ToolCallDelta(index, done=True) for index in range(self._index)]
             return self._held
-        text = "".join(self._text)[self._sent:]  # not calls: all of it is content
+        text = "".join(self._text)  # not calls: all of it is content
         return [text] if text else []
 
     @abc.abstractmethod
@@ -131,11 +130,11 @@ class _CallsReplyStream(ToolCallDeltaStream):
 
     def _content_first(self) -> list[ReplyPart]:
         """Content up to the first opener (held back while the text may end in its start); then the calls."""
-        text, opener = "".join(self._text), self.OPENERS[0]
-        start = text.find(opener, self._sent)
+        text, opener = "".join(self._text), self.OPENERS[0]  # only a held-back tail was kept: linear
+        start = text.find(opener)
         end = start if start >= 0 else len(text) - partial_tag_suffix(text, opener)
-        parts: list[ReplyPart] = [text[self._sent:end]] if end > self._sent else []
-        self._sent = max(self._sent, end)
+        parts: list[ReplyPart] = [text[:end]] if end > 0 else []
+        self._text = [text[end:]]  # what is not sent: the opener's possible start, or the opener and the calls
         if start >= 0:
             self._mode, self._pending = "calls", text[start + len(opener):]
             parts += self._read()

@@ -343,3 +343,12 @@ def test_mistral_content_comes_before_the_calls(text: str, content: str | None, 
     broken = "Hello[TOOL_CALLS]f[ARGS]{"  # calls that do not read: all of the reply is content
     assert _whole(broken, parser="mistral")[0]["content"] == broken
     assert merge_deltas(_streamed(list(broken), parser="mistral")[0], tools=True)["content"] == broken
+
+
+def test_mistral_keeps_only_what_may_start_its_opener_before_the_calls() -> None:
+    """Content before ``[TOOL_CALLS]`` goes out as it comes; the stream holds back only a possible opener's start,
+    so a long reply is read in linear time (it re-joined and searched the whole reply on every piece)."""
+    stream = get_tool_parser("mistral").stream()
+    sent = [stream.feed("hello [TOOL")[0] for _ in range(2000)]
+    held = "".join(stream._parts._text)
+    assert held == "[TOOL" and "".join(sent) + held == "hello [TOOL" * 2000
