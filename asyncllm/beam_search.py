@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.engine.validation import check_untokenized
-from asyncllm.mm.host import plain_prompt
+from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
 from asyncllm.outputs import Logprob
 from asyncllm.sampling import SamplingParams
 
@@ -87,29 +87,54 @@ class BeamSearchOutput:
 
 def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
     """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (as the
-    engine reads them: `plain_prompt`, None or empty media entries are none)."""
+    engine reads them: `plain_prompt`, None or empty media entries are none; a ``cache_salt``: `_with_cache_salt`)."""
     if isinstance(prompt, dict):
-        plain = plain_prompt(prompt)
+        without_salt = {key: value for key, value in prompt.items() if key != "cache_salt"}
+        plain = plain_prompt(without_salt)
         if plain is None:
-            raise _not_plain(prompt)
+            raise _not_plain(without_salt)
         prompt = plain
     if not isinstance(prompt, list) and engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
 
 
+def _with_cache_salt(prompt: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with a prompt dict's ``cache_salt`` (vLLM's TextPrompt / TokensPrompt key), for every step's
+    requests; the same salt may also come as the ``cache_salt`` option, a different one is refused."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return options
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str):
+        raise InvalidRequestError("prompt.cache_salt", f"must be a str, got {type(salt).__name__}")
+    if options.get("cache_salt") not in (None, salt):
+        raise InvalidRequestError("prompt.cache_salt", "differs from the cache_salt option: give one of them")
+    return {**options, "cache_salt": salt}
+
+
+_PLAIN_SHAPE = "beam search takes {'prompt': text} or {'prompt_token_ids': ids}, and optionally 'cache_salt'"
+_NOT_BUILT = {"prompt_embeds": "a prompt given as embeddings", "token_type_ids": "a cross-encoder's token type ids"}
+"""vLLM's prompt keys beam search cannot use (its steps extend token ids, and generate)."""
+
+
 def _not_plain(prompt: dict[str, Any]) -> InvalidRequestError:
-    """Why a dict holds no plain prompt, naming the key: media or embeddings (beam search is built for text prompts
-    only), a text or ids of the wrong type, or neither or both of them."""
-    media = [key for key in sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-             if plain_prompt({"prompt": "", key: prompt[key]}) is None]  # the keys that hold more than text
+    """Why a dict (its ``cache_salt`` aside) holds no plain prompt, naming the key: one that vLLM's prompt dicts do
+    not have, embeddings or media (not built for beam search), a text or ids of the wrong type, or neither or both
+    of them."""
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"} - MEDIA_KEYS - set(_NOT_BUILT))
+    if unknown:
+        return InvalidRequestError(f"prompt.{unknown[0]}", f"unknown key {unknown[0]!r}: {_PLAIN_SHAPE}")
+    for key, what in _NOT_BUILT.items():
+        if key in prompt:
+            return InvalidRequestError(f"prompt.{key}", f"{what} is not built for beam search: {_PLAIN_SHAPE}")
+    media = [key for key in sorted(set(prompt) & MEDIA_KEYS)
+             if plain_prompt({"prompt": "", key: prompt[key]}) is None]  # the keys that hold media
     if media:
-        return InvalidRequestError(f"prompt.{media[0]}", "beam search takes {'prompt': text} or {'prompt_token_ids': "
-                                                         "ids}; media and embeddings are not built")
+        return InvalidRequestError(f"prompt.{media[0]}", f"media are not built for beam search: {_PLAIN_SHAPE}")
     for key, kind, name in (("prompt", str, "a str"), ("prompt_token_ids", list, "a list of ids")):
         if prompt.get(key) is not None and not isinstance(prompt[key], kind):
             return InvalidRequestError(f"prompt.{key}", f"must be {name}, got {type(prompt[key]).__name__}")
-    return InvalidRequestError("prompt", "beam search takes {'prompt': text} or {'prompt_token_ids': ids}")
+    return InvalidRequestError("prompt", _PLAIN_SHAPE)
 
 
 def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
@@ -117,12 +142,14 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
-    """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts."""
+    """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts (whose ``cache_salt``
+    salts every step's requests)."""
     params.validate()
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
     prompt_ids = _prompt_ids(engine, prompt)
+    options = _with_cache_salt(prompt, options)
     width = params.beam_width
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)

@@ -125,12 +125,13 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
 
 
 def served_max_model_len(replicas: Sequence[Any], config: EngineConfig) -> EngineConfig:
-    """`config` with the least max_model_len the replicas' cores serve (`replica.Replica`s), which every processor
-    then enforces (a core fitted longer still ends a sequence at its own: docs/configuration.md), as vLLM's one
-    max_model_len ``auto`` for all its data-parallel engines (each replica's core fits its own KV cache; with one
-    replica, or a set max_model_len, this is the core's, and no processor is told anything)."""
+    """`config` with the least max_model_len the replicas' cores serve (`replica.Replica`s), as vLLM's one
+    max_model_len ``auto`` for all its data-parallel engines (each replica's core fits its own KV cache). Every
+    started replica's processor serves it (`Processor.serve_max_model_len`): prompts are checked against it and
+    every sequence ends there, on a core fitted longer too; a new least (a restarted core's fit) reaches them all.
+    With one replica, or a set max_model_len, this is the core's own."""
     least = min((replica.max_model_len for replica in replicas if replica.max_model_len), default=config.max_model_len)
     for replica in replicas:
-        if replica.processor is not None and replica.max_model_len not in (0, least):  # else its Ready's stands
-            replica.processor._prompts.ready(least)  # the processor thread's limit, first set from its core's Ready
+        if replica.processor is not None and replica.max_model_len:  # 0: no core serving yet, nothing to tell
+            replica.processor.serve_max_model_len(least)
     return config.replace(max_model_len=least)

@@ -49,7 +49,6 @@ from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.processor import MultiModalProcessor
-from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import MAX_LOGPROBS
 
 logger = logging.getLogger("asyncllm.engine")
@@ -147,6 +146,12 @@ class Processor(ProcessorRequests, ProcessorOutputs):
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
+
+    def serve_max_model_len(self, max_model_len: int) -> None:
+        """Serve `max_model_len` (data parallelism: the least the replicas' cores fitted, `served_max_model_len`),
+        never past the core's own (its Ready's): prompts are checked against it, and a longer core still ends every
+        sequence there, by length, as vLLM's one max_model_len. Applies to the requests submitted after it."""
+        self._post(("max_model_len", max_model_len))
 
     def reset_prefix_cache(self) -> None:
         """Send `ResetPrefixCache` after every request submitted before (the jobs keep their order)."""
@@ -340,6 +345,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                     now = time.time()
                     for _, tracked in untracked:
                         self._observer.on_aborted(tracked.collector, now)
+            elif job[0] == "max_model_len":
+                self._prompts.serve(job[1])
             elif job[0] == "reset_prefix_cache":
                 dealer.send(self._encoder.encode(protocol.ResetPrefixCache()))
             elif job[0] == "send":  # a message that needs no bookkeeping here (UpdateWeights, Sleep, WakeUp)
@@ -373,28 +380,3 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             return False
         self._fail_all(death)
         return True
-
-    def _fail_all(self, error: BaseException | None) -> None:
-        """End every tracked request: with `error`, or as aborted when None."""
-        if error is not None and self.dead is None:  # the first word is the best: EngineFailed before the exit code
-            self.dead = error
-        self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
-        self._sleep_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
-        self._lora_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
-        batch: Delivery = []
-        now = time.time()
-        for tracked in self._tracked.values():
-            item = error if error is not None else StreamDelta(tracked.index, "", [], "abort",
-                                                               cumulative_logprob=tracked.cumulative_logprob)
-            batch.append((tracked.collector, item))
-            if error is not None:  # once per sample: the observer counts samples, ends a span once
-                self._observer.on_error(tracked.collector, error, now)
-            else:
-                self._observer.on_aborted(tracked.collector, now)
-        if error is not None:
-            batch.extend((collector, error) for collector in self._ending)
-        self._ending.clear()
-        self._tracked.clear()
-        self._samples.clear()
-        if batch or error is not None:
-            self._deliver(batch, None)

@@ -1,13 +1,13 @@
 """`ProcessorOutputs`: how the processor thread (asyncllm/engine/processor.py) turns the core's messages into
 deliveries for the loop, a mixin: each request's new tokens detokenized incrementally, stop strings matched (the
 request aborted in the core), logprobs decoded, a sample's end counted, a processor-cache miss answered with the
-items' data, the core's errors rebuilt as typed ones."""
+items' data, the core's errors rebuilt as typed ones, every request ended at once (a dead core, a close)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -67,9 +67,7 @@ class ProcessorOutputs:
     _weight_updates: PendingWeightUpdates
     _sleep_calls: PendingSleepCalls
     _lora_calls: PendingLoRACalls
-
-    if TYPE_CHECKING:
-        def _fail_all(self, error: BaseException | None) -> None: ...
+    dead: BaseException | None
 
     def _untrack(self, request_id: str) -> list[tuple[str, TrackedRequest]]:
         """Forget every unfinished sample of a request; their (core id, state)."""
@@ -79,6 +77,31 @@ class ProcessorOutputs:
             if tracked is not None:
                 untracked.append((core_id, tracked))
         return untracked
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        """End every tracked request: with `error`, or as aborted when None."""
+        if error is not None and self.dead is None:  # the first word is the best: EngineFailed before the exit code
+            self.dead = error
+        self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
+        self._sleep_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
+        self._lora_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
+        batch: Delivery = []
+        now = time.time()
+        for tracked in self._tracked.values():
+            item = error if error is not None else StreamDelta(tracked.index, "", [], "abort",
+                                                               cumulative_logprob=tracked.cumulative_logprob)
+            batch.append((tracked.collector, item))
+            if error is not None:  # once per sample: the observer counts samples, ends a span once
+                self._observer.on_error(tracked.collector, error, now)
+            else:
+                self._observer.on_aborted(tracked.collector, now)
+        if error is not None:
+            batch.extend((collector, error) for collector in self._ending)
+        self._ending.clear()
+        self._tracked.clear()
+        self._samples.clear()
+        if batch or error is not None:
+            self._deliver(batch, None)
 
     def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
         message = self._decoder.decode(payload)

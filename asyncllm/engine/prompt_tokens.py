@@ -21,12 +21,13 @@ from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
+from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt, truncating
 
 if TYPE_CHECKING:
     from asyncllm.engine.processor import Submit
 
-__all__ = ["PromptTokenizer"]
+__all__ = ["PromptTokenizer", "length_capped"]
 
 
 @dataclass
@@ -43,11 +44,19 @@ class PromptTokenizer:
     embeds_width: int | None = None
     """The width of a prompt given as embeddings (the model's hidden size); None: such prompts are refused."""
     max_model_len: int = 0
+    """What the host serves: its core's (`ready`), or less (`serve`)."""
+    core_max_model_len: int = 0
+    """The core's own (its Ready's): a sequence runs on to it unless max_tokens ends it before."""
     max_prompt_chars: int = 2**62
     """Characters beyond which a text prompt cannot fit (`max_prompt_chars`): refused before it is tokenized."""
 
     def ready(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+        self.core_max_model_len = max_model_len
+        self.serve(max_model_len)
+
+    def serve(self, max_model_len: int) -> None:
+        """Serve `max_model_len` (data parallelism: the replicas' least), never past the core's own."""
+        self.max_model_len = min(max_model_len, self.core_max_model_len)
         if self.tokenizer is not None:
             self.max_prompt_chars = max_prompt_chars(self.tokenizer, max_model_len)
 
@@ -55,10 +64,13 @@ class PromptTokenizer:
         """The job's prompt token ids; sets ``job.embeds`` / ``job.mm_prompt`` for embeddings and images.
 
         With the option ``check_max_tokens`` (the OpenAI server's, for a request that set max_tokens), a prompt
-        plus max_tokens over max_model_len is an error (else the engine cuts max_tokens to the room left)."""
+        plus max_tokens over max_model_len is an error (else the engine cuts max_tokens to the room left: the core
+        at its own max_model_len, ``job.params`` here when the host serves less)."""
         token_ids = self._token_ids(job)
         if job.options.check_max_tokens and not job.options.echo_only:  # the prompt alone was checked when built
             errors.check_context_length(self.max_model_len, len(token_ids), job.params.max_tokens)
+        if self.max_model_len < self.core_max_model_len:
+            job.params = length_capped(job.params, self.max_model_len - len(token_ids))
         return token_ids
 
     def _token_ids(self, job: Submit) -> list[int]:
@@ -143,3 +155,14 @@ class PromptTokenizer:
             return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
         with truncating(self.tokenizer, max_length, "right", pair=True) as tokenizer:
             return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)
+
+
+def length_capped(params: SamplingParams, room: int) -> SamplingParams:
+    """`params` ending by length after `room` tokens at the latest (the served max_model_len less the prompt):
+    max_tokens cut to it, and min_tokens, which may not exceed max_tokens. The core then stops the sequence there
+    with finish_reason "length", as vLLM's at max_model_len. A prompt that fills the length (an echo's or a pooling
+    request's, max_tokens 1) keeps its one token."""
+    room = max(room, 1)
+    if params.max_tokens is not None and params.max_tokens <= room:
+        return params
+    return msgspec.structs.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

@@ -16,7 +16,11 @@ from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.mm.videos import is_one_video
 from asyncllm.tokenizer import template_arguments, with_template_calls
 
-__all__ = ["multimodal_prompt", "plain_prompt", "resend_with_data"]
+__all__ = ["MEDIA_KEYS", "multimodal_prompt", "plain_prompt", "resend_with_data"]
+
+MEDIA_KEYS = frozenset({"images", "image_uuids", "videos", "video_uuids", "audios", "audio_uuids", "multi_modal_data",
+                        "multi_modal_uuids", "mm_processor_kwargs"})
+"""A dict prompt's keys for media, ours and vLLM's (`plain_prompt`: None or empty, each is no media)."""
 
 
 def _is_multimodal_chat(messages: Any) -> bool:
@@ -106,8 +110,7 @@ def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
     ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds media (or is
     malformed: `multimodal_prompt` names what is wrong). A None or empty media entry is no media, and empty
     ``mm_processor_kwargs`` nothing."""
-    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios",
-                      "audio_uuids", "multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs"}:
+    if set(prompt) - {"prompt", "prompt_token_ids"} - MEDIA_KEYS:
         return None
     if prompt.get("mm_processor_kwargs") not in (None, {}):
         return None
