@@ -15,6 +15,8 @@
 - ``seed_oss`` (Seed-OSS): Qwen3-Coder's XML calls inside ``<seed:tool_call>`` ... ``</seed:tool_call>``.
 
 A block is read when its end tag comes; one that does not parse as a call is content, as in every other format.
+A ``deepseek_v3``, ``deepseek_v31`` or ``kimi_k2`` call's arguments are its JSON object's text as the model wrote it
+(``kimi_k2``'s less the spaces around it), as vLLM passes them on; the other formats' are ``json.dumps``'s text.
 The section markers around the calls are not content. The markers are special tokens: the server keeps special
 tokens in the text of replies these parsers read.
 """
@@ -44,31 +46,32 @@ _MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.DOT
 _MINIMAX_PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
 
 
-def _object_text(text: str) -> str | None:
-    """A JSON object's text as ``json.dumps`` writes it; None when ``text`` is not one."""
+def _object_as_written(text: str) -> str | None:
+    """``text`` itself when it is a JSON object's text (the model's spacing, key order and escapes kept, as vLLM
+    passes these formats' arguments on); None when it is not one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+    return text if isinstance(value, dict) else None
 
 
 def deepseek_v3_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     match = _DS_FENCED.match(body)
-    arguments = _object_text(match.group(2)) if match else None
+    arguments = _object_as_written(match.group(2)) if match else None
     return None if match is None or arguments is None else [(match.group(1).strip(), arguments, None)]
 
 
 def deepseek_v31_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     name, sep, rest = body.partition(_DS_SEP)
-    arguments = _object_text(rest) if sep else None
+    arguments = _object_as_written(rest) if sep else None
     return None if arguments is None or not name.strip() else [(name.strip(), arguments, None)]
 
 
 def kimi_k2_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     head, sep, rest = body.partition(_KIMI_ARGS)
     match = _KIMI_ID.match(head) if sep else None
-    arguments = _object_text(rest) if match else None
+    arguments = _object_as_written(rest.strip()) if match else None  # vLLM's regex leaves out the spaces around
     return None if match is None or arguments is None else [(match.group(2), arguments, match.group(1))]
 
 

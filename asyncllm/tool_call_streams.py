@@ -1,14 +1,11 @@
 """Pieces of tool calls as a reply streams; a call's JSON object read as it comes; the ``hermes`` stream.
 
-A `ToolCallDeltaStream` turns a reply's text deltas into its content and
-`ToolCallDelta`s, in the reply's order. `CallObject` reads one call's JSON
-object with a `JsonObjectScanner` (json_stream.py): the call's first piece
-(its id and name) goes out once its name is read, and its arguments as
-json.dumps writes them, piece by piece as they are read
-(``stream_arguments``), or the call whole once it is one. `HermesStream`
-reads ``<tool_call>`` blocks with it, `Llama3JsonStream` the call objects
-anywhere in a reply; tool_call_replies.py the formats whose reply ends in
-calls; tool_calls.py holds the parsers that make these streams.
+A `ToolCallDeltaStream` turns a reply's text deltas into its content and `ToolCallDelta`s, in the reply's order.
+`CallObject` reads one call's JSON object with a `JsonObjectScanner` (json_stream.py): the call's first piece (its
+id and name) goes out once its name is read, and its arguments as json.dumps writes them, piece by piece as they
+are read (``stream_arguments``), or the call whole once it is one. `HermesStream` reads ``<tool_call>`` blocks
+with it, `Llama3JsonStream` the call objects anywhere in a reply; tool_call_replies.py the formats whose reply
+ends in calls; tool_calls.py holds the parsers that make these streams.
 """
 
 from __future__ import annotations
@@ -265,6 +262,7 @@ class TaggedBlockStream(ToolCallDeltaStream):
             out[first], self._space = self._space + out[first], ""
         return out
 
+
 class HermesStream(TaggedBlockStream):
     """``<tool_call>`` blocks each holding one call's JSON object (the last one's ``</tool_call>`` optional)."""
 
@@ -300,28 +298,30 @@ class HermesStream(TaggedBlockStream):
 
 class Llama3JsonStream(ToolCallDeltaStream):
     """``llama3_json``: each JSON object of the reply that is ``{"name", "parameters" (or "arguments")}`` is a
-    call, wherever it is, as vLLM reads them (a ``{`` that starts no JSON value is text, and the next one is
-    tried; an object that is no call is text, braces inside it included). The text around the calls is
-    content, less the ``<|python_tag|>``, ``;`` and whitespace at the reply's start and after each call that
-    only another call or the reply's end follows. Each call is whole (`done`) once its object closes."""
+    call, wherever it is (a ``{`` that starts no JSON value is text, and the next one is tried; an object that is
+    no call is text, braces inside it included: vLLM's open PR 49923's reading). Each call is whole (`done`) once its
+    object closes. A reply with calls has no content, as vLLM's: a whole reply's text (no `stream_arguments`) is
+    held to its end, content only if no call came; streamed, the text before the first call goes out as it comes
+    (less a leading ``<|python_tag|>``, ``;`` and whitespace), and the text after it is dropped."""
 
     SEPARATORS = " \t\r\n;"
 
     def __init__(self, stream_arguments: bool) -> None:
         self._stream_arguments = stream_arguments
+        self._held: list[str] = []  # a whole reply's content, until its end shows whether it has calls
         self._buffer = ""  # text not read yet
         self._call: CallObject | None = None  # the open object
         self._object: list[str] = []  # its text
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
-        self._space: str | None = ""  # separators held before any content (None: content came since the last call)
+        self._space: str | None = ""  # separators held before any content (None: content came)
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
         parts: list[ReplyPart] = []
         while self._read_object(parts) if self._call is not None else self._read_text(parts):
             pass
-        return parts
+        return self._released(parts)
 
     def finish(self) -> list[ReplyPart]:
         parts: list[ReplyPart] = []
@@ -333,7 +333,14 @@ class Llama3JsonStream(ToolCallDeltaStream):
         self._buffer = ""
         if self._space and not self._calls:  # a reply without calls: all of it is content
             parts.append(self._space)
-        return parts
+        return self._released(parts, end=True)
+
+    def _released(self, parts: list[ReplyPart], end: bool = False) -> list[ReplyPart]:
+        """`parts`, a whole reply's content held back to its end (then content only if no call came)."""
+        if not self._stream_arguments:
+            self._held += [p for p in parts if isinstance(p, str)]
+            parts = [p for p in parts if not isinstance(p, str)]
+        return self._held + parts if end and not self._calls else parts
 
     def _read_text(self, parts: list[ReplyPart]) -> bool:
         """Content up to the next ``{`` (held back while the text may end in ``<|python_tag|>``'s start)."""
@@ -365,7 +372,7 @@ class Llama3JsonStream(ToolCallDeltaStream):
             self._content(parts, "".join(self._object))
         else:
             parts += ends
-            self._calls, self._space = self._calls + 1, ""  # separators before it are dropped
+            self._calls += 1  # the separators held before it are dropped, as all text after it
         return True
 
     def _not_json(self, parts: list[ReplyPart]) -> None:
@@ -378,6 +385,8 @@ class Llama3JsonStream(ToolCallDeltaStream):
         self._content(parts, "{")
 
     def _content(self, parts: list[ReplyPart], text: str) -> None:
+        if self._calls:  # text after a call is not content
+            return
         if self._space is not None:
             rest = text.lstrip(self.SEPARATORS)
             while rest.startswith(PYTHON_TAG):

@@ -35,7 +35,9 @@ calls whole, at the reply's end). Content is passed on as
 it comes, except the few characters that may open a call. A call whose JSON
 does not parse is left in the content, so no text is ever lost (a streamed
 call that broke after its first piece stays as it was sent, and its text is
-content too). A call's arguments are its JSON as ``json.dumps`` writes it.
+content too). A call's arguments are its JSON as ``json.dumps`` writes it (``deepseek_v3``, ``deepseek_v31`` and
+``kimi_k2``'s: as the model wrote it, as vLLM's). A ``llama3_json`` reply with calls has no content, as vLLM's
+(streamed, the text before its first call has gone out as content already; what follows it is dropped).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ text is complete. The one way the forms differ: an ``auto`` call that breaks
 after its first piece (its JSON stops being JSON, the reply is cut short, or a
 ``llama3_json``/``mistral`` reply turns out not to be all calls) stays in the
 stream as it was sent, while the whole reply has only its text, as content
-(both have the text).
+(both have the text); and a ``llama3_json`` reply's text before its first call
+goes out as content, where the whole reply with calls has none (as vLLM's).
 """
 
 from __future__ import annotations

@@ -249,30 +249,50 @@ def test_hermes_arguments_serialized_as_a_string_are_that_object() -> None:
 
 
 LLAMA3_REPLIES = [  # vLLM's tests/tool_parsers/test_llama3_json_tool_parser.py cases, and the text around them
-    ('Here is the result: {"name": "f", "parameters": {}} Would you like to know more?',
-     "Here is the result:  Would you like to know more?", [("f", "{}")]),
-    ('{"name": "f", "parameters": {"q": "t"}} I used {f} for this.', "I used {f} for this.", [("f", '{"q": "t"}')]),
-    ('{"name": "f", "parameters": {"q": "t"}} I passed {"q": "t"}', 'I passed {"q": "t"}', [("f", '{"q": "t"}')]),
+    ('Here is the result: {"name": "f", "parameters": {}} Would you like to know more?', "Here is the result:",
+     [("f", "{}")]),
+    ('{"name": "f", "parameters": {"q": "t"}} I used {f} for this.', "", [("f", '{"q": "t"}')]),
+    ('{"name": "f", "parameters": {"q": "t"}} I passed {"q": "t"}', "", [("f", '{"q": "t"}')]),
     ('{hi {"name": "f", "arguments": {}};\n{"name": "g", "parameters": {"a": [1]}} ; ', "{hi",
      [("f", "{}"), ("g", '{"a": [1]}')]),
-    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": [1]}',
-     '; {"name": "g", "parameters": [1]}', [("f", '{"a": 1}')]),
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": [1]}', "", [("f", '{"a": 1}')]),
     ('{"name": "f"}', '{"name": "f"}', []),  # neither parameters nor arguments: no call
     ('{"name": "f", "parameters": {invalid json}', '{"name": "f", "parameters": {invalid json}', []),
     ('{"a": {"name": "f", "parameters": {}}', '{"a":', [("f", "{}")]),  # the outer object never closes
 ]
 
 
-@pytest.mark.parametrize("text, content, calls", LLAMA3_REPLIES)
-def test_llama3_json_reads_call_objects_anywhere_in_the_reply(text: str, content: str, calls: list) -> None:
+@pytest.mark.parametrize("text, before, calls", LLAMA3_REPLIES)
+def test_llama3_json_reads_call_objects_anywhere_in_the_reply(text: str, before: str, calls: list) -> None:
+    # with calls, no content (vLLM's content is None); streamed, the text before the first call went out already
     message, finish = _whole(text, parser="llama3_json")
-    assert ((message["content"] or "").strip(), _calls(message), finish) == (
-        content, calls, "tool_calls" if calls else "stop")
+    assert (message["content"], _calls(message), finish) == (
+        None if calls else before, calls, "tool_calls" if calls else "stop")
     for pieces in (list(text), _pieces(text, random.Random(1))):
         deltas, finish = _streamed(pieces, parser="llama3_json")
         streamed = merge_deltas(deltas, tools=True)
-        assert (streamed["content"] or "").strip() == content and finish == ("tool_calls" if calls else "stop")
+        assert (streamed["content"] or "").strip() == before and finish == ("tool_calls" if calls else "stop")
         assert _calls(streamed)[:len(calls)] == calls  # then a call that started streaming and broke, if any
+
+
+AS_WRITTEN = ' {"z":1,  "a" : "\\u00e9\\n",\n "b": [1.0, 2e3]} '  # spacing, key order, escapes json.dumps would change
+AS_WRITTEN_REPLIES = {  # vLLM passes these formats' arguments on as the model wrote them (kimi_k2's regex: stripped)
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n" + AS_WRITTEN
+                    + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>", AS_WRITTEN),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>" + AS_WRITTEN
+                     + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", AS_WRITTEN),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>" + AS_WRITTEN
+                + "<|tool_call_end|><|tool_calls_section_end|>", AS_WRITTEN.strip()),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(AS_WRITTEN_REPLIES))
+def test_block_call_arguments_are_the_models_text(parser: str) -> None:
+    text, arguments = AS_WRITTEN_REPLIES[parser]
+    message, finish = _whole(text, parser=parser)
+    assert (message["content"], _calls(message), finish) == (None, [("f", arguments)], "tool_calls")
+    deltas, finish = _streamed(_pieces(text, random.Random(0)), parser=parser)
+    assert _calls(merge_deltas(deltas, tools=True)) == [("f", arguments)] and finish == "tool_calls"
 
 
 COMMON = ['{"name": "f", ', '"arguments": {"x": [1, "a"]}', "}", "{", '"name": "g"', ", ", "\n", " ", "text", '"', "1",
@@ -280,6 +300,14 @@ COMMON = ['{"name": "f", ', '"arguments": {"x": [1, "a"]}', "}", "{", '"name": "
 REPLY_FRAGMENTS = {"hermes": COMMON + ["<tool_call>", "</tool_call>", "<", "</"],
                    "llama3_json": COMMON + ["<|python_tag|>", '"parameters": {"z": null}', ";", "<|python"],
                    "mistral": COMMON + ["[TOOL_CALLS]", "[ARGS]", "f", "[", "]", ",", "[TOOL_", "[AR"]}
+
+
+def _content_after_a_call(pieces: list[str]) -> list[str]:
+    """The content a streamed ``llama3_json`` reply has after its first whole call."""
+    stream = get_tool_parser("llama3_json").delta_stream()
+    parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
+    first = next(i for i, part in enumerate(parts) if isinstance(part, ToolCallDelta) and part.done)
+    return [part for part in parts[first:] if isinstance(part, str) and part]
 
 
 @settings(max_examples=200, deadline=None)
@@ -292,7 +320,10 @@ def test_streamed_form_is_the_whole_form_and_the_calls_that_broke(parser: str, d
     deltas, finish = _streamed(_pieces(text, random.Random(seed)), reason, parser=parser)
     streamed = merge_deltas(deltas, tools=True)
     assert finish == whole_finish
-    assert "".join((streamed["content"] or "").split()) == "".join((whole["content"] or "").split())
+    if parser == "llama3_json" and _calls(whole):  # no content; streamed, none after the first whole call
+        assert whole["content"] is None and _content_after_a_call(_pieces(text, random.Random(seed))) == []
+    else:
+        assert "".join((streamed["content"] or "").split()) == "".join((whole["content"] or "").split())
     remaining = iter(_calls(streamed))
     assert all(call in remaining for call in _calls(whole))  # the whole form's calls, in order, among the streamed
 
