@@ -316,9 +316,10 @@ def remove_dir(path: str) -> None:
 
 
 def free_tcp_port() -> int:
-    """A port free on 127.0.0.1 now, for a listener to bind later: below the kernel's ephemeral range where there is
-    one (/proc), since a port there is what other processes' outgoing connections take meanwhile (the workers'
-    torch.distributed rendezvous failed with EADDRINUSE under load); else one the kernel picks."""
+    """A port free on 127.0.0.1 now, for a listener to bind later (the tests' tcp:// engine addresses): below the
+    kernel's ephemeral range where there is one (/proc), since a port there is what other processes' outgoing
+    connections take meanwhile; else one the kernel picks. Still a race: a listener that can bind port 0 and tell
+    its port binds that (the workers' torch.distributed store, `Worker.rendezvous_store`)."""
     low = _ephemeral_low()
     for port in random.sample(range(max(1024, low - 16384), low), 32) if low > 2048 else ():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -27,9 +27,9 @@ from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded
                                        SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
                                        call_error_fields, config_error_from_parts, config_error_parts)
 from asyncllm.protocol_worker import (CachedRequestData, CacheReady, FirstStageReport, GrammarBitmask, InitCache,
-                                      LogprobsArrays, ModelRunnerOutput, MultiModalItem, NewRequestData,
-                                      PromptEmbeds, SchedulerOutput, ShutdownWorker, WorkerCommand, WorkerError,
-                                      WorkerMessage, WorkerReady)
+                                      JoinRendezvous, LogprobsArrays, ModelRunnerOutput, MultiModalItem,
+                                      NewRequestData, PromptEmbeds, RendezvousOpened, SchedulerOutput, ShutdownWorker,
+                                      WorkerCommand, WorkerError, WorkerMessage, WorkerReady)
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
@@ -42,8 +42,8 @@ __all__ = [
     "wire_protocol", "wire_protocol_mismatch",
     # asyncllm/protocol_worker.py
     "PromptEmbeds", "MultiModalItem", "LogprobsArrays", "NewRequestData", "CachedRequestData", "SchedulerOutput",
-    "GrammarBitmask", "InitCache", "ShutdownWorker", "WorkerCommand", "WorkerReady", "CacheReady",
-    "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
+    "GrammarBitmask", "InitCache", "ShutdownWorker", "JoinRendezvous", "WorkerCommand", "RendezvousOpened",
+    "WorkerReady", "CacheReady", "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
     # asyncllm/protocol_control.py
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
     "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts",

@@ -19,8 +19,9 @@ from asyncllm.sampling import SamplingParams
 __all__ = [
     "PromptEmbeds", "MultiModalItem", "LogprobsArrays",
     "NewRequestData", "CachedRequestData", "SchedulerOutput", "GrammarBitmask", "InitCache", "ShutdownWorker",
-    "WorkerCommand",
-    "WorkerReady", "CacheReady", "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
+    "JoinRendezvous", "WorkerCommand",
+    "RendezvousOpened", "WorkerReady", "CacheReady", "ModelRunnerOutput", "FirstStageReport", "WorkerError",
+    "WorkerMessage",
 ]
 
 
@@ -174,10 +175,24 @@ class ShutdownWorker(msgspec.Struct, **_STRUCT):
     pass
 
 
-WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights, Sleep, WakeUp]
+class JoinRendezvous(msgspec.Struct, **_STRUCT):
+    """The first command to a world of more than one rank: the port of rank 0's torch.distributed store
+    (`RendezvousOpened`), which every rank joins (workers/worker.py, `rendezvous_store`)."""
+
+    port: int
+
+
+WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights, Sleep, WakeUp, JoinRendezvous]
 
 
 # ------------------------------------------------------------- workers -> core
+class RendezvousOpened(msgspec.Struct, **_STRUCT):
+    """Rank 0 serves the torch.distributed store on ``port``, bound when the kernel picked it (port 0): the
+    executor passes it on to every rank (`JoinRendezvous`)."""
+
+    port: int
+
+
 class WorkerReady(msgspec.Struct, **_STRUCT):
     rank: int
     num_available_blocks: int
@@ -254,4 +269,4 @@ class WorkerError(msgspec.Struct, **_STRUCT):
 
 
 WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone,
-                      FirstStageReport]
+                      FirstStageReport, RendezvousOpened]

@@ -28,8 +28,8 @@ import zmq
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, EngineDeadError
-from asyncllm.procutil import (at_orphan_exit, describe_exit, first_exited, free_tcp_port, private_ipc_dir, remove_dir,
-                               spawn_module, stop_process)
+from asyncllm.procutil import (at_orphan_exit, describe_exit, first_exited, private_ipc_dir, remove_dir, spawn_module,
+                               stop_process)
 from asyncllm.workers.shm_broadcast import BroadcastWriter
 
 __all__ = ["Executor"]
@@ -48,9 +48,8 @@ _Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.W
 class Executor:
     """Owns the worker processes, the broadcast ring and the result socket.
 
-    ``runner`` names the model runner class the workers build (``module:Class``
-    or ``path/to/file.py:Class``); it is a seam for tests, None means
-    asyncllm's `ModelRunner`.
+    ``runner`` names the model runner class the workers build (``module:Class`` or ``path/to/file.py:Class``); it
+    is a seam for tests, None means asyncllm's `ModelRunner`.
     """
 
     def __init__(
@@ -119,6 +118,10 @@ class Executor:
             self._open_channels()
             self._spawn_workers()
             deadline = time.monotonic() + timeout_s
+            if self._world_size > 1:  # the port rank 0's torch.distributed store got as it bound: to every rank
+                opened = self._receive(deadline, "open the torch.distributed rendezvous")
+                assert isinstance(opened, protocol.RendezvousOpened), f"expected RendezvousOpened, got {opened!r}"
+                self._broadcast(protocol.JoinRendezvous(opened.port), deadline)
             ready = self._gather(protocol.WorkerReady, deadline, "load the model")
             self._await_ring_readers(deadline)
             # Every worker is connected to both sockets now, and connected ipc:// sockets outlive their paths: with
@@ -262,7 +265,6 @@ class Executor:
             "--config-json", msgspec.json.encode(self.config.to_dict(wire=True)).decode(),
             "--ring-json", msgspec.json.encode(self._ring.handle).decode(),
             "--result-address", f"ipc://{self._ipc_dir}/results",
-            "--dist-port", str(free_tcp_port()),
         ]
         if self._runner is not None:
             common += ["--runner", self._runner]
@@ -368,10 +370,8 @@ class Executor:
             raise EngineDeadError(f"the executor already failed: {self._failure}")
 
     def _stop_workers(self) -> None:
-        """ShutdownWorker and a grace period; after a failure, go straight to the stop.
-
-        (After a failure, live ranks may be stuck in a collective with a dead peer.)
-        """
+        """ShutdownWorker and a grace period; after a failure, go straight to the stop (live ranks may be stuck in a
+        collective with a dead peer)."""
         polite = self._failure is None
         alive = [proc for proc in self._procs if polite and proc.poll() is None]
         if alive and self._ring is not None:

@@ -5,7 +5,7 @@ fresh interpreter, never a fork, so CUDA state is never inherited). A worker
 is its own process, even at tensor_parallel_size 1, so that a CUDA fault or an
 OOM kills the worker and not the engine core.
 
-Life of a worker: join the torch.distributed group, load the model, report
+Life of a worker: join the torch.distributed group (`Worker.rendezvous_store`), load the model, report
 `WorkerReady` with the KV blocks it can hold, then loop: read a
 `WorkerCommand` from the shared-memory ring, run it, reply on zmq (only rank 0, or
 with pipeline stages the last stage's first rank, returns `ModelRunnerOutput`; every
@@ -51,6 +51,8 @@ _RESULT_LINGER_MS = 5000
 """How long a closing worker keeps trying to deliver its last message (e.g. a WorkerError)."""
 _DIST_TIMEOUT = timedelta(minutes=10)
 """torch.distributed rendezvous and collective timeout (ranks may load the model at different speeds)."""
+_LOOPBACK = "127.0.0.1"
+"""Where rank 0 serves the torch.distributed store (every rank runs on this machine)."""
 
 
 def resolve_device(device: str, rank: int) -> torch.device:
@@ -103,12 +105,10 @@ def load_runner_class(spec: str | None, pipeline_parallel_size: int = 1) -> type
     return getattr(module, name)
 
 
-def init_distributed(device: torch.device, rank: int, world_size: int, port: int) -> None:
-    """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA) before the model is built."""
+def init_distributed(device: torch.device, rank: int, world_size: int, store: dist.Store) -> None:
+    """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA) on `store` before the model is built."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=_DIST_TIMEOUT
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_DIST_TIMEOUT)
 
 
 def _pipelined(runner: Any) -> bool:
@@ -155,12 +155,32 @@ class Worker:
         if device.type == "cpu":
             ranks_on_host = self.world_size * config.data_parallel_size  # every replica's workers share the CPUs
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
-        init_distributed(device, self.rank, self.world_size, args.dist_port)
+        init_distributed(device, self.rank, self.world_size, self.rendezvous_store())
         runner_cls = load_runner_class(args.runner, config.pipeline_parallel_size)
         self.runner = runner_cls(config, self.rank, self.world_size, device)
         if args.hf_config_json is not None and hasattr(self.runner, "hf_config"):
             self.runner.hf_config = hf_config_from_json(args.hf_config_json)  # not read again (and no config class)
         self.pipelined = _pipelined(self.runner) and config.pipeline_parallel_size == 1  # stages never defer
+
+    def rendezvous_store(self) -> dist.Store:
+        """The store the ranks meet on. One rank: its own `HashStore`, no port. More: rank 0 serves a `TCPStore` on
+        the port the kernel gives it as it binds (a port picked first and bound later may be taken in between:
+        EADDRINUSE under load) and says which (`RendezvousOpened`); the executor passes it on to every rank, rank 0
+        included (`JoinRendezvous`, the first command on the ring)."""
+        if self.world_size == 1:
+            return dist.HashStore()
+        assert self.reader is not None, "attach to the ring first"
+        served = None
+        if self.rank == 0:
+            served = dist.TCPStore(_LOOPBACK, 0, self.world_size, is_master=True, timeout=_DIST_TIMEOUT,
+                                   wait_for_workers=False)  # the others learn its port only after this returns
+            self.send(protocol.RendezvousOpened(served.port))
+        command = self.decoder.decode(self.reader.dequeue(timeout=_DIST_TIMEOUT.total_seconds()))
+        if not isinstance(command, protocol.JoinRendezvous):
+            raise RuntimeError(f"expected JoinRendezvous before any other command, got {type(command).__name__}")
+        if served is not None:
+            return served
+        return dist.TCPStore(_LOOPBACK, command.port, self.world_size, is_master=False, timeout=_DIST_TIMEOUT)
 
     def start(self) -> None:
         """Load the model, size the KV cache, and say so to the executor."""
@@ -250,7 +270,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config as the host read it")
     parser.add_argument("--ring-json", required=True, help="the broadcast ring's RingHandle as JSON")
     parser.add_argument("--result-address", required=True, help="zmq address of the executor's PULL socket")
-    parser.add_argument("--dist-port", type=int, required=True, help="torch.distributed TCP rendezvous port")
     parser.add_argument("--runner", default=None, help="runner class as module:Class or file.py:Class (tests only)")
     return parser.parse_args(argv)
 

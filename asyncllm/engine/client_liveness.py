@@ -24,7 +24,7 @@ import time
 
 from asyncllm.procutil import proc_stat
 
-__all__ = ["CHECK_INTERVAL_S", "ClientLiveness", "process_identity"]
+__all__ = ["CHECK_INTERVAL_S", "ClientLiveness", "HeardAt", "mark_heard", "process_identity"]
 
 CHECK_INTERVAL_S = 0.5
 """How often the core checks that its watched hosts still run."""
@@ -56,10 +56,28 @@ def process_identity() -> str:
     return f"{machine} {start}" if start is not None else ""
 
 
+class HeardAt:
+    """When the core's I/O thread last received from one timed-out host (`time.monotonic`): a value of
+    `CoreIO.last_heard`, which `ClientLiveness` alone adds and removes."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+
+def mark_heard(last_heard: dict[bytes, HeardAt], client_id: bytes) -> None:
+    """The I/O thread heard from `client_id`: restamp its entry, if the core times it out. It never adds one (a
+    check then a set would re-add a host `ClientLiveness.forget` took out in between, for good)."""
+    heard = last_heard.get(client_id)
+    if heard is not None:  # one atomic lookup: a stamp on an entry taken out meanwhile is lost with it
+        heard.at = time.monotonic()
+
+
 class ClientLiveness:
     """Which of the hosts (by DEALER identity) the core watches have died or fell silent."""
 
-    def __init__(self, silence_timeout_s: float | None = None, last_heard: dict[bytes, float] | None = None,
+    def __init__(self, silence_timeout_s: float | None = None, last_heard: dict[bytes, HeardAt] | None = None,
                  interval_s: float = CHECK_INTERVAL_S) -> None:
         self._machine = _machine()
         self._interval_s = interval_s
@@ -69,7 +87,7 @@ class ClientLiveness:
         self._silence_timeout_s = silence_timeout_s
         self._last_heard = last_heard if last_heard is not None else {}
         """client_id -> when the core's I/O thread last received from it (`CoreIO.last_heard`), for the hosts timed
-        out (`watch` puts them in, `forget` takes them out; the I/O thread stamps only those)."""
+        out (`watch` puts them in, `forget` takes them out; the I/O thread only restamps those: `mark_heard`)."""
         self._beating: set[bytes] = set()
         """The hosts that send heartbeats (tcp://)."""
 
@@ -79,7 +97,7 @@ class ClientLiveness:
         out when it sends heartbeats and the core has a timeout; else it is left to its Goodbye."""
         if heartbeat_interval_s > 0 and self._silence_timeout_s is not None:
             self._beating.add(client_id)
-            self._last_heard[client_id] = time.monotonic()  # now: a busy core handles a Hello late
+            self._last_heard[client_id] = HeardAt(time.monotonic())  # now: a busy core handles a Hello late
         machine, _, start = identity.rpartition(" ")
         if pid > 0 and self._machine and machine == self._machine and _start_time(pid) == start:
             self._watched[client_id] = (pid, start)
@@ -100,13 +118,11 @@ class ClientLiveness:
         if now < self._next_check:
             return {}
         self._next_check = now + self._interval_s
-        for client_id in list(self._last_heard):  # stamped by the I/O thread as `forget` took it out
-            if client_id not in self._beating:
-                self._last_heard.pop(client_id, None)
         dead = {client_id: "died without a Goodbye (its process on this machine is gone)"
                 for client_id, (pid, start) in self._watched.items() if _start_time(pid) != start}
         for client_id in self._beating:
-            silent_s = now - self._last_heard.get(client_id, now)
+            heard = self._last_heard.get(client_id)
+            silent_s = 0.0 if heard is None else now - heard.at
             if silent_s > self._silence_timeout_s:  # type: ignore[operator] - set only with a timeout
                 dead.setdefault(client_id, f"sent nothing, not even its heartbeat, for {silent_s:.0f} s "
                                            f"(host_heartbeat_timeout_s={self._silence_timeout_s})")

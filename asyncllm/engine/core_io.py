@@ -18,6 +18,7 @@ import zmq
 
 from asyncllm import protocol
 from asyncllm.auth import ServerAuth, derive_keys, resolve_key
+from asyncllm.engine.client_liveness import HeardAt, mark_heard
 from asyncllm import errors
 from asyncllm.errors import ConfigError
 
@@ -34,7 +35,7 @@ class CoreIO:
     def __init__(self, address: str, key: str | None = None) -> None:
         """`key`: the shared secret of a tcp:// address (default ASYNCLLM_ENGINE_KEY; asyncllm/auth.py)."""
         self.inbox: queue.Queue[tuple[bytes, protocol.HostMessage]] = queue.Queue()
-        self.last_heard: dict[bytes, float] = {}
+        self.last_heard: dict[bytes, HeardAt] = {}
         """client_id -> when this thread last received from that host (`time.monotonic`), for the hosts
         `ClientLiveness` times out (it adds and removes them): a step that keeps the busy loop from the inbox does
         not make a host look silent."""
@@ -107,8 +108,7 @@ class CoreIO:
             logger.error("dropped an undecodable frame from a host: %s", exc)
             self._refuse_undecodable(client_id, payload, exc)
             return
-        if client_id in self.last_heard:  # a host the core times out (`ClientLiveness.watch`); not a detached one
-            self.last_heard[client_id] = time.monotonic()
+        mark_heard(self.last_heard, client_id)  # only a host the core times out (`ClientLiveness.watch`)
         self.inbox.put((client_id, message))
 
     def _refuse_undecodable(self, client_id: bytes, payload: bytes, exc: Exception) -> None:

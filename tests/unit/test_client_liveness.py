@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from asyncllm.engine.client_liveness import ClientLiveness, _machine, _start_time, process_identity
+from asyncllm.engine.client_liveness import ClientLiveness, _machine, _start_time, mark_heard, process_identity
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -59,3 +59,27 @@ def test_checks_are_spaced_by_the_interval(monkeypatch) -> None:
     monkeypatch.setattr(client_liveness, "_start_time", lambda pid: None)  # gone
     assert list(liveness.dead_clients()) == [b"reused"]
     assert list(liveness.dead_clients()) == []  # the next check is an hour away
+
+
+def test_a_host_heard_as_the_core_forgets_it_stays_forgotten() -> None:
+    """The I/O thread stamps `CoreIO.last_heard` while the busy loop may `forget` the host: a forget between its
+    lookup and its stamp must not put the host back (a detached host's entry kept, and restamped, for good)."""
+    liveness: ClientLiveness
+
+    class ForgetOnLookup(dict):  # the busy loop forgets the host right after the I/O thread looked it up
+        def __contains__(self, client_id: object) -> bool:
+            found = super().__contains__(client_id)
+            liveness.forget(client_id)  # type: ignore[arg-type]
+            return found
+
+        def get(self, client_id: object, default: object = None) -> object:
+            found = super().get(client_id, default)
+            liveness.forget(client_id)  # type: ignore[arg-type]
+            return found
+
+    last_heard = ForgetOnLookup()
+    liveness = ClientLiveness(3.0, last_heard, interval_s=0)
+    liveness.watch(b"host", 0, "", heartbeat_interval_s=1.0)
+    assert list(last_heard) == [b"host"]
+    mark_heard(last_heard, b"host")
+    assert list(last_heard) == [] and liveness.dead_clients() == {}

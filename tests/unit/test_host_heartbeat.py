@@ -12,7 +12,7 @@ import pytest
 from asyncllm import EngineDeadError, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine import channel
-from asyncllm.engine.client_liveness import ClientLiveness
+from asyncllm.engine.client_liveness import ClientLiveness, HeardAt, mark_heard
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.processor import Processor
@@ -22,7 +22,7 @@ from asyncllm.procutil import free_tcp_port
 
 
 def test_a_tcp_host_silent_past_the_timeout_is_dead_and_one_that_beats_is_not() -> None:
-    heard: dict[bytes, float] = {b"silent": time.monotonic() - 60}  # its Hello came while the core loaded
+    heard = {b"silent": HeardAt(time.monotonic() - 60)}  # its Hello came while the core loaded
     liveness = ClientLiveness(3.0, heard, interval_s=0)
     for host in (b"silent", b"beating"):
         liveness.watch(host, 0, "", heartbeat_interval_s=1.0)
@@ -30,11 +30,11 @@ def test_a_tcp_host_silent_past_the_timeout_is_dead_and_one_that_beats_is_not() 
     liveness.watch(b"ipc", 0, "")  # sends no heartbeats: left to its pid watch and its Goodbye
     assert liveness.dead_clients() == {}
     now = time.monotonic()
-    heard.update({b"silent": now - 3.5, b"beating": now - 2.5, b"ipc": now - 100})
+    heard[b"silent"].at, heard[b"beating"].at = now - 3.5, now - 2.5  # no stamp for the ipc host: it is not timed
     dead = liveness.dead_clients()
     assert list(dead) == [b"silent"] and dead[b"silent"].endswith("s (host_heartbeat_timeout_s=3.0)")
     liveness.forget(b"silent")
-    heard[b"silent"] = now  # its heartbeat stamped by the I/O thread just as it was forgotten
+    mark_heard(heard, b"silent")  # its heartbeat, heard by the I/O thread once it was forgotten
     assert liveness.dead_clients() == {} and list(heard) == [b"beating"]
     never = ClientLiveness(None, heard, interval_s=0)  # host_heartbeat_timeout_s=None
     never.watch(b"beating", 0, "", heartbeat_interval_s=1.0)
@@ -52,7 +52,7 @@ def test_core_takes_heartbeats_quietly_and_tells_a_detached_host_it_was_dropped(
     core.io = SimpleNamespace(send=lambda client, message: sent.append((client, message)))
     hello = protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol(), heartbeat_interval_s=1.0)
     assert core._handle(b"tcp", hello) is True
-    heard[b"tcp"] = time.monotonic() - 4
+    heard[b"tcp"].at = time.monotonic() - 4
     assert list(core.liveness.dead_clients()) == [b"tcp"]
     sent.clear()
     assert core._handle(b"tcp", protocol.Heartbeat()) is False and sent == []  # nothing to answer, no outputs
@@ -85,7 +85,8 @@ def test_a_host_beats_over_tcp_only_and_the_cores_io_thread_times_it(scheme: str
         beats = 0
         while not io.inbox.empty():
             beats += isinstance(io.inbox.get_nowait()[1], protocol.Heartbeat)
-        heard_at = io.last_heard.get(client)
+        heard = io.last_heard.get(client)
+        heard_at = None if heard is None else heard.at
     finally:
         processor.close(shutdown_core=False)
         io.close()

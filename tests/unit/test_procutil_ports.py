@@ -1,4 +1,4 @@
-"""`procutil.free_tcp_port`: a port for a listener to bind later (the workers' torch.distributed rendezvous)."""
+"""`procutil.free_tcp_port`: a port for a listener to bind later (the tests' tcp:// engine addresses)."""
 
 from __future__ import annotations
 
