@@ -180,10 +180,11 @@ def template_arguments(
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-    chat_template: str | None = None, content_format: str = "auto",
+    chat_template: str | None = None, content_format: str = "auto", lower: bool = False,
 ) -> list[int]:
     """Render ``messages`` with the chat template and tokenize them (arguments: `template_arguments`), their
-    content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai").
+    content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai"); `lower`: the
+    rendered text lowercased first (a sentence-transformers ``do_lower_case``: vLLM lowercases the rendered chat).
 
     The template writes the special tokens itself (BOS included), so the
     rendered text is tokenized without adding any, as transformers does. Whatever rendering raises is an
@@ -203,7 +204,11 @@ def apply_chat_template(
     from jinja2 import TemplateError
 
     try:
-        token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        if lower:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            token_ids = tokenizer(text.lower(), add_special_tokens=False).input_ids
+        else:
+            token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except TemplateError as exc:  # raise_exception() in the template, or a template bug
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a template's TypeError, ZeroDivisionError...: a 400, as vLLM's

@@ -73,6 +73,7 @@ from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
 from asyncllm.chat_content import check_content_format
 from asyncllm.structured.start_after import Marker
+from asyncllm.engine.pooling_model import lowercases
 from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
@@ -358,7 +359,7 @@ class OpenAIServer:
         render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
                                    template_kwargs=self.templates.kwargs(req), tools=template_tools(tools),
                                    chat_template=self.templates.pick(req.chat_template),
-                                   content_format=self.content_format)
+                                   content_format=self.content_format, lower=lowercases(self.engine.pooling_model))
         return await anyio.to_thread.run_sync(render)
 
     async def _tokenizer(self) -> Any:

@@ -34,7 +34,8 @@ class _Tied(NamedTuple):
     shape: list[int]
     """The whole tensor's (each rank holds a slice of its rows: `VocabParallelEmbedding`)."""
     names: list[str]
-    """The embedding's names: in the module tree (``language_model.model.embed_tokens.weight``) and checkpoints'."""
+    """The embedding's names: in the module tree (``language_model.model.embed_tokens.weight``) and checkpoints'
+    (the model's ``embedding_checkpoint_name`` last, where its loader takes no module-tree name: GPT-2's)."""
     head_names: set[str]
     """What a pushed head is named: ``lm_head.weight`` (every layout's) and its name in the module tree."""
 
@@ -108,8 +109,11 @@ def _tied_to(model: nn.Module, module: nn.Module) -> _Tied | None:
     if not own:
         return None
     shape = [getattr(module, "vocab_size", weight.shape[0]), *weight.shape[1:]]
-    return _Tied(weight, shape, [ckpt for name in own for ckpt in _checkpoint_names(name)],
-                 {TIED_HEAD, *(name for name in names if name.endswith(TIED_HEAD))})
+    checkpoint_names = [ckpt for name in own for ckpt in _checkpoint_names(name)]
+    declared = getattr(model, "embedding_checkpoint_name", None)  # GPT-2's transformer.wte.weight, BLOOM's
+    if declared:
+        checkpoint_names.append(declared)
+    return _Tied(weight, shape, checkpoint_names, {TIED_HEAD, *(name for name in names if name.endswith(TIED_HEAD))})
 
 
 def _checkpoint_names(name: str) -> list[str]:

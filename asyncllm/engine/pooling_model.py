@@ -23,11 +23,11 @@ from asyncllm.models.architectures import (
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
 )
-from asyncllm.models.st_dense import dense_modules, read_json, st_modules
+from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "pooling_model_of", "sentence_transformers_config",
-           "sentence_transformers_normalize", "sentence_transformers_pooling"]
+__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "lowercases", "pooling_model_of",
+           "sentence_transformers_config", "sentence_transformers_normalize", "sentence_transformers_pooling"]
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
@@ -191,6 +191,12 @@ class PoolingModel:
         return self.classifier.encode_pair(tokenizer, text_1, text_2, max_length)
 
 
+def lowercases(model: PoolingModel | None) -> bool:
+    """Whether text is lowercased before it is tokenized (``do_lower_case``, as vLLM): a text prompt, a score pair,
+    the text chat messages render to (None: a model not prepared from a config, which does not)."""
+    return model is not None and model.do_lower_case
+
+
 _ST_ENCODER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
                       "sentence_camembert_config.json", "sentence_albert_config.json",
                       "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
@@ -202,7 +208,7 @@ def sentence_transformers_config(path: str | None) -> dict[str, Any]:
     ``encoder_config``), {} without one."""
     for name in _ST_ENCODER_CONFIGS if path is not None else ():
         if os.path.isfile(os.path.join(path, name)):
-            return read_json(os.path.join(path, name), dict)
+            return read_st_config(os.path.join(path, name), dict)
     return {}
 
 
@@ -228,7 +234,7 @@ def sentence_transformers_pooling(path: str | None) -> str | None:
     config_path = os.path.join(path or "", module.get("path", ""), "config.json")
     if not os.path.isfile(config_path):
         return None
-    config = read_json(config_path, dict)
+    config = read_st_config(config_path, dict)
     on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
     if len(on) > 1 or any(key not in _ST_POOLING_MODES for key in on):
         raise NotBuiltError("model", ", ".join(on), f"the sentence-transformers pooling {', '.join(on)} "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from asyncllm import errors
-from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.pooling_model import PoolingModel, lowercases
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
 from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_chars, truncated_prompt,
                                        truncation_length)
@@ -58,7 +58,7 @@ class PromptTokenizer:
         """Serve `max_model_len` (data parallelism: the replicas' least), never past the core's own."""
         self.max_model_len = min(max_model_len, self.core_max_model_len)
         if self.tokenizer is not None:
-            self.max_prompt_chars = max_prompt_chars(self.tokenizer, max_model_len)
+            self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
     def token_ids(self, job: Submit) -> list[int]:
         """The job's prompt token ids; sets ``job.embeds`` / ``job.mm_prompt`` for embeddings and images.
@@ -100,8 +100,8 @@ class PromptTokenizer:
         if job.chat:
             token_ids = self._truncated(job, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
-                chat_template=options.chat_template, content_format=options.chat_template_content_format),
-                right=True)
+                chat_template=options.chat_template, content_format=options.chat_template_content_format,
+                lower=lowercases(self.pooling_model)), right=True)
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
             if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
@@ -135,7 +135,7 @@ class PromptTokenizer:
         classify, score) on the right, as vLLM's pooling runner and sentence-transformers."""
         pooling = job.options.pooling is not None
         keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
-        lower = self.pooling_model is not None and self.pooling_model.do_lower_case  # vLLM's, before tokenizing
+        lower = lowercases(self.pooling_model)  # vLLM's, before tokenizing
         prompt = job.prompt.lower() if lower else job.prompt
         if job.options.text_pair is None:
             return encode_prompt(self.tokenizer, prompt, max_length=keep,

@@ -63,6 +63,9 @@ class BloomForCausalLM(GPTNeoXForCausalLM):
     """ALiBi attention with biases, LayerNorms (one after the embeddings), a GELU MLP, the LM head tied."""
 
     model_cls = BloomModel
+    embedding_checkpoint_name = "transformer.word_embeddings.weight"
+    """The token embedding's name in checkpoints: a pushed tied ``lm_head.weight`` is written under it
+    (workers/pushed_weights.py)."""
 
     @classmethod
     def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,

@@ -99,6 +99,9 @@ class GPT2LMHeadModel(LlamaForCausalLM):
     """Whether the checkpoint's projections are ``Conv1D`` (``[in, out]``)."""
     fused_qkv = True
     """Whether the checkpoint's q, k and v are one ``c_attn`` (cut at load: no pre-quantized checkpoints)."""
+    embedding_checkpoint_name = "transformer.wte.weight"
+    """The token embedding's name in checkpoints (its loader takes no other): a pushed tied ``lm_head.weight`` is
+    written under it (workers/pushed_weights.py)."""
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:

@@ -116,6 +116,7 @@ class OPTForCausalLM(GPT2LMHeadModel):
 
     model_cls = OPTModel
     conv1d = fused_qkv = False
+    embedding_checkpoint_name = "model.decoder.embed_tokens.weight"  # not GPT-2's (its loader takes both)
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:

@@ -19,7 +19,7 @@ from typing import Any
 from asyncllm.errors import ConfigError, NotBuiltError
 
 __all__ = ["DenseModule", "dense_modules", "dense_pickle_patterns", "embedding_width", "load_dense_projection",
-           "read_json", "st_modules"]
+           "read_st_config", "st_modules"]
 
 _ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
 """sentence-transformers' ``activation_function`` names asyncllm applies (its default is Tanh)."""
@@ -39,14 +39,15 @@ def st_modules(path: str | None) -> list[dict[str, Any]] | None:
     """The folder's ``modules.json`` (its sentence-transformers pipeline), None without one."""
     if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
         return None
-    modules = read_json(os.path.join(path, "modules.json"), list)
+    modules = read_st_config(os.path.join(path, "modules.json"), list)
     if not all(isinstance(module, dict) for module in modules):
         raise ConfigError("model", os.path.join(path, "modules.json"), "a modules.json listing JSON objects")
     return modules
 
 
-def read_json(file: str, kind: type[list] | type[dict]) -> Any:
-    """``file``'s JSON (null: an empty ``kind``); `ConfigError` naming it unless it parses to a ``kind``."""
+def read_st_config(file: str, kind: type[list] | type[dict]) -> Any:
+    """A sentence-transformers config file's JSON (``modules.json``, a module's ``config.json``,
+    ``sentence_bert_config.json``; null: an empty ``kind``); `ConfigError` naming it unless it parses to a ``kind``."""
     try:
         with open(file) as f:
             value = json.load(f)
@@ -66,7 +67,7 @@ def dense_modules(path: str | None) -> list[DenseModule]:
         if not str(module.get("type", "")).endswith(".Dense"):
             continue
         folder = os.path.join(path, module.get("path", ""))  # type: ignore[arg-type]
-        config = read_json(os.path.join(folder, "config.json"), dict)
+        config = read_st_config(os.path.join(folder, "config.json"), dict)
         name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if name not in _ACTIVATIONS:
             raise NotBuiltError("model", name, f"a sentence-transformers Dense module with {name} (built: "

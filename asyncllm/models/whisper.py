@@ -182,6 +182,7 @@ class WhisperDecoder(GPT2LMHeadModel):
 
     model_cls = WhisperDecoderModel
     conv1d = fused_qkv = False
+    embedding_checkpoint_name = None  # not GPT-2's: loaded through WhisperForConditionalGeneration's names
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:

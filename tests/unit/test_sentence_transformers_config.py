@@ -1,10 +1,11 @@
 """A sentence-transformers checkpoint's own configs, read as vLLM reads them: ``modules.json``'s Normalize module is
 embeddings' default ``normalize``, ``sentence_bert_config.json``'s ``max_seq_length`` caps ``max_model_len`` and its
-``do_lower_case`` lowercases text prompts and score pairs (their token types: tests/unit/test_bert_model.py); a hub
-snapshot fetches a Dense module's pickle beside root safetensors."""
+``do_lower_case`` lowercases text prompts, score pairs (their token types: tests/unit/test_bert_model.py), rendered
+chat and /tokenize's input; a hub snapshot fetches a Dense module's pickle beside root safetensors."""
 
 from __future__ import annotations
 
+import functools
 import json
 from types import SimpleNamespace
 
@@ -103,6 +104,54 @@ def test_text_prompts_and_score_pairs_are_lowercased_with_do_lower_case(lower: b
     assert ids == [ord(c) for c in "".join(want[1])] + [1]
     assert pair.options.pooling.token_type_start == 3 and embed.options.pooling.token_type_start is None
     assert model.apply(pair.options.pooling).token_type_start is None  # set by tokenization only
+
+
+@functools.cache
+def _tiny_tokenizer():
+    from asyncllm.tiny import tiny_checkpoint
+    from asyncllm.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_checkpoint("llama"))  # case-sensitive: "Paged" and "paged" are other ids
+
+
+_CASED, _MESSAGES = "Paged ATTENTION", [{"role": "user", "content": "Paged ATTENTION"}]
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_chat_messages_render_to_lowercased_text_with_do_lower_case(lower: bool) -> None:
+    """vLLM tokenizes the rendered chat text as a text prompt: lowercased too (the template's markup with it)."""
+    from asyncllm.tokenizer import apply_chat_template
+
+    tokenizer = _tiny_tokenizer()
+    model = PoolingModel("BertModel", False, do_lower_case=lower)
+    prompts = PromptTokenizer(tokenizer, len(tokenizer), pooling_model=model, max_model_len=64)
+    job = SimpleNamespace(prompt=_MESSAGES, chat=True, params=SimpleNamespace(truncate_prompt_tokens=None),
+                          options=RequestOptions(pooling=PoolingParams(task="embed")), mm_prompt=None)
+    expected = apply_chat_template(tokenizer, [{"role": "user", "content": _CASED.lower() if lower else _CASED}])
+    assert prompts._token_ids(job) == expected
+    assert expected != apply_chat_template(tokenizer, [{"role": "user", "content": _CASED.swapcase()}])
+
+
+@pytest.mark.parametrize("lower", [True, False])
+async def test_tokenize_and_beam_search_lowercase_prompts_and_chat_with_do_lower_case(lower: bool) -> None:
+    """/tokenize gives the ids the engine runs: vLLM's lowercased prompt and rendered chat (a beam search's prompt,
+    tokenized by the server, too)."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.integrations.openai_beam_search import _prompt_ids
+    from asyncllm.integrations.openai_server import create_app
+    from asyncllm.tokenizer import apply_chat_template
+    from asgi_helpers import asgi_client
+
+    tokenizer = _tiny_tokenizer()
+    engine = SimpleNamespace(started=True, tokenizer=tokenizer, metrics_registry=None,
+                             config=EngineConfig.create("fake", max_model_len=64),
+                             pooling_model=PoolingModel("BertModel", False, do_lower_case=lower))
+    async with asgi_client(create_app(engine, model_name="fake", manage_engine=False)) as client:
+        prompt = (await client.post("/tokenize", json={"prompt": _CASED})).json()["tokens"]
+        chat = (await client.post("/tokenize", json={"messages": _MESSAGES})).json()["tokens"]
+    text = _CASED.lower() if lower else _CASED
+    assert prompt == tokenizer(text).input_ids == await _prompt_ids(engine, _CASED, None)
+    assert chat == apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
 @pytest.mark.parametrize("dense_safetensors", [False, True])

@@ -4,6 +4,7 @@ serves on."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -105,19 +106,33 @@ def test_a_tied_head_is_pushed_into_the_parameter_it_shares_in_an_image_text_mod
     assert torch.equal(embedding, head)
 
 
-def test_a_tied_head_takes_the_embeddings_shape_and_one_the_loader_cannot_write_is_refused() -> None:
+def test_a_tied_head_takes_the_embeddings_shape() -> None:
     runner = _runner(tiny_checkpoint("opt", word_embed_proj_dim=32))  # hidden_size 64: the embedding is [512, 32]
     embedding = runner.model.model.embed_tokens.weight
     reply = _push(runner, {"lm_head.weight": torch.zeros(512, 64)})
     assert re.search(r"tied embedding's shape \[512, 32\].*got \[512, 64\]", reply.error), reply
     head = torch.randn(512, 32)
     assert _push(runner, {"lm_head.weight": head}) == protocol.WeightsUpdated("t") and torch.equal(embedding, head)
-    gpt2 = _runner(tiny_checkpoint("gpt2"))  # its loader takes the embedding as transformer.wte only
-    embedding, head = gpt2.model.model.embed_tokens.weight, torch.randn(512, 64)
-    reply = _push(gpt2, {"lm_head.weight": head})
-    assert isinstance(weights_error(reply), InvalidRequestError) and "not 'lm_head.weight' alone" in reply.error
-    assert _push(gpt2, {"transformer.wte.weight": head, "lm_head.weight": head}) == protocol.WeightsUpdated("t")
-    assert torch.equal(embedding, head)
+
+
+@pytest.mark.parametrize("arch, name", [("gpt2", "transformer.wte.weight"), ("gpt_bigcode", "transformer.wte.weight"),
+                                        ("bloom", "transformer.word_embeddings.weight")])
+def test_a_tied_head_is_written_under_the_embeddings_checkpoint_name(arch: str, name: str, monkeypatch) -> None:
+    """Loaders that take the embedding under its checkpoint's name only (``embedding_checkpoint_name``) take a tied
+    head pushed alone too (vLLM's skip it); without that name it would be refused, not dropped."""
+    from asyncllm.models.gpt2 import GPT2LMHeadModel
+
+    runner = _runner(tiny_checkpoint(arch))
+    embedding = runner.model.model.embed_tokens.weight
+    head = torch.randn(embedding.shape)
+    assert _push(runner, {"lm_head.weight": head}) == protocol.WeightsUpdated("t") and torch.equal(embedding, head)
+    assert _push(runner, {name: -head, "lm_head.weight": -head}) == protocol.WeightsUpdated("t")
+    assert torch.equal(embedding, -head)
+    if arch == "gpt2":
+        monkeypatch.setattr(GPT2LMHeadModel, "embedding_checkpoint_name", None)
+        reply = _push(runner, {"lm_head.weight": head})
+        assert isinstance(weights_error(reply), InvalidRequestError) and "not 'lm_head.weight' alone" in reply.error
+        assert torch.equal(embedding, -head)
 
 
 def _served(path: str) -> SimpleNamespace:
@@ -139,18 +154,43 @@ def test_a_tied_head_has_the_whole_embeddings_shape_on_a_rank_holding_its_slice(
                                         None)
 
 
+def test_a_pushed_tied_pair_is_compared_on_tensor_parallel_rank_0_only() -> None:
+    """The stage's ranks map the same segment: rank 0 compares the pair, the others pass and learn the refusal from
+    the all-reduce (the core answers with rank 0's reason)."""
+    from asyncllm.engine.weight_tensors import pack_tensors
+    from asyncllm.workers.weight_update import check_tensor_update
+
+    head = torch.randn(512, 64)
+    packed = pack_tensors({"model.embed_tokens.weight": head, "lm_head.weight": head + 1})
+    command = protocol.UpdateWeights("t", "", segment=packed.segment.name, tensors=packed.tensors)
+    try:
+        for rank in range(2):
+            runner = _served(tiny_checkpoint("gemma3"))
+            runner.rank, runner.tp_size = rank, 2
+            if rank == 0:
+                with pytest.raises(InvalidRequestError, match="'lm_head.weight' equal to 'model.embed_tokens.weight'"):
+                    check_tensor_update(runner, command)
+            else:
+                segment, tensors = check_tensor_update(runner, command)
+                segment.close()
+                assert [t.name for t in tensors] == ["model.embed_tokens.weight"]
+    finally:
+        packed.close()
+
+
 def test_a_tied_head_is_written_into_the_embedding_on_both_pipeline_stages() -> None:
     from asyncllm.models.pipeline import PipelineStage
     from asyncllm.workers.pushed_weights import as_loaded
     from asyncllm.workers.weight_update import _meta_model
 
     head = protocol.WeightTensor("lm_head.weight", "float32", [512, 64], 0)
-    for rank in range(2):  # the first stage holds the embedding and no head, the last its own copy and the head
-        runner = _served(tiny_checkpoint("gemma3"))
+    embeddings = {"gemma3": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}  # as their loaders take it
+    for arch, rank in itertools.product(embeddings, range(2)):  # the first stage holds the embedding and no head, the
+        runner = _served(tiny_checkpoint(arch))                 # last its own copy and the head
         runner.stage = PipelineStage(rank, 2, rank, rank + 1)
         model = _meta_model(runner)
         tensors, _ = as_loaded(model, [head])
-        assert [t.name for t in tensors] == ["model.embed_tokens.weight"]
+        assert [t.name for t in tensors] == [embeddings[arch]]
         assert model.load_weights([(t.name, torch.empty(t.shape, device="meta")) for t in tensors]) == {
             "model.embed_tokens.weight"}
 
