@@ -35,6 +35,7 @@ from asyncllm.engine.replica import (
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
+from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError, NotBuiltError
 from asyncllm.outputs import EngineStats
@@ -296,6 +297,8 @@ class AsyncEngine(EngineRequests, EngineControl):
             await stop_all(self._replicas.replicas)
             for replica in self._replicas:
                 replica.observer.on_closed()
+            if multiprocess.multiprocess_dir() is not None:  # their last counts, once, with no file IO on the loop
+                await finish_in_thread(multiprocess.sync)
 
     async def _wait_drained(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):

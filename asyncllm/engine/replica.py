@@ -32,6 +32,7 @@ from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.engine.processor import Deliver, Processor
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.supervisor import CoreSupervisor
+from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.procutil import forked
 from asyncllm.outputs import EngineStats
@@ -389,6 +390,7 @@ def _stop_and_retire(replicas: list[Replica]) -> None:
     finally:
         for replica in replicas:
             replica.observer.on_closed()
+        multiprocess.sync()
 
 
 def _stop(processor: Processor, core: CoreProcess | None) -> None:

@@ -75,14 +75,14 @@ class HostStats:
     owned core), so hosts sharing one core report them once.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, named: bool = True) -> None:
         self.model_name = model_name
         self.engine_index: int | None = None
         """The data-parallel replica whose core this host follows (data_parallel_size > 1; its engine-wide series
         carry the label engine="<index>"), else None (no engine label)."""
         self.owns_core = False
         """Whether this host launched its core (not `AsyncEngine.connect`): the core's counters end with it."""
-        self.named = True
+        self.named = named
         """Whether `model_name` is the model (an attached host: the core's address until the core names it)."""
         self.engine = EngineView(SchedulerStats(), False, SchedulerStats())
         """`scheduler`, `reports_engine` and `retired_engine` in one object, replaced whole: a scrape thread reads

@@ -2,8 +2,9 @@
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set in a host process (vLLM's setup, e.g.
 ``uvicorn --workers N`` around one shared engine core), a scrape reaches one
-worker, so each worker writes its series into prometheus_client's per-process
-files in that folder and ``/metrics`` serves a `MultiProcessCollector` over them
+worker, so each worker writes its series into per-process files in that folder
+(`asyncllm.metrics.multiprocess_files`: its own, apart from prometheus_client's)
+and ``/metrics`` serves a `MultiProcessCollector` over them
 (`multiprocess_latest`), which adds the processes up:
 
 - request counters and histograms: each process's own totals, summed (what
@@ -15,29 +16,31 @@ files in that folder and ``/metrics`` serves a `MultiProcessCollector` over them
   that took over a shared core from one that left (no double count; what the
   core counted between the two is lost);
 - gauges: ``livemostrecent``, written by the reporter host only; a gauge the
-  process no longer exports is written once with timestamp 0, which that mode
-  skips.
+  process no longer exports (an engine closed, a LoRA adapter set no longer
+  running) leaves its file.
 
-A file keeps every series once written, so a ``model_name`` is written once the
-host knows its model (`HostStats.named`: at construction for an engine that
-owns its core, when the core names it for an attached one), never the address
-an attached host is labelled with until then.
+A ``model_name`` is written once the host knows its model (`HostStats.named`:
+at construction for an engine that owns its core, when the core names it for
+an attached one), never the address an attached host is labelled with until
+then. A named host renamed (`AsyncEngine.set_served_model_name`) moves its
+series to the new name (`relabel`).
 
 A daemon thread writes every `SYNC_INTERVAL_S` seconds; a scrape writes the
-scraping process first, an engine closing (`prometheus.retire`) writes its last
-counts and hides its gauges (a worker killed by SIGKILL runs no atexit hook),
-and an interpreter's exit (uvicorn and gunicorn workers exit through sys.exit)
-writes once more and removes the live gauges' file
-(`prometheus_client.multiprocess.mark_process_dead`). A forked child (gunicorn
-``--preload``) starts over with its own pid: nothing of the parent's growth,
-the inherited counts as its baseline, its thread started at its first
+scraping process first, an engine closing writes its last counts and drops its
+gauges (`AsyncEngine.aclose`, once for all its replicas, in a worker thread),
+and an interpreter's exit through sys.exit writes once more and removes its
+gauge file (a uvicorn worker stopped by SIGTERM dies by the signal, one killed
+by SIGKILL at once: no atexit hook; the other processes' threads remove their
+gauge files, `reap_dead`). A forked child
+(gunicorn ``--preload``) starts over with its own pid: nothing of the parent's
+growth, the inherited counts as its baseline, its thread started at its first
 snapshot, sync or mirror (`_fork`).
 """
 
 from __future__ import annotations
 
 import atexit
-import glob
+import functools
 import logging
 import os
 import re
@@ -45,20 +48,21 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import values
 from prometheus_client.core import Metric
-from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.mmap_dict import mmap_key
 
 from asyncllm.errors import ConfigError
+from asyncllm.metrics.multiprocess_files import LIVE_GAUGES, Entries, ProcessFiles, reap_dead, reported_elsewhere
 
-__all__ = ["multiprocess_dir", "checked_dir", "mirror", "multiprocess_latest", "resume", "sync", "SYNC_INTERVAL_S"]
+__all__ = ["multiprocess_dir", "checked_dir", "mirror", "multiprocess_latest", "relabel", "resume", "sync",
+           "SYNC_INTERVAL_S"]
 
 logger = logging.getLogger("asyncllm.engine")
 
 SYNC_INTERVAL_S = 1.0
-GAUGE_MODE = "livemostrecent"
 
 _Key = tuple[str, str, str, tuple[tuple[str, str], ...], str]
 """(type, family name, sample name, labels, documentation)."""
@@ -83,12 +87,11 @@ def checked_dir() -> str:
 class _Writer:
     """This process's values in the folder: per counter (and histogram sample) what it grew by in each collector."""
 
-    def __init__(self, value_class: Any = None) -> None:
+    def __init__(self, pid: int | None = None) -> None:
+        """`pid`: the one its files are named after (a test's stand-in for another process; None: this one's)."""
         self.collectors: weakref.WeakSet[Any] = weakref.WeakSet()
         """Added and read under `lock` (a WeakSet changed while iterated raises)."""
-        if value_class is None:  # a MutexValue: the folder was set after prometheus_client was imported
-            value_class = values.ValueClass if values.ValueClass is not values.MutexValue else values.MultiProcessValue()
-        self._value_class = value_class
+        self.folder = checked_dir()
         from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES  # which imports this module
 
         self._engine_counters = ENGINE_COUNTER_NAMES
@@ -98,36 +101,52 @@ class _Writer:
         """Each collector's samples as the process forks: the child's `_last_seen`."""
         self._active: set[str] = set()
         """The model names a host knows (`HostStats.named`): written from then on, at 0 too."""
-        self.start_over({})
+        self.start_over({}, pid)
 
-    def start_over(self, last_seen: dict[Any, dict[_Key, float]]) -> None:
+    def start_over(self, last_seen: dict[Any, dict[_Key, float]], pid: int | None = None) -> None:
         """No values written yet, in this pid's files; `last_seen`: the counts already written by another pid."""
         self.lock = threading.Lock()
         self.pid = os.getpid()
         """The process whose files these are."""
-        self._values: dict[_Key, Any] = {}
+        self.files = ProcessFiles(self.folder, pid or self.pid)
         self._last_seen: weakref.WeakKeyDictionary[Any, dict[_Key, float]] = weakref.WeakKeyDictionary(last_seen)
         """Per collector, each counter's value at the last sync (while it exports it)."""
         self._grown: dict[_Key, float] = defaultdict(float)
         """What this process writes for each counter: a collector that went away takes nothing back."""
-        self._shown: set[_Key] = set()
-        """The gauges written with a timestamp: a gauge no longer exported is hidden once, then forgotten."""
+        self._elsewhere: dict[_Key, bool] = {}
+        """Whether a counter file held a shared core's engine-wide counter when this process first saw it."""
 
     def sync(self) -> None:
-        with self.lock:
-            per_collector = [(collector, _samples(collector), collector.owned_core_models())
-                             for collector in list(self.collectors)]
-            for collector, _, _ in per_collector:
-                self._active.update(collector.named_models())
-            gauges: dict[_Key, float] = defaultdict(float)
-            for collector, samples, owned in per_collector:
-                self._add_growth(self._last_seen.setdefault(collector, {}), samples, gauges, owned)
-            for key in self._shown - gauges.keys():
-                self._values[key].set(0.0, 0.0)  # gone: livemostrecent skips timestamp 0
-            self._shown = set(gauges)
-            now = time.time()
-            for key, value in [*gauges.items(), *self._grown.items()]:
-                self._value(key).set(value, now if key[0] == "gauge" else None)
+        """Write every collector's series. The first report of a shared core's engine-wide counter reads the
+        folder's counter files (`_taken_over`) outside the lock, then syncs again: an engine attaching or a
+        scrape never waits on that."""
+        found: dict[_Key, bool] = {}
+        while True:
+            with self.lock:
+                self._elsewhere.update(found)
+                per_collector = [(collector, _samples(collector), collector.owned_core_models())
+                                 for collector in list(self.collectors)]
+                for collector, _, _ in per_collector:
+                    self._active.update(collector.named_models())
+                unchecked = self._unchecked(per_collector)
+                if not unchecked:
+                    self._write(per_collector)
+                    return
+            in_files = reported_elsewhere(self.folder, map(_file_key, unchecked))
+            found = {key: _file_key(key) in in_files for key in unchecked}
+
+    def _write(self, per_collector: list[tuple[Any, dict[_Key, float], set[str]]]) -> None:
+        gauges: dict[_Key, float] = defaultdict(float)
+        for collector, samples, owned in per_collector:
+            self._add_growth(self._last_seen.setdefault(collector, {}), samples, gauges, owned)
+        now = time.time()
+        entries: dict[str, Entries] = {"counter": {}, "histogram": {}, LIVE_GAUGES: {}}
+        for key, value in gauges.items():  # a gauge no longer exported leaves the file
+            entries[LIVE_GAUGES][_file_key(key)] = (value, now)
+        for key, value in self._grown.items():
+            entries[key[0]][_file_key(key)] = (value, 0.0)
+        for kind, written in entries.items():
+            self.files.write(kind, written)
 
     def _add_growth(self, last_seen: dict[_Key, float], samples: dict[_Key, float], gauges: dict[_Key, float],
                     owned: set[str]) -> None:
@@ -146,33 +165,48 @@ class _Writer:
                 self._grown[key] += max(0.0, value - last)
             last_seen[key] = value
 
+    def _shared_engine_counter(self, key: _Key, owned: set[str]) -> bool:
+        """An engine-wide counter of a shared core (not one this collector's hosts own)."""
+        return key[0] == "counter" and key[1] in self._engine_counters and _model(key) not in owned
+
     def _taken_over(self, key: _Key, owned: set[str]) -> bool:
-        """Whether a new report of `key` continues another host's: an engine-wide counter of a shared core (not
-        one this collector's hosts own) that this process or another already wrote."""
-        return (key[0] == "counter" and key[1] in self._engine_counters and _model(key) not in owned
-                and (key in self._grown or _reported_elsewhere(key)))
+        """Whether a new report of `key` continues another host's: a shared core's engine-wide counter that this
+        process or another already wrote."""
+        return self._shared_engine_counter(key, owned) and (key in self._grown or self._elsewhere[key])
 
-    def _value(self, key: _Key) -> Any:
-        value = self._values.get(key)
-        if value is None:  # adds the key to this process's file
-            typ, family, name, labels, documentation = key
-            value = self._value_class(typ, family, name, [k for k, _ in labels], [v for _, v in labels],
-                                      documentation, multiprocess_mode=GAUGE_MODE)
-            self._values[key] = value
-        return value
+    def _unchecked(self, per_collector: list[tuple[Any, dict[_Key, float], set[str]]]) -> set[_Key]:
+        """The keys `_taken_over` would look up in the folder's files, not looked up yet."""
+        return {key for collector, samples, owned in per_collector for key in samples
+                if _model(key) in self._active and key not in self._grown and key not in self._elsewhere
+                and key not in self._last_seen.get(collector, {}) and self._shared_engine_counter(key, owned)}
+
+    def relabel(self, old: str, new: str, apply: Callable[[], None]) -> None:
+        """`apply()` renames a named host's model from `old` to `new`: what its counters counted so far is not
+        new growth, and a series of `old` that no host exports any more moves to `new` (its keys leave the file)."""
+        with self.lock:
+            collectors = list(self.collectors)
+            before = [_samples(collector) for collector in collectors]
+            apply()
+            after = [_samples(collector) for collector in collectors]
+            for collector, was, now in zip(collectors, before, after, strict=True):
+                last_seen = self._last_seen.setdefault(collector, {})
+                for key, value in now.items():
+                    if key[0] != "gauge" and (moved := value - was.get(key, 0.0)):
+                        last_seen[key] = last_seen.get(key, 0.0) + moved
+            exported = set().union(*after)
+            for key in [k for k in self._grown if _model(k) == old and k not in exported]:
+                self._grown[_relabelled(key, new)] += self._grown.pop(key)
 
 
-def _reported_elsewhere(key: _Key) -> bool:
-    """Whether another process's file holds this counter: a host that reported the core before this one."""
+def _relabelled(key: _Key, model_name: str) -> _Key:
+    typ, family, name, labels, documentation = key
+    return typ, family, name, tuple((k, model_name if k == "model_name" else v) for k, v in labels), documentation
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_key(key: _Key) -> str:
     _, family, name, labels, documentation = key
-    wanted = mmap_key(family, name, [k for k, _ in labels], [v for _, v in labels], documentation)
-    for path in glob.glob(os.path.join(multiprocess_dir() or ".", "counter_*.db")):
-        try:
-            if any(found == wanted for found, *_ in MmapedDict.read_all_values_from_file(path)):
-                return True
-        except FileNotFoundError:
-            continue
-    return False
+    return mmap_key(family, name, [k for k, _ in labels], [v for _, v in labels], documentation)
 
 
 def _model(key: _Key) -> str | None:
@@ -273,6 +307,7 @@ def _sync_forever(writer: _Writer) -> None:
     while writer.thread_pid == os.getpid():
         time.sleep(SYNC_INTERVAL_S)
         try:
+            reap_dead(writer.folder, _running)
             writer.sync()
         except Exception:  # noqa: BLE001 - the folder went away or filled up, or a bug: the thread carries on
             if not logged:
@@ -282,12 +317,18 @@ def _sync_forever(writer: _Writer) -> None:
 
 
 def _at_exit(writer: _Writer) -> None:
-    from prometheus_client.multiprocess import mark_process_dead
-
     if os.getpid() != writer.pid:  # a child forked without the fork hooks: these are its parent's files
         return
     writer.sync()
-    mark_process_dead(os.getpid())
+    writer.files.remove_live()
+
+
+def relabel(old: str, new: str, apply: Callable[[], None]) -> None:
+    """`apply()` renames a named host's model from `old` to `new` (`_Writer.relabel`), atomically for the writer."""
+    if _writer is None:
+        apply()
+    else:
+        _writer.relabel(old, new, apply)
 
 
 def _before_fork() -> None:

@@ -55,8 +55,7 @@ class RequestObserver:
 
     def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
         """`named`: `model_name` is the model (False: an attached host's core address, until `set_model_name`)."""
-        self.stats = HostStats(model_name)
-        self.stats.named = named
+        self.stats = HostStats(model_name, named)
         self.registry = attach(self.stats, registry)
         """The `CollectorRegistry` the metrics live in (the host's, or a private one)."""
         self._tracer = RequestTracer(model_name) if tracing_available() else None
@@ -79,8 +78,15 @@ class RequestObserver:
         self._label(served_name)
 
     def _label(self, model_name: str) -> None:
-        self.stats.model_name = model_name
-        self.stats.named = True
+        stats = self.stats
+
+        def apply() -> None:
+            stats.model_name, stats.named = model_name, True
+
+        if stats.named and model_name != stats.model_name:  # its series may be written: they move to the new name
+            multiprocess.relabel(stats.model_name, model_name, apply)
+        else:
+            apply()
         if self._tracer is not None:
             self._tracer.model_name = model_name
 

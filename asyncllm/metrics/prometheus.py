@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
-from asyncllm.metrics.multiprocess import mirror, multiprocess_dir, sync
+from asyncllm.metrics.multiprocess import mirror, multiprocess_dir
 from asyncllm.protocol import SchedulerStats
 
 __all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
@@ -117,8 +117,8 @@ class AsyncLLMCollector(Collector):
             if stats not in self._sources:
                 return
             key = (stats.model_name, stats.engine_index)
-            retired = HostStats(stats.model_name)  # new, not added to: a scrape may be reading the old one
-            retired.engine_index, retired.named = stats.engine_index, stats.named
+            retired = HostStats(stats.model_name, stats.named)  # new, not added to: a scrape may be reading the old one
+            retired.engine_index = stats.engine_index
             for closed in (self._retired.get(key), stats):
                 if closed is not None:
                     retired.absorb(closed)
@@ -267,13 +267,12 @@ def _merged_buckets(histograms: list[Histogram]) -> tuple[list[tuple[str, float]
 
 def retire(stats: HostStats, registry: CollectorRegistry) -> None:
     """The engine of `stats` closed for good (after `HostStats.mark_closed`): its final counters stay in the summed
-    series of `registry`, which never go down (Prometheus would read a drop as a reset)."""
+    series of `registry`, which never go down (Prometheus would read a drop as a reset). In multiprocess mode the
+    caller writes them once all its replicas retired (`multiprocess.sync`, off the event loop)."""
     with _collectors_lock:
         collector = _collectors.get(registry)
     if collector is not None:
         collector.retire(stats)
-        if multiprocess_dir() is not None:
-            sync()  # its last counts, and its gauges gone, now: the process may live on, or be killed (no atexit)
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, AsyncLLMCollector] = weakref.WeakKeyDictionary()

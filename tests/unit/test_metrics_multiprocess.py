@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry, values
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client import CollectorRegistry
+from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.multiprocess import MultiProcessCollector
 
-from asyncllm.metrics import prometheus
+from asyncllm.metrics import multiprocess, prometheus
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.multiprocess import _Writer
+from asyncllm.metrics.multiprocess_files import LIVE_GAUGES
+from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.prometheus import AsyncLLMCollector
 from asyncllm.protocol import SchedulerStats
 
@@ -24,7 +28,7 @@ def _host(pid: int, generated: int, ttft: float) -> tuple[_Writer, HostStats]:
     stats.time_to_first_token.observe(ttft)
     collector = AsyncLLMCollector()
     collector.add(stats)
-    writer = _Writer(values.MultiProcessValue(lambda: pid))
+    writer = _Writer(pid)
     writer.collectors.add(collector)
     writer._collector = collector  # held: the writer holds its collectors weakly
     return writer, stats
@@ -83,7 +87,7 @@ def test_gauges_and_engine_counters_follow_the_reporter(tmp_path, monkeypatch: p
         reporter.take_snapshot(SchedulerStats(num_requests_running=1, num_preemptions_total=preemptions), True)
         a.sync()
     assert _scrape(str(tmp_path))[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 7
-    mark_process_dead(2001, str(tmp_path)), mark_process_dead(2002, str(tmp_path))
+    a.files.remove_live(), b.files.remove_live()  # both exit
     assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", (("model_name", "m"),))] == 2
 
 
@@ -105,16 +109,48 @@ def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tm
     assert "ipc://" not in body
 
 
-def test_attach_mirrors_and_retire_writes_only_in_multiprocess_mode(tmp_path, monkeypatch) -> None:
+def test_attach_mirrors_only_in_multiprocess_mode(tmp_path, monkeypatch) -> None:
     mirrored: list[AsyncLLMCollector] = []
     monkeypatch.setattr(prometheus, "mirror", mirrored.append)
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     prometheus.attach(HostStats("m"))
     assert mirrored == []
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    stats, synced = HostStats("m"), []
-    registry = prometheus.attach(stats)
+    registry = prometheus.attach(HostStats("m"))
     assert mirrored == [prometheus._collectors[registry]]
-    monkeypatch.setattr(prometheus, "sync", lambda: synced.append(True))
-    prometheus.retire(stats, registry)  # the engine closed: its last counts written before the worker exits
-    assert synced == [True]
+
+
+def test_a_renamed_host_moves_its_series_to_the_new_name(tmp_path, monkeypatch) -> None:
+    """`AsyncEngine.set_served_model_name` after start: the old name's series leave the files, none counts twice."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    observer = RequestObserver("m")  # its collector goes to this test's writer, not the module's
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    stats, writer = observer.stats, _Writer(5001)
+    writer.collectors.add(prometheus._collectors[observer.registry])
+    stats.owns_core, stats.generation_tokens_total = True, 4
+    stats.time_to_first_token.observe(0.1)
+    stats.take_snapshot(SchedulerStats(num_requests_running=2, num_preemptions_total=3), True)
+    writer.sync()
+    monkeypatch.setattr(multiprocess, "_writer", writer)
+    observer.serve_as("served")
+    stats.generation_tokens_total += 1
+    writer.sync()
+    scraped = _scrape(str(tmp_path))
+    assert not any(dict(labels).get("model_name") == "m" for _, labels in scraped)
+    served = (("model_name", "served"),)
+    assert scraped[("asyncllm:generation_tokens_total", served)] == 5
+    assert scraped[("asyncllm:num_preemptions_total", served)] == 3
+    assert scraped[("asyncllm:time_to_first_token_seconds_count", served)] == 1
+    assert scraped[("asyncllm:num_requests_running", served)] == 2
+
+
+def test_lora_adapter_sets_no_longer_running_leave_the_gauge_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    writer, stats = _host(5002, 0, 0.1)
+    for adapter in range(20):  # adapters loaded, used, unloaded
+        stats.take_snapshot(SchedulerStats(max_lora=1, running_lora_adapters=[f"a{adapter}"]), True)
+        writer.sync()
+    held = MmapedDict.read_all_values_from_file(writer.files.path(LIVE_GAUGES))
+    assert sorted(json.loads(key)[2].get("running_lora_adapters", "") for key, *_ in held) == ["", "", "", "a19"]
+    info = [labels for name, labels in _scrape(str(tmp_path)) if name == "asyncllm:lora_requests_info"]
+    assert [dict(labels)["running_lora_adapters"] for labels in info] == ["a19"]

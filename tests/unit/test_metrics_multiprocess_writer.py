@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry, values
+from prometheus_client import CollectorRegistry
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from asyncllm import AsyncEngine
+from asyncllm.engine import async_engine
 from asyncllm.errors import ConfigError
-from asyncllm.metrics import multiprocess, prometheus
+from asyncllm.metrics import multiprocess, multiprocess_files, prometheus
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.multiprocess import _Writer
+from asyncllm.metrics.multiprocess_files import LIVE_GAUGES, reap_dead
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.prometheus import AsyncLLMCollector
 from asyncllm.protocol import SchedulerStats
@@ -25,7 +31,7 @@ M = (("model_name", "m"),)
 
 
 def _writer(pid: int, *stats: HostStats) -> _Writer:
-    writer = _Writer(values.MultiProcessValue(lambda: pid))
+    writer = _Writer(pid)
     writer.held = []  # the writer holds its collectors weakly
     for one in stats:
         collector = AsyncLLMCollector()
@@ -106,8 +112,9 @@ def test_retire_logs_a_failed_write(folder, module_writer, monkeypatch, caplog) 
 
     monkeypatch.setattr(multiprocess._writer, "sync", full)
     stats.mark_closed()
+    prometheus.retire(stats, registry)
     with caplog.at_level(logging.ERROR, logger="asyncllm.engine"):
-        prometheus.retire(stats, registry)
+        multiprocess.sync()  # as aclose writes the closed engine's last counts
     assert "could not write the Prometheus series" in caplog.text
 
 
@@ -122,8 +129,7 @@ def test_files_of_processes_no_longer_running_are_warned_about(folder, module_wr
 
 
 def test_an_idle_reporter_writes_its_series_but_an_unnamed_host_none(folder) -> None:
-    idle, unnamed = HostStats("m"), HostStats("ipc:///tmp/core.sock")
-    unnamed.named = False
+    idle, unnamed = HostStats("m"), HostStats("ipc:///tmp/core.sock", named=False)
     idle.take_snapshot(SchedulerStats(num_requests_running=3), True)
     _writer(4001, idle, unnamed).sync()
     scraped = _scrape(folder)
@@ -132,7 +138,7 @@ def test_an_idle_reporter_writes_its_series_but_an_unnamed_host_none(folder) -> 
     assert not any("ipc://" in dict(labels).get("model_name", "") for _, labels in scraped)
 
 
-def test_a_gauge_no_longer_exported_is_hidden_once(folder) -> None:
+def test_a_gauge_no_longer_exported_leaves_and_a_killed_process_gauges_are_reaped(folder) -> None:
     stats = HostStats("m")
     stats.take_snapshot(SchedulerStats(num_requests_running=3), True)
     writer = _writer(4002, stats)
@@ -140,11 +146,11 @@ def test_a_gauge_no_longer_exported_is_hidden_once(folder) -> None:
     stats.mark_closed()
     writer.sync()
     assert ("asyncllm:num_requests_running", M) not in _scrape(folder)
-    written: list[tuple[float, float | None]] = []
-    for value in writer._values.values():
-        value.set = lambda v, t=None: written.append((v, t))
+    assert list(MmapedDict.read_all_values_from_file(writer.files.path(LIVE_GAUGES))) == []
+    stats.take_snapshot(SchedulerStats(num_requests_running=1), True)
     writer.sync()
-    assert (0.0, 0.0) not in written
+    reap_dead(folder, lambda pid: pid != 4002)  # another worker's thread, 4002 killed
+    assert sorted(os.listdir(folder)) == ["counter_asyncllm_4002.db", "histogram_asyncllm_4002.db"]
 
 
 def test_engines_with_their_own_cores_count_from_0(folder) -> None:
@@ -185,3 +191,41 @@ def test_mirror_waits_for_a_sync_and_the_thread_survives_any_error(folder, modul
     with caplog.at_level(logging.ERROR, logger="asyncllm.engine"):
         multiprocess._sync_forever(writer)
     assert len(calls) == 3 and caplog.text.count("could not write") == 1
+
+
+def test_the_folder_is_read_outside_the_lock_once_per_counter(folder, monkeypatch) -> None:
+    """A shared core's engine-wide counter first reported: another process's file is looked up, with the writer's
+    lock free (an engine attaching or a scrape does not wait), and once."""
+    first, second = HostStats("m"), HostStats("m")
+    first.take_snapshot(SchedulerStats(num_preemptions_total=4), True)
+    _writer(4004, first).sync()
+    writer, lookups = _writer(4005, second), []
+
+    def looked_up(where: str, keys) -> set[str]:
+        assert writer.lock.acquire(blocking=False)
+        writer.lock.release()
+        lookups.append(list(keys))
+        return multiprocess_files.reported_elsewhere(where, lookups[-1])
+
+    monkeypatch.setattr(multiprocess, "reported_elsewhere", looked_up)
+    for preemptions in (6, 9):  # the second host takes over from 6 on
+        second.take_snapshot(SchedulerStats(num_preemptions_total=preemptions), True)
+        writer.sync()
+    assert len(lookups) == 1 and any('"asyncllm:num_preemptions_total"' in key for key in lookups[0])
+    assert _scrape(folder)[("asyncllm:num_preemptions_total", M)] == 7
+
+
+async def test_aclose_writes_once_for_all_replicas_off_the_event_loop(folder, module_writer, monkeypatch) -> None:
+    engine = AsyncEngine("m", data_parallel_size=3)
+    engine._started, engine._forgotten = True, weakref.finalize(engine, lambda: None)
+    engine._loop, engine._owner_pid = asyncio.get_running_loop(), os.getpid()
+
+    async def stopped(replicas) -> None:
+        pass
+
+    monkeypatch.setattr(async_engine, "stop_all", stopped)
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(multiprocess, "sync", lambda: threads.append(threading.current_thread()))
+    await engine.aclose()
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()
+    assert all(replica.observer.stats.engine.closed for replica in engine._replicas)
