@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.engine.validation import check_untokenized
+from asyncllm.engine.validation import check_untokenized, split_cache_salt
 from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
 from asyncllm.outputs import Logprob
 from asyncllm.sampling import SamplingParams
@@ -87,29 +87,15 @@ class BeamSearchOutput:
 
 def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
     """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (as the
-    engine reads them: `plain_prompt`, None or empty media entries are none; a ``cache_salt``: `_with_cache_salt`)."""
+    engine reads them: `plain_prompt`, None or empty media entries are none; its ``cache_salt`` split off first)."""
     if isinstance(prompt, dict):
-        without_salt = {key: value for key, value in prompt.items() if key != "cache_salt"}
-        plain = plain_prompt(without_salt)
+        plain = plain_prompt(prompt)
         if plain is None:
-            raise _not_plain(without_salt)
+            raise _not_plain(prompt)
         prompt = plain
     if not isinstance(prompt, list) and engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
-
-
-def _with_cache_salt(prompt: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """`options` with a prompt dict's ``cache_salt`` (vLLM's TextPrompt / TokensPrompt key), for every step's
-    requests; the same salt may also come as the ``cache_salt`` option, a different one is refused."""
-    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
-        return options
-    salt = prompt["cache_salt"]
-    if not isinstance(salt, str):
-        raise InvalidRequestError("prompt.cache_salt", f"must be a str, got {type(salt).__name__}")
-    if options.get("cache_salt") not in (None, salt):
-        raise InvalidRequestError("prompt.cache_salt", "differs from the cache_salt option: give one of them")
-    return {**options, "cache_salt": salt}
 
 
 _PLAIN_SHAPE = "beam search takes {'prompt': text} or {'prompt_token_ids': ids}, and optionally 'cache_salt'"
@@ -148,8 +134,10 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
+    prompt, cache_salt = split_cache_salt(prompt, options.get("cache_salt"))  # every step's requests are salted
+    if cache_salt is not None:
+        options = {**options, "cache_salt": cache_salt}
     prompt_ids = _prompt_ids(engine, prompt)
-    options = _with_cache_salt(prompt, options)
     width = params.beam_width
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)

@@ -363,6 +363,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             params = self.default_sampling_params()
         params.validate()
         options.validate()
+        prompt, options = options.salted(prompt)
         check_request_strings(params, options.request_id, options.cache_salt)
         if self._draining:
             raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")

@@ -8,7 +8,7 @@ cancellation or a timeout around ``__anext__``, or garbage collection.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
@@ -18,7 +18,7 @@ from asyncllm.metrics.tracing import capture_context
 from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
-from asyncllm.engine.validation import check_priority, check_text
+from asyncllm.engine.validation import check_priority, check_text, split_cache_salt
 from asyncllm.chat_content import check_content_format
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
 from asyncllm.tool_calls import check_tools
@@ -79,6 +79,12 @@ class RequestOptions:
         if self.pooling is None:
             return None
         return POOLING_OPERATIONS[self.pooling_api or self.pooling.task]
+
+    def salted(self, prompt: Any) -> tuple[Any, "RequestOptions"]:
+        """`prompt` without a prompt dict's ``cache_salt``, and these options with that salt as the request's
+        (`split_cache_salt`: vLLM's TextPrompt / TokensPrompt / EmbedsPrompt key)."""
+        prompt, cache_salt = split_cache_salt(prompt, self.cache_salt)
+        return prompt, self if cache_salt == self.cache_salt else replace(self, cache_salt=cache_salt)
 
     def validate(self) -> None:
         check_priority(self.priority)

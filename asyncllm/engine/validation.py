@@ -25,7 +25,7 @@ __all__ = [
     "truncated_prompt", "truncation_length",
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_request_id",
     "check_allowed_tokens",
-    "check_text", "served_tasks",
+    "check_text", "served_tasks", "split_cache_salt",
     "check_params_text", "check_params_vocab", "check_request_strings",
     "check_token_ids",
     "max_prompt_chars",
@@ -88,6 +88,24 @@ def check_request_strings(params: SamplingParams, request_id: str | None, cache_
         check_request_id(request_id)
     if cache_salt is not None:
         check_text("cache_salt", cache_salt)
+
+
+def split_cache_salt(prompt: Any, cache_salt: str | None) -> tuple[Any, str | None]:
+    """A prompt dict without its ``cache_salt`` (vLLM's TextPrompt / TokensPrompt / EmbedsPrompt key), and the
+    request's salt: the dict's, or else `cache_salt` (the argument). A dict's salt is a str (None: none; ``""`` is
+    a salt, as the argument's); the argument may repeat it, a different one is refused. Any other prompt: as is."""
+    if not isinstance(prompt, dict) or "cache_salt" not in prompt:
+        return prompt, cache_salt
+    salt = prompt["cache_salt"]
+    prompt = {key: value for key, value in prompt.items() if key != "cache_salt"}
+    if salt is None:
+        return prompt, cache_salt
+    if not isinstance(salt, str):
+        raise InvalidRequestError("prompt.cache_salt", f"must be a str, got {type(salt).__name__}")
+    if cache_salt is not None and cache_salt != salt:
+        raise InvalidRequestError("prompt.cache_salt", "differs from the cache_salt argument: give one of them")
+    check_text("prompt.cache_salt", salt)
+    return prompt, salt
 
 
 def check_untokenized(prompt: Any, chat: bool, params: SamplingParams, text_pair: str | None) -> None:

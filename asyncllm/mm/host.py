@@ -75,8 +75,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
 _DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios", "audio_uuids",
               "mm_processor_kwargs"}
 _DICT_SHAPE = ("a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), 'images', 'image_uuids', 'videos', "
-               "'video_uuids', 'audios', 'audio_uuids', 'mm_processor_kwargs' (optional)} or vLLM's {'prompt', "
-               "'multi_modal_data': {'image': ..., 'video': ..., 'audio': ...}}")
+               "'video_uuids', 'audios', 'audio_uuids', 'mm_processor_kwargs', 'cache_salt' (optional)} or vLLM's "
+               "{'prompt', 'multi_modal_data': {'image': ..., 'video': ..., 'audio': ...}}")
 
 
 def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
@@ -114,16 +114,13 @@ def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
         return None
     if prompt.get("mm_processor_kwargs") not in (None, {}):
         return None
-    data = prompt.get("multi_modal_data")
-    if data is not None and (not isinstance(data, dict) or set(data) - {"image", "video", "audio"}):
+    vllm_keyed = [prompt.get("multi_modal_data"), prompt.get("multi_modal_uuids")]
+    if any(d is not None and (not isinstance(d, dict) or set(d) - {"image", "video", "audio"}) for d in vllm_keyed):
         return None  # `multimodal_prompt` names what is wrong: never silently a plain prompt
-    uuids = [prompt.get(key) for key in ("image_uuids", "video_uuids", "audio_uuids", "multi_modal_uuids")]
-    if any(value is not None and not _empty(value) for value in uuids):
-        return None  # uuids of media not given
-    values = [prompt.get("images"), prompt.get("videos"), prompt.get("audios"),
-              *(data.values() if isinstance(data, dict) else [data])]
+    values = [prompt.get(key) for key in ("images", "videos", "audios", "image_uuids", "video_uuids", "audio_uuids")]
+    values += [value for given in vllm_keyed if given is not None for value in given.values()]
     if any(value is not None and not _empty(value) for value in values):
-        return None
+        return None  # media, or uuids of media not given
     text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
     if isinstance(text, str) and ids is None:
         return text

@@ -161,14 +161,16 @@ async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, toke
 
 
 async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, tokenizer) -> None:
-    """vLLM's TextPrompt / TokensPrompt dicts on a text model (a None media entry, empty mm_processor_kwargs: no
-    media); a dict with media still says it takes none, naming the media it holds."""
+    """vLLM's TextPrompt / TokensPrompt dicts on a text model (a None media entry or uuid, empty mm_processor_kwargs:
+    no media); a dict with media still says it takes none, naming the media it holds."""
     params = SamplingParams(max_tokens=6, temperature=0.0)
     ids = tokenizer("def f(x):")["input_ids"]
     outs = await asyncio.gather(engine.generate("def f(x):", params), engine.generate({"prompt": "def f(x):"}, params),
                                 engine.generate({"prompt_token_ids": ids}, params),
                                 engine.generate({"prompt": "def f(x):", "multi_modal_data": {"image": None}}, params),
-                                engine.generate({"prompt": "def f(x):", "mm_processor_kwargs": {}}, params))
+                                engine.generate({"prompt": "def f(x):", "mm_processor_kwargs": {}}, params),
+                                engine.generate({"prompt": "def f(x):", "multi_modal_uuids": {"image": None},
+                                                 "cache_salt": "t"}, params))  # every TextPrompt key
     assert len({tuple(out.token_ids) for out in outs}) == 1 and outs[2].prompt_token_ids == ids
     for media, field in (({"multi_modal_data": {"image": b"png"}}, "prompt.images"),
                          ({"multi_modal_data": {"image": None, "video": ["v"]}}, "prompt.videos"),

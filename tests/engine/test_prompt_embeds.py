@@ -72,6 +72,9 @@ async def test_equal_embeddings_share_cached_blocks_and_other_ones_none(engine: 
     assert tokens.num_cached_tokens == forged.num_cached_tokens == 0
     salted = await engine.generate({"prompt_embeds": embeds}, GREEDY, cache_salt="")
     assert salted.num_cached_tokens == 0  # no salt and "" are two salts, as for token prompts
+    in_dict = await engine.generate({"prompt_embeds": embeds, "cache_salt": "e"}, GREEDY)  # vLLM's EmbedsPrompt key
+    as_argument = await engine.generate({"prompt_embeds": embeds}, GREEDY, cache_salt="e")
+    assert in_dict.num_cached_tokens == 0 and as_argument.num_cached_tokens >= 32  # the argument's salt
 
 
 @pytest.mark.parametrize("prompt, params, field", [

@@ -78,6 +78,27 @@ async def test_a_second_identical_600_token_prompt_hits_the_prefix_cache(engine:
     assert hits == 592 and salted_again == first
 
 
+async def test_a_prompt_dicts_cache_salt_is_the_requests_salt(engine: AsyncEngine) -> None:
+    """vLLM's TextPrompt / TokensPrompt ``cache_salt``, for generate, stream and embed: the argument's salt."""
+    ids, one = _prompt(32, offset=11), SamplingParams(temperature=0.0, max_tokens=1)  # 1 full block cached
+
+    def salted(salt: str) -> dict:
+        return {"prompt_token_ids": ids, "cache_salt": salt}
+
+    first = await engine.generate(salted("dict-a"), one)
+    other = await engine.generate(salted("dict-b"), one)
+    stream = engine.stream(salted("dict-a"), one)
+    again = [delta async for delta in stream]
+    as_argument = await engine.generate(ids, one, cache_salt="dict-b")
+    embedded = await engine.embed(salted("dict-b"))
+    assert (first.num_cached_tokens, other.num_cached_tokens) == (0, 0)  # two salts share nothing
+    assert stream.collector.num_cached_tokens == as_argument.num_cached_tokens == embedded.num_cached_tokens == 16
+    assert again[-1].token_ids == other.token_ids == first.token_ids
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.generate(salted("dict-a"), one, cache_salt="dict-b")
+    assert info.value.field == "prompt.cache_salt"
+
+
 # ------------------------------------------------------------------ timeouts
 async def test_a_request_times_out_while_waiting(engine: AsyncEngine, step_s: float) -> None:
     long = await _start_long(engine)
