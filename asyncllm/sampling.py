@@ -104,7 +104,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Only these token ids may be generated (every other logit is set to -inf)."""
     bad_words: list[str] = []
     """Words that may not be generated: a word's last token is forbidden where the output ends with its
-    other tokens (each word tokenized with and without a leading space; the engine fills bad_words_token_ids)."""
+    other tokens (each word tokenized as written and, by vLLM's rule, after a space; the engine fills
+    bad_words_token_ids)."""
     bad_words_token_ids: list[list[int]] = []
     """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
     truncate_prompt_tokens: int | None = None

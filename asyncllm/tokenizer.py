@@ -135,26 +135,34 @@ _TRUNCATING_LOCK = threading.Lock()
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str],
                         token_ids: Sequence[list[int]] = ()) -> list[list[int]]:
-    """`token_ids`, then each word's token ids as it is written at a text's start and after a space, without
-    duplicates; `InvalidRequestError` naming bad_words as soon as the sequences pass vLLM's bounds
+    """`token_ids`, then each word's token ids as it is written at a text's start and, as vLLM's
+    ``SamplingParams.update_from_tokenizer``, after a space when that spelling has as many tokens and another first
+    token, without duplicates; `InvalidRequestError` naming bad_words as soon as the sequences pass vLLM's bounds
     (ASYNCLLM_MAX_NUM_BAD_WORDS sequences, ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS tokens), before the next word."""
     max_sequences, max_tokens = envs.MAX_NUM_BAD_WORDS.get(), envs.MAX_BAD_WORDS_TOTAL_TOKENS.get()
     out = list(token_ids)
     seen = {tuple(ids) for ids in out}
     total = sum(len(ids) for ids in out)
     for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+        for ids in _bad_word_spellings(tokenizer, word.lstrip()):
             if ids and tuple(ids) not in seen:
                 seen.add(tuple(ids))
                 out.append(ids)
                 total += len(ids)
         if len(out) > max_sequences or total > max_tokens:
             raise InvalidRequestError("bad_words", f"tokenize to {len(out)} sequences of {total} tokens with "
-                                      f"bad_words_token_ids (each word with and without a leading space): at most "
+                                      f"bad_words_token_ids (each word, and after a space by vLLM's rule): at most "
                                       f"{max_sequences} (ASYNCLLM_MAX_NUM_BAD_WORDS) of {max_tokens} tokens "
                                       f"(ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS)")
     return out
+
+
+def _bad_word_spellings(tokenizer: PreTrainedTokenizerBase, word: str) -> list[list[int]]:
+    """``word``'s ids, then those of `` word`` when they have as many tokens and another first one (vLLM's rule: a
+    different tokenization, such as SentencePiece's ``▁`` then the word, is not the same word after a space)."""
+    plain = [int(t) for t in tokenizer.encode(word, add_special_tokens=False)]
+    spaced = [int(t) for t in tokenizer.encode(" " + word, add_special_tokens=False)]
+    return [plain, spaced] if plain and spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [plain]
 
 
 def template_arguments(

@@ -15,9 +15,12 @@ ids into the text that is safe to show now, in three stages, token by token
    rule, `_AddedTokensJoined`).
 2. clean-up: when the tokenizer's ``decode`` applies
    ``clean_up_tokenization_spaces`` (" ." -> "."), the same rewrite applied in
-   a streaming-safe way.
+   a streaming-safe way (`SpacesCleanup`), its text still split by token.
 3. stop strings: text that could still be the start of a stop string is held
    back; a match truncates the text and ends the request (`StopStringMatcher`).
+   It counts by the token whose text completed it (past min_tokens), and the
+   ids after that token are dropped; `num_final` says which ids are past that
+   risk (clean-up may hold a token's text until later tokens come).
 
 Exactness: without stop strings (and with spaces_between_special_tokens), the deltas add up to
 ``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, the text HF
@@ -28,7 +31,11 @@ sentencepiece's ByteFallback decoder then writes every byte of the run as
 U+FFFD, the shown characters included; the stream keeps what it showed and
 writes U+FFFD for the rest of the run (their count follows the decoding
 window, so it may differ from decode()'s; the text before and after the run is
-decode()'s). vLLM's DecodeStream drops such bytes instead. The prompt is deliberately not used as decoding context: with
+decode()'s). vLLM's DecodeStream drops such bytes instead. Another: a slow
+tokenizer whose decode writes before text it wrote for earlier ids (GPT-SW3's
+puts a space before the text that precedes a special token): that text is
+shown already, so the stream decodes added tokens apart instead (vLLM's slow
+path), and lacks those spaces. The prompt is deliberately not used as decoding context: with
 sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
 space of the first output token, which ``decode(output_token_ids)`` drops.
 """
@@ -40,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.engine.spaces_cleanup import SpacesCleanup, cleanup_applies
 from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
 
@@ -48,10 +56,6 @@ __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer", "TokenIdsOnly", "new_d
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
-
-_CLEANUP_TAIL_CHARS = frozenset(" n'vr")
-"""Every proper prefix of a clean-up pattern (" .", " n't", " 've", ...) is made of these, and starts with a space."""
-
 
 @dataclass(frozen=True)
 class DetokenizerUpdate:
@@ -93,6 +97,10 @@ class TokenIdsOnly:
         self.token_ids += new_token_ids
         return _NO_TEXT
 
+    @property
+    def num_final(self) -> int:
+        return len(self.token_ids)
+
 
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas and finds its stop strings."""
@@ -103,11 +111,11 @@ class IncrementalDetokenizer:
         self.prompt_token_ids = prompt_token_ids
         """Kept for the caller; the text deliberately does not depend on it (see the module docstring)."""
         self.token_ids: list[int] = []
-        """Output ids consumed so far (up to the token that completed a stop string)."""
+        """Output ids consumed so far (up to the token that completed a stop string; see `num_final`)."""
         self.stop_string: str | None = None
         """The stop string that ended the request, once one matched."""
         self._stream = _make_stream(tokenizer, params)
-        self._cleanup = _SpacesCleanup(tokenizer.clean_up_tokenization) if _cleanup_applies(tokenizer) else None
+        self._cleanup = SpacesCleanup(tokenizer.clean_up_tokenization) if cleanup_applies(tokenizer) else None
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._min_tokens = params.min_tokens
         self._include_stop_token = params.include_stop_str_in_output
@@ -119,6 +127,16 @@ class IncrementalDetokenizer:
         if len(self._chunks) > 1:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
+
+    @property
+    def num_final(self) -> int:
+        """How many of `token_ids` no stop string can drop any more: all, but with clean-up holding text and stop
+        strings, those after the first token whose text it holds (a stop string may end in that text, and counts by
+        that token)."""
+        if self._cleanup is None or self._stops is None or self.stop_string is not None:
+            return len(self.token_ids)
+        held = self._cleanup.first_held_owner
+        return len(self.token_ids) if held is None else held
 
     def update(self, new_token_ids: list[int], finished: bool, stop_terminated: bool = False) -> DetokenizerUpdate:
         """Consume newly sampled ids; return the text that is now safe to emit.
@@ -140,32 +158,36 @@ class IncrementalDetokenizer:
         silent = new_token_ids[-1:] if stop_terminated and not self._include_stop_token else []
         for token_id in new_token_ids[: len(new_token_ids) - len(silent)]:
             self.token_ids.append(token_id)
-            if self._push(self._stream.step(token_id), pieces):
+            if self._push(len(self.token_ids), self._stream.step(token_id), pieces):
                 return self._emit(pieces)
+        last = len(self.token_ids)
         self.token_ids += silent
-        if finished:
-            flushed = self._stream.flush()
-            if self._cleanup is not None:
-                flushed = self._cleanup.push(flushed) + self._cleanup.flush()
-            if not self._push_stop_checked(flushed, pieces) and self._stops is not None:
-                pieces.append(self._stops.flush())
+        if finished and not self._push(last, self._stream.flush(), pieces, flush=True) and self._stops is not None:
+            pieces.append(self._stops.flush())
         return self._emit(pieces)
 
-    def _push(self, text: str, pieces: list[str]) -> bool:
-        """Run freshly decoded text through clean-up and stop matching; True if a stop string matched."""
-        if self._cleanup is not None:
-            text = self._cleanup.push(text)
-        return self._push_stop_checked(text, pieces)
+    def _push(self, owner: int, text: str, pieces: list[str], flush: bool = False) -> bool:
+        """Run the text of token ``owner`` (1-based) through clean-up (all it holds too with ``flush``) and stop
+        matching; True if a stop string matched."""
+        if self._cleanup is None:
+            return self._push_stop_checked(owner, text, pieces)
+        chunks = self._cleanup.push(owner, text)
+        if flush:
+            chunks += self._cleanup.flush()
+        return any(self._push_stop_checked(chunk_owner, chunk, pieces) for chunk_owner, chunk in chunks)
 
-    def _push_stop_checked(self, text: str, pieces: list[str]) -> bool:
+    def _push_stop_checked(self, owner: int, text: str, pieces: list[str]) -> bool:
         # As vLLM: a stop string counts once it ends in the text of a token after the first min_tokens (it may begin
-        # before: that text is held back as any text that may begin one)
+        # before: that text is held back as any text that may begin one); the ids after that token are dropped
         if self._stops is None:
             pieces.append(text)
             return False
-        emitted, self.stop_string = self._stops.push(text, match=len(self.token_ids) > self._min_tokens)
+        emitted, self.stop_string = self._stops.push(text, match=owner > self._min_tokens)
         pieces.append(emitted)
-        return self.stop_string is not None
+        if self.stop_string is None:
+            return False
+        del self.token_ids[owner:]
+        return True
 
     def _emit(self, pieces: list[str]) -> DetokenizerUpdate:
         text = "".join(pieces)
@@ -177,7 +199,9 @@ class IncrementalDetokenizer:
 class _WindowStream:
     """Incremental decoding over a sliding window of ids, for any ``decode`` function.
 
-    ``context`` holds the ids of the last emitted piece, ``pending`` the ids
+    ``context`` holds the ids of the last emitted piece (after a piece of
+    whitespace only, those of the last piece with other text before it too:
+    SentencePiece's decode drops a text's leading whitespace), ``pending`` the ids
     decoded since; the new text is ``decode(context + pending)`` minus
     ``decode(context)``, released once it does not end in U+FFFD. This is the
     algorithm of ``tokenizers.decoders.DecodeStream``, kept here so that the
@@ -185,29 +209,51 @@ class _WindowStream:
     DecodeStream refuses: byte-fallback ones, whose decoder rewrites a whole
     byte run as U+FFFD once a byte of it is invalid (the text is then sliced
     by length, as vLLM's original algorithm did; see the module docstring).
+
+    ``decode_apart``: for a ``decode`` that rewrites the text of ids before new ones (GPT-SW3's slow tokenizer
+    puts a space before the text that precedes a special token), a decode that cannot (`_AddedTokensApart`),
+    used while ``decode(context + pending)`` does not start with ``decode(context)``.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str],
+                 decode_apart: Callable[[list[int]], str] | None = None) -> None:
         self._decode = decode
+        self._decode_apart = decode_apart
         self._context: list[int] = []
         self._pending: list[int] = []
+        self._anchor: list[int] = []
+        """The ids of the last emitted piece with text other than whitespace."""
         self._prefix: str | None = None
         """``decode(context)``, computed once per context."""
 
     def step(self, token_id: int) -> str:
         self._pending.append(token_id)
-        prefix = self._prefix_text()
-        text = self._decode(self._context + self._pending)
-        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT_CHAR):
+        text = self._pending_text()
+        if not text or text.endswith(_REPLACEMENT_CHAR):
             return ""
-        return self._advance(text[len(prefix):])
+        if text.isspace():
+            self._context, self._pending, self._prefix = self._anchor + self._pending, [], None
+            return text
+        self._anchor = self._pending
+        return self._advance(text)
 
     def flush(self) -> str:
         """Release the text of the held-back ids, complete or not (U+FFFD stays, as decode() shows it)."""
         if not self._pending:
             return ""
+        return self._advance(self._pending_text())
+
+    def _pending_text(self) -> str:
+        """``decode(context + pending)`` past ``decode(context)``; by ``decode_apart`` where that is prefix-stable
+        and ``decode`` is not (else sliced by length, as vLLM's algorithm)."""
         prefix = self._prefix_text()
-        return self._advance(self._decode(self._context + self._pending)[len(prefix):])
+        text = self._decode(self._context + self._pending)
+        if self._decode_apart is not None and not text.startswith(prefix):
+            prefix_apart = self._decode_apart(self._context)
+            text_apart = self._decode_apart(self._context + self._pending)
+            if text_apart.startswith(prefix_apart):
+                prefix, text = prefix_apart, text_apart
+        return text[len(prefix):]
 
     def _prefix_text(self) -> str:
         if self._prefix is None:
@@ -305,50 +351,42 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
     if backend is not None:
         def decode(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    else:
-        def decode(ids: list[int]) -> str:
-            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-    return _WindowStream(decode)
+        return _WindowStream(decode)
+
+    def decode_slow(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    return _WindowStream(decode_slow, _AddedTokensApart(tokenizer, decode_slow, skip_special_tokens))
 
 
-def _cleanup_applies(tokenizer: Any) -> bool:
-    """Whether ``tokenizer.decode`` rewrites " ." to "." (transformers 5 skips it for BPE models).
+class _AddedTokensApart:
+    """A decode of ids with each added token apart, as its content (nothing for a special one skipped), the runs
+    between by the tokenizer's decode: vLLM's slow-tokenizer text (`_convert_tokens_to_string_with_added_encoders`,
+    joined without spaces as transformers 5's decode), which an added token cannot rewrite before it."""
 
-    Probed by behaviour rather than by reading transformers' private rules,
-    which changed between versions.
-    """
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return False
-    probe = tokenizer.encode("a . b n't", add_special_tokens=False)
-    return tokenizer.decode(probe) != tokenizer.decode(probe, clean_up_tokenization_spaces=False)
+    def __init__(self, tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._decode = decode
+        self._skip_special_tokens = skip_special_tokens
+        self._texts: dict[int, str] | None = None
+        """Each added token's text, read on the first call (a prefix-stable decode never makes one)."""
 
+    def __call__(self, ids: list[int]) -> str:
+        texts = self._texts if self._texts is not None else self._added_texts()
+        pieces: list[str] = []
+        start = 0
+        for i, token_id in enumerate(ids):
+            if token_id in texts:
+                if i > start:
+                    pieces.append(self._decode(ids[start:i]))
+                pieces.append(texts[token_id])
+                start = i + 1
+        if start < len(ids):
+            pieces.append(self._decode(ids[start:]))
+        return "".join(pieces)
 
-class _SpacesCleanup:
-    """transformers' ``clean_up_tokenization`` applied to a stream of text.
-
-    Every clean-up pattern starts with a space and only deletes spaces; a
-    pattern, or a chain of them (" ' " becomes "'", which may join the space
-    before it), can span a cut only from a space inside the text's trailing run
-    of characters that proper pattern prefixes are made of (" n'vr"). So the
-    text from that run's first space waits for more text, and the rest is
-    cleaned and released: "Human" is released whole (a stop string ending in it
-    matches on its token); "do n '" waits from its " n".
-    """
-
-    def __init__(self, clean: Callable[[str], str]) -> None:
-        self._clean = clean
-        self._held = ""
-
-    def push(self, text: str) -> str:
-        buffer = self._held + text
-        run = len(buffer)
-        while run > 0 and buffer[run - 1] in _CLEANUP_TAIL_CHARS:
-            run -= 1
-        space = buffer.find(" ", run)  # a pattern (or a chain of " ' " rewrites) can only start at a space
-        cut = len(buffer) if space < 0 else space
-        self._held = buffer[cut:]
-        return self._clean(buffer[:cut])
-
-    def flush(self) -> str:
-        text, self._held = self._clean(self._held), ""
-        return text
+    def _added_texts(self) -> dict[int, str]:
+        texts = dict(_added_tokens(self._tokenizer))
+        if self._skip_special_tokens:
+            texts.update(dict.fromkeys(set(getattr(self._tokenizer, "all_special_ids", ())) & texts.keys(), ""))
+        self._texts = texts
+        return texts

@@ -50,6 +50,11 @@ class TrackedRequest:
     """With logprobs (0.0 from the start): the sum of the sample's token logprobs delivered so far (vLLM's)."""
     is_prefilling: bool = True
     """No token of this sample out yet (vLLM's RequestState.is_prefilling): its first counts the prompt's tokens."""
+    num_delivered: int = 0
+    """How many of the detokenizer's `token_ids` went out: those up to its `num_final` (a stop string may yet drop
+    the others)."""
+    held_logprobs: list[Any] | None = None
+    """With logprobs: the entries of the ids consumed but not delivered yet, in order."""
 
 
 class ProcessorOutputs:
@@ -179,10 +184,10 @@ class ProcessorOutputs:
         metrics.num_generated_tokens += len(out.new_token_ids)
         finished = out.finish_reason is not None
         detokenizer = tracked.detokenizer
-        num_before = len(detokenizer.token_ids)
         # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
         update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
-        token_ids = detokenizer.token_ids[num_before:]
+        token_ids = detokenizer.token_ids[tracked.num_delivered:detokenizer.num_final]
+        tracked.num_delivered += len(token_ids)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if update.stop_string is not None:
             finish_reason, stop_reason = "stop", update.stop_string
@@ -190,7 +195,10 @@ class ProcessorOutputs:
                 aborts.append(out.request_id)
         delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
         if out.logprobs is not None:
-            delta.logprobs = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)[: len(token_ids)]
+            entries = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)
+            if tracked.held_logprobs:
+                entries = tracked.held_logprobs + entries
+            delta.logprobs, tracked.held_logprobs = entries[: len(token_ids)], entries[len(token_ids):]
             tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + sum(
                 entry[token].logprob for token, entry in zip(token_ids, delta.logprobs))
         delta.cumulative_logprob = tracked.cumulative_logprob

@@ -238,19 +238,24 @@ def test_prompt_tokenizer_cuts_text_chat_and_token_ids_as_vllm(tokenizer: Any) -
 
 
 class _CountingTokenizer:
-    """One token per character, ids by character; counts its encodes."""
+    """One token per character, ids by character, a leading space joined to a letter after it (id + 1000, BPE's
+    "Ġa") but not to a digit (SentencePiece's "▁" before a digit); counts its encodes."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.calls += 1
+        if text[:1] == " " and text[1:2].isalpha():
+            return [1000 + ord(text[1])] + [ord(c) for c in text[2:]]
         return [ord(c) for c in text]
 
 
 def test_bad_words_token_ids_dedup_and_stop_at_vllms_bound() -> None:
     tokenizer = _CountingTokenizer()
-    assert bad_words_token_ids(tokenizer, ["ab", " ab", "c"], [[7]]) == [[7], [97, 98], [32, 97, 98], [99], [32, 99]]
+    # vLLM's rule: the after-space spelling only with as many tokens and another first one (not " 5": "▁", "5")
+    assert bad_words_token_ids(tokenizer, ["ab", " ab", "c", "5"], [[7]]) == [
+        [7], [97, 98], [1097, 98], [99], [1099], [53]]
     tokenizer.calls = 0
     with pytest.raises(InvalidRequestError) as info:  # 2 sequences a word: the 65th word passes 128
         bad_words_token_ids(tokenizer, [f"w{i}" for i in range(100)])
