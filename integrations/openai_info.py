@@ -4,6 +4,7 @@ and ``/metrics`` (Prometheus text)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -37,7 +38,8 @@ class _Handlers:
         self.server = server
 
     async def models(self, request: Request) -> Response:
-        """The served names, then each LoRA module with its path as ``root`` and its base model as ``parent``."""
+        """The served names, then each LoRA module with its path as ``root`` and its base model as ``parent``; each
+        card with vLLM's ``permission`` list."""
         server = self.server
         cards = [self._model_card(name, server.engine.config.model) for name in server.model_names]
         cards += [self._model_card(name, served.request.lora_path, served.parent or server.model_name)
@@ -45,8 +47,10 @@ class _Handlers:
         return json_response({"object": "list", "data": cards})
 
     def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.server.created, "owned_by": "asyncllm", "root": root,
-                "parent": parent, "max_model_len": self.server.engine.config.max_model_len}
+        created = self.server.created
+        return {"id": name, "object": "model", "created": created, "owned_by": "asyncllm", "root": root,
+                "parent": parent, "max_model_len": self.server.engine.config.max_model_len,
+                "permission": [_model_permission(created)]}
 
     async def version(self, request: Request) -> Response:
         from asyncllm import __version__
@@ -71,6 +75,15 @@ class _Handlers:
             body = await asyncio.to_thread(multiprocess_latest)  # file writes and reads: off the event loop
             return Response(body, media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_permission(created: int) -> dict[str, Any]:
+    """vLLM's ``ModelPermission`` with its defaults (a fresh id per listing, as vLLM's): what OpenAI's legacy model
+    cards carried; nothing here enforces it."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def served_name(model: str) -> str | None:

@@ -52,7 +52,7 @@ class Choices:
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
-                 return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
+                 num_prompt_logprobs: int | None = None, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
                  reasoning_end: Marker | None = None, thinking_off: bool = False,
@@ -76,8 +76,9 @@ class Choices:
         """Chat: how replies are read for tool calls (openai_tools.py)."""
         self.reasoning = reasoning
         """Chat: the server's reasoning parser, or None."""
-        self.return_prompt_logprobs = return_prompt_logprobs
-        """vLLM's ``prompt_logprobs`` field: on each completion choice, at the top of a chat response."""
+        self.num_prompt_logprobs = num_prompt_logprobs
+        """The request's ``prompt_logprobs`` (None: no such field): vLLM's field, on each completion choice, at the
+        top of a chat response, with as many entries per token as it asked for (`prompt_logprobs_body`)."""
         self.include_reasoning = include_reasoning
         """Chat (vLLM's ``include_reasoning``): false leaves the ``reasoning`` deltas out (and `hides_metadata`)."""
         self.return_token_ids = return_token_ids
@@ -229,8 +230,9 @@ class Choices:
     def _completion_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
                "stop_reason": choice.stop_reason}
-        if self.return_prompt_logprobs:
-            out["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[index // self.n])
+        if self.num_prompt_logprobs is not None:
+            entries = self.prompt_logprobs[index // self.n]
+            out["prompt_logprobs"] = prompt_logprobs_body(entries, self.num_prompt_logprobs)
         if self.return_token_ids:
             out["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
         return out
@@ -239,8 +241,8 @@ class Choices:
         """Fields of a non-streaming response besides its choices: a chat's ``prompt_logprobs`` and (vLLM's
         ``return_token_ids``) ``prompt_token_ids`` when asked."""
         fields: dict[str, Any] = {}
-        if self.chat and self.return_prompt_logprobs:
-            fields["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[0])
+        if self.chat and self.num_prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[0], self.num_prompt_logprobs)
         if self.chat and self.return_token_ids:
             fields["prompt_token_ids"] = self.prompt_token_ids[0]
         return fields
@@ -265,13 +267,23 @@ class Choices:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs_body(entries: PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+def prompt_logprobs_body(entries: PromptLogprobs | None,
+                         top_n: int = -1) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
+    the prompt token (an entry's first) and the `top_n` most likely (-1: every entry). The engine may hold more than
+    the request asked for (completions' ``echo`` with a larger ``logprobs``): those ranked below `top_n` are left
+    out, as vLLM answers."""
     if entries is None:
         return None
     return [None if entry is None else {
         str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for token_id, lp in entry.items()} for entry in entries]
+        for token_id, lp in _asked(entry, top_n)} for entry in entries]
+
+
+def _asked(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+    """The entry's own token (its first: `LogprobsDecoder.decode`) and those of rank at most `top_n` (-1: all)."""
+    items = list(entry.items())
+    return items if top_n == -1 else items[:1] + [(t, lp) for t, lp in items[1:] if lp.rank <= top_n]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

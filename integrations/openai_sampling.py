@@ -18,7 +18,9 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, ServerLimits, StreamOptions, is_int,
 )
-from asyncllm.integrations.openai_structured import constraint_errors, structured_output
+from asyncllm.integrations.openai_structured import (
+    check_response_format_keys, constraint_errors, structured_output,
+)
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.sampling import SamplingParams, StructuredOutputs
 
@@ -92,9 +94,13 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
 
 
 def chat_field_names(req: ChatCompletionRequest) -> dict[str, str]:
-    """The chat's names of fields its errors name otherwise (`renamed_fields`): ``max_completion_tokens`` when set,
+    """The chat's names of fields its errors name otherwise (`renamed_fields`): ``top_logprobs``, the count the
+    engine's ``logprobs`` is (`chat_logprobs`; chat's ``logprobs`` is a bool), and ``max_completion_tokens`` when set,
     which `chat_params` reads before ``max_tokens``."""
-    return {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -182,10 +188,12 @@ def _check_combinations(req: GenerationRequest) -> None:
 
 
 def check_common(req: GenerationRequest) -> None:
-    """The refusals sampling and beam search share (stream_options, add_special_tokens, ...)."""
+    """The refusals sampling and beam search share (stream_options, response_format's keys, add_special_tokens, ...)."""
     # as vLLM's validate_stream_options: refused when they set any field ({} and null pass)
     _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",
             "Stream options can only be defined when stream=True")
+    if req.response_format is not None:
+        check_response_format_keys(req.response_format)
     chat = isinstance(req, ChatCompletionRequest)
     _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
             f"only its default ({str(not chat).lower()} here) is built")

@@ -240,7 +240,7 @@ class OpenAIServer:
                                       check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req)) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
-                          echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None,
+                          echo_only=echo_only(req), num_prompt_logprobs=req.prompt_logprobs,
                           return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
         with constraint_errors(constraint_field(req)):
@@ -331,7 +331,7 @@ class OpenAIServer:
                                     chat_template_content_format=self.content_format)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           token_ids_as_text=self.token_ids_as_text,
-                          return_prompt_logprobs=req.prompt_logprobs is not None,
+                          num_prompt_logprobs=req.prompt_logprobs,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or responses,

@@ -2,7 +2,8 @@
 
 ``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema`` (its ``schema``);
 ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object: true``. Both in one
-request, or keys asyncllm does not build, are a 400 naming the field.
+request, or keys asyncllm does not build, are a 400 naming the field; so is a ``response_format`` key OpenAI does
+not define (`check_response_format_keys`), named ``response_format.<key>``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.sampling import StructuredOutputs
 
-__all__ = ["structured_output", "constraint_field", "constraint_errors"]
+__all__ = ["structured_output", "check_response_format_keys", "constraint_field", "constraint_errors"]
 
 
 _JSON_OBJECT = {"type": "object"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+"""OpenAI's keys of ``response_format`` and of its ``json_schema``: others are refused as unknown fields are
+(vLLM ignores them, so ``{"type": "json_object", "schema": ...}`` would constrain nothing but the JSON object)."""
 
 
 def structured_output(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
@@ -55,6 +61,21 @@ def constraint_errors(field: str) -> contextlib.AbstractContextManager[None]:
     """The constraint's errors, the host's checks and the core's compile alike, name `field`, the one the client
     wrote it in, not the engine's ``structured``."""
     return renamed_fields({"structured": field})
+
+
+def check_response_format_keys(response_format: dict[str, Any]) -> None:
+    """`InvalidRequestError` naming ``response_format.<key>`` for a key OpenAI does not define (one level down
+    in ``json_schema``) of its three types (``text`` too; another type is refused as such), beam search's too
+    (`openai_sampling.check_common`)."""
+    if response_format.get("type") not in _RESPONSE_FORMAT_TYPES:
+        return
+    spec = response_format.get("json_schema")
+    unknown = [f"response_format.{key}" for key in response_format if key not in _RESPONSE_FORMAT_KEYS]
+    if isinstance(spec, dict):
+        unknown += [f"response_format.json_schema.{key}" for key in spec if key not in _JSON_SCHEMA_KEYS]
+    if unknown:
+        raise InvalidRequestError(unknown[0], "unknown field (OpenAI's response_format has type and json_schema: "
+                                              "name, schema, strict, description)")
 
 
 def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:

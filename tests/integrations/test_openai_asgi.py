@@ -23,6 +23,11 @@ async def test_models_health_metrics(app, bundled_engine) -> None:
         metrics = await client.get("/metrics")
     assert [m["id"] for m in models["data"]] == [MODEL]
     assert models["data"][0]["max_model_len"] == bundled_engine.config.max_model_len
+    [permission] = models["data"][0]["permission"]  # vLLM's ModelPermission, its defaults
+    assert permission.pop("id").startswith("modelperm-") and permission.pop("created") == models["data"][0]["created"]
+    assert permission == {"object": "model_permission", "allow_create_engine": False, "allow_sampling": True,
+                          "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                          "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
     assert (health.status_code, health.json()) == (200, {"status": "ok"})
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     assert "asyncllm:num_requests_running" in metrics.text

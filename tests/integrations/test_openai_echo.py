@@ -9,6 +9,8 @@ from asgi_helpers import asgi_client as _client
 from test_openai_asgi import GREEDY
 
 from asyncllm import InvalidRequestError, SamplingParams
+from asyncllm.integrations.openai_responses import prompt_logprobs_body
+from asyncllm.outputs import Logprob
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -35,6 +37,25 @@ async def test_echo_with_max_tokens_zero_gives_the_prompt_logprobs(app, bundled_
         assert logprobs["token_logprobs"][i] == pytest.approx(entry[prompt_ids[i]].logprob)
         assert len(logprobs["top_logprobs"][i]) <= 3 and logprobs["tokens"][i] in logprobs["top_logprobs"][i]
         assert logprobs["text_offset"][i] == logprobs["text_offset"][i - 1] + len(logprobs["tokens"][i - 1])
+
+
+async def test_echo_leaves_prompt_logprobs_as_many_as_asked(app) -> None:
+    """echo with logprobs 3 asks the engine for 3 prompt logprobs a token; ``prompt_logprobs`` M below it still
+    answers vLLM's shape: the prompt token and the M most likely (rank <= M), as without echo; the echoed
+    ``logprobs`` keep their 3. -1 keeps every entry the engine gave."""
+    body = {**GREEDY, "prompt": PROMPT, "max_tokens": 1}
+    async with _client(app) as client:
+        for asked in (0, 1):
+            alone = (await client.post("/v1/completions", json={**body, "prompt_logprobs": asked})).json()
+            echoed = (await client.post("/v1/completions", json={**body, "prompt_logprobs": asked, "echo": True,
+                                                                 "logprobs": 3})).json()
+            want, got = alone["choices"][0]["prompt_logprobs"], echoed["choices"][0]["prompt_logprobs"]
+            assert got[0] is None and [{t: e["rank"] for t, e in entry.items()} for entry in got[1:]] == [
+                {t: e["rank"] for t, e in entry.items()} for entry in want[1:]]
+            assert all(len(entry) <= asked + 1 for entry in got[1:])
+            assert max(len(top) for top in echoed["choices"][0]["logprobs"]["top_logprobs"][1:]) >= 3
+    entries = [None, {9: Logprob(-5.0, 40), 1: Logprob(-1.0, 1), 2: Logprob(-2.0, 2)}]  # the prompt token first
+    assert [list(prompt_logprobs_body(entries, n)[1]) for n in (0, 1, -1)] == [["9"], ["9", "1"], ["9", "1", "2"]]
 
 
 async def test_echo_only_prompt_may_fill_the_context(app) -> None:

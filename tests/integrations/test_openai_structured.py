@@ -69,6 +69,11 @@ async def test_streamed_json_schema_output_parses(app) -> None:
 
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
+    # keys OpenAI does not define are refused as unknown fields (vLLM ignores them: no schema would apply)
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format.schema"),
+    ({"response_format": {"type": "text", "strict": True}}, "response_format.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "extra": 1}}},
+     "response_format.json_schema.extra"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, "response_format"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),

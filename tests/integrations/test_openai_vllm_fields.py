@@ -126,7 +126,8 @@ def test_logprob_counts_take_bools_as_vllm() -> None:
 async def test_logprobs_as_vllm_reads_them(app) -> None:
     """Completions' ``logprobs: true`` is ``logprobs: 1``; chat's ``top_logprobs`` null (or left out) with
     ``logprobs: true`` is 0, each token's own logprob and ``top_logprobs: []`` (vLLM's ``top_logprobs`` default);
-    without ``logprobs`` a ``top_logprobs`` of 0 is accepted (no logprobs), above 0 is a 400."""
+    without ``logprobs`` a ``top_logprobs`` of 0 is accepted (no logprobs), above 0 is a 400; above the engine's
+    ``max_logprobs`` (or -1 under it) the 400 names ``top_logprobs``, not the engine's ``logprobs``."""
     chat_body = {**GREEDY, "messages": MESSAGES}
     async with asgi_client(app) as client:
         completion = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "logprobs": True})
@@ -135,6 +136,8 @@ async def test_logprobs_as_vllm_reads_them(app) -> None:
                                                                    "top_logprobs": None})
         zero = await client.post("/v1/chat/completions", json={**chat_body, "top_logprobs": 0})
         two = await client.post("/v1/chat/completions", json={**chat_body, "top_logprobs": 2})
+        over = [await client.post("/v1/chat/completions", json={**chat_body, "logprobs": True, "top_logprobs": top})
+                for top in (21, -1)]  # above the engine's max_logprobs (20): named as the client wrote it
     logprobs = completion.json()["choices"][0]["logprobs"]
     assert completion.status_code == 200 and len(logprobs["tokens"]) == 2, completion.text
     assert all(1 <= len(top) <= 2 and token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
@@ -146,6 +149,8 @@ async def test_logprobs_as_vllm_reads_them(app) -> None:
     assert all(entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0 for entry in content)
     assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
     assert two.status_code == 400 and two.json()["error"]["param"] == "top_logprobs", two.text
+    assert [(r.status_code, r.json()["error"]["param"]) for r in over] == [(400, "top_logprobs")] * 2
+    assert all(r.json()["error"]["message"].startswith("top_logprobs: at most 20") for r in over)
 
 
 def test_an_empty_cache_salt_is_refused_as_vllm() -> None:
