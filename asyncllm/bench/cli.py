@@ -62,6 +62,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
     output_json = getattr(args, "output_json", None)
     if output_json and not os.path.isdir(os.path.dirname(os.path.abspath(output_json))):
         raise ConfigError("output_json", output_json, "a file in a folder that exists (checked before the run)")
+    if output_json and os.path.isdir(output_json):
+        raise ConfigError("output_json", output_json, "a file, not a folder (checked before the run)")
     if args.workload == "kernels":
         return kernels.run(args, argv)
     module, _ = WORKLOADS[args.workload]
@@ -78,13 +80,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
 
 
 def _check_peer_reads_the_same_weights(args: argparse.Namespace) -> None:
-    """`ConfigError` for ``--compare hf`` over an MXFP4 checkpoint: transformers' ``from_config`` builds bfloat16
-    experts where asyncllm serves packed MXFP4 ones (docs/benchmarks.md), so the ratio would not compare like with
-    like."""
+    """`ConfigError` for ``--compare hf`` where the peer would not run what asyncllm runs, so the ratio would not
+    compare like with like (docs/benchmarks.md): fp8 weights or KV cache (the peer runs unquantized, in the model
+    dtype), or an MXFP4 checkpoint (transformers' ``from_config`` builds bfloat16 experts where asyncllm serves packed
+    MXFP4 ones)."""
     from asyncllm.bench.model import resolve_bench_model
     from asyncllm.models.checkpoint import checkpoint_quantization
     from asyncllm.models.loader import load_hf_config
 
+    for flag, value in (("quantization", args.quantization), ("kv_cache_dtype", args.kv_cache_dtype)):
+        if value not in (None, "auto"):
+            raise ConfigError("compare", args.compare, f"no --{flag.replace('_', '-')} {value}: transformers' peer "
+                                                       "would run unquantized, in the model dtype")
     path = resolve_bench_model(args.model, args.preset).path
     if checkpoint_quantization(load_hf_config(path)) == "mxfp4":
         raise ConfigError("compare", args.compare, "a model whose weights transformers' peer reads as asyncllm does; "

@@ -15,8 +15,9 @@ import torch
 from asyncllm.bench import report
 from asyncllm.bench.model import PRESETS, BenchModel, resolve_bench_model
 from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_bandwidth
+from asyncllm.errors import ConfigError
 
-__all__ = ["add_common_args", "BenchContext", "make_context", "open_engine", "finish", "int_range"]
+__all__ = ["add_common_args", "BenchContext", "make_context", "check_fits", "open_engine", "finish", "int_range"]
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -127,12 +128,31 @@ def make_context(args: argparse.Namespace, argv: list[str] | None) -> BenchConte
     return BenchContext(args, model, device, dtype, argv)
 
 
+def effective_max_model_len(ctx: BenchContext, longest: int) -> int:
+    """The engine's max_model_len: ``--max-model-len``, else the workload's `longest` request capped at the model's
+    max_position_embeddings."""
+    return ctx.args.max_model_len or min(longest, ctx.model.max_position_embeddings)
+
+
+def check_fits(ctx: BenchContext, longest: int, lengths: str) -> None:
+    """`ConfigError` before the engine starts when the workload's `longest` request (prompt + output; `lengths` names
+    the flags that drew it) does not fit the engine's max_model_len: the engine would cut its output and the token
+    count check would fail after the whole run."""
+    limit = effective_max_model_len(ctx, longest)
+    if longest <= limit:
+        return
+    source = ("it comes from --max-model-len: raise it or shorten the workload" if ctx.args.max_model_len else
+              "it is the model's max_position_embeddings: shorten the workload")
+    raise ConfigError("max_model_len", limit, f"at least the longest request, {longest} tokens ({lengths}); "
+                                              f"{source} (checked before the run)")
+
+
 def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
     a = ctx.args
     kwargs: dict[str, Any] = dict(
         load_format=ctx.model.load_format, dtype=str(ctx.dtype).removeprefix("torch."), device=ctx.device.type,
         max_num_seqs=a.max_num_seqs,
-        max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
+        max_model_len=effective_max_model_len(ctx, max_model_len),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
         pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
@@ -178,13 +198,16 @@ def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofl
 
 def finish(
     ctx: BenchContext, workload: str, settings: dict[str, Any], metrics: dict[str, Any],
-    line: Roofline, decode_tokens_per_s: float, peers: dict[str, dict[str, Any]] | None = None,
+    line: Roofline, decode_tokens_per_s: float | None, peers: dict[str, dict[str, Any]] | None = None,
     ratio_metric: str | None = None,
 ) -> dict[str, Any]:
     """Print the roofline and the summary table, write the JSON; returns the result. The ratios divide
     ``metrics["compared"]`` (asyncllm's metrics on the peers' workload, when that is a part of `metrics`') by the
     peers'."""
-    fraction = line.fraction(decode_tokens_per_s)
+    fraction = None if decode_tokens_per_s is None else line.fraction(decode_tokens_per_s)
+    a = ctx.args
+    settings = {**settings, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+                "async_scheduling": getattr(a, "async_scheduling", False)}  # profile's loop: synchronous
     result: dict[str, Any] = {
         "workload": workload,
         "meta": report.run_metadata(ctx.argv),
@@ -204,18 +227,20 @@ def finish(
             rows.append((f"asyncllm on the peers' {compared['num_requests']} requests {ratio_metric}",
                          compared[ratio_metric]))
         for name, peer in peers.items():
-            ratio = base[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else None
+            measured = base[ratio_metric] is not None and peer.get(ratio_metric)
+            ratio = base[ratio_metric] / peer[ratio_metric] if measured else None
             result["ratios"][name] = ratio
             rows.append((f"{name} {ratio_metric}", peer.get(ratio_metric, "failed" if "error" in peer else "n/a")))
             if "completed" in peer:  # a peer cut by its time budget says so here and in its ratio's name
                 rows.append((f"{name} completed", peer["completed"]))
             cut = " (peer cut by its time budget)" if peer.get("cut") else ""
             rows.append((f"asyncllm / {name}{cut}", "n/a" if ratio is None else ratio))
+    measured = "n/a" if fraction is None else f"{decode_tokens_per_s:,.1f} = {fraction:.1%}"
     print(
         f"[roofline] {line.copy_bandwidth_gb_s:,.1f} GB/s copy bandwidth; a decode step reads "
         f"{line.weight_bytes_per_step / 1e9:.3f} GB of weights + {line.kv_bytes_per_token / 1024:.1f} KiB/token of KV "
         f"x {line.decode_batch} requests x {line.mean_context:.0f} tokens -> roofline "
-        f"{line.output_tokens_per_s:,.1f} tokens/s; measured {decode_tokens_per_s:,.1f} = {fraction:.1%}",
+        f"{line.output_tokens_per_s:,.1f} tokens/s; measured {measured}",
         flush=True,
     )
     rows.append(("roofline tokens/s", line.output_tokens_per_s))

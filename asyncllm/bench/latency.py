@@ -2,7 +2,10 @@
 
 Each iteration streams one request (ignoring EOS); TTFT is submission to the
 first token, decode tokens/s the tokens after the first over the time after
-it. The median over ``--num-iters`` iterations is reported.
+it, ms per output token that time over the tokens after the first. Each is the
+median over ``--num-iters`` iterations. With ``--output-len 1`` there is no
+decode to time: TTFT is reported (the prefill latency), the decode metrics are
+null (``n/a``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from asyncllm.bench import common
 from asyncllm.bench.peer_clock import seconds
-from asyncllm.bench.requests import BenchRequest, fixed_requests
+from asyncllm.bench.requests import BenchRequest, fixed_requests, longest_request
 
 __all__ = ["add_args", "run", "COMPARE_TIME_BUDGET_S"]
 
@@ -52,17 +55,23 @@ async def _one(engine: Any, request: BenchRequest) -> tuple[float, float, int]:
 
 
 async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> dict[str, Any]:
-    longest = len(requests[0].prompt_token_ids) + requests[0].output_len
-    async with common.open_engine(ctx, longest) as engine:
+    async with common.open_engine(ctx, longest_request(requests)) as engine:
         runs = [await _one(engine, request) for request in requests]
+    return _metrics(runs, requests[0].output_len)
+
+
+def _metrics(runs: list[tuple[float, float, int]], output_len: int) -> dict[str, Any]:
+    """The medians over the iterations' (TTFT, seconds after the first token, tokens); an iteration with no decode
+    to time (one token, or all of them in one delta) has null decode metrics, and so do the medians if none has."""
+    if any(tokens != output_len for _, _, tokens in runs):
+        raise RuntimeError(f"a request generated {[t for _, _, t in runs]} tokens, not {output_len}")
     ttfts = [ttft for ttft, _, _ in runs]
-    decodes = [(tokens - 1) / decode_s if decode_s > 0 else 0.0 for _, decode_s, tokens in runs]
-    if any(tokens != requests[0].output_len for _, _, tokens in runs):
-        raise RuntimeError(f"a request generated {[t for _, _, t in runs]} tokens, not {requests[0].output_len}")
+    decodes = [(tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None for _, decode_s, tokens in runs]
+    rates = [rate for rate in decodes if rate is not None]
     return {
         "ttft_s": statistics.median(ttfts),
-        "decode_tokens_per_s": statistics.median(decodes),
-        "ms_per_output_token": 1000.0 / statistics.median(decodes) if statistics.median(decodes) else 0.0,
+        "decode_tokens_per_s": statistics.median(rates) if rates else None,
+        "ms_per_output_token": statistics.median([1000.0 / rate for rate in rates]) if rates else None,  # per iteration
         "ttft_s_all": ttfts,
         "decode_tokens_per_s_all": decodes,
     }
@@ -71,6 +80,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> 
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = fixed_requests(args.num_iters, args.input_len, args.output_len, ctx.model.vocab_size, args.seed)
+    common.check_fits(ctx, longest_request(requests), f"--input-len {args.input_len} + --output-len {args.output_len}")
     metrics = asyncio.run(run_engine(ctx, requests))
     line = common.roofline(ctx, 1, args.input_len + args.output_len / 2)
     peers = None

@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncllm.bench import common
 from asyncllm.bench.report import percentile, progress
-from asyncllm.bench.requests import BenchRequest, fixed_requests
+from asyncllm.bench.requests import BenchRequest, check_output_tokens, fixed_requests, longest_request
 
 __all__ = ["add_args", "run"]
 
@@ -46,8 +46,7 @@ async def _consume(engine: Any, request: BenchRequest) -> int:
 
 
 async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> dict[str, Any]:
-    longest = len(requests[0].prompt_token_ids) + requests[0].output_len
-    async with common.open_engine(ctx, longest) as engine:
+    async with common.open_engine(ctx, longest_request(requests)) as engine:
         idle: list[float] = []
         stop = asyncio.Event()
         probe = asyncio.create_task(_probe(idle, stop))
@@ -66,6 +65,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> 
         stop.set()
         await probe
         bar.close()
+    check_output_tokens(requests, sum(tokens))
     lags = idle[idle_count:]
     return {
         "num_streams": len(requests),
@@ -81,6 +81,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> 
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = fixed_requests(args.num_streams, args.input_len, args.output_len, ctx.model.vocab_size, args.seed)
+    common.check_fits(ctx, longest_request(requests), f"--input-len {args.input_len} + --output-len {args.output_len}")
     metrics = asyncio.run(run_engine(ctx, requests))
     line = common.roofline(ctx, min(args.num_streams, args.max_num_seqs), args.input_len + args.output_len / 2)
     settings = {"num_streams": args.num_streams, "input_len": args.input_len, "output_len": args.output_len}

@@ -71,6 +71,8 @@ def run_metadata(argv: list[str] | None) -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:  # JSON null: not measurable in this run
+        return "n/a"
     if isinstance(value, float):
         return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)

@@ -13,7 +13,8 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["BenchRequest", "uniform_requests", "sharegpt_like_requests", "fixed_requests", "total_tokens"]
+__all__ = ["BenchRequest", "uniform_requests", "sharegpt_like_requests", "fixed_requests", "total_tokens",
+           "longest_request", "check_output_tokens"]
 
 _FIRST_ID = 10
 """Prompt ids start past the low ids where special tokens usually sit."""
@@ -50,7 +51,8 @@ def fixed_requests(
 
 
 def _lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma))))
+    """A log-normal draw clipped to [lo, hi]; a cap `hi` below `lo` wins (``--max-output-len 1``: one token)."""
+    return max(min(lo, hi), min(hi, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def sharegpt_like_requests(
@@ -70,3 +72,15 @@ def sharegpt_like_requests(
 def total_tokens(requests: list[BenchRequest]) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a workload."""
     return sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)
+
+
+def longest_request(requests: list[BenchRequest]) -> int:
+    """The most tokens (prompt + output) one request of the workload needs: the engine's max_model_len must hold it."""
+    return max(len(r.prompt_token_ids) + r.output_len for r in requests)
+
+
+def check_output_tokens(requests: list[BenchRequest], generated: int) -> None:
+    """`RuntimeError` when the engine generated other than the workload's requested output tokens."""
+    requested = total_tokens(requests)[1]
+    if generated != requested:
+        raise RuntimeError(f"the engine generated {generated} tokens, {requested} were requested")

@@ -19,7 +19,8 @@ from typing import Any
 
 from asyncllm.bench import common
 from asyncllm.bench.report import percentile, progress
-from asyncllm.bench.requests import BenchRequest, sharegpt_like_requests, total_tokens
+from asyncllm.bench.requests import (BenchRequest, check_output_tokens, longest_request, sharegpt_like_requests,
+                                    total_tokens)
 
 __all__ = ["add_args", "run"]
 
@@ -62,9 +63,8 @@ def _arrival_delays(num: int, rate: float, seed: int) -> list[float]:
 
 
 async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     delays = _arrival_delays(len(requests), rate, ctx.args.seed)
-    async with common.open_engine(ctx, longest) as engine:
+    async with common.open_engine(ctx, longest_request(requests)) as engine:
         bar = progress(len(requests), "asyncllm serve", ctx.show_progress)
 
         async def one(request: BenchRequest, delay: float) -> dict[str, Any]:
@@ -81,9 +81,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], rat
 
 def _metrics(requests: list[BenchRequest], results: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
     output_tokens = sum(r["tokens"] for r in results)
-    expected = total_tokens(requests)[1]
-    if output_tokens != expected:
-        raise RuntimeError(f"the engine generated {output_tokens} tokens, {expected} were requested")
+    check_output_tokens(requests, output_tokens)
     ttfts = [r["ttft"] for r in results]
     itls = [itl for r in results for itl in r["itls"]]
     return {
@@ -103,6 +101,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = sharegpt_like_requests(args.num_requests, ctx.model.vocab_size, args.seed,
                                       args.max_input_len, args.max_output_len)
+    common.check_fits(ctx, longest_request(requests), f"a prompt of at most --max-input-len {args.max_input_len} + "
+                                                      f"an output of at most --max-output-len {args.max_output_len}")
     metrics = asyncio.run(run_engine(ctx, requests, args.request_rate))
     prompt_tokens, output_tokens = total_tokens(requests)
     batch = min(args.max_num_seqs, max(1, round(metrics["mean_concurrency"])))

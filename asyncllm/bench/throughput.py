@@ -15,7 +15,7 @@ from typing import Any
 from asyncllm.bench import common
 from asyncllm.bench.peer_clock import seconds
 from asyncllm.bench.report import progress
-from asyncllm.bench.requests import BenchRequest, total_tokens, uniform_requests
+from asyncllm.bench.requests import BenchRequest, check_output_tokens, longest_request, total_tokens, uniform_requests
 
 __all__ = ["add_args", "run", "COMPARE_TIME_BUDGET_S"]
 
@@ -46,8 +46,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], tem
     """Submit every request at once; returns the measured metrics. With `num_compared`, the first that many
     requests run again afterwards, alone and with the prefix cache reset: the peer's workload, under
     ``"compared"``."""
-    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
-    async with common.open_engine(ctx, longest) as engine:
+    async with common.open_engine(ctx, longest_request(requests)) as engine:
         metrics = await _timed(engine, requests, temperature, progress(len(requests), "asyncllm", ctx.show_progress))
         metrics["num_preemptions"] = engine.stats().num_preemptions_total
         if num_compared is not None:
@@ -71,9 +70,8 @@ async def _timed(engine: Any, requests: list[BenchRequest], temperature: float, 
     generated = await asyncio.gather(*(one(r) for r in requests))
     elapsed = time.perf_counter() - start
     bar.close()
+    check_output_tokens(requests, sum(generated))
     prompt_tokens, output_tokens = total_tokens(requests)
-    if sum(generated) != output_tokens:
-        raise RuntimeError(f"the engine generated {sum(generated)} tokens, {output_tokens} were requested")
     return {
         "num_requests": len(requests),
         "prompt_tokens": prompt_tokens,
@@ -89,6 +87,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = uniform_requests(args.num_requests, args.input_len_range, args.output_len_range,
                                 ctx.model.vocab_size, args.seed)
+    common.check_fits(ctx, longest_request(requests), "--input-len-range {},{} + --output-len-range {},{}".format(
+        *args.input_len_range, *args.output_len_range))
     n = args.compare_num_requests
     num_compared = n if args.compare and n and n < len(requests) else None  # a subset: run again alone
     metrics = asyncio.run(run_engine(ctx, requests, args.temperature, num_compared))
@@ -103,8 +103,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
                 "output_len_range": list(args.output_len_range), "temperature": args.temperature,
                 "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size,
-                "compare_time_budget_s": _budget(args) if args.compare else None,
-                "async_scheduling": args.async_scheduling}
+                "compare_time_budget_s": _budget(args) if args.compare else None}
     return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
                          peers, "output_tokens_per_s")
 

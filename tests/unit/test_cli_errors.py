@@ -57,7 +57,7 @@ def test_bench_refuses_counts_and_rates_below_one_request(argv, capsys) -> None:
     assert exit_info.value.code == 2 and "error: argument --" in capsys.readouterr().err
 
 
-def test_bench_accepts_an_infinite_rate_and_refuses_an_output_folder_that_is_missing(capsys, tmp_path) -> None:
+def test_bench_accepts_an_infinite_rate_and_refuses_an_output_folder_missing_or_named(capsys, tmp_path) -> None:
     from asyncllm.bench.cli import main, parser
 
     assert parser().parse_args(["serve", "--request-rate", "inf"]).request_rate == float("inf")
@@ -65,6 +65,9 @@ def test_bench_accepts_an_infinite_rate_and_refuses_an_output_folder_that_is_mis
     assert main(["latency", "--preset", "tiny", "--output-json", out]) == 2
     assert capsys.readouterr().err.strip() == (f"asyncllm bench: output_json={out!r} is not allowed: a file in a "
                                                "folder that exists (checked before the run)")
+    assert main(["latency", "--preset", "tiny", "--output-json", str(tmp_path)]) == 2  # a folder, not a file
+    assert capsys.readouterr().err.strip() == (f"asyncllm bench: output_json={str(tmp_path)!r} is not allowed: a "
+                                               "file, not a folder (checked before the run)")
 
 
 @pytest.mark.parametrize("flag", ["--version", "-V"])
