@@ -307,7 +307,8 @@ def make_image(width: int, height: int, seed: int) -> bytes:
 def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
                     messages: list | None = None) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens) for a text with ``<image>`` markers (or chat messages); LLaVA or
-    LLaVA-NeXT, as the checkpoint says."""
+    LLaVA-NeXT, as the checkpoint says. The images go in as opened, in their own mode: the processor makes them RGB
+    (transparency onto white)."""
     import torch
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -315,7 +316,7 @@ def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_to
     processor = AutoProcessor.from_pretrained(path)
     if messages is not None:
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    pil = [Image.open(io.BytesIO(image)) for image in images]
     inputs = processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=messages is None)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

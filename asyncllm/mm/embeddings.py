@@ -94,7 +94,8 @@ def _misfit(index: int, item: MultiModalItem, rows: int) -> str:
     """The error of a request whose item ``index`` encodes to ``rows`` rows, not its placeholders' count."""
     if not rows:
         return f"mm_items[{index}]: the encoder refused its data of shape {item.shape} (the workers' log says why)"
-    return f"mm_items[{index}]: its data encodes to {rows} rows, not its {encoded_rows(item)} placeholders"
+    return (f"mm_items[{index}]: its data encodes to {rows} rows, not its {encoded_rows(item)} placeholders (or its "
+            "key, a caller's uuid, was given to other content before: a uuid must identify its content)")
 
 
 class EncoderOutputCache:

@@ -1,4 +1,5 @@
-"""Image inputs: bytes, a data: URL, a path or a PIL image -> (RGB image, item key), bounded and typed.
+"""Image inputs: bytes, a data: URL, a path or a PIL image -> (RGB image, item key), bounded and typed; transparency
+is composited onto white (`to_rgb`, as transformers and vLLM do).
 
 An item's key is the content hash of the image, or a hash of the caller's uuid
 for it (``image_uuids``, or a chat part's ``"uuid"``): then no pixel byte is read
@@ -21,7 +22,7 @@ from typing import Any
 from asyncllm.errors import InvalidRequestError
 
 __all__ = ["ImageInput", "check_uuid", "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image",
-           "read_image", "uuid_key"]
+           "read_image", "to_rgb", "uuid_key"]
 
 ImageInput = Any
 """``bytes``, a base64 ``data:`` URL, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
@@ -64,8 +65,9 @@ def data_url_bytes(url: str, field: str) -> bytes:
 
 
 def image_hash(raw: bytes | Any) -> str:
-    """A content hash (blake2b-128) of the encoded bytes, or of a PIL image's mode, size and pixels, and its palette
-    in a palette mode ("P", "PA": the pixels are indices into it, so equal pixels of two palettes are two images)."""
+    """A content hash (blake2b-128) of the encoded bytes, or of a PIL image's mode, size and pixels, its palette
+    in a palette mode ("P", "PA": the pixels are indices into it, so equal pixels of two palettes are two images) and
+    its ``transparency`` entry (which index or colour `to_rgb` makes white)."""
     digest = hashlib.blake2b(digest_size=16)
     if isinstance(raw, bytes):
         digest.update(b"bytes:")
@@ -76,7 +78,21 @@ def image_hash(raw: bytes | Any) -> str:
         if raw.palette is not None:
             digest.update(f":palette:{raw.palette.mode}:".encode())
             digest.update(raw.palette.tobytes())
+        if raw.info.get("transparency") is not None:  # which index or colour is transparent (`to_rgb`)
+            digest.update(f":transparency:{raw.info['transparency']!r}".encode())
     return digest.hexdigest()
+
+
+def to_rgb(image: Any) -> Any:
+    """``image`` as RGB, any transparency (an alpha band, or a ``transparency`` entry: a palette's or a colour's
+    ``tRNS``) composited onto white: transformers' ``convert_to_rgb``, vLLM's ``rgba_background_color``. A plain
+    ``convert("RGB")`` would show the colours under transparent pixels instead."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
 def load_image(image: ImageInput, field: str, max_pixels: int | None = None) -> tuple[bytes | Any, str]:
@@ -122,14 +138,17 @@ def check_uuid(uuid: Any, field: str) -> str | None:
 
 
 def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:
-    """The RGB image, after checking its size against ``max_pixels`` (mm_max_image_pixels)."""
+    """The RGB image (`to_rgb`), after checking its size against ``max_pixels`` (mm_max_image_pixels; PIL refuses
+    an image over twice ``PIL.Image.MAX_IMAGE_PIXELS`` as it opens it, a bound the config keeps ours within)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(raw)) if isinstance(raw, bytes) else raw
         _check_pixels(image.size, field, max_pixels)
-        return image.convert("RGB")
+        return to_rgb(image)
     except InvalidRequestError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # PIL's own bound, at least ours (asyncllm/config_model.py)
+        raise InvalidRequestError(field, f"the image is too large: {exc} (mm_max_image_pixels={max_pixels})") from exc
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc

@@ -27,6 +27,9 @@ class MultiModalInputs:
     video_uuids: list[str | None] | None = None
     audios: list[AudioInput] = dataclass_field(default_factory=list)
     audio_uuids: list[str | None] | None = None
+    locations: dict[str, list[str]] | None = None
+    """Where each input of a kind ("image", "video", "audio") was given, for its errors: a chat's
+    ``messages[i].content[j]`` (`split_chat_media`); None: ``<field>[<index>]``."""
 
 
 @dataclass
@@ -40,7 +43,8 @@ class MultiModalPrompt:
     prompt_token_ids: list[int] = dataclass_field(default_factory=list)
     """The prompt before its placeholders were expanded."""
     overrides: dict[str, Any] = dataclass_field(default_factory=dict)
-    """The request's ``mm_processor_kwargs`` (over the engine's)."""
+    """The request's ``mm_processor_kwargs`` (over the engine's), all of them: a resend after a cache miss processes
+    the inputs again with them, the model's own (Qwen-Omni's ``use_audio_in_video``) deciding the same layout."""
 
 
 def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MultiModalInputs]:
@@ -55,7 +59,8 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
     `read_video`, `read_audio`), so pass bytes, frames, waveforms or data: URLs. An audio part reaches the template
     as ``{"type": "audio", "audio": ""}`` (Qwen2-Audio's template looks for the key).
     """
-    inputs = MultiModalInputs(image_uuids=[], video_uuids=[], audio_uuids=[])
+    inputs = MultiModalInputs(image_uuids=[], video_uuids=[], audio_uuids=[],
+                              locations={"image": [], "video": [], "audio": []})
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -74,6 +79,7 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
             value = _part_value(part, kind, f"messages[{i}].content[{j}]")
             getattr(inputs, media + "s").append(value)
             getattr(inputs, media + "_uuids").append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))
+            inputs.locations[media].append(f"messages[{i}].content[{j}]")  # type: ignore[index]
             parts.append({"type": media, "audio": ""} if media == "audio" else {"type": media})
         out.append({**message, "content": parts})
     return out, inputs

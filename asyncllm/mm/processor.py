@@ -17,6 +17,7 @@ asyncllm/mm/hf_processors.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -39,6 +40,13 @@ __all__ = ["MultiModalProcessor"]
 
 _REQUEST_PROCESSORS = 8
 """Image processors kept for requests' distinct ``mm_processor_kwargs``."""
+
+
+def _input_field(locations: dict[str, list[str]], fields: dict[str, str], kind: str, index: int) -> str:
+    """Input ``index`` of ``kind`` as its errors name it: where a chat gave it (``messages[i].content[j]``), else
+    by its index (``prompt.images[0]``)."""
+    located = locations.get(kind)
+    return located[index] if located else f"{fields[kind]}[{index}]"
 
 
 class _Counters:
@@ -207,7 +215,7 @@ class MultiModalProcessor(MediaItems):
         """Expand each image's and video's placeholder token of ``token_ids`` and process its input (keyed by its
         uuid, if given; an image with the request's ``mm_processor_kwargs`` ``overrides`` by both). ``field`` names
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
-        overrides = overrides or {}
+        overrides = request_kwargs = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
         with_audio = {**self._engine_own, **overrides}.get("use_audio_in_video", False)
         """Each video takes the next audio (its track), interleaved with its frames (`_video_with_audio`)."""
@@ -218,6 +226,7 @@ class MultiModalProcessor(MediaItems):
         overrides = {k: v for k, v in overrides.items() if k not in self._own_kwargs}  # not in the images' keys
         fields = {kind: field.removesuffix("images") + kind + "s" if field.endswith("images") else field
                   for kind in ("image", "video", "audio")}
+        where = functools.partial(_input_field, inputs.locations or {}, fields)
         token_of = self._markers()
         limits = {"image": self.max_images, "video": self.max_videos, "audio": self.max_audios}
         media = {kind: self._checked(getattr(inputs, kind + "s"), getattr(inputs, kind + "_uuids"), fields[kind], kind,
@@ -239,28 +248,27 @@ class MultiModalProcessor(MediaItems):
             index, seen[kind] = seen[kind], seen[kind] + 1
             value, uuid = media[kind][0][index], media[kind][1][index]
             if kind == "image" and self._tiled(overrides):
-                self._tiled_image(value, uuid, f"{field}[{index}]", expanded, items, inline, overrides)
+                self._tiled_image(value, uuid, where(kind, index), expanded, items, inline, overrides)
             elif kind == "image":
                 self._join(expanded, before)
-                item = self._marked(self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides))
+                item = self._marked(self._item(value, uuid, where(kind, index), len(expanded), inline, overrides))
                 expanded += self._placeholder_ids(item) + after
                 items.append(item)
             elif kind == "audio":
-                self._audio(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline, bool(media["image"][0]))
+                self._audio(value, uuid, where(kind, index), expanded, items, inline, bool(media["image"][0]))
             elif with_audio:
                 track, seen["audio"] = seen["audio"], seen["audio"] + 1
-                self._video_with_audio((value, uuid, f"{fields[kind]}[{index}]"), (*(m[track] for m in media["audio"]),
-                                       f"{fields['audio']}[{track}]"), token_ids[slot + 1 : slot + 2], expanded, items,
-                                       inline)
+                self._video_with_audio((value, uuid, where(kind, index)), (*(m[track] for m in media["audio"]),
+                                       where("audio", track)), token_ids[slot + 1 : slot + 2], expanded, items, inline)
             else:
-                self._video(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
+                self._video(value, uuid, where(kind, index), expanded, items, inline)
             previous = slot + 1
         self._join(expanded, token_ids[previous:])
         if self.needs_audio is not None and len(items) != 1:
             raise InvalidRequestError(fields["audio"], f"{len(items)} audios; the model takes {self.needs_audio}")
         if self._prompt_items is not None:
             items = self._prompt_items(self._hf_config, expanded, items)
-        return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
+        return MultiModalPrompt(expanded, items, inputs, list(token_ids), request_kwargs)  # all: replayed
 
     def encode_text(self, text: str, num_images: int) -> list[int]:
         """A dict prompt's text as token ids: the tokenizer's, or of the text the model's processor writes around

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.images import to_rgb
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES, decode_video_file
 
 __all__ = ["DEFAULT_FPS", "MAX_FRAMES", "Video", "VideoInput", "is_one_video", "read_video"]
@@ -103,7 +104,7 @@ def _frames_array(frames: Any, field: str, max_frame_pixels: int) -> np.ndarray:
     if isinstance(frames, (list, tuple)):
         if not frames:
             raise InvalidRequestError(field, "a video needs at least one frame")
-        frames = [np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else f for f in frames]
+        frames = [np.asarray(to_rgb(f)) if isinstance(f, Image.Image) else f for f in frames]
         if not all(isinstance(f, np.ndarray) for f in frames):
             raise InvalidRequestError(field, "a video's frames must be PIL images or [H, W, 3] uint8 arrays")
         if len({f.shape for f in frames}) != 1:

@@ -66,6 +66,21 @@ async def test_several_images_of_different_sizes_match_transformers(engine, tiny
     assert out.outputs[0].token_ids == hf_tokens
 
 
+async def test_a_transparent_image_matches_transformers_given_it_as_it_is(engine, tiny_llava):
+    """RGBA, half of it fully transparent: composited onto white, as the HF processor's ``convert_to_rgb``."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(3).integers(0, 256, size=(40, 50, 4), dtype=np.uint8)
+    pixels[:, :25, 3] = 0
+    encoded = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").save(encoded, format="PNG")
+    out = await engine.generate({"prompt": "Describe <image> please", "images": [encoded.getvalue()]}, GREEDY)
+    assert out.outputs[0].token_ids == hf_llava_greedy(tiny_llava, "Describe <image> please", [encoded.getvalue()], 8)[1]
+
+
 async def test_chat_messages_with_openai_image_parts_match_transformers(engine, tiny_llava):
     image = make_image(50, 40, seed=5)
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is "},
@@ -124,6 +139,17 @@ async def test_bad_images_fail_only_their_request(engine):
     assert len(out.outputs[0].token_ids) == 8
     text = await engine.generate("plain text still works", GREEDY)
     assert len(text.outputs[0].token_ids) == 8
+
+
+async def test_a_bad_chat_image_is_named_by_its_message_and_part(engine):
+    good = {"type": "image_url", "image_url": {"url": make_image(20, 20, seed=1)}}
+    messages = [{"role": "user", "content": [good]}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "look"},
+                                             {"type": "image_url", "image_url": {"url": b"not an image"}}]}]
+    with pytest.raises(InvalidRequestError, match="cannot decode the image") as caught:
+        async with engine.chat(messages, GREEDY) as stream:
+            [delta async for delta in stream]
+    assert caught.value.field == "messages[2].content[1]"  # not the chat's second image, messages[1]
 
 
 async def test_an_image_the_encoder_cannot_lay_on_its_placeholders_fails_only_its_request(engine, tiny_llava):

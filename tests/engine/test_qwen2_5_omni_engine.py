@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 import torch
 from audio_utils import SAMPLING_RATE, make_audio
-from mm_utils import make_image
+from mm_utils import make_image, sent_requests
 from qwen2_5_omni_utils import (
     AUDIO_MARK, IMAGE_MARK, VIDEO_MARK, hf_omni_greedy, hf_thinker, make_full_omni_layout, make_tiny_qwen2_5_omni,
 )
@@ -102,6 +102,31 @@ async def test_a_video_with_its_audio_matches_transformers_and_on_a_prefix_cache
     assert wide.token_ids == outs[0].prompt_token_ids
     carried = [item.data is not None or item.shm_offset >= 0 for item in wide.items]
     assert carried == [item.rows[0] == 0 for item in wide.items] and carried.count(True) == 2  # the first pieces
+
+
+async def test_a_video_with_its_audio_is_resent_in_its_own_layout_after_a_cache_miss(engine, tiny_omni):
+    """A request's own ``use_audio_in_video`` survives the resend after a processor-cache miss (drift: the host's half
+    lists items the core's lacks): the items come again with their data, laid over the same placeholders."""
+    from asyncllm.mm.inputs import MultiModalInputs
+
+    video, audio, text = (make_video(8, 100, 80, seed=7), {"fps": 2.0}), make_audio(2.5, seed=6), f"watch {VIDEO_MARK} now"
+    own = {"use_audio_in_video": True}
+    request = {"prompt": text, "videos": [video], "audios": [(audio, SAMPLING_RATE)], "mm_processor_kwargs": own}
+    mm, sent = engine._processor._mm, sent_requests(engine)  # type: ignore[union-attr]
+    laid = mm.process(mm.encode_text(text, 0), MultiModalInputs(videos=[video], audios=[(audio, SAMPLING_RATE)]),
+                      "prompt.images", dict(own))  # recorded in the host's half only
+    out = await engine.generate(request, GREEDY)
+    (miss, _), (resent, _) = sent[-2:]
+    assert miss.request_id == resent.request_id
+
+    def layout(items):
+        return [(item.mm_hash, item.offset, item.length, item.rows) for item in items]
+
+    assert layout(resent.mm_items) == layout(miss.mm_items) == layout(laid.items)
+    assert [item.data is None for item in miss.mm_items] == [True] * len(laid.items)
+    assert sum(item.data is not None for item in resent.mm_items) == 2  # the video's and the audio's first pieces
+    want = hf_omni_greedy(tiny_omni, text, [], [audio], 8, [video_patches_of(tiny_omni, video)], [1.0], True)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == want
 
 
 async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_rows_equal_transformers(tiny_omni, tmp_path):

@@ -9,7 +9,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
 from asyncllm.mm.inputs import split_chat_media
-from asyncllm.mm.images import image_hash, load_image
+from asyncllm.mm.images import decode_image, image_hash, load_image
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2_vl import normalize_qwen2_vl_name
 from asyncllm.protocol import AddRequest, MultiModalItem
@@ -90,6 +90,8 @@ def test_chat_media_parts_become_template_parts_and_inputs_in_order():
     rendered, inputs = split_chat_media(messages)
     assert inputs.images == [b"A", b"B"] and inputs.image_uuids == [None, None]
     assert inputs.videos == [b"V"] and inputs.video_uuids == ["clip"]
+    assert inputs.locations == {"image": ["messages[1].content[0]", "messages[1].content[2]"],
+                                "video": ["messages[1].content[3]"], "audio": []}  # what their errors name
     assert rendered[0] == messages[0]
     assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
                                       {"type": "video"}]
@@ -148,6 +150,23 @@ def test_both_processor_cache_types_are_accepted_and_others_refused():
     with pytest.raises(ConfigError, match="mm_processor_cache_type='disk'") as info:
         EngineConfig.create("m", mm_processor_cache_type="disk")
     assert not isinstance(info.value, NotBuiltError)
+
+
+def test_mm_max_image_pixels_stays_within_pils_bomb_limit_which_names_it_when_met(monkeypatch):
+    """PIL refuses an image over 2 x its ``MAX_IMAGE_PIXELS`` before ours is read: a larger setting is a ConfigError
+    (never silently PIL's), and an image PIL refuses names ours."""
+    import io
+
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    assert EngineConfig.create("m", mm_max_image_pixels=2000).multimodal_config.mm_max_image_pixels == 2000
+    with pytest.raises(ConfigError, match=r"mm_max_image_pixels=2001.*at most 2000, PIL's decompression-bomb limit"):
+        EngineConfig.create("m", mm_max_image_pixels=2001)
+    encoded = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(encoded, format="PNG")
+    with pytest.raises(InvalidRequestError, match=r"^images\[0\]: the image is too large: .*\(mm_max_image_pixels=2000\)$"):
+        decode_image(encoded.getvalue(), "images[0]", 2000)
 
 
 class _FakeModel:
@@ -212,3 +231,39 @@ def test_palette_images_key_on_their_palette_and_a_truncated_lazy_one_is_a_decod
         load_image(lazy, "images[2]", max_pixels=1000)
     assert str(info.value) == "images[2]: the image is 64x64 = 4096 pixels, over mm_max_image_pixels=1000"
     assert lazy._im is None  # never loaded (PIL decodes on the first pixel access)
+
+
+def _transparent(mode: str):
+    """A PIL image of ``mode`` with transparent pixels: RGBA, LA (alpha 0 over half), P with a tRNS index."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    if mode == "P":
+        quantized = Image.fromarray(rng.integers(0, 256, size=(12, 10, 3), dtype=np.uint8)).quantize(8)
+        encoded = io.BytesIO()
+        quantized.save(encoded, format="PNG", transparency=0)
+        return Image.open(io.BytesIO(encoded.getvalue()))
+    pixels = rng.integers(0, 256, size=(12, 10, len(mode)), dtype=np.uint8)
+    pixels[:, :5, -1] = 0
+    return Image.fromarray(pixels, mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparency_is_composited_onto_white_as_transformers_and_keys_the_image(mode):
+    import numpy as np
+    from transformers.image_transforms import convert_to_rgb
+
+    from asyncllm.mm.videos import read_video
+
+    image = _transparent(mode)
+    want = convert_to_rgb(image, return_numpy=True)
+    assert (want == 255).all(axis=-1).any()  # some pixels are transparent: white, not their colour
+    assert np.array_equal(np.asarray(decode_image(image, "images[0]", 10**6)), want)
+    assert np.array_equal(read_video([image, image], "videos[0]", 10**6).frames[1], want)
+    if mode == "P":  # the same indices and palette, another transparent index: another image
+        other = image.copy()
+        other.info["transparency"] = 1
+        assert image_hash(other) != image_hash(image)
