@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from asyncllm.tool_call_replies import ArgumentsObject
 from asyncllm.tool_call_streams import ReplyPart, ToolCallDeltaStream, partial_tag_suffix
 
-__all__ = ["Header", "HarmonyScanner", "HarmonyReasoningStream", "HarmonyToolStream", "FINAL_START",
+__all__ = ["Header", "HarmonyScanner", "HarmonyReasoningStream", "HarmonyToolStream", "FINAL_START", "MessagePart",
            "parse_header"]
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -155,48 +155,68 @@ def _earliest(text: str, markers: tuple[str, ...], skip: int = 0) -> tuple[str |
     return marker, pos
 
 
+MessagePart = tuple[str, str, bool]
+"""A reply's piece, in order: its kind, its text, whether it starts a harmony message. The kind: ``reasoning``
+(analysis), ``content`` (final, preamble) or ``raw`` (passed on as written: text outside messages, a message with a
+recipient)."""
+
+
 class HarmonyReasoningStream:
     """``openai_gptoss``: analysis bodies are reasoning; final and preamble (commentary without a recipient) bodies
-    content, joined by a newline; a message with a recipient (a tool call) passes on as written, as content, for a
-    tool-call parser after this one to read (without one it stays content); text outside messages is content."""
+    content; a message with a recipient (a tool call) passes on as written, as content, for a tool-call parser
+    after this one to read (without one it stays content); text outside messages is content.
+
+    `feed` and `finish` join each kind's messages with a newline (a chat message's reasoning and content);
+    `feed_parts` and `finish_parts` keep the messages apart, in order (the Responses API's items, one a message)."""
 
     def __init__(self) -> None:
         self._scanner = HarmonyScanner()
-        self._kind = ""  # the open message's: reasoning, content, or raw (passed on as written)
-        self._said = {"reasoning": False, "content": False}  # whether that kind has had text (a newline joins)
-        self._joined = False  # the open message's newline is written (or not needed)
+        self._kind = ""  # the open message's: reasoning, content, or raw
+        self._starts = False  # the open message's first part is still to come
+        self._said = {"reasoning": False, "content": False}  # whether that kind has had a body (a newline joins)
 
     def feed(self, text: str) -> tuple[str, str]:
-        return self._split(self._scanner.feed(text))
+        return self._joined(self.feed_parts(text))
 
     def finish(self) -> tuple[str, str]:
-        return self._split(self._scanner.finish())
+        return self._joined(self.finish_parts())
 
-    def _split(self, events: list[Event]) -> tuple[str, str]:
+    def feed_parts(self, text: str) -> list[MessagePart]:
+        return self._parts(self._scanner.feed(text))
+
+    def finish_parts(self) -> list[MessagePart]:
+        return self._parts(self._scanner.finish())
+
+    def _joined(self, parts: list[MessagePart]) -> tuple[str, str]:
         out: dict[str, list[str]] = {"reasoning": [], "content": []}
-        for kind, value in events:
-            if isinstance(value, Header):
-                self._open(value, out)
-            elif kind == "text" or self._kind == "raw":
-                out["content"].append(value)  # outside messages, or a message passed on as written
-            elif kind == "body":
-                self._body(value, out)
+        for kind, text, starts in parts:
+            if kind == "raw":
+                out["content"].append(text)
+                continue
+            if starts and self._said[kind]:
+                out[kind].append("\n")  # the next message of the same kind: a line of its own
+            self._said[kind] = True
+            out[kind].append(text)
         return "".join(out["reasoning"]), "".join(out["content"])
 
-    def _open(self, header: Header, out: dict[str, list[str]]) -> None:
-        if header.recipient is not None:
-            self._kind = "raw"
-            out["content"].append(header.text)
-        else:
-            self._kind, self._joined = "reasoning" if header.channel == "analysis" else "content", False
+    def _parts(self, events: list[Event]) -> list[MessagePart]:
+        parts: list[MessagePart] = []
+        for kind, value in events:
+            if isinstance(value, Header):
+                self._starts = True
+                self._kind = "raw" if value.recipient is not None else \
+                    "reasoning" if value.channel == "analysis" else "content"
+                if self._kind == "raw":
+                    parts.append(("raw", value.text, self._take_start()))
+            elif value and (kind == "text" or self._kind == "raw"):
+                parts.append(("raw", value, False))  # outside messages, or a message passed on as written
+            elif value and kind == "body":
+                parts.append((self._kind, value, self._take_start()))
+        return parts
 
-    def _body(self, text: str, out: dict[str, list[str]]) -> None:
-        if not text:
-            return
-        if not self._joined and self._said[self._kind]:
-            out[self._kind].append("\n")  # the next message of the same kind: a line of its own
-        self._joined = self._said[self._kind] = True
-        out[self._kind].append(text)
+    def _take_start(self) -> bool:
+        starts, self._starts = self._starts, False
+        return starts
 
 
 class HarmonyToolStream(ToolCallDeltaStream):

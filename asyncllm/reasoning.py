@@ -12,23 +12,27 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   models' replies open it themselves and it is dropped), a reply without
   ``</think>`` all reasoning; a ``<tool_call>`` followed by ``<function``
   (Qwen3.5 calling from inside its thinking) ends the reasoning too.
-- ``mistral`` (Magistral): reasoning only when the reply opens ``[THINK]``
-  itself (a special token, kept in the reply's text by the server) up to
-  ``[/THINK]``; a reply that does not is all answer, streamed as it comes.
-- ``glm45`` (GLM-4.5 / 4.6 / 4.7): as ``mistral`` with ``<think>`` and
-  ``</think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
-  (Seed-OSS): as ``glm45`` with ``<seed:think>`` and ``</seed:think>``;
-  ``hunyuan_a13b`` (Hunyuan-A13B): as ``glm45``, the answer's ``<answer>`` ...
-  ``</answer>`` tags dropped.
+- ``mistral`` (Magistral): reasoning only after a ``[THINK]`` the reply
+  writes (a special token, kept in the reply's text by the server) up to
+  ``[/THINK]``, the text around it content; a reply without it is all answer,
+  streamed as it comes, a ``[/THINK]`` that nothing opened dropped (vLLM's case 3.a).
+- ``glm45`` (GLM-4.5 / 4.6 / 4.7): reasoning only when the reply opens
+  ``<think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
+  (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
+  ``hunyuan_a13b`` (Hunyuan-A13B): as ``glm45`` with vLLM's markers
+  ``<think>\\n`` and ``\\n</think>\\n<answer>\\n``, the answer up to ``\\n</answer>``.
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
   analysis channel is reasoning, the final channel (and commentary without a
   recipient, a preamble) the answer; a message with a recipient (a tool call)
   passes on as written, for the ``openai`` tool-call parser.
 
-Whatever the tag parser, a reply whose prompt already ended the thinking (a
-template with thinking turned off writes ``<think>\\n\\n</think>\\n\\n`` at the
-prompt's end: Qwen3's and DeepSeek-V3.1's ``enable_thinking: false``, Qwen3.5's
-default) is all answer (`ReasoningParser.stream`'s ``answering``).
+The text is kept as written (the newlines after the end tag are the answer's,
+as vLLM's). Whatever the tag parser, a reply whose prompt already ended the
+thinking (a template with thinking turned off writes ``<think>\\n\\n</think>\\n\\n``
+at the prompt's end: Qwen3's and DeepSeek-V3.1's ``enable_thinking: false``,
+Qwen3.5's default) is all answer (`ReasoningParser.stream`'s ``answering``), and
+so is one whose request turned the thinking off (`ReasoningParser.thinking_off`)
+unless its prompt's end opened ``<think>`` anyway (`Marker.starts_answer`).
 
 `ReasoningParser.parse` splits a whole reply; `ReasoningParser.stream` splits
 text deltas as they come, holding back only the characters that may begin a
@@ -59,7 +63,6 @@ class ReasoningStream:
         self._open, self._close = open_tag, close_tag
         self._thinking: bool | None = False if answering else None
         """None until the reply's first characters show whether it opens ``<think>``."""
-        self._answer_started = answering
         self._buffer = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -101,10 +104,7 @@ class ReasoningStream:
         return (rest, "") if thinking else ("", self._answer(rest))
 
     def _answer(self, text: str) -> str:
-        """Content; the newlines between ``</think>`` and the answer are not part of it."""
-        if not self._answer_started:
-            text = text.lstrip("\n")
-            self._answer_started = bool(text)
+        """Content, as written (the newlines after ``</think>`` too, as vLLM's ``partition`` leaves them)."""
         return text
 
 
@@ -130,8 +130,9 @@ class ReasoningParser:
     """Whether a named or ``required`` tool choice can be served: its grammar (after `end_tag`) writes the answer,
     which is then the call. Not with harmony, where a call is a message of its own, before any final answer."""
     thinking_switch: str | None = None
-    """The ``chat_template_kwargs`` key whose false turns the thinking off whatever the prompt holds (vLLM's qwen3
-    parser reads ``enable_thinking``): the reply is all answer and a constraint applies at once."""
+    """The ``chat_template_kwargs`` key whose false turns the thinking off (vLLM's qwen3 parser reads
+    ``enable_thinking``): the reply is all answer and a constraint applies at once, unless the prompt's end opened
+    the thinking anyway (Qwen3-Thinking-2507's template): then the usual split (`Marker.starts_answer`)."""
 
     def thinking_off(self, template_kwargs: dict) -> bool:
         """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
@@ -139,8 +140,8 @@ class ReasoningParser:
 
     def stream(self, answering: bool = False) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
-        thinking off, `Marker.written_by`), so all of it is content, as vLLM reads it (``is_reasoning_end``
-        on the prompt)."""
+        thinking off), or its request turned the thinking off and its prompt did not open it (`Marker.starts_answer`),
+        so all of it is content, as vLLM reads it (``is_reasoning_end`` on the prompt)."""
         return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
     def parse(self, text: str, answering: bool = False) -> tuple[str | None, str | None]:
@@ -186,6 +187,41 @@ class Qwen3ReasoningParser(ReasoningParser):
         return Qwen3ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
+class MistralReasoningStream(ReasoningStream):
+    """vLLM's mistral parser: content until ``[THINK]`` (wherever it comes), reasoning up to ``[/THINK]``, content
+    after; a ``[/THINK]`` before any ``[THINK]`` is dropped (vLLM's case 3.a: "EOT without BOT"), the first one only."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._closed_alone = False  # a [/THINK] without [THINK] was dropped
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._thinking is not None:  # opened (reasoning up to the end tag) or answering
+            return super().feed(text)
+        self._buffer += text
+        content = self._drop_lone_close()
+        opened = self._buffer.find(self._open)
+        if opened >= 0:
+            content, rest = content + self._buffer[:opened], self._buffer[opened + len(self._open):]
+            self._buffer, self._thinking = "", True
+            reasoning, more = super().feed(rest)
+            return reasoning, content + more
+        keep = max(partial_tag_suffix(self._buffer, self._open),
+                   0 if self._closed_alone else partial_tag_suffix(self._buffer, self._close))
+        released, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        return "", content + released
+
+    def _drop_lone_close(self) -> str:
+        """The buffer's text before a first ``[/THINK]`` that comes before any ``[THINK]`` (the tag dropped)."""
+        closed = -1 if self._closed_alone else self._buffer.find(self._close)
+        opened = self._buffer.find(self._open)
+        if closed < 0 or 0 <= opened < closed:
+            return ""
+        content, self._buffer = self._buffer[:closed], self._buffer[closed + len(self._close):]
+        self._closed_alone = True
+        return content
+
+
 class MistralReasoningParser(ReasoningParser):
     """Magistral: the reply opens ``[THINK]`` itself and closes it with ``[/THINK]``, both special tokens (kept in
     the text by the server, as for harmony)."""
@@ -193,6 +229,9 @@ class MistralReasoningParser(ReasoningParser):
     start_tag, end_tag = "[THINK]", "[/THINK]"
     opened_by_prompt = False
     needs_special_tokens = True
+
+    def stream(self, answering: bool = False) -> MistralReasoningStream:
+        return MistralReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -212,17 +251,17 @@ class GptOssReasoningParser(ReasoningParser):
 
 
 class WrappedAnswerStream(ReasoningStream):
-    """`ReasoningStream` whose answer is wrapped in ``<answer>`` ... ``</answer>`` (Hunyuan-A13B): the tags are not
-    content (the end tag's first characters held back until the next text shows whether they are one)."""
+    """`ReasoningStream` whose answer ends with ``\\n</answer>`` (Hunyuan-A13B): neither it nor what follows is
+    content, as vLLM's ``full_match_reasoning_regex`` reads it (its first characters held back until the next text
+    shows whether they are it); the answer's ``<answer>\\n`` is the end tag's."""
 
-    OPEN, CLOSE = "<answer>", "</answer>"
+    CLOSE = "\n</answer>"
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
-        self._head = ""  # the answer's start, until it shows whether it opens the tag
-        self._tail = ""  # what may be the end tag's start
-        self._opened = False  # the open tag was just read
+        self._tail = ""  # what may be the close tag's start
         self._ending = False
+        self._closed = False
 
     def finish(self) -> tuple[str, str]:
         self._ending = True
@@ -233,29 +272,26 @@ class WrappedAnswerStream(ReasoningStream):
         return self._unwrapped(super()._answer(text))
 
     def _unwrapped(self, text: str) -> str:
-        if self._head is not None:
-            self._head += text
-            if len(self._head) < len(self.OPEN) and self.OPEN.startswith(self._head) and not self._ending:
-                return ""
-            self._opened = self._head.startswith(self.OPEN)
-            text, self._head = self._head.removeprefix(self.OPEN), None
-        if self._opened:  # the newlines after the open tag are not content either
-            text = text.lstrip("\n")
-            self._opened = not text
-        text = re.sub("\n*" + re.escape(self.CLOSE), "", self._tail + text)  # the tag and the newlines before it
-        keep = 0 if self._ending else partial_tag_suffix(text, self.CLOSE)
-        keep = 0 if self._ending else keep + len(text[: len(text) - keep]) - len(text[: len(text) - keep].rstrip("\n"))
+        if self._closed:
+            return ""
+        text, close, _ = (self._tail + text).partition(self.CLOSE)
+        self._closed = bool(close)
+        keep = 0 if self._ending or self._closed else partial_tag_suffix(text, self.CLOSE)
         self._tail = text[len(text) - keep:]
         return text[: len(text) - keep]
 
 
 class HunyuanA13BReasoningParser(ReasoningParser):
-    """Hunyuan-A13B: ``<think>...</think>`` opened by the reply, the answer in ``<answer>...</answer>``."""
+    """Hunyuan-A13B: ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``, the thinking opened by the reply; the
+    newlines are the markers' (vLLM's ``think_start_expr`` and ``response_start_expr``), an empty thought is none."""
 
+    start_tag, end_tag = "<think>\n", "</think>\n<answer>\n"
+    """A constraint starts after `end_tag`: its ids are those of vLLM's ``response_start_ids_fast``, which end both
+    of its sequences (the marker's first newline may be merged into the thought's last token, as in ``\\n\\n``)."""
     opened_by_prompt = False
 
     def stream(self, answering: bool = False) -> WrappedAnswerStream:
-        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
+        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, "\n" + self.end_tag, answering)
 
 
 class Glm45ReasoningParser(ReasoningParser):
@@ -265,10 +301,10 @@ class Glm45ReasoningParser(ReasoningParser):
 
 
 class SeedOssReasoningParser(ReasoningParser):
-    """Seed-OSS: the reply opens ``<seed:think>`` itself and closes it with ``</seed:think>``."""
+    """Seed-OSS: as `DeepSeekR1ReasoningParser` with ``<seed:think>`` and ``</seed:think>`` (vLLM's seed_oss: a reply
+    may close the thinking without opening it; one without either tag is all reasoning)."""
 
     start_tag, end_tag = "<seed:think>", "</seed:think>"
-    opened_by_prompt = False
 
 
 class MiniMaxM2ReasoningParser(DeepSeekR1ReasoningParser):

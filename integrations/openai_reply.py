@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from asyncllm.harmony import HarmonyReasoningStream
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
 from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value
@@ -38,10 +39,10 @@ class ChatReply:
     """One choice's reply: text deltas in, OpenAI chat deltas out."""
 
     def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, stream_arguments: bool = True,
-                 prompt_ended_thinking: bool = False) -> None:
+                 prompt_ended_thinking: bool = False, message_starts: bool = False) -> None:
         """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
         (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode.
-        `prompt_ended_thinking`: the prompt's end closed the thinking (`Marker.written_by`): all of the reply
+        `prompt_ended_thinking`: the prompt's end closed the thinking (`Marker.starts_answer`): all of the reply
         is the answer, and a constraint applies from its start.
 
         `stream_arguments` (a streamed reply): an ``auto`` call's arguments come
@@ -49,6 +50,9 @@ class ChatReply:
         piece stays as sent (its text comes as content too). False (a whole
         reply): each call comes whole once it is one, and a broken one is content
         only (`ToolParser.delta_stream`).
+
+        `message_starts` (the Responses API's): a harmony reply's messages come apart, in order, each after a
+        ``{"message_start": True}`` delta and without the newline that joins a chat message's.
         """
         self.mode = mode
         self._reasoning = reasoning.stream(prompt_ended_thinking) if reasoning is not None else None
@@ -60,22 +64,35 @@ class ChatReply:
         """An auto call's index in the parser's stream -> its index in the reply (None: left out, not parallel)."""
         self._whole_calls = 0
         self._named_id = mode.new_call_id()
+        self._message_starts = message_starts
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas `text` (the next part of the reply) releases."""
         if self._reasoning is None:
             return self._answer(text)
-        reasoning, text = self._reasoning.feed(text)
-        return ([{"reasoning": reasoning}] if reasoning else []) + self._answer(text)
+        return self._reply_parts(text)
 
     def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         """At the reply's end: the held-back deltas, and the finish_reason to report."""
         deltas: list[Delta] = []
         if self._reasoning is not None:
-            reasoning, text = self._reasoning.finish()
-            deltas = ([{"reasoning": reasoning}] if reasoning else []) + self._answer(text)
+            deltas = self._reply_parts(None)
         more, finish_reason = self._finish_answer(finish_reason)
         return deltas + more, finish_reason
+
+    def _reply_parts(self, text: str | None) -> list[Delta]:
+        """The deltas of the reasoning stream's next parts (None: its last ones): harmony messages apart and in order
+        with `message_starts`; else the reasoning, then the answer."""
+        stream = self._reasoning
+        assert stream is not None
+        if not (self._message_starts and isinstance(stream, HarmonyReasoningStream)):
+            reasoning, answer = stream.feed(text) if text is not None else stream.finish()
+            return ([{"reasoning": reasoning}] if reasoning else []) + self._answer(answer)
+        deltas: list[Delta] = []
+        for kind, part, starts in stream.feed_parts(text) if text is not None else stream.finish_parts():
+            deltas += [{"message_start": True}] if starts else []
+            deltas += [{"reasoning": part}] if kind == "reasoning" else self._answer(part)
+        return deltas
 
     def _answer(self, text: str) -> list[Delta]:
         kind = self.mode.kind

@@ -56,7 +56,7 @@ class Choices:
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
                  reasoning_end: Marker | None = None, thinking_off: bool = False,
-                 counts_reasoning: bool = False) -> None:
+                 counts_reasoning: bool = False, message_starts: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -93,16 +93,20 @@ class Choices:
         """Chat: the reasoning parser's end tag (None: no parser, or no tokenizer)."""
         self.counts_reasoning = counts_reasoning and reasoning_end is not None
         """The Responses API's: the generated ids are kept for `reasoning_tokens` (chat completions report none)."""
+        self.message_starts = message_starts
+        """The Responses API's: a harmony reply's messages come apart (`ChatReply`'s ``message_starts``)."""
+        self.thinking_off = thinking_off
+        """Chat: the request turned the thinking off (`ReasoningParser.thinking_off`)."""
         self.prompt_ended_thinking = [thinking_off] * num_prompts
-        """Each prompt's end wrote `reasoning_end`, or `thinking_off` (the request turned the thinking off): its
-        replies are all answer."""
+        """Each prompt's replies are all answer (`Marker.starts_answer`: its end wrote `reasoning_end`, or the
+        request turned the thinking off and its end did not open it); without `reasoning_end`, `thinking_off`."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
 
     def ended_thinking(self, prompt_index: int, prompt_ids: list[int]) -> None:
         """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer."""
-        if self.reasoning_end is not None and not self.prompt_ended_thinking[prompt_index]:
-            self.prompt_ended_thinking[prompt_index] = self.reasoning_end.written_by(prompt_ids)
+        if self.reasoning_end is not None:
+            self.prompt_ended_thinking[prompt_index] = self.reasoning_end.starts_answer(prompt_ids, self.thinking_off)
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -145,7 +149,7 @@ class Choices:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
         choice = self._choices[index]
         if choice.reply is None:
-            choice.reply = ChatReply(self.tool_mode, self.reasoning,
+            choice.reply = ChatReply(self.tool_mode, self.reasoning, message_starts=self.message_starts,
                                      prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
         deltas = choice.reply.feed(text)
         if finish_reason is not None:
@@ -208,19 +212,25 @@ class Choices:
             if self.top_logprobs is not None and not self.hides_metadata:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
-            out.append(self._chat_choice(index, choice, text, logprobs) if self.chat else
+            out.append(self._chat_choice(index, choice, logprobs) if self.chat else
                        self._completion_choice(index, choice, text, logprobs))
             if self.return_token_ids:
                 out[-1]["token_ids"] = None if self.hides_metadata else choice.output_token_ids
         return out
 
-    def _chat_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
-        reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False,
+    def reply_deltas(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
+        """Choice `index`'s whole reply as the deltas a client sees (each call whole), and its finish_reason: a
+        chat's message (`merge_deltas`), the Responses API's output items (`response_body`)."""
+        choice = self._choices[index]
+        reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False, message_starts=self.message_starts,
                           prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
-        deltas = reply.feed(text)
+        deltas = reply.feed("".join(choice.text))
         more, finish_reason = reply.finish(choice.finish_reason)
-        message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none",
-                               reasoning_parser=self.reasoning is not None)
+        return self._shown(deltas + more), finish_reason
+
+    def _chat_choice(self, index: int, choice: _Choice, logprobs: Any) -> dict[str, Any]:
+        deltas, finish_reason = self.reply_deltas(index)
+        message = merge_deltas(deltas, tools=self.tool_mode.kind != "none", reasoning_parser=self.reasoning is not None)
         message["role"] = self.chat_role
         if self.chat_echo:
             message["content"] = self.chat_echo + (message["content"] or "")

@@ -75,7 +75,8 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
     """`SamplingParams` of a chat completion whose reply is read in tool `mode` (a named or required tool choice
     constrains the output to its schema) and with the `reasoning` parser; `defaults` are the engine's default
     sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones; `thinking_off`: the request turned the
-    thinking off (`ReasoningParser.thinking_off`), so a constraint applies from the first token."""
+    thinking off (`ReasoningParser.thinking_off`), so a constraint applies from the first token unless the prompt's
+    end opened the thinking anyway (`Marker.starts_answer`)."""
     if mode.constraint is not None and reasoning is not None and not reasoning.forced_tool_calls:
         raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
                                   "parser (gpt-oss writes a call as a message of its own); use 'auto'")
@@ -86,10 +87,11 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
         params.skip_special_tokens = False
     if reasoning is not None and reasoning.needs_special_tokens:  # harmony's channel markers
         params.skip_special_tokens = False
-    if reasoning is not None and params.structured is not None and not thinking_off:  # think, then the grammar
+    if reasoning is not None and params.structured is not None:  # think, then the grammar
         params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag,
                                                     start_after_suffix=reasoning.end_suffix,
-                                                    start_after_max_between=reasoning.end_max_between)
+                                                    start_after_max_between=reasoning.end_max_between,
+                                                    start_after_only_if_opened=thinking_off)
     return params
 
 

@@ -302,9 +302,8 @@ class OpenAIServer:
                 async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
                     choices.add(prompt_index, delta)
         count_prompts(streams, choices)
-        choice = choices.final_choices()[0]
-        body = response_body(turn.req, model, choice["message"], choice["finish_reason"],
-                             choices.usage(reasoning_tokens=True))
+        deltas, finish_reason = choices.reply_deltas(0)
+        body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True))
         return json_response(turn.keep(body))
 
     async def _sampling_defaults(self) -> dict[str, Any]:
@@ -335,7 +334,8 @@ class OpenAIServer:
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or responses,
-                          reasoning_end=self.reasoning_end(), thinking_off=thinking_off, counts_reasoning=responses)
+                          reasoning_end=self.reasoning_end(), thinking_off=thinking_off, counts_reasoning=responses,
+                          message_starts=responses)
         return streams, choices
 
     def thinking_off(self, template_kwargs: dict[str, Any]) -> bool:

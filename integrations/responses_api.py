@@ -7,9 +7,11 @@ multimodal model, ``input_image`` parts) and ``instructions`` become chat messag
 sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
 reasoning parsers and structured output behave exactly as in chat
 completions. The reply comes back as output items: ``reasoning`` (with a
-reasoning parser), ``message`` (``output_text``) and ``function_call``; a
-streamed reply as the API's semantic events (``response.created``, ...,
-``response.output_text.delta``, ..., ``response.completed``).
+reasoning parser), ``message`` (``output_text``) and ``function_call``, one
+per harmony message for gpt-oss (as vLLM's); a streamed reply as the API's
+semantic events (``response.created``, ..., ``response.output_text.delta``,
+..., ``response.completed``). Both forms fold the same deltas (`ResponseEvents`),
+so they have the same items.
 
 ``store`` and ``previous_response_id`` are resolved by the server's response
 store (responses_store.py): `chat_request` runs the items it hands over
@@ -269,22 +271,22 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def response_body(req: ResponsesRequest, model: str, message: dict[str, Any], finish_reason: str | None,
+def response_body(req: ResponsesRequest, model: str, deltas: list[dict[str, Any]], finish_reason: str | None,
                   usage: dict[str, Any]) -> dict[str, Any]:
-    """A whole response from a chat choice's merged message."""
-    output = []
-    if message.get("reasoning"):
-        output.append(_reasoning_item(_new_id("rs"), message["reasoning"]))
-    if message.get("content"):
-        output.append(_message_item(_new_id("msg"), message["content"], "completed"))
-    for call in message.get("tool_calls", ()):
-        output.append(_call_item(_new_id("fc"), call, "completed"))
-    body = _skeleton(req, _new_id("resp"), model, int(time.time()))
-    return {**_finished(body, finish_reason, usage), "output": output}
+    """A whole response from a chat choice's deltas (`Choices.reply_deltas`): the body its stream would end with
+    (`ResponseEvents`), so a response has the same output items streamed or not."""
+    events = ResponseEvents(req, model)
+    events.feed(deltas)
+    events.finish(finish_reason, usage)
+    return events.body
 
 
 class ResponseEvents:
-    """A streamed response: chat deltas (openai_reply.py) in, the API's SSE events out."""
+    """A streamed response: chat deltas (openai_reply.py) in, the API's SSE events out.
+
+    Items open as the deltas go: a ``reasoning`` item for reasoning, a ``message`` for content, a
+    ``function_call`` per call; a change of kind, or a ``message_start`` delta (a harmony message's,
+    `ChatReply`'s ``message_starts``), closes the open text item, so a gpt-oss reply has an item per message."""
 
     def __init__(self, req: ResponsesRequest, model: str,
                  on_finish: Callable[[dict[str, Any]], Any] | None = None) -> None:
@@ -303,6 +305,8 @@ class ResponseEvents:
     def feed(self, deltas: list[dict[str, Any]]) -> list[bytes]:
         events: list[bytes] = []
         for delta in deltas:
+            if delta.get("message_start") and self._open is not None and self._open["kind"] != "call":
+                events += self._close()
             if "reasoning" in delta:
                 events += self._text_delta("reasoning", delta["reasoning"])
             elif "content" in delta:

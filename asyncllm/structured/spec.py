@@ -46,6 +46,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """`start_after_suffix` as token ids; the engine fills them from `start_after_suffix`."""
     start_after_max_between: int = 0
     """With a suffix: tokens between `start_after` and the suffix are fewer than this (at least 1)."""
+    start_after_only_if_opened: bool = False
+    """With `start_after`: wait for it only when the prompt's end opened it (its opener, ``<think>``), else start at
+    once: a request that turned the thinking off (`Marker.starts_answer`)."""
 
     @property
     def kind(self) -> str:
@@ -78,6 +81,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         if self.start_after_suffix is not None and (not isinstance(self.start_after_suffix, str)
                                                     or not self.start_after_suffix or self.start_after is None):
             raise InvalidRequestError("structured", "start_after_suffix must be a non-empty string after a start_after")
+        if not isinstance(self.start_after_only_if_opened, bool):
+            raise InvalidRequestError("structured", "start_after_only_if_opened must be a boolean")
         between = self.start_after_max_between
         if not isinstance(between, int) or isinstance(between, bool) or between < 0:
             raise InvalidRequestError("structured", "start_after_max_between must be an integer >= 0")

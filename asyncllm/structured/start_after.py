@@ -3,7 +3,8 @@
 A reasoning model's constraint starts after its thinking (``start_after="</think>"``): the core needs the
 marker as token ids. When the prompt's end already wrote it (a template that turned thinking off ends the
 prompt with ``<think>\\n\\n</think>\\n\\n``), the constraint applies from the first generated token instead.
-`Marker.written_by` is that rule; the server's reasoning parsers read such a prompt's reply as all answer with it.
+`Marker.starts_answer` is that rule (with a request that turned the thinking off: at once unless the prompt's end
+opened it); the server's reasoning parsers read such a prompt's reply as all answer with it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class Marker:
         return bool(spans) and len(tail) - spans[-1][1] <= slack and not (
             self.opener and _found(tail[spans[-1][1]:], self.opener))
 
+    def opened_by(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt's end opened the thinking: the opener within `_SLACK` tokens of its end, no marker after
+        it (Qwen3-Thinking-2507's template ends every prompt with ``<think>\\n``, whatever ``enable_thinking`` says)."""
+        tail = list(prompt_ids[-len(self.opener) - _SLACK:]) if self.opener else []
+        opens = _found(tail, self.opener) if tail else []
+        return bool(opens) and not any(start >= opens[-1] for start, _ in self.spans(tail))
+
+    def starts_answer(self, prompt_ids: Sequence[int], thinking_off: bool = False) -> bool:
+        """Whether a reply to this prompt is all answer (a constraint applies at once): the prompt's end wrote the
+        marker, or the request turned the thinking off (`ReasoningParser.thinking_off`) and the prompt's end did not
+        open it; otherwise the reply thinks until the marker."""
+        return self.written_by(prompt_ids) or (thinking_off and not self.opened_by(prompt_ids))
+
     def spanned(self, token_ids: Sequence[int], opened: bool) -> int:
         """The tokens between the opening tag and this marker in a reply's `token_ids`, neither counted (vLLM's
         ``count_reasoning_tokens``): from after the first opener, else from the start when `opened` (the prompt
@@ -116,7 +130,7 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
     marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
                        structured.start_after_max_between)
     structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None) \
-        if marker.written_by(prompt_ids) else msgspec.structs.replace(
+        if marker.starts_answer(prompt_ids, structured.start_after_only_if_opened) else msgspec.structs.replace(
             structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix))
     params = msgspec.structs.replace(params, structured=structured)
     check_params_vocab(params, vocab_size)

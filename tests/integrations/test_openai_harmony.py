@@ -48,8 +48,9 @@ class _HarmonyEngine:
     config = SimpleNamespace(model="gpt-oss-stub", generation_config="auto", override_generation_config=None)
     started = True
 
-    def __init__(self) -> None:
+    def __init__(self, reply: str = REPLY) -> None:
         self.params: list = []
+        self.reply = reply
 
     async def start(self) -> None:
         pass
@@ -59,7 +60,7 @@ class _HarmonyEngine:
 
     def chat(self, messages, params, **options) -> _Stream:
         self.params.append(params)
-        return _Stream(REPLY)
+        return _Stream(self.reply)
 
 
 def _app(engine, **parsers):
@@ -100,6 +101,30 @@ async def test_responses_api_items() -> None:
     assert kinds == ["reasoning", "function_call", "function_call"], body
     assert body["output"][0]["content"][0]["text"] == "Weather in Paris, then add."
     assert json.loads(body["output"][1]["arguments"]) == {"city": "Paris", "days": [1, 2.5]}
+
+
+@session_loop
+async def test_responses_api_items_streamed_and_stored_as_answered(monkeypatch) -> None:
+    """One item per harmony message, the same streamed or not, and kept as served (vLLM's layout)."""
+    from asyncllm import envs
+
+    monkeypatch.setenv(envs.ENABLE_RESPONSES_API_STORE.name, "1")
+    reply = ("<|channel|>analysis<|message|>think A<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+             "check.<|end|><|start|>assistant<|channel|>analysis<|message|>think B<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
+    app = _app(_HarmonyEngine(reply), reasoning_parser="openai_gptoss")
+    async with asgi_client(app) as client:
+        whole = (await client.post("/v1/responses", json={"input": "hi"})).json()
+        streamed = await client.post("/v1/responses", json={"input": "hi", "stream": True})
+        last = json.loads(streamed.text.rstrip().rsplit("data: ", 1)[1])["response"]
+        stored = [(await client.get(f"/v1/responses/{body['id']}")).json() for body in (whole, last)]
+
+    def items(body: dict) -> list[tuple[str, str]]:
+        return [(item["type"], item["content"][0]["text"]) for item in body["output"]]
+
+    assert items(whole) == items(last) == [("reasoning", "think A"), ("message", "Let me check."),
+                                           ("reasoning", "think B"), ("message", "Done.")]
+    assert stored == [whole, last]
 
 
 @session_loop

@@ -171,7 +171,7 @@ async def test_a_function_call_continued_with_its_output(bundled_engine, monkeyp
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     turn = app.state.openai_server.responses_store.begin(req)
-    kept = turn.keep(response_body(turn.req, MODEL, {"content": "", "tool_calls": [call]}, "tool_calls", usage))
+    kept = turn.keep(response_body(turn.req, MODEL, [{"tool_calls": [{"index": 0, **call}]}], "tool_calls", usage))
     assert [item["type"] for item in kept["output"]] == ["function_call"]
     client = _openai(app)
     result = [{"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]

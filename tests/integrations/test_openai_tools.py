@@ -179,8 +179,9 @@ NO_THINKING = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor 
 
 
 async def test_qwen3_with_enable_thinking_false_reads_the_reply_as_answer(bundled_engine) -> None:
-    """vLLM's qwen3 parser reads ``chat_template_kwargs.enable_thinking`` false as thinking off whatever the prompt
-    holds (an Instruct template writes no think block): the reply is content and a constraint applies at once."""
+    """vLLM's qwen3 parser reads ``chat_template_kwargs.enable_thinking`` false as thinking off (an Instruct template
+    writes no think block): the reply is content and a constraint applies at once (not when the prompt's end opens
+    ``<think>`` anyway: tests/unit/test_reasoning.py)."""
     from asyncllm.integrations.openai_server import create_app
 
     app = create_app(bundled_engine, manage_engine=False, reasoning_parser="qwen3", trust_request_chat_template=True)

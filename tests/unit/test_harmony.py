@@ -217,3 +217,45 @@ def test_any_text_in_any_pieces_reads_as_whole(reply: str, cuts: list[int]) -> N
     for text, new in [*map(stream.feed, pieces), stream.finish()]:
         content, calls = content + text, calls + new
     assert content == reply if not calls else [c.name for c in calls] == ["add"] * len(calls)
+
+
+RESPONSES_ITEMS = {  # name: (reasoning parser, tools, reply, the Responses API's items as (type, text or call name))
+    "analysis, preamble, analysis, final": ("openai_gptoss", False, A.format("think A") + PREAMBLE.format(
+        "Let me check.") + NEXT_A.format("think B") + FINAL.format("Done."), [
+        ("reasoning", "think A"), ("message", "Let me check."), ("reasoning", "think B"), ("message", "Done.")]),
+    "analysis, final": ("openai_gptoss", False, REPLIES["answer"][0],
+                        [("reasoning", "2+2 is 4."), ("message", "It is 4.")]),
+    "two analyses, a call": ("openai_gptoss", True, A.format("a") + NEXT_A.format("b") + CALL.format("add", "{}"),
+                             [("reasoning", "a"), ("reasoning", "b"), ("function_call", "add")]),
+    "tags: reasoning, content": ("deepseek_r1", False, "<think>A\nB</think>\nC\n\nD",
+                                 [("reasoning", "A\nB"), ("message", "\nC\n\nD")]),
+}
+
+
+@pytest.mark.parametrize("name", RESPONSES_ITEMS)
+def test_responses_items_one_per_message_streamed_or_not(name: str) -> None:
+    """The Responses API's output items are the same streamed (in any pieces) or whole: one per harmony message,
+    with no newline joining them (a chat message's reasoning and content join them: `REPLIES`)."""
+    from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
+
+    parser, tools, text, expected = RESPONSES_ITEMS[name]
+    mode = tool_mode(TOOLS, "auto", None, get_tool_parser("openai")) if tools else tool_mode(None, None, None, None)
+    req, usage = ResponsesRequest(model="m", input="hi"), {"prompt_tokens": 1, "completion_tokens": 1,
+                                                           "total_tokens": 2}
+
+    def items(body: dict) -> list[tuple[str, str]]:
+        return [(o["type"], o["name"] if o["type"] == "function_call" else o["content"][0]["text"])
+                for o in body["output"]]
+
+    whole = ChatReply(mode, get_reasoning_parser(parser), stream_arguments=False, message_starts=True)
+    deltas = whole.feed(text)
+    more, finish = whole.finish("stop")
+    assert items(response_body(req, "m", deltas + more, finish, usage)) == expected
+    for pieces in [list(text), *_cuts(text)[-4:]]:
+        reply, events = ChatReply(mode, get_reasoning_parser(parser), message_starts=True), ResponseEvents(req, "m")
+        for piece in pieces:
+            events.feed(reply.feed(piece))
+        more, finish = reply.finish("stop")
+        events.feed(more)
+        events.finish(finish, usage)
+        assert items(events.body) == expected

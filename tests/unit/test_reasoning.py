@@ -8,18 +8,25 @@ import pytest
 
 from asyncllm.errors import ConfigError
 from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
+from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.reasoning import get_reasoning_parser
-from asyncllm.structured.start_after import Marker
+from asyncllm.sampling import SamplingParams
+from asyncllm.structured.spec import StructuredOutputs
+from asyncllm.structured.start_after import Marker, with_start_after_ids
 from asyncllm.tool_calls import get_tool_parser
 
-CASES = {  # reply: (deepseek_r1's and qwen3's split, glm45's: a parser whose reply opens the thinking itself)
-    "<think>\nLet me see.\n</think>\n\nIt is 4.": (("\nLet me see.\n", "It is 4."), ("\nLet me see.\n", "It is 4.")),
-    "Opened by the prompt.</think>\n\nFour.": (("Opened by the prompt.", "Four."),
-                                               (None, "Opened by the prompt.</think>\n\nFour.")),
-    "<think>cut short while thinking": (("cut short while thinking", None), ("cut short while thinking", None)),
-    "No thinking at all": (("No thinking at all", None), (None, "No thinking at all")),
-    "": ((None, None), (None, None)),
+CASES = {  # reply: (deepseek_r1's, qwen3's and seed_oss's split; glm45's, whose reply opens the thinking itself;
+    # mistral's, as glm45's but a [/THINK] without [THINK] is dropped). The text is kept as written (vLLM's NEW_LINE).
+    "<think>\nLet me see.\n</think>\n\nIt is 4.": (("\nLet me see.\n", "\n\nIt is 4."),) * 3,
+    "Opened by the prompt.</think>\n\nFour.": (("Opened by the prompt.", "\n\nFour."),
+                                               (None, "Opened by the prompt.</think>\n\nFour."),
+                                               (None, "Opened by the prompt.\n\nFour.")),
+    "<think>cut short while thinking": (("cut short while thinking", None),) * 3,
+    "No thinking at all": (("No thinking at all", None), (None, "No thinking at all"), (None, "No thinking at all")),
+    "\n\nNo thinking, newlines first": (("\n\nNo thinking, newlines first", None),
+                                        *((None, "\n\nNo thinking, newlines first"),) * 2),
+    "": ((None, None),) * 3,
 }
 
 
@@ -43,22 +50,34 @@ def test_whole_and_streamed_splits(reply: str) -> None:
 
 @pytest.mark.parametrize("reply", list(CASES))
 def test_mistral_splits_as_qwen3_with_its_think_tokens(reply: str) -> None:
-    """Magistral's ``[THINK]`` / ``[/THINK]`` read as qwen3 reads ``<think>`` / ``</think>``."""
+    """Magistral's ``[THINK]`` / ``[/THINK]`` read as glm45 reads ``<think>`` / ``</think>``, but a ``[/THINK]`` that
+    nothing opened is dropped (vLLM's mistral parser, its case 3.a)."""
     magistral = reply.replace("</think>", "[/THINK]").replace("<think>", "[THINK]")
-    expected = tuple(None if part is None else part.replace("</think>", "[/THINK]") for part in CASES[reply][1])
+    expected = tuple(None if part is None else part.replace("</think>", "[/THINK]") for part in CASES[reply][2])
     assert get_reasoning_parser("mistral").parse(magistral) == expected
     assert all(_streamed("mistral", magistral, seed) == expected for seed in range(8))
     assert get_reasoning_parser("mistral").needs_special_tokens
 
 
+@pytest.mark.parametrize(("reply", "expected"), [  # vLLM's MistralReasoningParser.extract_reasoning, case by case
+    ("Hi [THINK]x[/THINK]y", ("x", "Hi y")),  # 1: text before [THINK] is content
+    ("Hi [THINK]cut", ("cut", "Hi ")),  # 2: only [THINK]
+    ("a[/THINK]b[/THINK]c", (None, "ab[/THINK]c")),  # 3.a: the first lone [/THINK] only
+])
+def test_mistral_reads_think_tokens_where_they_come(reply: str, expected: tuple[str | None, str | None]) -> None:
+    assert get_reasoning_parser("mistral").parse(reply) == expected
+    assert all(_streamed("mistral", reply, seed) == expected for seed in range(8))
+
+
 @pytest.mark.parametrize("reply", list(CASES))
 def test_glm45_minimax_m2_and_seed_oss_split_as_their_models_write(reply: str) -> None:
-    """GLM-4.5 as qwen3, MiniMax-M2 as deepseek_r1, Seed-OSS as qwen3 with ``<seed:think>`` / ``</seed:think>``."""
+    """GLM-4.5 opens its thinking itself, MiniMax-M2 as deepseek_r1, Seed-OSS as deepseek_r1 with ``<seed:think>`` /
+    ``</seed:think>`` (vLLM's seed_oss tests: ONLY_END_TOKEN splits, NO_TOKENS is all reasoning)."""
     for name, expected in (("glm45", CASES[reply][1]), ("minimax_m2", CASES[reply][0])):
         assert get_reasoning_parser(name).parse(reply) == expected, name
         assert all(_streamed(name, reply, seed) == expected for seed in range(4)), name
     seed = reply.replace("</think>", "</seed:think>").replace("<think>", "<seed:think>")
-    expected = tuple(None if part is None else part.replace("</think>", "</seed:think>") for part in CASES[reply][1])
+    expected = tuple(None if part is None else part.replace("</think>", "</seed:think>") for part in CASES[reply][0])
     assert get_reasoning_parser("seed_oss").parse(seed) == expected
     assert all(_streamed("seed_oss", seed, s) == expected for s in range(4))
 
@@ -100,6 +119,32 @@ def test_the_prompt_rule_is_the_constraints_rule() -> None:
         "role": "assistant", "content": "It is 4."}
 
 
+def test_thinking_off_is_all_answer_unless_the_prompt_opened_the_thinking() -> None:
+    """qwen3's ``enable_thinking`` false: the reply is all answer and a grammar applies at once, unless the prompt's
+    end opened ``<think>`` anyway (Qwen3-Thinking-2507's template): then it thinks until ``</think>``, the split vLLM
+    makes, and the grammar waits for it. The server's parser and the engine's constraint read the one rule."""
+    close = Marker((7, 8), opener=(6, 8))
+    assert close.opened_by([1, 6, 8, 9]) and not close.opened_by([6, 8, 7, 8, 9]) and not close.opened_by([1, 2])
+    assert close.starts_answer([1, 2], thinking_off=True) and not close.starts_answer([1, 2])
+    assert not close.starts_answer([1, 6, 8, 9], thinking_off=True) and close.starts_answer([6, 8, 7, 8, 9])
+    choices = Choices(2, 1, None, chat=True, reasoning=get_reasoning_parser("qwen3"), reasoning_end=close,
+                      thinking_off=True)
+    choices.ended_thinking(0, [1, 6, 8, 9])
+    choices.ended_thinking(1, [1, 2])
+    assert choices.prompt_ended_thinking == [False, True]
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    params = SamplingParams(structured=StructuredOutputs(regex="x", start_after="</think>",
+                                                         start_after_only_if_opened=True))
+    opened = with_start_after_ids(params, tokenizer.encode("<|assistant|><think>"), tokenizer, len(tokenizer))
+    plain = with_start_after_ids(params, tokenizer.encode("<|assistant|>"), tokenizer, len(tokenizer))
+    assert opened.structured.start_after_token_ids == tokenizer.encode("</think>", add_special_tokens=False)
+    assert plain.structured.start_after is None and not plain.structured.start_after_token_ids
+
+
 def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> None:
     """gpt-oss's ``<|channel|>final`` (7, 8) ... ``<|message|>`` (9), up to 2 tokens between here (vLLM's
     openai_gptoss ``is_reasoning_end`` takes up to 20: ``<|constrain|>json``)."""
@@ -134,7 +179,7 @@ def test_reasoning_then_a_tool_call() -> None:
     deltas = [d for i in range(0, len(text), 5) for d in reply.feed(text[i:i + 5])]
     more, finish = reply.finish("stop")
     message = merge_deltas(deltas + more, tools=True)
-    assert message["reasoning"] == "I should call f." and message["content"] is None
+    assert message["reasoning"] == "I should call f." and message["content"] == "\n\n"  # as written, as vLLM's
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'} and finish == "tool_calls"
 
 
@@ -148,19 +193,25 @@ def test_a_named_call_after_thoughts() -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     reply = ChatReply(tool_mode(tools, {"type": "function", "function": {"name": "f"}}, None, None),
                       get_reasoning_parser("deepseek_r1"))
-    deltas = reply.feed("Use f.</think>\n\n") + reply.feed('{"x": 1}')
+    deltas = reply.feed("Use f.</think>") + reply.feed('{"x": 1}')  # the grammar starts right after </think>
     more, finish = reply.finish("stop")
     message = merge_deltas(deltas + more, tools=True)
     assert message["reasoning"] == "Use f." and message["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
 
 
-def test_hunyuan_a13b_answer_tags_are_not_content() -> None:
-    reply = "<think>\nsum it\n</think>\n<answer>\nIt is 4.\n</answer>"
-    assert get_reasoning_parser("hunyuan_a13b").parse(reply) == ("\nsum it\n", "It is 4.")
-    assert all(_streamed("hunyuan_a13b", reply, seed) == ("\nsum it\n", "It is 4.") for seed in range(8))
-    assert get_reasoning_parser("hunyuan_a13b").parse("plain answer") == (None, "plain answer")
-    cut = "<think>x</think><answer>half </ans"  # cut short: the held-back characters are content
-    assert get_reasoning_parser("hunyuan_a13b").parse(cut) == ("x", "half </ans")
+@pytest.mark.parametrize(("reply", "expected"), [  # vLLM's tests/reasoning/test_hunyuan_reasoning_parser.py
+    ("<think>\n\n</think>\n<answer>\nThis is the rest\n</answer>", (None, "This is the rest")),  # a quick thought
+    ("<think>\nThis is a reasoning section\n</think>\n<answer>\nThis is the rest\n</answer>",
+     ("This is a reasoning section", "This is the rest")),
+    ("<think>\nThis is a reasoning section!\n</think>\n<answer>\n", ("This is a reasoning section!", None)),
+    ("This is content", (None, "This is content")),
+    ("<think>\nThis\nThat\n</think>\n<answer>\nThis is the rest\nThat", ("This\nThat", "This is the rest\nThat")),
+    ("<think>\nx\n</think>\n<answer>\nhalf\n</ans", ("x", "half\n</ans")),  # cut short: held back, then content
+])
+def test_hunyuan_a13b_markers_hold_their_newlines(reply: str, expected: tuple[str | None, str | None]) -> None:
+    """vLLM's markers: ``<think>\\n`` and ``\\n</think>\\n<answer>\\n``, the answer up to ``\\n</answer>``."""
+    assert get_reasoning_parser("hunyuan_a13b").parse(reply) == expected
+    assert all(_streamed("hunyuan_a13b", reply, seed) == expected for seed in range(8))
 
 
 def test_qwen3_thinking_ends_at_a_call_made_inside_it() -> None:
