@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from asyncllm.engine.validation import truncated_prompt
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import CacheSalt, ServerLimits, completion_prompts, request_options
@@ -29,9 +30,10 @@ from asyncllm.pooling import EmbeddingOutput, PoolingParams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.integrations.openai_server import OpenAIServer
     from asyncllm.lora import LoRARequest
 
-__all__ = ["EmbeddingRequest", "embedding_inputs", "embed_all", "embedding_response"]
+__all__ = ["EmbeddingRequest", "embedding_inputs", "embedding_prompts", "embed_all", "embedding_response"]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -51,7 +53,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """End-user id for the caller's own abuse tracking; accepted and not used by asyncllm."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: cut the prompt to k tokens (-1: as many as max_model_len allows): a text `input` keeps its first
-    tokens, cut by the tokenizer on the right with its special tokens ([CLS] ... [SEP]); token ids their last k."""
+    tokens, cut by the tokenizer on the right with its special tokens ([CLS] ... [SEP]), and rendered `messages`
+    their first k; token ids their last k."""
     normalize: bool | None = None
     """vLLM's: false returns the raw hidden state; null or left out: the model's default (L2-normalized unless
     the engine's ``pooler_config`` says otherwise)."""
@@ -89,6 +92,17 @@ def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | 
     return prompts
 
 
+async def embedding_prompts(server: OpenAIServer, req: EmbeddingRequest) -> list[str | list[int]]:
+    """`embedding_inputs`, or the request's ``messages`` rendered by the server and cut to ``truncate_prompt_tokens``
+    as a text input is: their first k tokens (vLLM's ``_preprocess_chat``; `truncated_prompt`)."""
+    prompts = embedding_inputs(req, server.limits)
+    if prompts is not None:
+        return prompts
+    token_ids = await server._chat_tokens(req)  # the engine started
+    return [truncated_prompt(token_ids, req.truncate_prompt_tokens, server.engine.config.max_model_len, pooling=True,
+                             chat=True)]
+
+
 def pooling_params(req: EmbeddingRequest) -> PoolingParams:
     """The request's `PoolingParams` (the engine checks ``dimensions`` against the model's hidden size)."""
     return PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
@@ -98,9 +112,10 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
                     lora: LoRARequest | None = None, *,
                     until: Callable[[], Awaitable[object]] | None = None,
                     request_log: RequestLogger | None = None,
-                    request_id: str | None = None) -> list[EmbeddingOutput]:
+                    request_id: str | None = None, model_name: str | None = None) -> list[EmbeddingOutput]:
     """Embed every prompt at once, results in input order; `request_log` logs each as ``request_id-i`` (the
-    response's id; None: ``embd-`` and a random id).
+    response's id; None: ``embd-`` and a random id). A refusal of ``dimensions`` names the model `model_name`
+    (the server's served name, as vLLM's ``served_model_name``; None: the engine's, the model as configured).
 
     The first error cancels the others (each cancelled `embed` aborts its
     request in the engine) and is raised; `until` completing (the client went
@@ -108,10 +123,21 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     field (``input`` or ``messages``), but a context-length error's stays ``prompt``, as on every route.
     """
     pooling = pooling_params(req)
+    if model_name is not None and pooling.dimensions is not None:
+        await _check_served(engine, pooling, model_name)
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
     with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True):
         return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
+
+
+async def _check_served(engine: AsyncEngine, pooling: PoolingParams, model_name: str) -> None:
+    """The engine's refusal of `pooling` before it runs, naming the model as the server serves it, not its checkpoint
+    path (which the engine's own check names)."""
+    if not engine.started:
+        await engine.start()
+    assert engine.pooling_model is not None, "set by start"
+    engine.pooling_model.check(pooling, model_name)
 
 
 def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, encoding_format: str = "float",

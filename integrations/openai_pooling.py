@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from asyncllm.engine.pooling_model import activate
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, encode_embedding
+from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, encode_embedding
 from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import decode_request, take_request_id
 from asyncllm.integrations.openai_score import classify_all, pooling_listing, pooling_options
@@ -106,14 +106,13 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     if not engine.started:
         await engine.start()
     task = pooling_task(req, model_pooling_tasks(engine))
-    prompts = embedding_inputs(req, server.limits)
-    if prompts is None:
-        prompts = [await server._chat_tokens(req)]
+    prompts = await embedding_prompts(server, req)
     request_id = _request_id(req, request)
     until, log = (lambda: wait_disconnect(request)), server.request_log
     outputs: list[EmbeddingOutput] | list[ClassificationOutput]
     if task == "embed":
-        outputs = await embed_all(engine, prompts, req, lora, until=until, request_log=log, request_id=request_id)
+        outputs = await embed_all(engine, prompts, req, lora, until=until, request_log=log, request_id=request_id,
+                                  model_name=server.model_name)
         pooled = [out.embedding for out in outputs]
     else:
         outputs = await classify_all(engine, prompts, pooling_options(req, lora), until=until, request_log=log, request_id=request_id,

@@ -41,7 +41,7 @@ from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError, renamed_fields
 from asyncllm.integrations.openai_beam_search import beam_search_response
-from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
+from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, embedding_response
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_http import (
@@ -264,12 +264,10 @@ class OpenAIServer:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
         req = decode_request(await self._body(request) if body is None else body, EmbeddingRequest)
         model, lora = self._model(req.model)
-        prompts = embedding_inputs(req, self.limits)
-        if prompts is None:
-            prompts = [await self._chat_tokens(req)]
+        prompts = await embedding_prompts(self, req)
         response_id = route_id("embd", request.headers)
         outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request),
-                                  request_log=self.request_log, request_id=response_id)
+                                  request_log=self.request_log, request_id=response_id, model_name=self.model_name)
         return json_response(embedding_response(outputs, model, req.encoding_format, response_id))
 
     async def invocations(self, request: Request) -> Response:

@@ -108,7 +108,8 @@ class Matryoshka:
     """Which output ``dimensions`` an embedding model serves (vLLM's ``ModelConfig.is_matryoshka``)."""
 
     name: str
-    """The model as vLLM names it in its refusals (``EngineConfig.model``)."""
+    """The model as its refusals name it (``EngineConfig.model``; the OpenAI server names its served name, as vLLM's
+    ``served_model_name``: `PoolingModel.check`)."""
     supported: bool = False
     """The config's ``is_matryoshka`` or ``matryoshka_dimensions``: False refuses any ``dimensions``."""
     dimensions: tuple[int, ...] | None = None
@@ -122,14 +123,16 @@ class Matryoshka:
             return cls(name, True, tuple(int(d) for d in dims))
         return cls(name, bool(getattr(hf_config, "is_matryoshka", False)))
 
-    def check(self, dimensions: int) -> None:
-        """vLLM's refusals of ``dimensions`` for a model that is not Matryoshka or not at this size."""
+    def check(self, dimensions: int, model_name: str | None = None) -> None:
+        """vLLM's refusals of ``dimensions`` for a model that is not Matryoshka or not at this size, naming it
+        `model_name` (None: `name`)."""
+        name = model_name or self.name
         if not self.supported:
-            raise InvalidRequestError("dimensions", f'Model "{self.name}" does not support matryoshka '
+            raise InvalidRequestError("dimensions", f'Model "{name}" does not support matryoshka '
                                                     "representation, changing output dimensions will lead to poor "
                                                     "results.")
         if self.dimensions is not None and dimensions not in self.dimensions:
-            raise InvalidRequestError("dimensions", f'Model "{self.name}" only supports {list(self.dimensions)} '
+            raise InvalidRequestError("dimensions", f'Model "{name}" only supports {list(self.dimensions)} '
                                                     "matryoshka dimensions, use other output dimensions will lead "
                                                     "to poor results.")
 
@@ -164,8 +167,9 @@ class PoolingModel:
         return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type,
                                        token_type_start=None)
 
-    def check(self, pooling: PoolingParams | None) -> None:
-        """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation)."""
+    def check(self, pooling: PoolingParams | None, model_name: str | None = None) -> None:
+        """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation); a refusal of
+        ``dimensions`` names the model `model_name` (a server's served name; None: the model as configured)."""
         task = "generate" if pooling is None else pooling.task
         arch = self.architecture
         if self.classifier is not None:
@@ -180,7 +184,7 @@ class PoolingModel:
             raise InvalidRequestError("prompt", f"this model ({arch}, no LM head) serves embeddings only: use "
                                                 "embed() or /v1/embeddings")
         elif task == "embed" and pooling.dimensions is not None:
-            (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
+            (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions, model_name)
 
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
                     ) -> tuple[list[int], int | None]:

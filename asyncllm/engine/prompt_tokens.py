@@ -101,7 +101,7 @@ class PromptTokenizer:
             token_ids = self._truncated(job, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
                 chat_template=options.chat_template, content_format=options.chat_template_content_format,
-                lower=lowercases(self.pooling_model)), right=True)
+                lower=lowercases(self.pooling_model)), chat=True)
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
             if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
@@ -120,14 +120,11 @@ class PromptTokenizer:
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids
 
-    def _truncated(self, job: Submit, token_ids: list[int], right: bool = False) -> list[int]:
+    def _truncated(self, job: Submit, token_ids: list[int], chat: bool = False) -> list[int]:
         """Token ids cut to ``truncate_prompt_tokens``: the last k (vLLM's cut of token ids), the first k for a
-        pooling request's rendered chat (`right`: its text cut by a tokenizer that adds no special tokens)."""
-        pooling = job.options.pooling is not None
-        if not (right and pooling):
-            return truncated_prompt(token_ids, job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
-        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=True)
-        return token_ids if keep is None else token_ids[:keep]
+        pooling request's rendered `chat` (`truncated_prompt`)."""
+        return truncated_prompt(token_ids, job.params.truncate_prompt_tokens, self.max_model_len,
+                                pooling=job.options.pooling is not None, chat=chat)
 
     def _text_token_ids(self, job: Submit) -> list[int]:
         """A text prompt's ids, cut by the tokenizer as vLLM's (``truncation=True, max_length=k``, special tokens

@@ -273,12 +273,16 @@ def _check_prompt_embeds(embeds: protocol.PromptEmbeds, num_tokens: int, enabled
                                                    f"its bytes, got {embeds.dtype} {shape} in {len(embeds.data)} bytes")
 
 
-def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int, *, pooling: bool = False
-                     ) -> list[int]:
+def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int, *, pooling: bool = False,
+                     chat: bool = False) -> list[int]:
     """vLLM's ``truncate_prompt_tokens`` for token ids: the prompt's last ``limit`` tokens (a text prompt of a
-    `pooling` request is cut on the right instead, by its tokenizer: `truncation_length`)."""
+    `pooling` request is cut on the right instead, by its tokenizer: `truncation_length`). A `pooling` request's
+    rendered `chat` keeps its first ``limit``: vLLM's ``_preprocess_chat`` tokenizes the rendered text with
+    ``truncation=True, max_length=k`` on the right, adding no special tokens."""
     keep = truncation_length(limit, max_model_len, pooling=pooling)
-    return token_ids if keep is None else token_ids[-keep:]
+    if keep is None:
+        return token_ids
+    return token_ids[:keep] if pooling and chat else token_ids[-keep:]
 
 
 def truncation_length(limit: int | None, max_model_len: int, *, pooling: bool = False) -> int | None:

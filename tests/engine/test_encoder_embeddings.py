@@ -4,12 +4,17 @@ bidirectional attention, equal to transformers' sentence embeddings (docs/embedd
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+from asgi_helpers import asgi_client
 from encoder_utils import hf_pair_logits, hf_sentence_embedding, make_tiny_encoder
 
 from asyncllm import AsyncEngine, InvalidRequestError, PoolingParams, SamplingParams
+from asyncllm.integrations.openai_server import create_app
 
 TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
 """The longest has 19 tokens: past ModernBERT's 4-token local reach."""
@@ -50,10 +55,27 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         with pytest.raises(InvalidRequestError, match="does not support matryoshka") as info:
             await engine.embed(TEXTS[0], PoolingParams(dimensions=8))  # vLLM's: no is_matryoshka in the config
         assert info.value.field == "dimensions"
+        await _served_as_the_docs_show(engine, path)
         again = (await engine.embed(TEXTS[1])).embedding  # served on after the refusals
         # alone in its step now: the products' shapes differ from the first batch's (which arrival timing decides),
         # so only the last bits may
         np.testing.assert_allclose(again, outs[1].embedding, rtol=0, atol=1e-6)
+
+
+async def _served_as_the_docs_show(engine: AsyncEngine, path: str) -> None:
+    """Over the OpenAI server, a model that is not Matryoshka (as the bundled one): docs/integrations/openai-server.md's
+    /v1/embeddings example runs, and a refusal of ``dimensions`` names the served model (vLLM's
+    ``served_model_name``), not the checkpoint's path."""
+    doc = (Path(__file__).parents[2] / "docs" / "integrations" / "openai-server.md").read_text()
+    example = json.loads(re.search(r"curl localhost:8000/v1/embeddings .*?-d '([^']*)'", doc, re.S).group(1))
+    app = create_app(engine, manage_engine=False, model_name=[example["model"], "alias"])
+    async with asgi_client(app) as client:
+        served = await client.post("/v1/embeddings", json=example)
+        refused = await client.post("/v1/embeddings", json={"model": "alias", "input": "x", "dimensions": 8})
+    assert served.status_code == 200 and len(served.json()["data"]) == len(example["input"]), served.text
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
+    message = refused.json()["error"]["message"]
+    assert f'Model "{example["model"]}" does not support matryoshka' in message and str(path) not in message
 
 
 async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp_path) -> None:

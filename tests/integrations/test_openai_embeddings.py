@@ -123,6 +123,16 @@ async def test_chat_messages_rendered_with_the_template(app, bundled_tokenizer) 
     assert _close(prompted["data"][0]["embedding"], _reference(list(ids_prompted)))
 
 
+async def test_chat_messages_cut_keep_their_first_tokens(app, bundled_tokenizer) -> None:
+    """vLLM's ``_preprocess_chat``: the rendered chat is tokenized with ``truncation=True, max_length=k`` (on the
+    right), as a text input is cut; token ids given as input keep their last k instead."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    ids = list(bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                                     return_dict=False))
+    body = await _embed(app, messages=messages, truncate_prompt_tokens=4)
+    assert _close(body["data"][0]["embedding"], _reference(ids[:4])) and body["usage"]["prompt_tokens"] == 4
+
+
 async def test_invocations_with_input_are_embeddings(app) -> None:
     async with _client(app) as client:
         via_sagemaker = await client.post("/invocations", json={"input": TOKENS})

@@ -46,6 +46,15 @@ async def test_pooling_is_the_embeddings_of_the_same_body(app, body: dict) -> No
                                "prompt_tokens_details": None}
 
 
+async def test_chat_messages_cut_keep_their_first_tokens(app) -> None:
+    """``truncate_prompt_tokens`` keeps a rendered chat's first k tokens (vLLM's ``_preprocess_chat``), not the last k
+    of token ids."""
+    ids = (await _post(app, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}))["tokens"]
+    cut = (await _post(app, "/pooling", {"messages": MESSAGES, "truncate_prompt_tokens": 4}))["data"][0]["data"]
+    first = (await _post(app, "/pooling", {"input": ids[:4]}))["data"][0]["data"]
+    assert len(ids) > 4 and cut == pytest.approx(first, abs=1e-6)
+
+
 async def test_base64_is_the_float32_bytes_and_request_id_names_the_response(app) -> None:
     floats = (await _post(app, "/pooling", {"input": TOKENS}))["data"][0]["data"]
     encoded = await _post(app, "/pooling", {"input": TOKENS, "encoding_format": "base64", "request_id": "r7"})
