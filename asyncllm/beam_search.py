@@ -9,7 +9,8 @@ and the best ``beam_width`` of those not ending in EOS go on; every
 candidate ending in EOS (unless ``ignore_eos``) is complete. At the end the complete and
 the live beams are ranked by ``cumulative_logprob / length ** length_penalty``
 (length: prompt and output tokens, as vLLM) and the best ``beam_width`` are
-returned. Logprobs are the model's raw ones (greedy, no temperature); each
+returned. Logprobs are the model's raw ones (greedy, no temperature, ``raw_logprobs``
+whatever the engine's ``logprobs_mode``, so logits never rank the beams); each
 beam keeps, per output token, the step's whole entry (vLLM's form): the
 ``2 * beam_width`` most likely tokens with their logprobs and ranks, the
 chosen one among them.
@@ -45,9 +46,16 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
     """Kept for vLLM compatibility: beam search has no stop strings, so it changes nothing but must be False."""
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int = -1) -> None:
+        """`InvalidRequestError` naming the bad field; `max_logprobs`: the engine's, which each step's top
+        ``2 * beam_width`` logprobs must not exceed (-1: the vocabulary, more than 128)."""
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
             raise InvalidRequestError("beam_width", f"must be an int in [1, 64], got {self.beam_width!r}")
+        if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:  # vLLM's error names the step's logprobs
+            raise InvalidRequestError("beam_width", f"{self.beam_width} needs the top 2 * beam_width = "
+                                                    f"{2 * self.beam_width} logprobs a step, more than the engine's "
+                                                    f"max_logprobs={max_logprobs}: lower beam_width to "
+                                                    f"{max_logprobs // 2} or raise max_logprobs")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
         if self.temperature != 0.0:
@@ -130,7 +138,7 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
     """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts (whose ``cache_salt``
     salts every step's requests)."""
-    params.validate()
+    params.validate(engine.config.max_logprobs)
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
@@ -139,7 +147,9 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
         options = {**options, "cache_salt": cache_salt}
     prompt_ids = _prompt_ids(engine, prompt)
     width = params.beam_width
-    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    # raw_logprobs whatever the engine's logprobs_mode: the beams are ranked by log-probabilities, never by logits
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
+                          logprobs_mode="raw_logprobs")
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
     beams, complete = [BeamSearchSequence(list(prompt_ids))], []
     for _ in range(params.max_tokens):

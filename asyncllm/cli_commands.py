@@ -22,10 +22,6 @@ from asyncllm.tool_calls import TOOL_PARSERS
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
            "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "check_model"]
 
-_HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
-"""Fields a host that attaches to a shared core may still set; the rest belong to the core."""
-
-
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server (uvicorn)",
@@ -323,12 +319,9 @@ def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:
     from asyncllm.integrations.openai_info import served_name
 
     kwargs = engine_kwargs(args)
-    if args.connect is not None:
-        core_side = sorted(set(kwargs) - _HOST_SIDE_FIELDS)
-        if args.model is not None or core_side:
-            raise ConfigError("connect", args.connect,
-                              f"no MODEL or core flags with --connect ({core_side or 'MODEL'}): give them to "
-                              "`asyncllm engine`")
+    if args.connect is not None:  # host-side flags only (`config.HOST_SIDE_FIELDS`): AsyncEngine.connect checks
+        if args.model is not None:
+            raise ConfigError("connect", args.connect, "no MODEL with --connect: give it to `asyncllm engine`")
         engine = AsyncEngine.connect(args.connect, **kwargs)
     else:
         engine = AsyncEngine(args.model, **kwargs)

@@ -19,6 +19,8 @@ from asyncllm.spec.config import SpeculativeConfig
 
 __all__ = [
     "EngineConfig",
+    "HOST_SIDE_FIELDS",
+    "check_host_side",
     "ModelConfig",
     "CacheConfig",
     "SchedulerConfig",
@@ -39,7 +41,8 @@ class CacheConfig:
     block_size: int = 16
     """Tokens per KV-cache block."""
     gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights, activations, KV cache)."""
+    """Fraction of GPU memory the engine may use (weights, activations, KV cache); ignored on the CPU
+    (ASYNCLLM_CPU_KVCACHE_SPACE_GB)."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks instead of sizing from memory."""
     kv_cache_memory_bytes: int | None = None
@@ -83,16 +86,22 @@ class CacheConfig:
             raise ConfigError("mamba_block_size", self.mamba_block_size, f"a multiple of block_size={self.block_size}")
 
 
+DEFAULT_MAX_NUM_SEQS = 256
+"""`SchedulerConfig.max_num_seqs` when unset (vLLM's), at most the step's token budget."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    """Most requests in one step."""
+    max_num_seqs: int | None = None
+    """Most requests in one step; None: 256, at most max_num_batched_tokens (vLLM's default). At most
+    max_num_batched_tokens when both are set (vLLM's rule: every running request takes a token a step)."""
     max_num_batched_tokens: int | None = None
     """Most tokens in one step; defaults to 8192 with chunked prefill, else max_model_len."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so that decodes keep running."""
     long_prefill_token_threshold: int = 0
-    """Cap on one request's prefill chunk per step; 0 means no cap."""
+    """Cap on one request's prefill chunk per step; 0 means no cap. With enable_chunked_prefill False too (vLLM's V1
+    scheduler)."""
     preemption_mode: str = "recompute"
     """recompute frees a victim's blocks and recomputes later; swap copies them to a CPU pool of swap_space GiB."""
     scheduling_policy: str = "fcfs"
@@ -122,8 +131,16 @@ class SchedulerConfig:
     the host wakes each stream's consumer that many times less often (docs/sampling.md)."""
 
     def __post_init__(self) -> None:
-        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1, optional=True)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        budget = self.max_num_batched_tokens
+        if self.max_num_seqs is None:  # vLLM's: the default, at most the budget
+            object.__setattr__(self, "max_num_seqs", DEFAULT_MAX_NUM_SEQS if budget is None
+                               else min(DEFAULT_MAX_NUM_SEQS, budget))
+        elif budget is not None and budget < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens", budget, f"greater than or equal to max_num_seqs "
+                                                                f"({self.max_num_seqs}), as vLLM: raise it or lower "
+                                                                "max_num_seqs")
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
@@ -253,6 +270,21 @@ _SECTIONS = {
 }
 _FIELD_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 _HOST_ONLY_FIELDS = ("prometheus_registry",)
+HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval", "prometheus_registry", "stream_interval",
+                              "max_core_restarts", "mm_processor_cache_type", "mm_processor_cache_gb"})
+"""Fields each host attached to a shared core (`AsyncEngine.connect`, ``asyncllm serve --connect``) may set for
+itself: its stats log, metrics, stream pacing, core supervisor and processor cache; the core's value is their default.
+Every other field is core-side: an attached host takes the core's value, sent in its `Ready`."""
+
+
+def check_host_side(kwargs: dict[str, Any]) -> None:
+    """`ConfigError` naming the core-side fields among `kwargs`, given to a host that attaches to a shared core."""
+    core_side = sorted(key for key in kwargs if key in _FIELD_TO_SECTION and key not in HOST_SIDE_FIELDS)
+    if core_side:
+        given = ", ".join(f"{key}={kwargs[key]!r}" for key in core_side)
+        raise ConfigError(core_side[0], kwargs[core_side[0]], "core-side fields are the shared core's (give them to "
+                          "`asyncllm engine`): a host that attaches takes the core's values and may set only "
+                          f"{', '.join(sorted(HOST_SIDE_FIELDS))}", value_repr=given[len(core_side[0]) + 1:])
 
 
 @dataclass(frozen=True)

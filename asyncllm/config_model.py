@@ -54,10 +54,11 @@ class ModelConfig:
     """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
     tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
     revision: str | None = None
-    """Hub revision (branch, tag or commit) of `model`."""
+    """Hub revision (branch, tag or commit) of `model` (a local folder has none: an error)."""
     tokenizer_revision: str | None = None
     """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch); with no
-    tokenizer, the model repo's tokenizer at this revision (a local model has none)."""
+    tokenizer, the model repo's tokenizer at this revision (a local model or tokenizer folder has none: an
+    error)."""
     download_dir: str | None = None
     """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
     model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
@@ -77,7 +78,8 @@ class ModelConfig:
     """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
     to the whole sequence); no effect on a model without one."""
     load_format: str = "auto"
-    """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
+    """auto reads the safetensors, else the PyTorch pickles (`pytorch_model*.bin`, `*.pt`); safetensors / pt read
+    only those (pre-quantized checkpoints too); dummy makes random weights of the real shapes."""
     quantization: str | None = None
     """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
     with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
@@ -98,8 +100,8 @@ class ModelConfig:
     unset (vllm: SamplingParams' own); its suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp
     tokens apply to every request and its eos_token_id joins the EOS ids, vllm included."""
     override_generation_config: dict[str, Any] | None = None
-    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}; generation_config.json's
-    names too (max_new_tokens is max_tokens)."""
+    """Sampling defaults set on top of those, e.g. {"temperature": 0.5}: vLLM's keys only (temperature, top_p, top_k,
+    min_p, repetition_penalty, max_new_tokens or max_tokens); another key is a ConfigError naming it."""
     max_logprobs: int = 20
     """vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary's size);
     a request asking for more is an InvalidRequestError naming the field."""
@@ -227,13 +229,13 @@ class MultiModalConfig:
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL
-    (a key the processor does not have is an error)."""
+    (a key the processor does not have is an error, as is any key on a text-only model)."""
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
-    spaced) from an encoded video file; None: 32."""
+    spaced) from an encoded video file; None: 32 (a text-only model: an error)."""
     limit_mm_per_prompt: dict[str, int] | None = None
     """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality (all 0 on
-    Gemma 3: its text decoder alone). None: no limit."""
+    Gemma 3: its text decoder alone; above 0 on a text-only model: an error). None: no limit."""
 
     def __post_init__(self) -> None:
         check_float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)

@@ -190,3 +190,23 @@ REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE
             ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
             MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)
+_SET_BY_ASYNCLLM = frozenset({"ASYNCLLM_PARENT_PID"})
+"""Variables asyncllm sets for its own children (asyncllm/procutil.py), never read from the user."""
+
+
+def unknown_names(environ: dict[str, str] | None = None) -> list[str]:
+    """The ``ASYNCLLM_*`` variables set that asyncllm reads none of (a typo, a vLLM name renamed without its
+    suffix), sorted; the test suite's own switches (``ASYNCLLM_TEST_*``) aside."""
+    known = {var.name for var in REGISTRY} | _SET_BY_ASYNCLLM
+    return sorted(name for name in (os.environ if environ is None else environ)
+                  if name.startswith("ASYNCLLM_") and name not in known and not name.startswith("ASYNCLLM_TEST_"))
+
+
+def warn_unknown() -> None:
+    """One warning on the ``asyncllm`` logger naming the unknown ``ASYNCLLM_*`` variables (vLLM's "Unknown vLLM
+    environment variable detected"): they would otherwise be ignored silently."""
+    names = unknown_names()
+    if names:
+        logging.getLogger("asyncllm").warning(
+            "unknown asyncllm environment variable(s) %s: asyncllm reads none of them (its variables are listed in "
+            "docs/configuration.md#environment-variables)", ", ".join(names))

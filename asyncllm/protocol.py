@@ -167,18 +167,19 @@ class Ready(msgspec.Struct, **_STRUCT):
     max_model_len: int
     core_pid: int
     model: str = ""
-    """The model folder the core serves: a host that attaches (`AsyncEngine.connect`) loads its tokenizer from it."""
+    """Unused, as `tokenizer`, `revision`, `max_lora_rank` and `max_loras` (`config` holds them): kept so that
+    `wire_protocol` stays where an older host reads it, and refuses this core cleanly."""
     tokenizer: str = ""
-    """Tokenizer folder or hub id (empty: the model folder's)."""
     revision: str | None = None
-    """Hub revision of `tokenizer`, if it is a hub id."""
     mm_shm_ring_mapped: bool = False
     """The core mapped the ring named in the host's Hello (False: the host sends image data inline)."""
     max_lora_rank: int = 0
-    """The core's max_lora_rank when it serves LoRA adapters (0: enable_lora is off), for an attached host."""
     max_loras: int = 1
     wire_protocol: str = ""
     """The core's `wire_protocol()`; "" (a core from before the check) matches no host."""
+    config: dict[str, Any] = {}
+    """The core's `EngineConfig.to_dict(wire=True)` (its model folder, fitted max_model_len, ...): a host that
+    attaches (`AsyncEngine.connect`) takes it, with its own `HOST_SIDE_FIELDS` on top (asyncllm/engine/connect.py)."""
 
 
 class EngineCoreEventType(enum.IntEnum):

@@ -216,6 +216,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     architectures: list[str] | None = None
     """The served config's ``architectures`` (hf_overrides applied), by which the core checks what requests it
     serves (`asyncllm.engine.validation.served_tasks`); None: a test runner without a config."""
+    kv_budget_field: str = ""
+    """What sized this rank's KV cache (kv_cache_memory_bytes, gpu_memory_utilization, or on the CPU
+    ASYNCLLM_CPU_KVCACHE_SPACE_GB), which the core advises raising when max_model_len does not fit ("": unknown)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

@@ -115,6 +115,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     detokenize: bool = True
     """False: the outputs carry token ids only (empty text, logprobs without ``decoded_token``), and the host
     spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""
+    logprobs_mode: str | None = None
+    """What this request's ``logprobs`` and ``prompt_logprobs`` hold, one of the engine's ``logprobs_mode`` values
+    (None: the engine's): beam search asks for ``raw_logprobs`` whatever the engine's mode, to rank by them."""
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"
@@ -210,6 +213,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             if value is not None:  # -1: the whole vocabulary (vLLM's)
                 _check_int(name, value, -1, _LOGPROBS_BOUND, f"must be in [0, {_LOGPROBS_BOUND}] or -1 (the whole "
                                                              f"vocabulary), got {value}")
+        if self.logprobs_mode is not None:
+            from asyncllm.config_model import LOGPROBS_MODES  # the engine field's values, not imported up front
+
+            if self.logprobs_mode not in LOGPROBS_MODES:
+                raise InvalidRequestError("logprobs_mode", f"must be one of {', '.join(LOGPROBS_MODES)} or None "
+                                                           f"(the engine's), got {self.logprobs_mode!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of "
                                       f"{[k.lower() for k in RequestOutputKind.__members__]}, got {self.output_kind!r}")

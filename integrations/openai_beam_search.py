@@ -135,7 +135,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
         params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
                                        length_penalty=req.length_penalty))
         try:
-            params[-1].validate()
+            params[-1].validate(engine.config.max_logprobs)
         except InvalidRequestError as exc:  # name the request's field
             field = {"beam_width": "n" if width == req.n else "best_of"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None

@@ -104,6 +104,8 @@ class Executor:
         """`asyncllm.protocol.WorkerReady.mm_piece_audio_window` (any rank's), known after `start()`."""
         self.served_architectures: list[str] | None = None
         """`asyncllm.protocol.WorkerReady.architectures` (rank 0's), known after `start()`."""
+        self.kv_budget_field = ""
+        """`asyncllm.protocol.WorkerReady.kv_budget_field` (rank 0's), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -138,7 +140,7 @@ class Executor:
         self.mm_piece_merge = max(msg.mm_piece_merge for msg in ready)  # a pipeline stage may not hold the tower
         self._first_stage_reports = any(msg.first_stage_reports for msg in ready)
         self.mm_piece_audio_window = max(msg.mm_piece_audio_window for msg in ready)
-        self.served_architectures = ready[0].architectures
+        self.served_architectures, self.kv_budget_field = ready[0].architectures, ready[0].kv_budget_field
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:

@@ -247,7 +247,7 @@ class InputBatch:
             if state.req_id in self.prompt_logprobs_req_ids:
                 job = plan_prompt_logprobs(
                     state.req_id, state.token_ids, state.num_prompt_tokens, int(computed[i]), int(num_scheduled[i]),
-                    int(query_start_loc[i]), state.params.prompt_logprobs or 0,
+                    int(query_start_loc[i]), state.params.prompt_logprobs or 0, state.params.logprobs_mode,
                 )
                 if job is not None:
                     jobs.append(job)
@@ -312,7 +312,8 @@ class InputBatch:
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         device = self.device
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
-        logprobs = LogprobsMetadata.build([s.params.logprobs for s in states], device) if self._num_logprobs else None
+        logprobs = (LogprobsMetadata.build([s.params.logprobs for s in states], device,
+                                           [s.params.logprobs_mode for s in states]) if self._num_logprobs else None)
         sampling = SamplingMetadata.from_arrays(
             self.temperature[rows],
             self.top_k[rows],

@@ -63,21 +63,28 @@ class KVCacheSetup:
         draft = self.drafter.bytes_per_block if self.drafter is not None else 0
         return self.kv_spec.bytes_per_block(self.block_size, self.kv_cache_dtype) + draft
 
+    @property
+    def kv_budget_field(self) -> str:
+        """What sizes this rank's KV cache: kv_cache_memory_bytes when set, else gpu_memory_utilization on a GPU and
+        ASYNCLLM_CPU_KVCACHE_SPACE_GB on the CPU (which ignores gpu_memory_utilization)."""
+        if self.config.kv_cache_memory_bytes is not None:
+            return "kv_cache_memory_bytes"
+        return "gpu_memory_utilization" if self.device.type == "cuda" else envs.CPU_KVCACHE_SPACE_GB.name
+
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
         value: object
-        if self.config.kv_cache_memory_bytes is not None:  # the user's size: no profile step
+        field = self.kv_budget_field
+        if field == "kv_cache_memory_bytes":  # the user's size: no profile step
             budget = value = self.config.kv_cache_memory_bytes
-            field = "kv_cache_memory_bytes"
-        elif self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
+        elif field == "gpu_memory_utilization":  # a multimodal model's encoder cache is not the KV cache's
             encoder_cache = self.mm_runner is not None and self.mm_runner.encodes
             budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if encoder_cache else 0)
             budget -= request_states_reserve(getattr(self.model, "causal_lm", self.model), self.config, budget)
-            field = "gpu_memory_utilization"
             value = self.config.gpu_memory_utilization
         else:
-            budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
             value = envs.CPU_KVCACHE_SPACE_GB.get()
+            budget = int(value * 2**30)
         if self.drafter is not None:  # the draft's scratch blocks for its proposals (workers/draft_runner.py)
             budget -= self.drafter.scratch_bytes
         num_blocks = budget // self.bytes_per_block

@@ -50,15 +50,25 @@ class LogprobsMetadata:
     """Top-N of each such row (0: the sampled token only; -1: the whole vocabulary)."""
     row_indices: list[int]
     """``rows`` as host ints: positions in the step's sampling order."""
+    modes: list[str | None] | None = None
+    """Each such row's `SamplingParams.logprobs_mode` (None: the engine's); None when no row sets one."""
 
     @classmethod
-    def build(cls, num_logprobs: Sequence[int | None], device: torch.device) -> "LogprobsMetadata | None":
-        """From each sampling row's `SamplingParams.logprobs` (None: not asked)."""
+    def build(cls, num_logprobs: Sequence[int | None], device: torch.device,
+              modes: Sequence[str | None] = ()) -> "LogprobsMetadata | None":
+        """From each sampling row's `SamplingParams.logprobs` (None: not asked) and ``logprobs_mode``."""
         row_indices = [i for i, n in enumerate(num_logprobs) if n is not None]
         if not row_indices:
             return None
         rows = torch.tensor(row_indices, dtype=torch.int64).to(device, non_blocking=True)
-        return cls(rows, [int(num_logprobs[i]) for i in row_indices], row_indices)  # type: ignore[arg-type]
+        row_modes = [modes[i] for i in row_indices] if any(modes) else None
+        return cls(rows, [int(num_logprobs[i]) for i in row_indices], row_indices, row_modes)  # type: ignore[arg-type]
+
+    def row_modes(self, engine_mode: str) -> list[str]:
+        """Each row's logprobs mode, the engine's where the request sets none."""
+        if self.modes is None:
+            return [engine_mode] * len(self.row_indices)
+        return [mode or engine_mode for mode in self.modes]
 
 
 def token_logprobs(
@@ -126,18 +136,22 @@ class PromptLogprobsJob:
     start: int
     """Prompt index of the first target token."""
     num_logprobs: int
+    as_logits: bool | None = None
+    """The request's ``logprobs_mode`` is a ``*_logits`` one (None: it sets none, the engine's applies)."""
 
 
 def plan_prompt_logprobs(
     req_id: str, token_ids: list[int], num_prompt_tokens: int, num_computed: int, num_scheduled: int,
-    flat_start: int, num_logprobs: int,
+    flat_start: int, num_logprobs: int, mode: str | None = None,
 ) -> PromptLogprobsJob | None:
-    """The job of a request whose step covers positions [num_computed, num_computed + num_scheduled)."""
+    """The job of a request whose step covers positions [num_computed, num_computed + num_scheduled); `mode`: its
+    ``logprobs_mode`` (None: the engine's)."""
     end = min(num_computed + num_scheduled, num_prompt_tokens - 1)
     if end <= num_computed:
         return None
     targets = token_ids[num_computed + 1 : end + 1]
-    return PromptLogprobsJob(req_id, flat_start, targets, num_computed + 1, num_logprobs)
+    return PromptLogprobsJob(req_id, flat_start, targets, num_computed + 1, num_logprobs,
+                             None if mode is None else mode.endswith("logits"))
 
 
 def compute_prompt_logprobs(
@@ -145,8 +159,8 @@ def compute_prompt_logprobs(
     as_logits: bool = False,
 ) -> dict[str, LogprobsArrays]:
     """Run each job over the step's hidden states [T, H], ``PROMPT_LOGITS_SLICE`` positions at a time; with
-    ``as_logits`` (``logprobs_mode`` ``*_logits``) the rows hold the logits (no processor applies to prompt
-    positions, so raw and processed are the same)."""
+    ``as_logits`` (``logprobs_mode`` ``*_logits``; a job's own mode first) the rows hold the logits (no processor
+    applies to prompt positions, so raw and processed are the same)."""
     out: dict[str, LogprobsArrays] = {}
     for job in jobs:
         pieces = []
@@ -154,7 +168,7 @@ def compute_prompt_logprobs(
             end = min(begin + PROMPT_LOGITS_SLICE, len(job.target_token_ids))
             states = hidden[job.flat_start + begin : job.flat_start + end]
             logits = compute_logits(states)
-            logprobs = logits if as_logits else logits.log_softmax(dim=-1)
+            logprobs = logits if (as_logits if job.as_logits is None else job.as_logits) else logits.log_softmax(dim=-1)
             targets = torch.tensor(job.target_token_ids[begin:end], dtype=torch.int64, device=logprobs.device)
             pieces.append([t.cpu().numpy() for t in token_logprobs(logprobs, targets, job.num_logprobs)])
         ids, values, ranks = (np.concatenate([p[k] for p in pieces]) for k in range(3))

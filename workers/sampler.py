@@ -145,7 +145,7 @@ class SamplingMetadata:
             positions,
             device,
             build_logits_processors_metadata(rows, device),
-            LogprobsMetadata.build([p.logprobs for p in params], device),
+            LogprobsMetadata.build([p.logprobs for p in params], device, [p.logprobs_mode for p in params]),
         )
 
 
@@ -193,28 +193,23 @@ class Sampler:
         """
         assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
         wanted = metadata.logprobs
-        processed = self.logprobs_mode.startswith("processed")
-        values = None
-        if wanted is not None and not processed:
-            values = self._values(logits.index_select(0, wanted.rows))
+        modes = None if wanted is None else wanted.row_modes(self.logprobs_mode)
+        raw = None
+        if modes is not None and not all(mode.startswith("processed") for mode in modes):
+            raw = logits.index_select(0, wanted.rows)  # a copy: before the processors change the logits
         processors = metadata.logits_processors
         if processors is not None:
             apply_logits_processors(logits, processors, self.penalty_tables)
         if metadata.generation_rules is not None:
             metadata.generation_rules.apply(logits)
-        tokens, drawn_from = self._sample(logits, metadata, keep=processed and wanted is not None)
+        keep = modes is not None and any(mode.startswith("processed") for mode in modes)
+        tokens, drawn_from = self._sample(logits, metadata, keep=keep)
         if processors is not None and processors.penalties is not None:
             self.penalty_tables.record(processors.penalties, tokens)
-        if wanted is None:
+        if wanted is None or modes is None:
             return SamplerOutput(tokens)
-        if drawn_from is not None:
-            values = self._values(drawn_from.index_select(0, wanted.rows))
-        assert values is not None
-        return SamplerOutput(tokens, sampled_logprobs(values, tokens, wanted))
-
-    def _values(self, logits: torch.Tensor) -> torch.Tensor:
-        """What logprobs rows hold: the logits' log-softmax, or the logits (``*_logits`` modes)."""
-        return logits if self.logprobs_mode.endswith("logits") else logits.log_softmax(dim=-1)
+        processed = None if drawn_from is None else drawn_from.index_select(0, wanted.rows)
+        return SamplerOutput(tokens, sampled_logprobs(_logprobs_values(raw, processed, modes), tokens, wanted))
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
                 keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -290,3 +285,22 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _logprobs_values(raw: torch.Tensor | None, processed: torch.Tensor | None, modes: list[str]) -> torch.Tensor:
+    """What each logprobs row holds, by its mode: of the ``raw`` logits (before any processor) or the ``processed``
+    ones (those its token was drawn from), as log-softmax or (``*_logits``) as they are."""
+    if raw is None or processed is None:
+        values = raw if processed is None else processed
+    else:
+        values = torch.where(_row_mask([m.startswith("processed") for m in modes], raw.device), processed, raw)
+    as_logprobs = [mode.endswith("logprobs") for mode in modes]
+    if not any(as_logprobs):
+        return values
+    if all(as_logprobs):
+        return values.log_softmax(dim=-1)
+    return torch.where(_row_mask(as_logprobs, values.device), values.log_softmax(dim=-1), values)
+
+
+def _row_mask(flags: list[bool], device: torch.device) -> torch.Tensor:
+    return torch.tensor(flags, dtype=torch.bool).to(device, non_blocking=True).unsqueeze(1)

@@ -198,7 +198,8 @@ class Worker:
         piece_merge, piece_audio_window = mm_piece_fields(getattr(self.runner, "model", None))
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
                                        checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage(),
-                                       piece_audio_window, architectures))
+                                       piece_audio_window, architectures,
+                                       str(getattr(self.runner, "kv_budget_field", ""))))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from asyncllm import protocol
-from asyncllm.config import EngineConfig
+from asyncllm import envs, protocol
+from asyncllm.config import EngineConfig, check_host_side
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
@@ -37,7 +37,7 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError, NotBuiltError
+from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError
 from asyncllm.outputs import EngineStats
 from asyncllm.procutil import forked
 from asyncllm.sampling import SamplingParams
@@ -68,23 +68,22 @@ class AsyncEngine(EngineRequests, EngineControl):
         no address: the default one of ``asyncllm engine``).
 
         Cheap like the constructor: the first request (or `start`) asks the core
-        which model it serves and loads the tokenizer. `kwargs` are the host-side
-        fields (disable_log_stats, prometheus_registry, ...; the model, tokenizer and
-        max_model_len are the core's, whatever is given); `aclose` detaches
-        and leaves the core running for the other hosts. A ``tcp://`` address
-        needs the core's shared secret: `key`, or ASYNCLLM_ENGINE_KEY (docs/security.md).
+        for its config (then `engine.config`) and loads the tokenizer. `kwargs` are host-side
+        fields only (`config.HOST_SIDE_FIELDS`: stream_interval, prometheus_registry, ...; else
+        the core's values), a core-side one is a ConfigError naming it; `aclose` detaches and
+        leaves the core running for the other hosts. A ``tcp://`` address needs the core's
+        shared secret: `key`, or ASYNCLLM_ENGINE_KEY (docs/security.md).
         """
         from asyncllm.auth import resolve_key
         from asyncllm.engine.connect import check_address, default_address
 
         address = check_address(default_address() if address is None else address, key)
+        check_host_side(kwargs)
         engine = cls.__new__(cls)
         engine._init(EngineConfig.create(address, **kwargs), address)  # the address stands in for the model
-        if engine.config.data_parallel_size > 1:
-            raise NotBuiltError("data_parallel_size", engine.config.data_parallel_size,
-                                "data parallelism over a shared engine core (AsyncEngine.connect, `asyncllm engine`)")
+        engine._host_fields = kwargs
         engine._engine_key = resolve_key(address, key)
-        engine._fits_max_model_len = False  # the core's max_model_len is the core's (any given one gives way to it)
+        engine._fits_max_model_len = False  # the core's max_model_len is the core's (fitted there)
         return engine
 
     @classmethod
@@ -99,6 +98,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         """max_model_len -1: `config` gets the core's fitted value, and a restarted core fits it again."""
         self._connect_address = connect_address
         """Set by `connect`: attach to this core instead of starting one."""
+        self._host_fields: dict[str, Any] = {}  # set by `connect`: its host-side fields, on the core's config
         self._engine_key: str | None = None
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
         self._weights = EngineWeights()
@@ -214,13 +214,14 @@ class AsyncEngine(EngineRequests, EngineControl):
 
     def _launch_spec(self) -> LaunchSpec:
         return LaunchSpec(weakly(self._deliver_threadsafe), self._connect_address, self._engine_key,
-                          replica_devices(self.config))
+                          replica_devices(self.config), self._host_fields)
 
     async def _start(self) -> None:
         if self._starting is not None:  # another loop's start, begun before this loop's lock was taken
             raise EventLoopError("this AsyncEngine is starting in another event loop: start it from one loop")
         self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
         self._owner_pid = os.getpid()
+        envs.warn_unknown()  # a mistyped ASYNCLLM_* name would be ignored silently
         try:
             prepared = await self._start_replicas()
         except BaseException:

@@ -2,9 +2,11 @@
 
 A standalone core (``asyncllm engine MODEL --address ipc:///...``) serves
 several host processes, each with its own DEALER. A host that attaches asks the
-core what it serves (the `Ready` reply names the model folder, the tokenizer
-and max_model_len), then loads the tokenizer itself: tokenization and
-detokenization stay in each host's processor thread, as with an owned core.
+core what it serves (the `Ready` reply carries the core's config: its model
+folder, tokenizer, max_model_len, generation defaults, ...), takes it with its own
+host-side fields on top (`config.HOST_SIDE_FIELDS`), then loads the tokenizer
+itself: tokenization and detokenization stay in each host's processor thread, as
+with an owned core.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from asyncllm import protocol
 from asyncllm.auth import resolve_key
-from asyncllm.config import EngineConfig
+from asyncllm.config import HOST_SIDE_FIELDS, EngineConfig
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.errors import ConfigError, EngineDeadError
@@ -98,10 +101,11 @@ class _CoreUnreachable(EngineDeadError):
 
 
 def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: str | None = None,
-                     closed: Callable[[], bool] | None = None) -> Prepared:
+                     closed: Callable[[], bool] | None = None, host_fields: dict[str, Any] | None = None) -> Prepared:
     """Ask the core at `address` what it serves and load that tokenizer (runs in a worker thread).
 
-    A core binds its socket before it loads the model, so a missing socket file
+    The host's config is the core's, with the `host_fields` given to `AsyncEngine.connect` on top (all of them
+    `HOST_SIDE_FIELDS`, checked there). A core binds its socket before it loads the model, so a missing socket file
     means no core, not a slow one: that fails at once instead of after `timeout_s`.
     `closed` given (a core restart, `max_core_restarts`): the core may be restarting,
     so a missing socket or a dropped connection is tried again until `timeout_s`,
@@ -109,24 +113,20 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
     """
     ready = _handshake_now(address, timeout_s, key) if closed is None else _await_handshake(address, timeout_s, key,
                                                                                             closed)
-    if not ready.model:
-        raise EngineDeadError(f"the engine core at {address} did not say which model it serves (an older asyncllm?)")
-    lora = dict(enable_lora=True, max_lora_rank=ready.max_lora_rank, max_loras=ready.max_loras, max_cpu_loras=None) \
-        if ready.max_lora_rank else dict(enable_lora=False)
-    served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, tokenizer_revision=ready.revision,
-                            max_model_len=ready.max_model_len, **lora)
+    if not ready.config:
+        raise EngineDeadError(f"the engine core at {address} did not say what it serves (an older asyncllm?)")
+    prepared = prepare(EngineConfig.from_dict({**ready.config, **(host_fields or {})}), resolved=True)
     if closed is not None:  # a restart: the host keeps its tokenizer, templates and served names
-        _check_same_core(config, served, address)
-    return prepare(served)
-
-
-_SERVED = ("model", "tokenizer", "tokenizer_revision", "max_model_len", "enable_lora", "max_lora_rank", "max_loras")
+        _check_same_core(config, prepared.config, address)
+    return prepared
 
 
 def _check_same_core(before: EngineConfig, now: EngineConfig, address: str) -> None:
-    """`EngineDeadError` unless the restarted core at `address` serves what the host attached to first."""
-    changed = [f"{name} {getattr(before, name)!r} -> {getattr(now, name)!r}" for name in _SERVED
-               if getattr(before, name) != getattr(now, name)]
+    """`EngineDeadError` unless the restarted core at `address` serves what the host attached to first (its
+    core-side fields)."""
+    old, new = before.to_dict(wire=True), now.to_dict(wire=True)
+    changed = [f"{name} {old[name]!r} -> {new[name]!r}" for name in old
+               if name not in HOST_SIDE_FIELDS and old[name] != new[name]]
     if changed:
         raise EngineDeadError(f"the engine core restarted at {address} serves something else ({'; '.join(changed)}): "
                               "this host keeps what it attached to; restart the host to attach to it")

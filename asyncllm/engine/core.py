@@ -74,7 +74,8 @@ class EngineCore:
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
         self.tasks = served_tasks(self.executor.served_architectures)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
-        self.config = config = served_config(config, self.num_gpu_blocks, auto_fit, hf_config_json)  # vLLM's -1
+        self.config = config = served_config(config, self.num_gpu_blocks, auto_fit, hf_config_json,  # vLLM's -1
+                                                   self.executor.kv_budget_field)
         num_offload_blocks = self.executor.num_offload_blocks
         num_swap_blocks = swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)
         self.num_cpu_blocks = num_swap_blocks + num_offload_blocks
@@ -332,11 +333,9 @@ class EngineCore:
         return failed
 
     def _ready(self) -> protocol.Ready:
-        config, lora = self.config, self.config.lora_config
+        config = self.config
         return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
-                              config.model, config.tokenizer or "", config.tokenizer_revision,
-                              max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras,
-                              wire_protocol=protocol.wire_protocol())
+                              wire_protocol=protocol.wire_protocol(), config=config.to_dict(wire=True))
 
     def stop(self) -> None:
         """End `run()` after the current step (a standalone core's signal handler calls this)."""

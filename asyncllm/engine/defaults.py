@@ -25,14 +25,23 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
 }
 """generation_config.json key -> the `SamplingParams` field it defaults (vLLM's set)."""
+_DEFAULTED = frozenset(GENERATION_CONFIG_FIELDS.values())
+"""The `SamplingParams` fields a generation config defaults."""
 
 
 def sampling_overrides(name: str, overrides: object) -> object:
     """``override_generation_config`` with generation_config.json's keys as the `SamplingParams` fields they
-    default (``max_new_tokens`` -> ``max_tokens``, as vLLM maps them); SamplingParams' own names as they are.
-    Anything but a dict is returned for the config's own check to refuse."""
+    default (``max_new_tokens`` -> ``max_tokens``, as vLLM maps them; ``max_tokens`` too). Only those six: vLLM's
+    ``get_diff_sampling_param`` reads no other key (its server defaults no other field), so another one is a
+    `ConfigError` naming it rather than a default that only `AsyncEngine.generate` would apply. Anything but a
+    dict is returned for the config's own check to refuse."""
     if not isinstance(overrides, dict):
         return overrides
+    unknown = [key for key in overrides if key not in GENERATION_CONFIG_FIELDS and key not in _DEFAULTED]
+    if unknown:
+        raise ConfigError(name, overrides, f"only the keys vLLM's generation config defaults "
+                                           f"({', '.join(GENERATION_CONFIG_FIELDS)}, or max_tokens); {unknown[0]!r} "
+                                           f"is not one: set it per request")
     fields = {GENERATION_CONFIG_FIELDS.get(key, key): value for key, value in overrides.items()}
     if len(fields) < len(overrides):
         raise ConfigError(name, overrides, "one value per SamplingParams field (max_new_tokens is max_tokens)")

@@ -22,14 +22,15 @@ def kv_capacity(config: EngineConfig, num_gpu_blocks: int) -> int:
 
 
 def served_config(config: EngineConfig, num_gpu_blocks: int, auto_max_model_len: bool,
-                  hf_config_json: str | None = None) -> EngineConfig:
+                  hf_config_json: str | None = None, kv_budget_field: str = "") -> EngineConfig:
     """The config the core serves once the KV cache is sized: `auto_max_model_len` (the user's max_model_len -1)
     fitted to the cache (`fit_max_model_len`), then checked to hold one whole sequence (`check_kv_fits`). The
     workers keep the model's maximum they were started with (a restart loads the model as the first start did,
-    LongRoPE's factors included); the scheduler and the hosts (`protocol.Ready`) get this one."""
+    LongRoPE's factors included); the scheduler and the hosts (`protocol.Ready`) get this one. `kv_budget_field`:
+    what sized the workers' KV cache (`protocol.WorkerReady.kv_budget_field`), the advice when it is too small."""
     if auto_max_model_len:
         config = fit_max_model_len(config, num_gpu_blocks, longrope_original(hf_config_json))
-    check_kv_fits(config, num_gpu_blocks)
+    check_kv_fits(config, num_gpu_blocks, kv_budget_field)
     return config
 
 
@@ -68,14 +69,25 @@ def longrope_original(hf_config_json: str | None) -> int | None:
     return None
 
 
-def check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
-    """`ConfigError` when one sequence of `max_model_len` tokens does not fit in the KV cache's blocks."""
+def check_kv_fits(config: EngineConfig, num_gpu_blocks: int, kv_budget_field: str = "") -> None:
+    """`ConfigError` when one sequence of `max_model_len` tokens does not fit in the KV cache's blocks; its advice
+    names what sized the cache (`kv_budget_field`: on the CPU ASYNCLLM_CPU_KVCACHE_SPACE_GB, which ignores
+    gpu_memory_utilization; "": unknown, gpu_memory_utilization)."""
     capacity = kv_capacity(config, num_gpu_blocks)
     if capacity < config.max_model_len:
         raise errors.ConfigError("max_model_len", config.max_model_len,
                                  f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of "
                                  f"{config.block_size}); lower max_model_len (-1 / 'auto': the longest that fits), "
-                                 "or raise gpu_memory_utilization / num_gpu_blocks_override")
+                                 f"or raise {_kv_size_fields(config, kv_budget_field)}")
+
+
+def _kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
+    """What makes the KV cache larger: num_gpu_blocks_override when it is set, else what sized it, with
+    kv_cache_memory_bytes and num_gpu_blocks_override as the other ways."""
+    if config.num_gpu_blocks_override is not None:
+        return "num_gpu_blocks_override"
+    field = kv_budget_field or "gpu_memory_utilization"
+    return " / ".join(dict.fromkeys((field, "kv_cache_memory_bytes", "num_gpu_blocks_override")))
 
 
 def swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:

@@ -72,10 +72,14 @@ class Prepared:
     """The rows' width of a prompt given as embeddings (the model's hidden size); None: not enabled."""
 
 
-def prepare(config: EngineConfig) -> Prepared:
+def prepare(config: EngineConfig, resolved: bool = False) -> Prepared:
     """What the host needs before the core starts (on a worker thread; engines starting at once prepare in parallel,
-    their transformers names imported first, one thread at a time)."""
+    their transformers names imported first, one thread at a time). ``resolved``: `config` is one prepared before
+    (a restart's, or the shared core's an attached host takes), its model and tokenizer the local folders its hub ids
+    and revisions resolved to, so its revisions are not checked against those folders."""
     import_transformers()
+    if not resolved:
+        _check_local_revisions(config)
     return _prepare(config)
 
 
@@ -99,6 +103,8 @@ def _prepare(config: EngineConfig) -> Prepared:
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
     multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, limits)
+    if not multimodal:
+        _check_served_as_text(config, arch)
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
@@ -290,6 +296,9 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
     if config.kv_offloading_size:
         raise ConfigError("kv_offloading_size", config.kv_offloading_size, "0 for an encoder model (it keeps no KV "
                                                                            "cache and no prefix cache to offload)")
+    if config.long_prefill_token_threshold:
+        raise ConfigError("long_prefill_token_threshold", config.long_prefill_token_threshold,
+                          "0 for an encoder model (each prompt runs whole in one step)")
     budget = config.max_num_batched_tokens
     if budget is not None and budget < config.max_model_len:
         raise ConfigError("max_num_batched_tokens", budget, f"at least max_model_len={config.max_model_len} for an "
@@ -303,14 +312,40 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
     return config.replace(**changes)
 
 
+def _check_local_revisions(config: EngineConfig) -> None:
+    """A revision names a hub repo's branch, tag or commit; a local folder (or .gguf file) has none, so one given
+    with it is a `ConfigError` naming the field (vLLM and transformers ignore it)."""
+    if config.revision is not None and os.path.exists(config.model):
+        raise ConfigError("revision", config.revision, f"None for a local model ({config.model} has no revisions)")
+    if config.tokenizer_revision is None:
+        return
+    if config.tokenizer is not None and os.path.exists(config.tokenizer):
+        raise ConfigError("tokenizer_revision", config.tokenizer_revision, f"None for a local tokenizer "
+                                                                           f"({config.tokenizer} has no revisions)")
+    if config.tokenizer is None and os.path.exists(config.model):
+        raise ConfigError("tokenizer_revision", config.tokenizer_revision, f"None for a local model ({config.model} "
+                                                                           "has no revisions; pass tokenizer= a folder)")
+
+
+def _check_served_as_text(config: EngineConfig, arch: str) -> None:
+    """The multimodal fields of a model served as text (a text-only architecture, or an image-text one with every
+    ``limit_mm_per_prompt`` count 0): one that asks for media is a `ConfigError` naming it, not ignored (older vLLM
+    refused them too: "only supported for multimodal models"); None, {} and counts of 0 pass."""
+    mm_config = config.multimodal_config
+    for kind, count in (mm_config.limit_mm_per_prompt or {}).items():
+        if count:
+            raise ConfigError(f"limit_mm_per_prompt.{kind}", count, f"0: {arch} is served as text (no {kind}s)")
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):
+        if getattr(mm_config, name):
+            raise ConfigError(name, getattr(mm_config, name), f"None: {arch} is served as text (it processes no "
+                                                              "images, videos or audio)")
+
+
 def _model_tokenizer_path(config: EngineConfig, path: str) -> str:
     """The folder of the model's own tokenizer: the model's, or (as vLLM reads ``tokenizer_revision`` with no
     ``tokenizer``) the model repo's tokenizer files at that revision, without its weights."""
     if config.tokenizer_revision is None or config.tokenizer_revision == config.revision:
         return path
-    if os.path.exists(config.model):
-        raise ConfigError("tokenizer_revision", config.tokenizer_revision, f"None for a local model ({config.model} "
-                                                                           "has no revisions; pass tokenizer= a folder)")
     return resolve_model_path(config.model, config.tokenizer_revision, config.download_dir, weights=False)
 
 

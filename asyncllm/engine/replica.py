@@ -189,6 +189,7 @@ class LaunchSpec:
     engine_key: str | None = None
     devices: list[list[str]] | None = None
     """Each replica's CUDA devices (`data_parallel.replica_devices`); None: CPU, or one replica."""
+    host_fields: dict[str, Any] = field(default_factory=dict)  # given to `AsyncEngine.connect`: on the core's config
 
 
 def pick_replica(replicas: list[Replica]) -> Replica | None:
@@ -218,10 +219,10 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         from asyncllm.engine.connect import prepare_attached
 
         prepared = await in_thread(prepare_attached, config, spec.connect_address, timeout_s, spec.engine_key,
-                                   closed)
+                                   closed, spec.host_fields)
         replica.observer.set_model_name(prepared.config.model)
     else:
-        prepared = await in_thread(prepare, config)
+        prepared = await in_thread(prepare, config, closed is not None)  # a restart's config: prepared before
         core = await in_thread(launch_core, prepared.config, prepared.hf_config_json,
                                replica_env(spec.devices, replica.index), config.max_model_len == AUTO_MAX_MODEL_LEN,
                                abandoned=_stop_untold)

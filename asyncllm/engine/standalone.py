@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from types import FrameType
 
-from asyncllm import protocol
+from asyncllm import envs, protocol
 from asyncllm.child_logging import configure_child_logging
 from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
@@ -40,6 +40,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
                             "data parallelism in a standalone engine core (`asyncllm engine`)")
     configure_child_logging("core")
     report_crashes()
+    envs.warn_unknown()
     prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
     auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)

@@ -316,7 +316,8 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
         make_int4_expert_params(model, experts)
     make_ct_w8a8_expert_params(model, cfg)
     materialize_params(model, device)  # the float parameters left (built on the meta device)
-    load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
+    load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
+                    load_format=config.load_format)
     finish_compressed_tensors_params(model, cfg, use_triton)
     if experts is not None:
         finish_int4_experts(model, experts, keep_packed=use_triton)

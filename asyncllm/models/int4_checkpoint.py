@@ -363,6 +363,6 @@ def fill_int4_weights(model: nn.Module, config: Any, cfg: Int4CheckpointConfig, 
     else:
         materialize_params(model, device)  # the float parameters left (built on the meta device)
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
-                        functools.partial(drop_extra_biases, model))
+                        functools.partial(drop_extra_biases, model), load_format=config.load_format)
     finish_int4_params(model, cfg, use_triton)
     finish_int4_experts(model, cfg, keep_packed=use_triton)  # packed on a GPU (the fused-MoE kernel's int path)

@@ -182,7 +182,8 @@ def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8
     fp8.make_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     fp8_experts.make_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     materialize_params(model, device)
-    load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
+    load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
+                    load_format=config.load_format)
     fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     fp8_experts.finish_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
 
@@ -193,7 +194,7 @@ def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
     Speech's, served as a `LoRARequest` of the folder); PyTorch pickle files (asyncllm/models/pt_checkpoint.py)
     when there are none and ``load_format`` is ``auto``, or always with ``pt``."""
     if load_format == "pt":
-        return _pt_files(path)
+        return _pt_files(path, load_format)
     from asyncllm.models.pt_checkpoint import indexed_files
 
     indexed = indexed_files(path, "model.safetensors.index.json")
@@ -210,10 +211,14 @@ def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
     return files
 
 
-def _pt_files(path: str) -> list[str]:
+def _pt_files(path: str, load_format: str = "auto") -> list[str]:
     from asyncllm.models.pt_checkpoint import pt_checkpoint_files
 
     files = pt_checkpoint_files(path)
+    if not files and load_format == "pt":
+        raise ConfigError("load_format", load_format, f"a folder with pytorch_model*.bin or *.pt weights, and {path} "
+                                                      "has none (load_format='auto' or 'safetensors' reads its "
+                                                      "*.safetensors)")
     if not files:
         raise ConfigError("model", path, "a folder with *.safetensors, pytorch_model*.bin or *.pt weights; it has "
                                          "none (load_format='dummy' draws random weights)")

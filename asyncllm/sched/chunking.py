@@ -6,9 +6,11 @@
   caps one request's chunk, so one long prompt cannot take a whole step.
 - `enable_chunked_prefill=False`: a waiting prompt is scheduled whole or not
   at all, and a prompt longer than `max_num_batched_tokens` is refused at
-  arrival (`asyncllm.sched.admission.check_request`). The one exception is a
+  arrival (`asyncllm.sched.admission.check_request`). The exceptions: a
+  `long_prefill_token_threshold` (> 0) still caps a request's chunk, as in
+  vLLM's V1 scheduler, so a longer prompt runs in chunks of that size; and a
   request resumed after preemption whose outputs made it longer than a whole
-  step: it is chunked anyway, or it could never run again.
+  step is chunked anyway, or it could never run again.
 """
 
 from __future__ import annotations
@@ -35,21 +37,24 @@ class ChunkPolicy:
     def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self._threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+        self._threshold = long_prefill_token_threshold  # as vLLM's V1 scheduler: with or without chunked prefill
 
     def chunk(self, num_remaining: int, budget: int) -> int:
         """Tokens a request computes this step: capped by the budget and the long-prefill threshold."""
-        if 0 < self._threshold < num_remaining:
-            num_remaining = self._threshold
-        return min(num_remaining, budget)
+        return min(self._capped(num_remaining), budget)
 
     def admission_chunk(self, num_remaining: int, budget: int) -> int:
-        """Like `chunk`, but 0 (wait) when chunking is off and the rest does not fit this step."""
-        if self.enable_chunked_prefill or num_remaining <= budget:
-            return self.chunk(num_remaining, budget)
-        if num_remaining <= self.max_num_batched_tokens:
+        """Like `chunk`, but 0 (wait) when chunking is off and the rest (capped by the threshold, as vLLM) does not
+        fit this step."""
+        capped = self._capped(num_remaining)
+        if self.enable_chunked_prefill or capped <= budget:
+            return min(capped, budget)
+        if capped <= self.max_num_batched_tokens:
             return 0
         return budget
+
+    def _capped(self, num_remaining: int) -> int:
+        return self._threshold if 0 < self._threshold < num_remaining else num_remaining
 
 
 def whole_spans(mm_items: list[Any], num_computed: int, num_new: int, budget: int) -> int:

@@ -157,7 +157,8 @@ async def test_other_hosts_attached_to_the_core_keep_their_own_cache(engine, tin
         outs = [await guest.generate(prompt, GREEDY) for _ in range(2)]
         assert [m.mm_items[0].data for m, _ in sent] == [None, None] and guest.stats().mm_cache_hits == 1
         assert [o.outputs[0].token_ids for o in outs] == [expected, expected]
-    async with AsyncEngine.connect(address, disable_log_stats=True) as lru_guest:  # lru host, shm core: no store
+    lru = {"mm_processor_cache_type": "lru"}  # a host-side field: not given, the guest would take the core's shm
+    async with AsyncEngine.connect(address, disable_log_stats=True, **lru) as lru_guest:  # shm core: no store
         sent = sent_requests(lru_guest)
         outs = [await lru_guest.generate(prompt, GREEDY) for _ in range(2)]
         assert [o.outputs[0].token_ids for o in outs] == [expected, expected]

@@ -169,6 +169,20 @@ async def test_max_model_len_larger_than_the_kv_cache_fails_at_start(tiny_llama:
     assert "lower max_model_len" in str(info.value)
 
 
+async def test_on_the_cpu_a_kv_cache_too_small_names_its_space_not_gpu_memory_utilization(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU sizes its cache by ASYNCLLM_CPU_KVCACHE_SPACE_GB (the workers say so): the advice names it, not
+    gpu_memory_utilization, which the CPU ignores."""
+    monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.0005")
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, device="cpu")
+    with pytest.raises(ConfigError) as info:
+        await engine.start()
+    await engine.aclose()
+    assert info.value.field == "max_model_len"
+    assert str(info.value).endswith("or raise ASYNCLLM_CPU_KVCACHE_SPACE_GB / kv_cache_memory_bytes / "
+                                    "num_gpu_blocks_override")
+
+
 async def test_max_model_len_auto_fits_the_kv_cache(tiny_llama: str) -> None:
     """vLLM's max_model_len -1: the model's 2048 lowered to what the KV cache holds. 48 KiB (+100 bytes) hold 6
     blocks of 16 tokens (a block: 2 layers x K and V x 2 heads x 16 dims x 16 tokens x 4 bytes = 8 KiB), so 96."""

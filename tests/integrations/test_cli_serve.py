@@ -67,7 +67,7 @@ def test_vllm_human_readable_sizes_and_fault_tolerance_flags() -> None:
 
 def test_help_comes_from_the_field_docstrings() -> None:
     text = _subparser("serve").format_help()
-    assert "Most requests in one step. (default: 256)" in " ".join(text.split())
+    assert "Most requests in one step; None: 256, at most max_num_batched_tokens" in " ".join(text.split())
 
 
 def test_connect_refuses_core_flags(capsys) -> None:
@@ -76,6 +76,16 @@ def test_connect_refuses_core_flags(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--connect", "ipc:///tmp/x.sock", "--max-num-seqs", "4"])
     assert exit_info.value.code == 2 and "max_num_seqs" in capsys.readouterr().err
+
+
+def test_connect_takes_host_side_flags() -> None:
+    """`serve --connect` with host-side flags only: the attached host's own (`config.HOST_SIDE_FIELDS`)."""
+    from asyncllm.cli_commands import _serve_engine
+
+    args = _subparser("serve").parse_args(["--connect", "ipc:///tmp/x.sock", "--stream-interval", "2",
+                                           "--disable-log-stats"])
+    engine, _ = _serve_engine(args)
+    assert engine._host_fields == {"stream_interval": 2, "disable_log_stats": True}
 
 
 def test_auto_tool_choice_needs_a_parser(capsys) -> None:

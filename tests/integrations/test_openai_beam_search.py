@@ -124,7 +124,7 @@ COMPLETION_REFUSALS = [
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"echo": True}, "echo"), ({"n": 2, "logprobs": 5}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
-    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2, "best_of": 129}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 11}, "n"),  # 2 * 11 logprobs a step, over max_logprobs=20 ({"n": 2, "best_of": 129}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
     ({"add_special_tokens": False}, "add_special_tokens"),
 ]

@@ -70,8 +70,9 @@ def _start_core(model: str, folder: Path, *args: str) -> tuple[subprocess.Popen,
     return proc, address
 
 
-CORE_FLAGS = ("--enable-lora", "--max-loras", "2")
-"""LoRA on (two slots): the base model's outputs are unchanged, and the adapter test needs no core of its own."""
+CORE_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-logprobs", "30", "--stream-interval", "2")
+"""LoRA on (two slots): the base model's outputs are unchanged, and the adapter test needs no core of its own; a
+core-side and a host-side field that hosts take from the core (test_each_host_has_its_own_request_ids)."""
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,7 @@ def test_two_hosts_share_one_core(core, tiny_llama: str, tmp_path: Path) -> None
     assert b_start < a_end  # the two hosts' requests were in the core at the same time
 
     assert proc.poll() is None  # the hosts detached without stopping the shared core
-    assert handshake(address, timeout_s=10).model == tiny_llama
+    assert handshake(address, timeout_s=10).config["model"] == tiny_llama
 
 
 async def test_each_host_has_its_own_request_ids(core, tiny_llama: str) -> None:
@@ -120,7 +121,9 @@ async def test_each_host_has_its_own_request_ids(core, tiny_llama: str) -> None:
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     async with AsyncEngine.connect(address, disable_log_stats=True) as a, \
-            AsyncEngine.connect(address, disable_log_stats=True) as b:
+            AsyncEngine.connect(address, disable_log_stats=True, stream_interval=1) as b:
+        assert (a.config.max_logprobs, a.config.stream_interval, a.config.max_loras) == (30, 2, 2)  # the core's
+        assert (b.config.max_logprobs, b.config.stream_interval) == (30, 1)  # its own host-side field
         assert await asyncio.gather(collect(a.stream(PROMPTS[0], greedy(40), request_id="same")),
                                     collect(b.stream(PROMPTS[1], greedy(40), request_id="same"))) \
             == [expected[0], expected[1][:40]]

@@ -22,14 +22,17 @@ class _Engine:
     tokenizer = None
     eos_token_ids = [2]
 
-    def __init__(self) -> None:
+    def __init__(self, max_logprobs: int = 20) -> None:
         self.options: list[dict[str, Any]] = []
+        self.params: list[Any] = []
+        self.config = SimpleNamespace(max_logprobs=max_logprobs)
 
     async def start(self) -> None:
         return None
 
     async def generate(self, tokens: list[int], params: Any, **options: Any) -> Any:
         self.options.append(options)
+        self.params.append(params)
         entry = {5: Logprob(-0.1, rank=1), 6: Logprob(-2.0, rank=2)}
         return SimpleNamespace(outputs=[SimpleNamespace(logprobs=[entry])])
 
@@ -69,3 +72,19 @@ def test_a_prompt_dict_key_it_cannot_use_is_named(prompt: dict, options: dict, f
     with pytest.raises(InvalidRequestError) as info:
         _run(prompt, **options)
     assert info.value.field == field and words in str(info.value)
+
+
+def test_every_step_asks_for_raw_logprobs_whatever_the_engines_mode() -> None:
+    """The beams are ranked by log-probabilities: a step's request sets logprobs_mode, so an engine whose
+    logprobs_mode reports logits still gives beam search log-softmax values."""
+    _, engine = _run([1, 3])
+    assert {(p.logprobs, p.logprobs_mode) for p in engine.params} == {(2, "raw_logprobs")}
+
+
+def test_a_beam_width_above_half_max_logprobs_names_beam_width() -> None:
+    wide = BeamSearchParams(beam_width=11, max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="22 logprobs a step, more than the engine's max_logprobs=20") as info:
+        asyncio.run(beam_search(_Engine(), [1, 3], wide))  # type: ignore[arg-type]
+    assert info.value.field == "beam_width"
+    out = asyncio.run(beam_search(_Engine(max_logprobs=-1), [1, 3], wide))  # type: ignore[arg-type]
+    assert out.sequences[0].tokens == [1, 3, 5]

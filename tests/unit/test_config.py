@@ -116,6 +116,16 @@ def test_default_batched_tokens() -> None:
     assert EngineConfig.create("m", max_num_batched_tokens=64).resolved_max_num_batched_tokens == 64
 
 
+def test_max_num_seqs_is_at_most_the_budget() -> None:
+    """As vLLM: an unset max_num_seqs is 256 at most the budget; a larger one set explicitly is a ConfigError."""
+    assert EngineConfig.create("m").max_num_seqs == 256
+    assert EngineConfig.create("m", max_num_batched_tokens=16).max_num_seqs == 16
+    assert EngineConfig.create("m", max_num_batched_tokens=6, max_num_seqs=6).max_num_seqs == 6
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=2 .*equal to max_num_seqs \(6\)") as info:
+        EngineConfig.create("m", max_num_batched_tokens=2, max_num_seqs=6)
+    assert info.value.field == "max_num_batched_tokens"
+
+
 def test_every_field_is_documented() -> None:
     import pathlib
 
@@ -148,3 +158,20 @@ def test_max_model_len_auto_is_the_kv_caches_capacity_capped_by_the_models() -> 
     assert served_config(config, 500, auto_max_model_len=True).max_model_len == 2048  # never past the model's
     with pytest.raises(ConfigError, match="at most 160 tokens fit"):  # without auto: refused, as before
         served_config(config, 10, auto_max_model_len=False)
+
+
+@pytest.mark.parametrize(("fields", "sized_by", "advice"), [
+    ({}, "", "gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override"),
+    ({}, "ASYNCLLM_CPU_KVCACHE_SPACE_GB", "ASYNCLLM_CPU_KVCACHE_SPACE_GB / kv_cache_memory_bytes / "
+                                          "num_gpu_blocks_override"),
+    ({"kv_cache_memory_bytes": 2**20}, "kv_cache_memory_bytes", "kv_cache_memory_bytes / num_gpu_blocks_override"),
+    ({"num_gpu_blocks_override": 10}, "ASYNCLLM_CPU_KVCACHE_SPACE_GB", "num_gpu_blocks_override"),
+])
+def test_a_kv_cache_too_small_advises_raising_what_sized_it(fields, sized_by: str, advice: str) -> None:
+    """On the CPU the workers size the cache by ASYNCLLM_CPU_KVCACHE_SPACE_GB and ignore gpu_memory_utilization."""
+    from asyncllm.engine.kv_budget import served_config
+
+    config = EngineConfig.create("m", max_model_len=2048, block_size=16, **fields)
+    with pytest.raises(ConfigError) as info:
+        served_config(config, 10, False, None, sized_by)
+    assert str(info.value).endswith(f"or raise {advice}")

@@ -30,7 +30,7 @@ def test_expert_parallel_with_data_parallel_is_not_built() -> None:
 
 
 def test_a_shared_core_with_data_parallel_is_not_built(tmp_path) -> None:
-    with pytest.raises(NotBuiltError, match="shared engine core"):
+    with pytest.raises(ConfigError, match="data_parallel_size=2 is not allowed: core-side"):  # the core's field
         AsyncEngine.connect(f"ipc://{tmp_path}/engine.sock", data_parallel_size=2)
     from asyncllm.engine.standalone import run_standalone_core
 

@@ -70,8 +70,10 @@ def run_workload(seed: int, vectorized: bool, overlapped: bool, monkeypatch: pyt
         monkeypatch.setattr(scheduler_module, "schedule_decodes", lambda sched, step: 0)
         monkeypatch.setattr(scheduler_module, "update_decodes", lambda *args: None)
     rng = random.Random(seed)
-    config = EngineConfig.create("dummy-model", block_size=rng.choice([1, 2, 4]), max_num_seqs=rng.choice([3, 8, 64]),
-                                 max_num_batched_tokens=rng.choice([16, 64, 512]), enable_prefix_caching=rng.random() < 0.7,
+    block_size, max_num_seqs = rng.choice([1, 2, 4]), rng.choice([3, 8, 64])
+    budget = max(rng.choice([16, 64, 512]), max_num_seqs)  # vLLM's rule: at least max_num_seqs
+    config = EngineConfig.create("dummy-model", block_size=block_size, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=budget, enable_prefix_caching=rng.random() < 0.7,
                                  preemption_mode=rng.choice(["recompute", "swap"]), max_model_len=64)
     sched = Scheduler(config, num_gpu_blocks=rng.choice([24, 48, 400]), max_model_len=64, num_cpu_blocks=64)
     worker, in_flight, log = Worker(), [], []

@@ -57,6 +57,9 @@ def test_override_generation_config_is_checked() -> None:
         with pytest.raises(ConfigError) as info:
             EngineConfig.create("m", override_generation_config=bad)
         assert info.value.field == "override_generation_config"
+    # as vLLM's get_diff_sampling_param, only its six keys: another would default engine.generate but not the server
+    with pytest.raises(ConfigError, match="'logit_bias' is not one"):
+        EngineConfig.create("m", override_generation_config={"temperature": 0.0, "logit_bias": {5: -100.0}})
 
 
 def _prepared(model: str, generation_config: str):

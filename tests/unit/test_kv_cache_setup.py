@@ -22,6 +22,7 @@ def test_cpu_blocks_follow_the_kvcache_space(fake_runner: ModelRunner, monkeypat
     assert fake_runner.bytes_per_block == 2 * 1 * 4 * 1 * 16 * 4
     monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "0.001")
     assert fake_runner.determine_num_available_blocks() == int(0.001 * 2**30) // 512
+    assert fake_runner.kv_budget_field == "ASYNCLLM_CPU_KVCACHE_SPACE_GB"  # what the core's advice names
 
 
 def test_kv_cache_memory_bytes_sizes_the_cache(tmp_path: Path) -> None:

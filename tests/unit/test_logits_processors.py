@@ -247,28 +247,34 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_top_n() -> None:
     assert int(out.sampled_token_ids[2]) == 0
 
 
-@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
-def test_logprobs_mode_picks_the_logits_before_or_after_processing(mode: str) -> None:
+@pytest.mark.parametrize("modes", [("raw_logits", None, None), ("processed_logprobs", None, None),
+                                   ("processed_logits", None, None), ("raw_logits", "processed_logprobs", None),
+                                   ("processed_logits", None, "raw_logprobs")])
+def test_logprobs_mode_picks_the_logits_before_or_after_processing(modes: tuple) -> None:
     """vLLM's ``logprobs_mode``: raw = the model's logits; processed = after the processors (a penalty, a bias) and,
-    for a sampled row, temperature and top-k (the distribution its token was drawn from: masked tokens -inf)."""
+    for a sampled row, temperature and top-k (the distribution its token was drawn from: masked tokens -inf). A
+    request's own ``logprobs_mode`` (`modes` after the engine's) applies to its row alone."""
+    engine_mode, *row_modes = modes
     logits = random_logits(2, seed=9)
-    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=5, seed=2, repetition_penalty=1.5),
-              SamplingParams(temperature=0.0, logprobs=2, logit_bias={7: 4.0})]
+    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=5, seed=2, repetition_penalty=1.5,
+                             logprobs_mode=row_modes[0]),
+              SamplingParams(temperature=0.0, logprobs=2, logit_bias={7: 4.0}, logprobs_mode=row_modes[1])]
     meta = SamplingMetadata.from_params(params, [5, 5], CPU, [[0, 1]] * 2, [[2]] * 2)
-    out = Sampler(0, CPU, mode)(logits.clone(), meta)
+    out = Sampler(0, CPU, engine_mode)(logits.clone(), meta)
     processed = logits.clone()
     processed[0] = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[0, 1, 2]]), logits[:1].clone())[0] / 0.5
     processed[0] = processed[0].masked_fill(processed[0] < processed[0].topk(3).values[-1], float("-inf"))
     processed[1, 7] += 4.0
-    expected = processed if mode.startswith("processed") else logits
-    expected = expected if mode.endswith("logits") else expected.log_softmax(-1)
     assert out.logprobs is not None
     for row, arrays in enumerate(out.logprobs):
+        mode = row_modes[row] or engine_mode
+        expected = processed if mode.startswith("processed") else logits
+        expected = expected if mode.endswith("logits") else expected.log_softmax(-1)
         ids = np.frombuffer(arrays.token_ids, "<i4").reshape(-1, arrays.width)[0]
         values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, arrays.width)[0]
         np.testing.assert_allclose(values, expected[row, ids.tolist()].numpy(), atol=1e-5)
         assert ids[0] == int(out.sampled_token_ids[row])
-    if mode.startswith("processed"):
+    if (row_modes[0] or engine_mode).startswith("processed"):
         assert np.isinf(np.frombuffer(out.logprobs[0].logprobs, "<f4")[-2:]).all()  # top 5 of 3 kept: 2 masked
 
 

@@ -140,7 +140,7 @@ def test_the_processor_thread_serves_the_length_in_order_with_requests() -> None
 
 def test_an_attached_host_restarts_with_its_cores_length_not_auto(monkeypatch) -> None:
     """A shared core's restart must serve what it served (`_check_same_core`): the host never asks for -1."""
-    engine = AsyncEngine.connect("ipc:///tmp/asyncllm-no-core.sock", max_model_len=-1)
+    engine = AsyncEngine.connect("ipc:///tmp/asyncllm-no-core.sock")
     _serve(engine._replicas[0], 96)
     engine.config = engine.config.replace(max_model_len=96)  # the core's, from its Ready
     assert _restart(monkeypatch, engine, 0, fitted=64) == [96]

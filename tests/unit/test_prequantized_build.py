@@ -12,6 +12,7 @@ from int4_reference import write_int4_checkpoint
 from safetensors.torch import load_file
 
 from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
 from asyncllm.models import loader
 from asyncllm.tiny import tiny_checkpoint
 
@@ -81,3 +82,18 @@ def test_materialize_params_zeroes_keeps_attributes_and_refuses_meta_buffers() -
     model[1].register_buffer("table", torch.empty(2, device="meta"))
     with pytest.raises(RuntimeError, match=r"buffers \['1.table'\] were made on the meta device"):
         loader.materialize_params(model, CPU)
+
+
+@pytest.mark.parametrize("case", ["float", *CASES])
+def test_load_format_pt_reads_only_pickles_pre_quantized_or_not(tmp_path, case: str) -> None:
+    """``load_format='pt'`` on a folder of safetensors only is refused naming load_format, whether the checkpoint
+    is pre-quantized (fp8, AWQ, compressed-tensors loaders) or not."""
+    if case == "float":
+        path = tiny_checkpoint("llama")
+    else:
+        arch, write, _ = CASES[case]
+        write(tiny_checkpoint(arch), tmp_path / case)
+        path = str(tmp_path / case)
+    config = EngineConfig.create(path, load_format="pt")
+    with pytest.raises(ConfigError, match=r"load_format='pt' is not allowed: .*pytorch_model\*\.bin or \*\.pt"):
+        loader.load_model(config, loader.load_hf_config(path), CPU, torch.float32)

@@ -24,7 +24,7 @@ from asyncllm.sampling import sample_seed
         ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: "x"}), ("logit_bias", [1.0]),
         ("logit_bias", {"abc": 1.0}), ("logit_bias", {"¹": 1.0}), ("logprobs", -2), ("logprobs", 2**31),
         ("logprobs", True), ("prompt_logprobs", 2**31), ("prompt_logprobs", -2), ("output_kind", "sometimes"),
-        ("output_kind", 5), ("skip_special_tokens", 1),
+        ("output_kind", 5), ("skip_special_tokens", 1), ("logprobs_mode", "logits"),
     ],
 )
 def test_each_bad_value_names_its_field(field: str, value: Any) -> None:
@@ -73,7 +73,8 @@ def test_convenient_spellings_are_normalised() -> None:
 
 def test_round_trips_the_wire_with_every_new_field() -> None:
     p = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
-                       logit_bias={5: 2.0}, logprobs=3, prompt_logprobs=0, output_kind=RequestOutputKind.CUMULATIVE)
+                       logit_bias={5: 2.0}, logprobs=3, prompt_logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
+                       logprobs_mode="raw_logprobs")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
 
 

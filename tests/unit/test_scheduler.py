@@ -9,7 +9,8 @@ import pytest
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
-from asyncllm.errors import InvalidRequestError
+from asyncllm.engine.prepare import _encoder_config
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.queue import FCFSRequestQueue, PriorityRequestQueue
 from asyncllm.sched.request import Request, RequestStatus
@@ -94,6 +95,15 @@ def test_long_prefill_token_threshold_caps_each_chunk():
     out, _ = run_step(sched)
     assert out.num_scheduled_tokens == {"a": 8, "b": 3}
     assert [run_step(sched)[0].num_scheduled_tokens for _ in range(2)] == [{"a": 8, "b": 1}, {"a": 4, "b": 1}]
+
+
+def test_long_prefill_token_threshold_caps_chunks_without_chunked_prefill():
+    """As vLLM's V1 scheduler: the threshold applies whatever enable_chunked_prefill says."""
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 20))
+    assert [run_step(sched)[0].num_scheduled_tokens for _ in range(4)] == [{"a": 8}, {"a": 8}, {"a": 4}, {"a": 1}]
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold=8 .*encoder model"):  # its prompts run whole
+        _encoder_config(EngineConfig.create("m", long_prefill_token_threshold=8, max_model_len=64))
 
 
 def test_max_num_seqs_limits_running_requests():

@@ -92,6 +92,7 @@ def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host
     assert core._handle(b"ours", protocol.Hello(pid=2, wire_protocol=protocol.wire_protocol())) is True
     (client, ready), = sent
     assert client == b"ours" and isinstance(ready, protocol.Ready) and ready.wire_protocol == protocol.wire_protocol()
+    assert ready.config == core.config.to_dict(wire=True)  # what an attached host's config is made of
     assert core.clients == {b"ours"} and core.stats_reporter == b"ours"
     sent.clear()  # the refused host's requests are not run (it never said a Hello the core took), nor left waiting
     assert core._handle(b"other", protocol.AddRequest("r", [1], SamplingParams(), [2], 0.0)) is False
@@ -186,21 +187,6 @@ def test_core_answers_an_add_request_it_cannot_decode_with_an_error_for_its_id()
         ctx.term()
         io.close()
         remove_dir(folder)
-
-
-def test_a_restarted_shared_core_serving_something_else_is_refused(monkeypatch) -> None:
-    """A host re-attaching after a core restart keeps its tokenizer, templates and served names: a core that now
-    serves another model (or length, or LoRA limits) ends it with an error naming what changed."""
-    from asyncllm.engine import connect
-
-    attached = EngineConfig.create("first-model", max_model_len=128)
-    ready = protocol.Ready(64, 4, 128, 1, "other-model", "", None)
-    monkeypatch.setattr(connect, "_await_handshake", lambda *args: ready)
-    monkeypatch.setattr(connect, "prepare", lambda config: config)
-    with pytest.raises(EngineDeadError, match="serves something else \\(model 'first-model' -> 'other-model'\\)"):
-        connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False)
-    ready.model = "first-model"
-    assert connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False).model == "first-model"
 
 
 def test_a_handshake_that_timed_out_says_goodbye_to_the_core_that_binds_late() -> None:

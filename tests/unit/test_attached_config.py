@@ -1,0 +1,80 @@
+"""A host attached to a shared core (`AsyncEngine.connect`) takes the core's config, sent in its `Ready`: core-side
+fields are the core's, host-side ones (`config.HOST_SIDE_FIELDS`) the host's own when given, else the core's."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from asyncllm import AsyncEngine, ConfigError, EngineDeadError, protocol
+from asyncllm.config import HOST_SIDE_FIELDS, EngineConfig
+from asyncllm.engine import connect
+from asyncllm.engine.prepare import prepare
+
+CORE_FIELDS = dict(max_logprobs=50, override_generation_config={"max_tokens": 3, "temperature": 0.0},
+                   logprobs_mode="raw_logits", block_size=8, enable_prefix_caching=False, tokenizer_mode="hf",
+                   hf_overrides={"max_position_embeddings": 96}, limit_mm_per_prompt={"image": 0},
+                   stream_interval=4, log_stats_interval=3.0)
+
+
+def _ready(config: EngineConfig) -> protocol.Ready:
+    """The `Ready` a core serving `config` sends, through msgpack as on the wire."""
+    ready = protocol.Ready(64, config.block_size, config.max_model_len or 0, 1, wire_protocol=protocol.wire_protocol(),
+                           config=config.to_dict(wire=True))
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=protocol.CoreMessage)
+
+
+def test_an_attached_host_takes_the_cores_config_with_its_own_host_side_fields(tiny_llama, monkeypatch) -> None:
+    core = prepare(EngineConfig.create(tiny_llama, **CORE_FIELDS)).config  # what the core's Ready holds
+    monkeypatch.setattr(connect, "_handshake_now", lambda *args: _ready(core))
+    placeholder = EngineConfig.create("ipc:///core.sock", stream_interval=2)
+    attached = connect.prepare_attached(placeholder, "ipc:///core.sock", 1.0, host_fields={"stream_interval": 2})
+    host, served = attached.config.to_dict(), core.to_dict()
+    assert {name for name in served if host[name] != served[name]} == {"stream_interval"}
+    assert (host["stream_interval"], host["log_stats_interval"], host["max_model_len"]) == (2, 3.0, 96)
+    assert attached.default_sampling == {"max_tokens": 3, "temperature": 0.0}  # the core's generation defaults
+
+
+def test_connect_refuses_core_side_fields_by_name_and_takes_host_side_ones(tmp_path) -> None:
+    address = f"ipc://{tmp_path}/engine.sock"
+    with pytest.raises(ConfigError) as refused:
+        AsyncEngine.connect(address, enable_prefix_caching=False, logprobs_mode="raw_logits", stream_interval=2)
+    message = str(refused.value)
+    assert message.startswith("enable_prefix_caching=False, logprobs_mode='raw_logits' is not allowed: core-side")
+    assert "`asyncllm engine`" in message and "may set only disable_log_stats, log_stats_interval" in message
+    with pytest.raises(ConfigError, match="^data_parallel_size=2 is not allowed: core-side"):
+        AsyncEngine.connect(address, data_parallel_size=2)
+    with pytest.raises(ConfigError, match="a known EngineConfig field"):
+        AsyncEngine.connect(address, no_such_field=1)
+    host = dict(disable_log_stats=True, log_stats_interval=2.0, stream_interval=3, max_core_restarts=1,
+                mm_processor_cache_type="shm", mm_processor_cache_gb=0.5, prometheus_registry=None)
+    assert set(host) == HOST_SIDE_FIELDS
+    engine = AsyncEngine.connect(address, **host)
+    assert engine._launch_spec().host_fields == host
+
+
+def test_a_restarted_shared_core_with_other_core_side_fields_is_refused(monkeypatch) -> None:
+    """A host re-attaching after a core restart keeps its tokenizer, templates, generation defaults and served names:
+    a core that now serves another config (but for host-side fields) ends it with an error naming what changed."""
+    attached = EngineConfig.create("first-model", max_model_len=128, stream_interval=2)
+    restarted = {"config": attached.replace(model="other-model", max_logprobs=5, stream_interval=7)}
+    monkeypatch.setattr(connect, "_await_handshake", lambda *args: _ready(restarted["config"]))
+    monkeypatch.setattr(connect, "prepare", lambda config, resolved: SimpleNamespace(config=config))
+    with pytest.raises(EngineDeadError, match="serves something else \\(model 'first-model' -> 'other-model'; "
+                                              "max_logprobs 20 -> 5\\)"):
+        connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False)
+    restarted["config"] = attached.replace(stream_interval=7)  # a host-side field's default: no other core
+    again = connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False,
+                                     host_fields={"stream_interval": 2})
+    assert again.config == attached
+
+
+def test_an_attached_host_takes_a_core_serving_a_hub_revision(tiny_llama, monkeypatch) -> None:
+    """The core's config holds the local folders its hub id and revisions resolved to: the host takes it as is."""
+    core = prepare(EngineConfig.create(tiny_llama)).config.replace(revision="v2", tokenizer_revision="v2")
+    monkeypatch.setattr(connect, "_handshake_now", lambda *args: _ready(core))
+    attached = connect.prepare_attached(EngineConfig.create("ipc:///core.sock"), "ipc:///core.sock", 1.0)
+    assert (attached.config.model, attached.config.revision, attached.config.tokenizer_revision) == \
+        (tiny_llama, "v2", "v2")

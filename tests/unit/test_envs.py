@@ -1,0 +1,47 @@
+"""asyncllm's environment variables (asyncllm/envs.py): an ``ASYNCLLM_*`` name it does not read is warned about at
+engine start, not ignored silently."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from asyncllm import AsyncEngine, ConfigError, envs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_unknown_names_are_the_asyncllm_ones_it_does_not_read() -> None:
+    environ = {"ASYNCLLM_CPU_KVCACHE_SPACE": "0.01", "ASYNCLLM_CPU_KVCACHE_SPACE_GB": "1", "ASYNCLLM_TEST_SPAWN": "1",
+               "ASYNCLLM_PARENT_PID": "3", "ASYNCLLM_LOGGING_LEVL": "DEBUG", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert envs.unknown_names(environ) == ["ASYNCLLM_CPU_KVCACHE_SPACE", "ASYNCLLM_LOGGING_LEVL"]
+
+
+def test_every_name_the_code_reads_is_known() -> None:
+    """The ``ASYNCLLM_*`` names in the package, workers and integrations are all in the registry (or set by asyncllm
+    for its children), so none of them is ever warned about."""
+    sources = [path for folder in ("asyncllm", "workers", "integrations", "kernels")
+               for path in (ROOT / folder).rglob("*.py")]
+    named = {name for path in sources for name in re.findall(r"ASYNCLLM_[A-Z0-9_]+", path.read_text())
+             if not name.endswith("_")}  # a family written as ASYNCLLM_TEST_*
+    assert named and envs.unknown_names(dict.fromkeys(named, "1")) == []
+
+
+async def test_an_engine_start_warns_once_naming_them(monkeypatch, caplog, tmp_path) -> None:
+    monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE", "0.01")
+    monkeypatch.setenv("ASYNCLLM_LOGGING_LEVL", "DEBUG")
+    engine = AsyncEngine(str(tmp_path / "model"))
+
+    async def no_replicas() -> None:  # the start stops where the replicas would be prepared and launched
+        raise ConfigError("model", engine.config.model, "not started by this test")
+
+    monkeypatch.setattr(engine, "_start_replicas", no_replicas)
+    with caplog.at_level(logging.WARNING, logger="asyncllm"), pytest.raises(ConfigError, match="not started"):
+        await engine.start()
+    warned = [r.getMessage() for r in caplog.records if "unknown asyncllm environment" in r.getMessage()]
+    assert warned == ["unknown asyncllm environment variable(s) ASYNCLLM_CPU_KVCACHE_SPACE, ASYNCLLM_LOGGING_LEVL: "
+                      "asyncllm reads none of them (its variables are listed in "
+                      "docs/configuration.md#environment-variables)"]
