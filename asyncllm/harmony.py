@@ -87,6 +87,14 @@ class HarmonyScanner:
             return ([("body", rest)] if rest else []) + [("close", "")]
         return [("text", rest)] if rest else []
 
+    def release(self) -> list[Event]:
+        """Outside messages: the text held back as a marker's possible start, as text (its reader knows a message
+        ended there, so it was that message's). Inside a header or a body: nothing (still held)."""
+        if self._state not in ("first", "outside") or not self._buffer:
+            return []
+        rest, self._buffer, self._state = self._buffer, "", "outside"
+        return [("text", rest)]
+
     def _step(self, events: list[Event]) -> bool:
         """Read what the state allows; True when it changed state (read on)."""
         if self._state == "first":
@@ -237,6 +245,11 @@ class HarmonyToolStream(ToolCallDeltaStream):
 
     def finish(self) -> list[ReplyPart]:
         return self._parts(self._scanner.finish())
+
+    def end_message(self) -> list[ReplyPart]:
+        """A harmony message whose text this stream read ended (the Responses API's item ends): what it held back
+        of that text (a trailing ``<``), so it is not carried into the next message's text."""
+        return self._parts(self._scanner.release())
 
     def _parts(self, events: list[Event]) -> list[ReplyPart]:
         parts: list[ReplyPart] = []

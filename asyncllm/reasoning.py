@@ -15,7 +15,8 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
 - ``mistral`` (Magistral): reasoning only after a ``[THINK]`` the reply
   writes (a special token, kept in the reply's text by the server) up to
   ``[/THINK]``, the text around it content; a reply without it is all answer,
-  streamed as it comes, a ``[/THINK]`` that nothing opened dropped (vLLM's case 3.a).
+  streamed as it comes, a ``[/THINK]`` that nothing opened dropped (vLLM's case 3.a;
+  vLLM keeps it when a ``[THINK]`` follows: `MistralReasoningStream`).
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): reasoning only when the reply opens
   ``<think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
   (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
@@ -32,7 +33,8 @@ thinking (a template with thinking turned off writes ``<think>\\n\\n</think>\\n\
 at the prompt's end: Qwen3's and DeepSeek-V3.1's ``enable_thinking: false``,
 Qwen3.5's default) is all answer (`ReasoningParser.stream`'s ``answering``), and
 so is one whose request turned the thinking off (`ReasoningParser.thinking_off`)
-unless its prompt's end opened ``<think>`` anyway (`Marker.starts_answer`).
+unless its prompt's end opened ``<think>`` anyway (`Marker.starts_answer`) (vLLM's
+non-streamed qwen3 parse differs at the edges: `ReasoningParser.thinking_switch`).
 
 `ReasoningParser.parse` splits a whole reply; `ReasoningParser.stream` splits
 text deltas as they come, holding back only the characters that may begin a
@@ -132,7 +134,11 @@ class ReasoningParser:
     thinking_switch: str | None = None
     """The ``chat_template_kwargs`` key whose false turns the thinking off (vLLM's qwen3 parser reads
     ``enable_thinking``): the reply is all answer and a constraint applies at once, unless the prompt's end opened
-    the thinking anyway (Qwen3-Thinking-2507's template): then the usual split (`Marker.starts_answer`)."""
+    the thinking anyway (Qwen3-Thinking-2507's template): then the usual split (`Marker.starts_answer`). vLLM's
+    non-streamed parse with the switch off differs in two edge cases: it splits at a ``</think>`` whenever the reply
+    has one (here, when the prompt did not open the thinking, the reply is all answer, the tag included), and a reply
+    without ``</think>`` is all content there (here all reasoning when the prompt opened the thinking, as in vLLM's
+    streamed reply)."""
 
     def thinking_off(self, template_kwargs: dict) -> bool:
         """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
@@ -189,7 +195,12 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class MistralReasoningStream(ReasoningStream):
     """vLLM's mistral parser: content until ``[THINK]`` (wherever it comes), reasoning up to ``[/THINK]``, content
-    after; a ``[/THINK]`` before any ``[THINK]`` is dropped (vLLM's case 3.a: "EOT without BOT"), the first one only."""
+    after; a ``[/THINK]`` before any ``[THINK]`` is dropped (vLLM's case 3.a: "EOT without BOT"), the first one only.
+
+    One difference: vLLM's whole-reply parse drops that ``[/THINK]`` only when no ``[THINK]`` follows it, and keeps
+    it in the content when one does (its cases 1 and 2: ``[/THINK]a[THINK]b[/THINK]c`` is content ``[/THINK]ac``
+    there, ``ac`` here). Telling the two apart would hold the content after a lone ``[/THINK]`` back until a
+    ``[THINK]`` or the reply's end, so it is dropped at once, streamed or whole alike."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
@@ -253,7 +264,9 @@ class GptOssReasoningParser(ReasoningParser):
 class WrappedAnswerStream(ReasoningStream):
     """`ReasoningStream` whose answer ends with ``\\n</answer>`` (Hunyuan-A13B): neither it nor what follows is
     content, as vLLM's ``full_match_reasoning_regex`` reads it (its first characters held back until the next text
-    shows whether they are it); the answer's ``<answer>\\n`` is the end tag's."""
+    shows whether they are it); the answer's ``<answer>\\n`` is the end tag's. Right after the start tag, the end
+    tag without its first newline ends an empty thought too, as vLLM's streaming reads it (``response_start_ids_fast``,
+    ``<think>\\n</think>\\n<answer>\\n``)."""
 
     CLOSE = "\n</answer>"
 
@@ -262,6 +275,18 @@ class WrappedAnswerStream(ReasoningStream):
         self._tail = ""  # what may be the close tag's start
         self._ending = False
         self._closed = False
+        self._thought_started = False  # some of the thought was released (the bare end tag no longer applies)
+
+    def _thinking_end(self) -> tuple[int, int]:
+        bare = self._close.removeprefix("\n")
+        if not self._thought_started:
+            if self._buffer.startswith(bare):
+                return 0, len(bare)
+            if bare.startswith(self._buffer):
+                return -1, len(self._buffer)
+        end, after = super()._thinking_end()
+        self._thought_started = self._thought_started or end >= 0 or after < len(self._buffer)
+        return end, after
 
     def finish(self) -> tuple[str, str]:
         self._ending = True

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.harmony import HarmonyReasoningStream
+from asyncllm.harmony import HarmonyReasoningStream, HarmonyToolStream
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
 from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value
@@ -90,9 +90,15 @@ class ChatReply:
             return ([{"reasoning": reasoning}] if reasoning else []) + self._answer(answer)
         deltas: list[Delta] = []
         for kind, part, starts in stream.feed_parts(text) if text is not None else stream.finish_parts():
-            deltas += [{"message_start": True}] if starts else []
+            deltas += self._message_end() + [{"message_start": True}] if starts else []
             deltas += [{"reasoning": part}] if kind == "reasoning" else self._answer(part)
         return deltas
+
+    def _message_end(self) -> list[Delta]:
+        """Before the next harmony message: what the ``openai`` tool stream held back of the last one's text."""
+        if self.mode.kind != "auto" or not isinstance(self._calls_stream, HarmonyToolStream):
+            return []
+        return self._deltas(self._calls_stream.end_message())
 
     def _answer(self, text: str) -> list[Delta]:
         kind = self.mode.kind

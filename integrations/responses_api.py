@@ -10,8 +10,9 @@ completions. The reply comes back as output items: ``reasoning`` (with a
 reasoning parser), ``message`` (``output_text``) and ``function_call``, one
 per harmony message for gpt-oss (as vLLM's); a streamed reply as the API's
 semantic events (``response.created``, ..., ``response.output_text.delta``,
-..., ``response.completed``). Both forms fold the same deltas (`ResponseEvents`),
-so they have the same items.
+..., ``response.completed``). Both fold deltas alike (`ResponseEvents`): the same items but where chat's forms
+differ (`ChatReply`): streamed, an ``auto`` call broken after its first piece is a ``function_call`` (as sent) then
+a ``message`` (whole: the ``message`` only), and a ``llama3_json`` reply's text before its first call a ``message``.
 
 ``store`` and ``previous_response_id`` are resolved by the server's response
 store (responses_store.py): `chat_request` runs the items it hands over

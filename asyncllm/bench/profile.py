@@ -76,6 +76,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             raise ConfigError(name, getattr(args, name), "at least 1")
     ctx = common.make_context(args, argv)
     num_decodes = args.warmup_steps + args.num_steps + args.profile_steps
+    common.check_fits(ctx, args.input_len + num_decodes + 2, f"--input-len {args.input_len} + --warmup-steps "
+                      f"{args.warmup_steps} + --num-steps {args.num_steps} + --profile-steps {args.profile_steps} + 2")
     loop = _StepLoop(ctx, args.batch_size, args.input_len, num_decodes + 2)
     loop.prefill()
     for _ in range(args.warmup_steps):

@@ -252,6 +252,8 @@ def _problems(args: argparse.Namespace, metrics: dict[str, Any]) -> list[str]:
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
+    common.check_fits(ctx, args.input_len[1] + args.output_len[1], "--input-len {},{} + --output-len {},{}".format(
+        *args.input_len, *args.output_len))
     args.vocab_size = ctx.model.vocab_size
     metrics = asyncio.run(run_engine(ctx, args))
     mean_context = sum(args.input_len) / 2 + sum(args.output_len) / 4

@@ -59,6 +59,25 @@ def test_a_workload_longer_than_max_model_len_is_refused_before_the_engine_start
     assert err.startswith("asyncllm bench: max_model_len=") and flags in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("argv, flags", [
+    (["soak", "--input-len", "4,2040", "--output-len", "4,16"], "2056 tokens (--input-len 4,2040 + --output-len 4,16)"),
+    (["profile", "--input-len", "2000", "--num-steps", "40"],
+     "2057 tokens (--input-len 2000 + --warmup-steps 5 + --num-steps 40 + --profile-steps 10 + 2)"),
+])
+def test_soak_and_profile_refuse_a_workload_longer_than_max_model_len_before_loading(argv, flags, capsys,
+                                                                                      monkeypatch) -> None:
+    from asyncllm.bench import profile, soak
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(soak, "run_engine", refuse)
+    monkeypatch.setattr(profile, "_StepLoop", refuse)
+    assert main([*argv, *TINY]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncllm bench: max_model_len=2048") and flags in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("flags", [["--quantization", "fp8"], ["--kv-cache-dtype", "fp8"]])
 def test_compare_hf_refuses_fp8_the_peer_would_not_run(flags, capsys, no_engine) -> None:
     assert main(["latency", *TINY, "--compare", "hf", *flags]) == 2

@@ -227,6 +227,9 @@ RESPONSES_ITEMS = {  # name: (reasoning parser, tools, reply, the Responses API'
                         [("reasoning", "2+2 is 4."), ("message", "It is 4.")]),
     "two analyses, a call": ("openai_gptoss", True, A.format("a") + NEXT_A.format("b") + CALL.format("add", "{}"),
                              [("reasoning", "a"), ("reasoning", "b"), ("function_call", "add")]),
+    "a preamble ending in '<', with tools": (  # the tool stream's held-back '<' stays in its message's item
+        "openai_gptoss", True, A.format("t") + PREAMBLE.format("a <") + NEXT_A.format("r") + FINAL.format("b"),
+        [("reasoning", "t"), ("message", "a <"), ("reasoning", "r"), ("message", "b")]),
     "tags: reasoning, content": ("deepseek_r1", False, "<think>A\nB</think>\nC\n\nD",
                                  [("reasoning", "A\nB"), ("message", "\nC\n\nD")]),
 }

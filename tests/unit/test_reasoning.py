@@ -207,6 +207,8 @@ def test_a_named_call_after_thoughts() -> None:
     ("This is content", (None, "This is content")),
     ("<think>\nThis\nThat\n</think>\n<answer>\nThis is the rest\nThat", ("This\nThat", "This is the rest\nThat")),
     ("<think>\nx\n</think>\n<answer>\nhalf\n</ans", ("x", "half\n</ans")),  # cut short: held back, then content
+    ("<think>\n</think>\n<answer>\nX\n</answer>", (None, "X")),  # an empty thought without its blank line
+    ("<think>\nx</think>\n<answer>\nX", ("x</think>\n<answer>\nX", None)),  # only right after <think>\n
 ])
 def test_hunyuan_a13b_markers_hold_their_newlines(reply: str, expected: tuple[str | None, str | None]) -> None:
     """vLLM's markers: ``<think>\\n`` and ``\\n</think>\\n<answer>\\n``, the answer up to ``\\n</answer>``."""
