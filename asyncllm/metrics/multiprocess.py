@@ -29,9 +29,10 @@ A daemon thread writes every `SYNC_INTERVAL_S` seconds; a scrape writes the
 scraping process first, an engine closing writes its last counts and drops its
 gauges (`AsyncEngine.aclose`, once for all its replicas, in a worker thread),
 and an interpreter's exit through sys.exit writes once more and removes its
-gauge file (a uvicorn worker stopped by SIGTERM dies by the signal, one killed
-by SIGKILL at once: no atexit hook; the other processes' threads remove their
-gauge files, `reap_dead`). A forked child
+gauge file, its thread stopped first (`_Writer.closed`: no write after it; a
+uvicorn worker stopped by SIGTERM dies by the signal, one killed by SIGKILL at
+once: no atexit hook; the other processes' threads remove their gauge files,
+`reap_dead`). A forked child
 (gunicorn ``--preload``) starts over with its own pid: nothing of the parent's
 growth, the inherited counts as its baseline, its thread started at its first
 snapshot, sync or mirror (`_fork`).
@@ -96,7 +97,9 @@ class _Writer:
 
         self._engine_counters = ENGINE_COUNTER_NAMES
         self.thread_pid: int | None = None
-        """The process in which the writer thread runs (None: not started)."""
+        """The process in which the writer thread runs (None: not started, or stopped by `_at_exit`)."""
+        self.closed = False
+        """The process exits (`_at_exit`, set under `lock`): no write after its last one, no thread started."""
         self.fork_baseline: dict[Any, dict[_Key, float]] | None = None
         """Each collector's samples as the process forks: the child's `_last_seen`."""
         self._active: set[str] = set()
@@ -116,13 +119,15 @@ class _Writer:
         self._elsewhere: dict[_Key, bool] = {}
         """Whether a counter file held a shared core's engine-wide counter when this process first saw it."""
 
-    def sync(self) -> None:
-        """Write every collector's series. The first report of a shared core's engine-wide counter reads the
-        folder's counter files (`_taken_over`) outside the lock, then syncs again: an engine attaching or a
-        scrape never waits on that."""
+    def sync(self, final: bool = False) -> None:
+        """Write every collector's series, unless `closed` (but for `_at_exit`'s `final` write). The first report
+        of a shared core's engine-wide counter reads the folder's counter files (`_taken_over`) outside the lock,
+        then syncs again: an engine attaching or a scrape never waits on that."""
         found: dict[_Key, bool] = {}
         while True:
             with self.lock:
+                if self.closed and not final:
+                    return  # the process exits: its gauge file is removed, not written again
                 self._elsewhere.update(found)
                 per_collector = [(collector, _samples(collector), collector.owned_core_models())
                                  for collector in list(self.collectors)]
@@ -264,7 +269,7 @@ def resume() -> None:
 
 
 def _start_thread(writer: _Writer) -> None:
-    if writer.thread_pid != os.getpid():
+    if writer.thread_pid != os.getpid() and not writer.closed:
         writer.thread_pid = os.getpid()
         threading.Thread(target=_sync_forever, args=(writer,), name="asyncllm-prometheus-multiproc",
                          daemon=True).start()
@@ -319,7 +324,9 @@ def _sync_forever(writer: _Writer) -> None:
 def _at_exit(writer: _Writer) -> None:
     if os.getpid() != writer.pid:  # a child forked without the fork hooks: these are its parent's files
         return
-    writer.sync()
+    with writer.lock:  # the thread runs on during atexit: once this is set it writes nothing more
+        writer.closed, writer.thread_pid = True, None
+    writer.sync(final=True)
     writer.files.remove_live()
 
 

@@ -9,9 +9,19 @@ mode, from the name before the first ``_asyncllm``). A file that would lose keys
 is written anew beside it and renamed over it: a scrape reads the old file or
 the new one, never half of one.
 
+A pid is reused (a container restarted with the same low pids, the folder
+kept): the first write of a counter or histogram file that a dead process of
+that pid left takes its values as a baseline and adds to them, as
+prometheus_client's own files carry on (a scrape sees no counter reset). Its
+live gauges are not carried: a dead process's gauges leave, as
+`mark_process_dead` removes prometheus_client's.
+
 `prometheus_client.multiprocess.mark_process_dead(pid)` does not know these
 names: a process removes its gauge file at exit (`ProcessFiles.remove_live`),
 and the live processes remove those of processes killed meanwhile (`reap_dead`).
+Files named by pid, as prometheus_client's are, and liveness by pid: the folder
+belongs to one pid namespace (docs/observability.md), not a volume shared by
+containers.
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from prometheus_client.mmap_dict import MmapedDict
 
 from asyncllm.procutil import remove_file
 
-__all__ = ["LIVE_GAUGES", "ProcessFiles", "reap_dead", "reported_elsewhere"]
+__all__ = ["CARRIED_ON", "LIVE_GAUGES", "ProcessFiles", "reap_dead", "reported_elsewhere"]
 
 LIVE_GAUGES = "gauge_livemostrecent"
 """The gauges' kind: prometheus_client's ``livemostrecent`` mode (a dead process's gauges leave with its file)."""
+CARRIED_ON = ("counter", "histogram")
+"""The kinds whose values a dead process of the same pid left are added to (`ProcessFiles.write`)."""
 _OWN_LIVE_FILE = re.compile(rf"^{LIVE_GAUGES}_asyncllm_(\d+)\.db$")
 
 Entries = dict[str, tuple[float, float]]
@@ -44,14 +56,18 @@ class ProcessFiles:
         self._files: dict[str, MmapedDict] = {}
         self._keys: dict[str, set[str]] = {}
         """Per kind, the keys its file holds."""
+        self._baseline: dict[str, dict[str, float]] = {}
+        """Per kind, what a dead process of this pid left in its file (`CARRIED_ON` kinds only)."""
 
     def path(self, kind: str) -> str:
         return os.path.join(self.folder, f"{kind}_asyncllm_{self.pid}.db")
 
     def write(self, kind: str, entries: Entries) -> None:
-        """Make the file of `kind` hold `entries`: in place, or written anew when a key leaves (or on first use)."""
+        """Make the file of `kind` hold `entries` (over the baseline, `CARRIED_ON`): in place, or written anew
+        when a key leaves (or on first use)."""
+        entries = self._carried_on(kind, entries)
         if kind not in self._files:
-            if entries:
+            if entries or os.path.exists(self.path(kind)):  # a dead process of this pid's: its gauges leave
                 self._rewrite(kind, entries)
             return
         if self._keys[kind] - entries.keys():
@@ -61,6 +77,17 @@ class ProcessFiles:
         for key, (value, timestamp) in entries.items():
             file.write_value(key, value, timestamp)
         self._keys[kind] = set(entries)
+
+    def _carried_on(self, kind: str, entries: Entries) -> Entries:
+        if kind not in self._baseline:  # first use: read before this process's first write replaces the file
+            self._baseline[kind] = _values(self.path(kind)) if kind in CARRIED_ON else {}
+        baseline = self._baseline[kind]
+        if not baseline:
+            return entries
+        carried = {key: (value, 0.0) for key, value in baseline.items()}
+        for key, (value, timestamp) in entries.items():
+            carried[key] = (baseline.get(key, 0.0) + value, timestamp)
+        return carried
 
     def _rewrite(self, kind: str, entries: Entries) -> None:
         path = self.path(kind)
@@ -78,6 +105,13 @@ class ProcessFiles:
     def remove_live(self) -> None:
         """The process ends: its gauges leave (as `mark_process_dead` removes prometheus_client's)."""
         remove_file(self.path(LIVE_GAUGES))
+
+
+def _values(path: str) -> dict[str, float]:
+    try:
+        return {key: value for key, value, *_ in MmapedDict.read_all_values_from_file(path)}
+    except FileNotFoundError:
+        return {}
 
 
 def reap_dead(folder: str, running: Callable[[int], bool]) -> None:

@@ -153,6 +153,41 @@ def test_a_gauge_no_longer_exported_leaves_and_a_killed_process_gauges_are_reape
     assert sorted(os.listdir(folder)) == ["counter_asyncllm_4002.db", "histogram_asyncllm_4002.db"]
 
 
+def test_a_reused_pid_carries_on_a_dead_process_counters_but_not_its_gauges(folder) -> None:
+    """A container restarted with the same pids and the folder kept: no counter reset, no dead gauge left."""
+    dead, alive = HostStats("m"), HostStats("m")
+    dead.generation_tokens_total = 100
+    dead.time_to_first_token.observe(0.003)
+    dead.take_snapshot(SchedulerStats(num_requests_running=3, num_requests_waiting=2), True)
+    _writer(4006, dead).sync()
+    alive.generation_tokens_total = 1
+    alive.take_snapshot(SchedulerStats(num_requests_running=1), True)
+    alive.mark_closed()  # its gauges leave: none of the dead process's may stay in their place
+    writer = _writer(4006, alive)
+    writer.sync()
+    assert list(MmapedDict.read_all_values_from_file(writer.files.path(LIVE_GAUGES))) == []
+    scraped = _scrape(folder)
+    assert scraped[("asyncllm:generation_tokens_total", M)] == 101
+    assert scraped[("asyncllm:time_to_first_token_seconds_count", M)] == 1
+    assert ("asyncllm:num_requests_running", M) not in scraped
+    assert ("asyncllm:num_requests_waiting", M) not in scraped
+
+
+def test_at_exit_stops_the_thread_before_its_last_write(folder, module_writer) -> None:
+    """The daemon thread runs on during atexit: its next sync must not write the removed gauge file again."""
+    stats = HostStats("m")
+    stats.take_snapshot(SchedulerStats(num_requests_running=3), True)
+    registry = prometheus.attach(stats)  # held: the writer holds its collector weakly
+    writer = multiprocess._writer
+    multiprocess._at_exit(writer)
+    assert registry is not None and writer.files._keys[LIVE_GAUGES]  # its last write held the gauges
+    assert not os.path.exists(writer.files.path(LIVE_GAUGES))
+    stats.mark_closed()  # its gauges leave: a sync would write the gauge file anew
+    writer.sync()  # the thread's next sync
+    multiprocess.sync()  # another atexit hook's, which would restart the thread
+    assert not os.path.exists(writer.files.path(LIVE_GAUGES)) and writer.thread_pid is None
+
+
 def test_engines_with_their_own_cores_count_from_0(folder) -> None:
     """A second engine of the process, and a restarted one, each on a core of its own."""
     first, second = HostStats("m"), HostStats("m")
