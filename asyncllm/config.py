@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from asyncllm.attention.availability import check_backend_available
 from asyncllm.config_checks import check_bool, check_choice, check_float, check_int, check_registry
 from asyncllm.config_model import ModelConfig, MultiModalConfig
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -305,7 +306,13 @@ class EngineConfig:
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> "EngineConfig":
-        """Distribute flat vLLM-style keyword fields over the sections."""
+        """Distribute flat vLLM-style keyword fields over the sections (and check this machine can run them)."""
+        config = cls._create(model, kwargs)
+        config._check_machine()
+        return config
+
+    @classmethod
+    def _create(cls, model: str, kwargs: dict[str, Any]) -> "EngineConfig":
         per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         per_section["model_config"]["model"] = model
         for key, value in kwargs.items():
@@ -321,11 +328,21 @@ class EngineConfig:
             raise AttributeError(name)
         return getattr(object.__getattribute__(self, section), name)
 
+    def _check_machine(self) -> None:
+        """The core's checks of the machine it runs on: the attention backend's package is installed. A host attached
+        to a core skips them (`from_dict(from_core=True)`): the core checked them on its machine, and the host runs no
+        attention."""
+        if self.attention_backend is not None:
+            check_backend_available(self.attention_backend)
+
     def replace(self, **kwargs: Any) -> "EngineConfig":
-        """A copy with some flat fields changed (validated again)."""
+        """A copy with some flat fields changed (validated again; the machine checked again for those fields)."""
         flat = self.to_dict()
         flat.update(kwargs)
-        return EngineConfig.create(**flat)
+        config = EngineConfig._create(flat.pop("model"), flat)
+        if "attention_backend" in kwargs:
+            config._check_machine()
+        return config
 
     def to_dict(self, wire: bool = False) -> dict[str, Any]:
         """Flat field -> value; `wire=True` leaves out host-only objects."""
@@ -339,9 +356,14 @@ class EngineConfig:
         return flat
 
     @classmethod
-    def from_dict(cls, flat: dict[str, Any]) -> "EngineConfig":
+    def from_dict(cls, flat: dict[str, Any], from_core: bool = False) -> "EngineConfig":
+        """The config of `to_dict`; ``from_core``: a core's, taken by a host attached to it, which skips the core's
+        checks of its own machine (`_check_machine`)."""
         flat = dict(flat)
-        return cls.create(flat.pop("model"), **flat)
+        config = cls._create(flat.pop("model"), flat)
+        if not from_core:
+            config._check_machine()
+        return config
 
     # ---- values derived once the model is known (the host resolves them)
     @property

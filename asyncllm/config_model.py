@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
+from asyncllm.attention.availability import ATTENTION_BACKENDS
 from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
                                      check_sampling_fields)
 from asyncllm.engine.defaults import sampling_overrides
@@ -154,8 +154,7 @@ class ModelConfig:
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_sleep_mode", self.enable_sleep_mode)
         if self.attention_backend is not None:
-            check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-            check_backend_available(self.attention_backend)
+            check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)  # its package: EngineConfig.create
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         object.__setattr__(self, "override_generation_config",

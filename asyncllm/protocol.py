@@ -25,7 +25,8 @@ from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, LoRARemoved, RemoveLoRA, Sleep,
                                        SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
-                                       call_error_fields, config_error_from_parts, config_error_parts)
+                                       call_error_fields, config_error_from_parts, config_error_parts,
+                                       worker_failure)
 from asyncllm.protocol_worker import (CachedRequestData, CacheReady, FirstStageReport, GrammarBitmask, InitCache,
                                       JoinRendezvous, LogprobsArrays, ModelRunnerOutput, MultiModalItem,
                                       NewRequestData, PromptEmbeds, RendezvousOpened, SchedulerOutput, ShutdownWorker,
@@ -47,7 +48,7 @@ __all__ = [
     # asyncllm/protocol_control.py
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
     "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts",
-    "call_error_fields", "call_error",
+    "call_error_fields", "call_error", "worker_failure",
 ]
 
 

@@ -5,21 +5,27 @@ Part of the wire protocol (asyncllm/protocol.py, which re-exports every name her
 every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
 rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` and `RemoveLoRA` go to the core only, answered
 by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
-(`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`).
+(`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`), a
+worker's `WorkerError` as the core raises it (`worker_failure`).
 """
 
 from __future__ import annotations
 
 import ast
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
 from asyncllm.lora import LoRARequest
 
+if TYPE_CHECKING:
+    from asyncllm.protocol_worker import WorkerError
+
 __all__ = [
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
     "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+    "worker_failure",
 ]
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -178,6 +184,16 @@ def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | 
         return None
     field, value_repr, allowed = parts
     return ConfigError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
+
+
+def worker_failure(message: "WorkerError") -> AsyncLLMError:
+    """What a worker's `WorkerError` raises in the core: its ConfigError stays a ConfigError (same field); anything
+    else kills the engine."""
+    config_error = config_error_from_parts(message.config_error, f" (worker rank {message.rank})")
+    if config_error is not None:
+        return config_error
+    kind = f"{message.error_type}: " if message.error_type else ""
+    return EngineDeadError(f"worker rank {message.rank} failed: {kind}{message.message}")
 
 
 def _literal(value_repr: str) -> object:

@@ -326,7 +326,7 @@ class Executor:
                 if isinstance(message, protocol.WorkerError):  # a peer killed fails its partners first: name it
                     peers = self._world_size > 1 and not message.config_error  # every rank sends a config's own
                     dead = first_exited(self._procs, _LAST_WORDS_S, message.rank, killed=True) if peers else None
-                    self._fail(_error_from(message) if dead is None else self._death(*dead))
+                    self._fail(protocol.worker_failure(message) if dead is None else self._death(*dead))
                 if isinstance(message, protocol.FirstStageReport):  # kept for its step's output
                     self._reports[message.step_id] = message
                     if reports:
@@ -346,7 +346,7 @@ class Executor:
                 continue
             last_words = self._last_worker_error()
             if last_words is not None and last_words.rank == rank:  # its own, not a partner's broken collective
-                self._fail(_error_from(last_words))
+                self._fail(protocol.worker_failure(last_words))
             self._fail(self._death(rank, code))
 
     def _death(self, rank: int, code: int) -> EngineDeadError:
@@ -391,12 +391,3 @@ class Executor:
             if not polite:  # a hung or stopped rank ignores stdin EOF and SIGTERM: nothing of it is worth waiting for
                 proc.kill()
             stop_process(proc, timeout=2.0)  # reaps it and closes its stdin pipe
-
-
-def _error_from(message: protocol.WorkerError) -> AsyncLLMError:
-    """A worker's ConfigError stays a ConfigError (same field); anything else kills the engine."""
-    config_error = protocol.config_error_from_parts(message.config_error, f" (worker rank {message.rank})")
-    if config_error is not None:
-        return config_error
-    kind = f"{message.error_type}: " if message.error_type else ""
-    return EngineDeadError(f"worker rank {message.rank} failed: {kind}{message.message}")

@@ -1,7 +1,8 @@
 """Which attention backends can be asked for here: their packages, without importing them.
 
 Torch-free, so `asyncllm.config` can check ``attention_backend`` when an
-`EngineConfig` is made (``import asyncllm`` stays cheap); whether the backend
+`EngineConfig` is made (``import asyncllm`` stays cheap; not the config a host
+attached to a core takes from it: `EngineConfig.from_dict`); whether the backend
 runs on the device is `asyncllm.attention.selector`'s check, in the worker.
 """
 

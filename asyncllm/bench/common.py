@@ -15,6 +15,7 @@ import torch
 from asyncllm.bench import report
 from asyncllm.bench.model import PRESETS, BenchModel, resolve_bench_model
 from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_bandwidth
+from asyncllm.config import DEFAULT_MAX_NUM_SEQS
 from asyncllm.errors import ConfigError
 
 __all__ = ["add_common_args", "BenchContext", "make_context", "check_fits", "open_engine", "finish", "int_range"]
@@ -74,7 +75,8 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
                        help="default: dummy for shape presets, auto otherwise")
     model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    model.add_argument("--max-num-seqs", type=int, default=256)
+    model.add_argument("--max-num-seqs", type=int, default=None,
+                       help="default: the engine's, 256 at most --max-num-batched-tokens")
     model.add_argument("--max-num-batched-tokens", type=int, default=None)
     model.add_argument("--max-model-len", type=bench_max_model_len, default=None, help="default: the workload's longest request")
     model.add_argument("--attention-backend", default=None, help="torch_sdpa or triton (default: the device's)")
@@ -147,11 +149,18 @@ def check_fits(ctx: BenchContext, longest: int, lengths: str) -> None:
                                               f"{source} (checked before the run)")
 
 
+def max_num_seqs(args: argparse.Namespace) -> int:
+    """The engine's max_num_seqs: --max-num-seqs, else its default, 256 at most --max-num-batched-tokens."""
+    if args.max_num_seqs is not None:
+        return args.max_num_seqs
+    budget = args.max_num_batched_tokens
+    return DEFAULT_MAX_NUM_SEQS if budget is None else min(DEFAULT_MAX_NUM_SEQS, budget)
+
+
 def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
     a = ctx.args
     kwargs: dict[str, Any] = dict(
         load_format=ctx.model.load_format, dtype=str(ctx.dtype).removeprefix("torch."), device=ctx.device.type,
-        max_num_seqs=a.max_num_seqs,
         max_model_len=effective_max_model_len(ctx, max_model_len),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
         pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
@@ -160,8 +169,9 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
         async_scheduling=getattr(a, "async_scheduling", False),
         disable_log_stats=True,
     )
-    if a.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+    for key in ("max_num_seqs", "max_num_batched_tokens"):  # unset: the engine's defaults
+        if getattr(a, key) is not None:
+            kwargs[key] = getattr(a, key)
     if getattr(a, "speculative_config", None) is not None:
         kwargs["speculative_config"] = a.speculative_config
     return kwargs

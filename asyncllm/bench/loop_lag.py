@@ -83,6 +83,6 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     requests = fixed_requests(args.num_streams, args.input_len, args.output_len, ctx.model.vocab_size, args.seed)
     common.check_fits(ctx, longest_request(requests), f"--input-len {args.input_len} + --output-len {args.output_len}")
     metrics = asyncio.run(run_engine(ctx, requests))
-    line = common.roofline(ctx, min(args.num_streams, args.max_num_seqs), args.input_len + args.output_len / 2)
+    line = common.roofline(ctx, min(args.num_streams, common.max_num_seqs(args)), args.input_len + args.output_len / 2)
     settings = {"num_streams": args.num_streams, "input_len": args.input_len, "output_len": args.output_len}
     return common.finish(ctx, "loop-lag", settings, metrics, line, metrics["output_tokens_per_s"])

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                                                       f"an output of at most --max-output-len {args.max_output_len}")
     metrics = asyncio.run(run_engine(ctx, requests, args.request_rate))
     prompt_tokens, output_tokens = total_tokens(requests)
-    batch = min(args.max_num_seqs, max(1, round(metrics["mean_concurrency"])))
+    batch = min(common.max_num_seqs(args), max(1, round(metrics["mean_concurrency"])))
     line = common.roofline(ctx, batch, (prompt_tokens + output_tokens / 2) / len(requests))
     settings = {"request_rate": args.request_rate, "num_requests": args.num_requests,
                 "max_input_len": args.max_input_len, "max_output_len": args.max_output_len}

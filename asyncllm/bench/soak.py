@@ -257,7 +257,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     args.vocab_size = ctx.model.vocab_size
     metrics = asyncio.run(run_engine(ctx, args))
     mean_context = sum(args.input_len) / 2 + sum(args.output_len) / 4
-    line = common.roofline(ctx, min(args.num_streams, args.max_num_seqs), mean_context)
+    line = common.roofline(ctx, min(args.num_streams, common.max_num_seqs(args)), mean_context)
     settings = {k: getattr(args, k) for k in ("num_streams", "duration", "input_len", "output_len", "cancel_fraction",
                                               "timeout_fraction", "client_timeout_fraction", "num_gpu_blocks")}
     result = common.finish(ctx, "soak", settings, metrics, line, metrics["output_tokens_per_s"])

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     metrics = asyncio.run(run_engine(ctx, requests, args.temperature, num_compared))
     prompt_tokens, output_tokens = total_tokens(requests)
     mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
-    line = common.roofline(ctx, min(len(requests), args.max_num_seqs), mean_context)
+    line = common.roofline(ctx, min(len(requests), common.max_num_seqs(args)), mean_context)
     peers = None
     if args.compare == "hf":
         from asyncllm.bench import hf_peer

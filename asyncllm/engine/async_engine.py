@@ -37,7 +37,7 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError
+from asyncllm.errors import EngineDeadError, EventLoopError
 from asyncllm.outputs import EngineStats
 from asyncllm.procutil import forked
 from asyncllm.sampling import SamplingParams
@@ -330,20 +330,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         if owned:  # sent now, before any request can reach the new core
             await self._weights.replay(replica)
 
-    # ------------------------------------------------------------ request defaults, stats
-    def default_sampling_params(self) -> SamplingParams:
-        """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
-        generation_config.json sampling fields and ``override_generation_config`` over SamplingParams' defaults
-        (``generation_config="vllm"``: those alone). Known once the engine started (it reads the file then)."""
-        return SamplingParams(**self.default_sampling_fields())
-
-    def default_sampling_fields(self) -> dict[str, Any]:
-        """The `SamplingParams` fields that generation_config and override_generation_config set (a copy; the
-        OpenAI server uses them for fields a request leaves unset). Known once the engine started."""
-        if self._default_sampling is None:
-            raise AsyncLLMError("the default sampling parameters are read when the engine starts: await start() first")
-        return dict(self._default_sampling)
-
+    # ------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request). With
         data_parallel_size > 1 the replicas' numbers added up, each replica's own in `replicas`."""

@@ -115,7 +115,7 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
                                                                                             closed)
     if not ready.config:
         raise EngineDeadError(f"the engine core at {address} did not say what it serves (an older asyncllm?)")
-    prepared = prepare(EngineConfig.from_dict({**ready.config, **(host_fields or {})}), resolved=True)
+    prepared = prepare(EngineConfig.from_dict({**ready.config, **(host_fields or {})}, from_core=True), resolved=True)
     if closed is not None:  # a restart: the host keeps its tokenizer, templates and served names
         _check_same_core(config, prepared.config, address)
     return prepared

@@ -82,7 +82,7 @@ class EngineCore:
         self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len,
                                    num_cpu_blocks=num_swap_blocks, state_checkpoints=self.executor.state_checkpoints,
-                                   num_offload_blocks=num_offload_blocks)
+                                   num_offload_blocks=num_offload_blocks, kv_budget_field=self.executor.kv_budget_field)
         spec = config.scheduler_config.speculative
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, self.executor.vocab_size, config.structured_output_compile_timeout_s,

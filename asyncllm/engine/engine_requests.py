@@ -1,4 +1,5 @@
-"""`EngineRequests`: the request methods of `AsyncEngine` (asyncllm/engine/async_engine.py), a mixin: `stream`,
+"""`EngineRequests`: the request methods of `AsyncEngine` (asyncllm/engine/async_engine.py), a mixin, with the
+defaults of a request given no `SamplingParams` (`default_sampling_params`): `stream`,
 `chat`, `generate`, and the pooling (`embed`, `classify`, `score`), speech (`transcribe`), batch (`generate_many`)
 and beam-search forms built on them. Each goes through the engine's `_submit` (by `RequestStream`)."""
 
@@ -11,7 +12,7 @@ import msgspec
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.stream import RequestOptions, RequestStream
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
@@ -26,9 +27,22 @@ class EngineRequests:
     """Mixin of `AsyncEngine`: what a request looks like to the caller; the engine starts, submits and delivers."""
 
     if TYPE_CHECKING:
+        _default_sampling: dict[str, Any] | None
+
         async def start(self) -> None: ...
 
-        def default_sampling_params(self) -> SamplingParams: ...
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
+        generation_config.json sampling fields and ``override_generation_config`` over SamplingParams' defaults
+        (``generation_config="vllm"``: those alone). Known once the engine started (it reads the file then)."""
+        return SamplingParams(**self.default_sampling_fields())
+
+    def default_sampling_fields(self) -> dict[str, Any]:
+        """The `SamplingParams` fields that generation_config and override_generation_config set (a copy; the
+        OpenAI server uses them for fields a request leaves unset). Known once the engine started."""
+        if self._default_sampling is None:
+            raise AsyncLLMError("the default sampling parameters are read when the engine starts: await start() first")
+        return dict(self._default_sampling)
 
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, timeout: float | None = None,

@@ -8,6 +8,7 @@ import logging
 
 from asyncllm import errors
 from asyncllm.config import EngineConfig
+from asyncllm.sched.admission import kv_size_fields
 
 __all__ = ["check_kv_fits", "fit_max_model_len", "kv_capacity", "longrope_original", "served_config", "swap_blocks"]
 
@@ -78,16 +79,7 @@ def check_kv_fits(config: EngineConfig, num_gpu_blocks: int, kv_budget_field: st
         raise errors.ConfigError("max_model_len", config.max_model_len,
                                  f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of "
                                  f"{config.block_size}); lower max_model_len (-1 / 'auto': the longest that fits), "
-                                 f"or raise {_kv_size_fields(config, kv_budget_field)}")
-
-
-def _kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
-    """What makes the KV cache larger: num_gpu_blocks_override when it is set, else what sized it, with
-    kv_cache_memory_bytes and num_gpu_blocks_override as the other ways."""
-    if config.num_gpu_blocks_override is not None:
-        return "num_gpu_blocks_override"
-    field = kv_budget_field or "gpu_memory_utilization"
-    return " / ".join(dict.fromkeys((field, "kv_cache_memory_bytes", "num_gpu_blocks_override")))
+                                 f"or raise {kv_size_fields(config, kv_budget_field)}")
 
 
 def swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:

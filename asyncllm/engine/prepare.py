@@ -314,9 +314,13 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
 
 def _check_local_revisions(config: EngineConfig) -> None:
     """A revision names a hub repo's branch, tag or commit; a local folder (or .gguf file) has none, so one given
-    with it is a `ConfigError` naming the field (vLLM and transformers ignore it)."""
+    with it is a `ConfigError` naming the field (vLLM and transformers ignore it); a draft model's too."""
     if config.revision is not None and os.path.exists(config.model):
         raise ConfigError("revision", config.revision, f"None for a local model ({config.model} has no revisions)")
+    spec = config.scheduler_config.speculative
+    if spec is not None and spec.revision is not None and os.path.exists(spec.model or ""):
+        raise ConfigError("speculative_config.revision", spec.revision, f"None for a local draft model ({spec.model} "
+                                                                        "has no revisions)")
     if config.tokenizer_revision is None:
         return
     if config.tokenizer is not None and os.path.exists(config.tokenizer):

@@ -26,14 +26,18 @@ OTHER_RANK_REFUSED = "another tensor-parallel rank refused it"
 
 def resolve_update_path(model_path: str, revision: str | None, download_dir: str | None = None) -> str:
     """The new checkpoint's folder (a hub id downloaded to or found in the cache: ``download_dir``, the engine's);
-    `InvalidRequestError` if none."""
+    `InvalidRequestError` if none, or if a ``revision`` is given with a local folder."""
     if model_path.lower().endswith(".gguf"):
         raise errors.NotBuiltError("model_path", model_path, "update_weights from a GGUF file")
     folder = os.path.expanduser(model_path)
-    if os.path.isabs(folder) or model_path.startswith("."):  # meant as a folder: no hub lookup
-        if not os.path.isdir(folder):
-            raise errors.InvalidRequestError("model_path", f"{model_path!r} is not a folder (a checkpoint folder "
-                                                           "or hub id)")
+    meant_as_folder = os.path.isabs(folder) or model_path.startswith(".")  # no hub lookup
+    if meant_as_folder and not os.path.isdir(folder):
+        raise errors.InvalidRequestError("model_path", f"{model_path!r} is not a folder (a checkpoint folder "
+                                                       "or hub id)")
+    if revision is not None and os.path.isdir(folder):  # as the served model's (asyncllm/engine/prepare.py)
+        raise errors.InvalidRequestError("revision", f"is {revision!r}, but {model_path!r} is a local folder, which "
+                                                     "has no revisions: pass None")
+    if meant_as_folder:
         return folder
     try:
         return resolve_model_path(model_path, revision, download_dir)

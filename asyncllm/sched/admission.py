@@ -13,17 +13,30 @@ Two kinds of refusal, both at once and before the request holds anything:
 
 from __future__ import annotations
 
+from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.queue import RequestQueue
 from asyncllm.sched.request import Request
 
-__all__ = ["check_request", "check_queue_capacity"]
+__all__ = ["check_request", "check_queue_capacity", "kv_size_fields"]
+
+
+def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
+    """What makes the KV cache larger: num_gpu_blocks_override when it is set, else what sized it
+    (`protocol.WorkerReady.kv_budget_field`; "": unknown, gpu_memory_utilization), with kv_cache_memory_bytes and
+    num_gpu_blocks_override as the other ways."""
+    if config.num_gpu_blocks_override is not None:
+        return "num_gpu_blocks_override"
+    field = kv_budget_field or "gpu_memory_utilization"
+    return " / ".join(dict.fromkeys((field, "kv_cache_memory_bytes", "num_gpu_blocks_override")))
 
 
 def check_request(
-    request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int
+    request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int,
+    kv_size: str = "gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override",
 ) -> None:
-    """`InvalidRequestError` (field "prompt") if the request could never be scheduled.
+    """`InvalidRequestError` (field "prompt") if the request could never be scheduled; ``kv_size``: what makes the KV
+    cache larger (`kv_size_fields`).
 
     A generation keeps one position for its first generated token; a request that samples one token (pooling, its
     token dropped, or max_tokens 1: the OpenAI server's echo) may fill max_model_len and the whole KV cache: that
@@ -42,8 +55,8 @@ def check_request(
         raise InvalidRequestError(
             "prompt",
             f"{num_prompt} tokens do not fit in the whole KV cache ({kv_capacity} tokens"
-            + (", one of which the first generated token needs" if reserved else "") + "): shorten the prompt, or "
-            "raise gpu_memory_utilization, num_gpu_blocks_override or tensor_parallel_size",
+            + (", one of which the first generated token needs" if reserved else "") + f"): shorten the prompt, or "
+            f"raise {kv_size} or tensor_parallel_size",
         )
     longest = max((item.bidirectional[1] - item.bidirectional[0] for item in request.mm_items if item.bidirectional),
                   default=0)

@@ -53,7 +53,7 @@ from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
-from asyncllm.sched.admission import check_queue_capacity, check_request
+from asyncllm.sched.admission import check_queue_capacity, check_request, kv_size_fields
 from asyncllm.sched.chunking import ChunkPolicy, token_budget
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.decode_step import schedule_decodes, step_record, update_decodes
@@ -116,11 +116,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         state_checkpoints: int = 0,
         num_offload_blocks: int = 0,
+        kv_budget_field: str = "",
     ) -> None:
         """``state_checkpoints``: a hybrid model's checkpoint slots (asyncllm/kv/state_checkpoints.py);
         ``num_offload_blocks``: the CPU prefix-cache tier's blocks, after the ``num_cpu_blocks`` of the swap space
-        (kv_offloading_size; asyncllm/kv/offload.py)."""
+        (kv_offloading_size; asyncllm/kv/offload.py); ``kv_budget_field``: what sized the KV cache (named in advice)."""
         self.config = config
+        self.kv_size = kv_size_fields(config, kv_budget_field)
         self.block_size: int = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs: int = config.max_num_seqs
@@ -382,4 +384,5 @@ class Scheduler:
         if request.lora_int_id and not self.max_loras:
             raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters: start it with enable_lora=True")
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
-        check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens)
+        check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens,
+                      self.kv_size)

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from asyncllm import AsyncEngine, ConfigError, EngineDeadError, protocol
+from asyncllm.attention import availability
 from asyncllm.config import HOST_SIDE_FIELDS, EngineConfig
 from asyncllm.engine import connect
 from asyncllm.engine.prepare import prepare
@@ -35,6 +36,18 @@ def test_an_attached_host_takes_the_cores_config_with_its_own_host_side_fields(t
     assert {name for name in served if host[name] != served[name]} == {"stream_interval"}
     assert (host["stream_interval"], host["log_stats_interval"], host["max_model_len"]) == (2, 3.0, 96)
     assert attached.default_sampling == {"max_tokens": 3, "temperature": 0.0}  # the core's generation defaults
+
+
+def test_an_attached_host_need_not_have_the_cores_attention_package(tiny_llama, monkeypatch) -> None:
+    """The core checked its attention backend's package on its machine; the host runs no attention."""
+    monkeypatch.setattr(availability, "package_installed", lambda package: True)
+    core = prepare(EngineConfig.create(tiny_llama, attention_backend="triton")).config
+    monkeypatch.setattr(availability, "package_installed", lambda package: False)
+    monkeypatch.setattr(connect, "_handshake_now", lambda *args: _ready(core))
+    attached = connect.prepare_attached(EngineConfig.create("ipc:///core.sock"), "ipc:///core.sock", 1.0)
+    assert attached.config.attention_backend == "triton"
+    with pytest.raises(ConfigError, match="pip install triton"):  # an owned core's config is still checked here
+        EngineConfig.create(tiny_llama, attention_backend="triton")
 
 
 def test_connect_refuses_core_side_fields_by_name_and_takes_host_side_ones(tmp_path) -> None:

@@ -40,3 +40,17 @@ def test_built_backends_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_package_lookup_does_not_import() -> None:
     assert availability.package_installed("json") and not availability.package_installed("no_such_pkg_xyz")
+
+
+def test_core_config_skips_this_machines_package_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host attached to a core (`from_dict(from_core=True)`) runs no attention: the core's backend package need
+    not be installed on the host's machine, also through `replace` (prepare resolves the config with it)."""
+    _pretend_installed(monkeypatch, {"triton"})
+    flat = EngineConfig.create("m", attention_backend="triton").to_dict(wire=True)
+    _pretend_installed(monkeypatch, set())
+    config = EngineConfig.from_dict(flat, from_core=True).replace(max_model_len=64)
+    assert config.attention_backend == "triton" and config.max_model_len == 64
+    with pytest.raises(ConfigError, match="pip install triton"):
+        EngineConfig.from_dict(flat)
+    with pytest.raises(ConfigError, match="pip install triton"):
+        config.replace(attention_backend="triton")

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from asyncllm.bench import common, latency
-from asyncllm.bench.cli import main
+from asyncllm.bench.cli import main, parser
 from asyncllm.bench.model import BenchModel
 from asyncllm.bench.requests import sharegpt_like_requests
 from asyncllm.bench.roofline import Roofline
+from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 
 TINY = ["--preset", "tiny", "--no-progress"]
@@ -83,6 +84,16 @@ def test_compare_hf_refuses_fp8_the_peer_would_not_run(flags, capsys, no_engine)
     assert main(["latency", *TINY, "--compare", "hf", *flags]) == 2
     assert capsys.readouterr().err == (f"asyncllm bench: compare='hf' is not allowed: no {' '.join(flags)}: "
                                        "transformers' peer would run unquantized, in the model dtype\n")
+
+
+@pytest.mark.parametrize("flags, max_num_seqs", [(["--max-num-batched-tokens", "64"], 64), ([], 256),
+                                                  (["--max-num-seqs", "8", "--max-num-batched-tokens", "64"], 8)])
+def test_max_num_seqs_unset_is_the_engines_default(flags: list[str], max_num_seqs: int) -> None:
+    args = parser().parse_args(["latency", *TINY, *flags])
+    ctx = SimpleNamespace(args=args, model=BenchModel("m", "/m", "dummy", 100, 64), dtype=torch.float32,
+                          device=torch.device("cpu"))
+    config = EngineConfig.create("m", **common.engine_kwargs(ctx, 64))  # 64 tokens with 256 seqs: a ConfigError
+    assert config.max_num_seqs == common.max_num_seqs(args) == max_num_seqs
 
 
 def test_serve_lengths_honour_caps_below_four() -> None:

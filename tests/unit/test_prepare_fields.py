@@ -22,6 +22,14 @@ def test_a_revision_of_a_local_folder_is_refused(tiny_llama, fields, field, says
     assert info.value.field == field
 
 
+def test_a_revision_of_a_local_draft_folder_is_refused(tiny_llama) -> None:
+    spec = {"model": tiny_llama, "num_speculative_tokens": 2, "revision": "v2"}
+    with pytest.raises(ConfigError, match="^speculative_config.revision='v2' is not allowed: None for a local draft "
+                                          "model .* has no revisions") as info:
+        prepare(EngineConfig.create(tiny_llama, speculative_config=spec))
+    assert info.value.field == "speculative_config.revision"
+
+
 def test_a_prepared_configs_revisions_are_those_its_folders_were_resolved_at(tiny_llama) -> None:
     """A restart's config, or the shared core's an attached host takes, holds the local folders a hub id and its
     revisions resolved to: prepared again (``resolved``), its revisions are not refused."""

@@ -264,6 +264,15 @@ def test_add_request_refuses_prompts_that_could_never_run(fields, num_gpu_blocks
     sched.add_request(make_request("ok", 7))  # one token shorter always fits
 
 
+def test_a_prompt_past_the_kv_cache_names_what_sized_it():
+    config = EngineConfig.create("dummy-model", block_size=4)
+    sched = Scheduler(config, 2, 16, kv_budget_field="ASYNCLLM_CPU_KVCACHE_SPACE_GB")
+    with pytest.raises(InvalidRequestError, match="raise ASYNCLLM_CPU_KVCACHE_SPACE_GB / kv_cache_memory_bytes / "
+                                                  "num_gpu_blocks_override or tensor_parallel_size") as info:
+        sched.add_request(make_request("a", 8))
+    assert "gpu_memory_utilization" not in str(info.value)
+
+
 def test_add_request_refuses_a_request_id_in_use():
     sched = make_scheduler()
     sched.add_request(make_request("a", 4))

@@ -92,6 +92,13 @@ def test_what_is_not_built_is_refused_by_name(runner) -> None:
         check_update(runner, "/models/tiny.gguf", None)
 
 
+def test_a_revision_of_a_local_folder_is_refused_by_name(runner) -> None:
+    for path in (tiny_checkpoint("llama"), "./no-such-folder-is-checked-first"):
+        with pytest.raises(InvalidRequestError) as info:
+            check_update(runner, path, "main")
+        assert info.value.field == ("revision" if path.startswith("/") else "model_path")
+
+
 def test_a_refusal_crosses_the_wire_typed() -> None:
     for error in (InvalidRequestError("model_path", "differs: hidden_size=128 (served: 64)"),
                   NotBuiltError("quantization", "fp8", "update_weights of a quantized model")):
