@@ -122,7 +122,8 @@ class Executor:
             deadline = time.monotonic() + timeout_s
             if self._world_size > 1:  # the port rank 0's torch.distributed store got as it bound: to every rank
                 opened = self._receive(deadline, "open the torch.distributed rendezvous")
-                assert isinstance(opened, protocol.RendezvousOpened), f"expected RendezvousOpened, got {opened!r}"
+                if not isinstance(opened, protocol.RendezvousOpened):
+                    raise EngineDeadError(f"rank 0 sent {type(opened).__name__} before opening the rendezvous")
                 self._broadcast(protocol.JoinRendezvous(opened.port), deadline)
             ready = self._gather(protocol.WorkerReady, deadline, "load the model")
             self._await_ring_readers(deadline)
