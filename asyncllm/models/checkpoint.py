@@ -245,13 +245,13 @@ def _quantization_section(hf_config: Any) -> dict[str, Any] | None:
 
 
 def checkpoint_quantization(hf_config: Any) -> str | None:
-    """The method a pre-quantized checkpoint's config names (``quant_method``: fp8, awq, gptq,
-    compressed-tensors, bitsandbytes, ...), or None for a float checkpoint (a multimodal one's
-    ``text_config`` is looked at too)."""
-    section = _quantization_section(hf_config)
-    if section is None:
+    """The method a pre-quantized checkpoint's config names (``quant_method``: fp8, awq, gptq, compressed-tensors,
+    bitsandbytes, ...; lower-cased, ``compressed_tensors`` read as ``compressed-tensors``, as vLLM does), or None for
+    a float checkpoint (a multimodal one's ``text_config`` is looked at too)."""
+    if (section := _quantization_section(hf_config)) is None:
         return None
-    return str(section.get("quant_method") or section.get("format") or "unknown")
+    method = str(section.get("quant_method") or section.get("format") or "unknown").lower()
+    return method.replace("compressed_tensors", "compressed-tensors")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,13 @@
 """Calibrated fp8 KV-cache scales: the ``k_scale`` / ``v_scale`` (or one ``kv_scale``) tensors of fp8 checkpoints
-(llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale``; docs/fp8-kv-cache.md).
+(llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale``, a fused projection's
+``self_attn.qkv_proj.k_scale``, older llm-compressor's and AutoFP8's ``self_attn.k_proj.output_scale``;
+docs/fp8-kv-cache.md), and the query's ``q_scale``.
 
 With an fp8 ``kv_cache_dtype`` each layer's scales go to its `Attention` (``k_scale``, ``v_scale``): the cache then
-holds ``k / k_scale`` and ``v / v_scale`` in fp8, as vLLM's does. With a cache of the model dtype they describe
-nothing asyncllm stores, and are dropped (vLLM ignores them there too). `take_kv_scales` does both while the weights
-stream to the model's loader.
+holds ``k / k_scale`` and ``v / v_scale`` in fp8, as vLLM's does. The query stays in the model dtype, so a ``q_scale``
+other than 1.0 (fp8 attention) is a `NotBuiltError`, as vLLM's Triton backend refuses it. With a cache of the model
+dtype the scales describe nothing asyncllm stores, and are dropped (vLLM ignores them there too). `take_kv_scales`
+does both while the weights stream to the model's loader.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ from asyncllm.models.layers import Attention, LoadedWeight, weight_shape
 
 __all__ = ["KV_CACHE_SCALE_SUFFIXES", "take_kv_scales"]
 
-KV_CACHE_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
-"""Endings of the calibrated KV-cache scale tensors of fp8 checkpoints."""
+KV_CACHE_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "q_scale",
+                           "k_proj.output_scale", "v_proj.output_scale", "q_proj.output_scale")
+"""Endings of the calibrated KV-cache (and query) scale tensors of fp8 checkpoints."""
+
+_OUTPUT_SCALES = {"k_proj.output_scale": "k_scale", "v_proj.output_scale": "v_scale", "q_proj.output_scale": "q_scale"}
+"""A projection's output scale is the scale of what it computes (vLLM's ``get_cache_scale`` of its fp8 and
+compressed-tensors configs)."""
+
+_ATTENTION_CHILDREN = (".q_proj", ".k_proj", ".v_proj", ".qkv_proj", ".attn")
+"""Where a checkpoint puts the scales under the attention module (ModelOpt, fused projections, vLLM's own name)."""
 
 
 def take_kv_scales(weights: Iterable[tuple[str, LoadedWeight]], model: Any,
@@ -30,7 +41,15 @@ def take_kv_scales(weights: Iterable[tuple[str, LoadedWeight]], model: Any,
         if not name.endswith(KV_CACHE_SCALE_SUFFIXES):
             yield name, weight
         elif fp8:
-            _set_scale(model, name, weight, kv_cache_dtype)
+            _set_scale(model, _scale_name(name), weight, kv_cache_dtype)
+
+
+def _scale_name(name: str) -> str:
+    """``name`` with a projection's ``output_scale`` renamed to the scale it is (``...k_proj.k_scale``)."""
+    for suffix, leaf in _OUTPUT_SCALES.items():
+        if name.endswith(suffix):
+            return name.removesuffix("output_scale") + leaf
+    return name
 
 
 def _set_scale(model: Any, name: str, weight: LoadedWeight, kv_cache_dtype: str) -> None:
@@ -41,12 +60,17 @@ def _set_scale(model: Any, name: str, weight: LoadedWeight, kv_cache_dtype: str)
         raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"KV-cache scales per head or channel ({name} has shape "
                                                               f"{list(weight_shape(weight))}; one per layer is built)")
     stem, _, leaf = name.rpartition(".")
-    attention = _attention_at(model, stem.removesuffix(".k_proj").removesuffix(".v_proj").removesuffix(".attn"))
+    for child in _ATTENTION_CHILDREN:
+        stem = stem.removesuffix(child)
+    attention = _attention_at(model, stem)
     if attention is None:
         return  # a layer another pipeline stage holds
     value = float(torch.as_tensor(weight if isinstance(weight, torch.Tensor) else weight[...]).float().reshape(()))
     if not value > 0:
         raise ConfigError("model", name, f"a positive KV-cache scale (it is {value})")
+    if leaf == "q_scale" and value != 1.0:
+        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"q_scale other than 1.0 ({name} is {value}): fp8 "
+                                                              "attention; the query stays in the model dtype")
     if leaf in ("k_scale", "kv_scale"):
         attention.k_scale = value
     if leaf in ("v_scale", "kv_scale"):

@@ -128,12 +128,23 @@ def _with_scales(tiny_llama: str, folder: Path, scales: dict[str, float]) -> str
     return str(folder)
 
 
-def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(tiny_llama: str, tmp_path: Path) -> None:
-    """llm-compressor's names (``self_attn.k_scale`` / ``v_scale``) and ModelOpt's (``k_proj.k_scale``), one
-    ``kv_scale`` for both: set on each layer's attention with an fp8 cache; dropped with the model dtype's."""
-    path = _with_scales(tiny_llama, tmp_path, {
-        "model.layers.0.self_attn.k_scale": 0.05, "model.layers.0.self_attn.v_scale": 0.02,
-        "model.layers.1.self_attn.k_proj.k_scale": 0.5, "model.layers.1.self_attn.v_proj.v_scale": 4.0})
+@pytest.mark.parametrize("scales", [
+    pytest.param({"model.layers.0.self_attn.k_scale": 0.05, "model.layers.0.self_attn.v_scale": 0.02,
+                  "model.layers.1.self_attn.k_proj.k_scale": 0.5, "model.layers.1.self_attn.v_proj.v_scale": 4.0},
+                 id="llm-compressor-modelopt"),
+    pytest.param({"model.layers.0.self_attn.k_proj.output_scale": 0.05,
+                  "model.layers.0.self_attn.v_proj.output_scale": 0.02,
+                  "model.layers.0.self_attn.q_proj.output_scale": 1.0, "model.layers.1.self_attn.q_scale": 1.0,
+                  "model.layers.1.self_attn.qkv_proj.k_scale": 0.5, "model.layers.1.self_attn.qkv_proj.v_scale": 4.0},
+                 id="output_scale-qkv_proj"),
+])
+def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(tiny_llama: str, tmp_path: Path,
+                                                                              scales: dict[str, float]) -> None:
+    """llm-compressor's names (``self_attn.k_scale`` / ``v_scale``), ModelOpt's (``k_proj.k_scale``), a fused
+    projection's (``qkv_proj.k_scale``), a projection's ``output_scale`` (older llm-compressor, AutoFP8; vLLM's
+    ``get_cache_scale``): set on each layer's attention with an fp8 cache; dropped with the model dtype's, as is a
+    query scale (1.0 with an fp8 cache: nothing to do)."""
+    path = _with_scales(tiny_llama, tmp_path, scales)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
     assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in model.model.layers] == \
@@ -141,6 +152,13 @@ def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(t
     plain = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
     assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in plain.model.layers] == \
         [(1.0, 1.0)] * 2
+
+
+def test_one_kv_scale_for_both_and_the_scales_refused(tiny_llama: str, tmp_path: Path) -> None:
+    """One ``kv_scale`` sets both; a scale of a layer the model lacks is a `ConfigError`; per-head scales and a
+    query scale other than 1.0 (fp8 attention; the query stays in the model dtype) are `NotBuiltError`s with an
+    fp8 cache (the query scale is dropped with the model dtype's)."""
+    hf_config = load_hf_config(tiny_llama)
     both = _with_scales(tiny_llama, tmp_path / "kv", {"model.layers.1.self_attn.kv_scale": 0.25})
     model = load_model(EngineConfig.create(both, kv_cache_dtype="fp8_e5m2"), hf_config, CPU, torch.float32)
     assert (model.model.layers[1].self_attn.attn.k_scale, model.model.layers[1].self_attn.attn.v_scale) == (0.25, 0.25)
@@ -150,6 +168,11 @@ def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(t
     per_head = _with_scales(tiny_llama, tmp_path / "heads", {"model.layers.0.self_attn.k_scale": [0.5, 0.25]})
     with pytest.raises(NotBuiltError, match="KV-cache scales per head or channel"):
         load_model(EngineConfig.create(per_head, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    query = _with_scales(tiny_llama, tmp_path / "q", {"model.layers.0.self_attn.q_scale": 0.1})
+    load_model(EngineConfig.create(query), hf_config, CPU, torch.float32)
+    with pytest.raises(NotBuiltError, match="q_scale other than 1.0") as info:
+        load_model(EngineConfig.create(query, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    assert info.value.field == "kv_cache_dtype"
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -303,6 +303,29 @@ def test_a_float_checkpoint_names_no_quantization(tiny_llama: str) -> None:
     assert checkpoint_quantization(load_hf_config(tiny_llama)) is None
 
 
+_CT_SECTION = {"format": "float-quantized", "ignore": ["lm_head"], "config_groups": {"g": {
+    "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+
+
+@pytest.mark.parametrize("quant_method, extra, method, config", [
+    ("AWQ", {"bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "awq", "Int4CheckpointConfig"),
+    ("GPTQ", {"bits": 4, "group_size": 128, "desc_act": False}, "gptq", "Int4CheckpointConfig"),
+    ("FP8", {"activation_scheme": "dynamic"}, "fp8", "Fp8CheckpointConfig"),
+    ("compressed_tensors", _CT_SECTION, "compressed-tensors", "CompressedTensorsCheckpointConfig"),
+])
+def test_quant_method_is_read_as_vllm_reads_it(quant_method: str, extra: dict, method: str, config: str) -> None:
+    """vLLM lower-cases ``quant_method`` and reads ``compressed_tensors`` as ``compressed-tensors``."""
+    from types import SimpleNamespace
+
+    from asyncllm.models.checkpoint import prequantized_config
+
+    hf_config = SimpleNamespace(architectures=["LlamaForCausalLM"], model_type="llama",
+                                quantization_config={"quant_method": quant_method, **extra})
+    assert checkpoint_quantization(hf_config) == method
+    assert type(prequantized_config(hf_config, "m", None)).__name__ == config
+
+
 # ------------------------------------------------------------------ CUDA (skipped without a device)
 def _has_scaled_mm() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
