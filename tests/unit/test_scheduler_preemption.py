@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from asyncllm.sched.request import RequestStatus
+import pytest
+
+from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import PreemptionLogger, Scheduler
 from test_scheduler import make_request, make_scheduler, run_step
 
@@ -134,3 +136,82 @@ def test_preemption_warnings_are_rate_limited(caplog):
     assert len(messages) == 2
     assert "Request r1" in messages[0] and "not logged" not in messages[0]
     assert "Request r4" in messages[1] and "4 preemptions so far (2 more not logged)" in messages[1]
+
+
+# ------------------------------------------------------------------ preemption for a higher-priority waiting request
+def _priority_request(req_id: str, prompt: list[int] | int, priority: int, arrival: float, max_tokens: int = 40):
+    req = make_request(req_id, prompt, max_tokens=max_tokens)
+    req.priority, req.arrival_time = priority, arrival
+    return req
+
+
+def _step_summary(out) -> tuple[dict[str, int], list[str], list[str]]:
+    return out.num_scheduled_tokens, out.preempted_req_ids, [n.req_id for n in out.new_reqs]
+
+
+@pytest.mark.parametrize(("prompt", "preempted"), [(24, ["d", "c"]), (30, [])])
+def test_priority_preempts_the_shortest_tail_that_admits_the_waiting_request_or_none(prompt, preempted):
+    """12 blocks of 4: a (priority 0) holds 5, b, c, d (priority 5) one each; e (priority 1) needs 6 blocks (d and c
+    make room) or 8 (7 free with all three gone: preempting them would only make them recompute)."""
+    sched = make_scheduler(num_gpu_blocks=12, enable_prefix_caching=False, scheduling_policy="priority")
+    sched.add_request(_priority_request("a", 19, 0, 0.0))
+    for i, req_id in enumerate("bcd"):
+        sched.add_request(_priority_request(req_id, 2, 5, 1.0 + i))
+    run_step(sched)
+    sched.add_request(_priority_request("e", prompt, 1, 9.0))
+    out, _ = run_step(sched)
+    if preempted:
+        assert _step_summary(out) == ({"a": 1, "b": 1, "e": prompt}, ["d", "c"], ["e"])
+    else:
+        assert _step_summary(out) == ({"a": 1, "b": 1, "c": 1, "d": 1}, [], [])
+    assert sched.num_preemptions_total == len(preempted)
+
+
+def test_priority_does_not_preempt_a_request_whose_blocks_are_shared():
+    """b's first two blocks are a's prefix: preempting b would free one block, and c needs four of the two free."""
+    sched = make_scheduler(num_gpu_blocks=6, scheduling_policy="priority")
+    prefix = list(range(100, 108))
+    sched.add_request(_priority_request("a", prefix + [1, 2, 3], 0, 0.0))
+    run_step(sched)
+    sched.add_request(_priority_request("b", prefix + [4, 5, 6], 5, 1.0))
+    run_step(sched)
+    assert (sched.requests["b"].num_cached_tokens, sched.kv_cache_manager.num_free_blocks) == (8, 2)
+    sched.add_request(_priority_request("c", 16, 1, 2.0))
+    out, _ = run_step(sched)
+    assert _step_summary(out) == ({"a": 1, "b": 1}, [], [])
+    assert sched.num_preemptions_total == 0
+
+
+def test_priority_preempts_only_when_the_waiting_request_gets_tokens_in_the_step():
+    """One seat left for c (priority 1) if b (priority 5) goes, but a's prefill (priority 0) takes the whole budget
+    of 8 until its last chunk: b is preempted only in the step that admits c."""
+    sched = make_scheduler(scheduling_policy="priority", max_num_seqs=2, max_num_batched_tokens=8,
+                           enable_prefix_caching=False)
+    sched.add_request(_priority_request("b", 3, 5, 0.0))
+    run_step(sched)
+    sched.add_request(_priority_request("a", 40, 0, 1.0))
+    run_step(sched)  # a: 7 tokens, b: 1
+    sched.add_request(_priority_request("c", 3, 1, 2.0))
+    steps = [_step_summary(run_step(sched)[0]) for _ in range(5)]
+    assert steps == [({"a": 8}, [], [])] * 4 + [({"a": 1, "c": 3}, ["b"], ["c"])]
+
+
+def test_priority_preempts_the_requests_of_an_adapter_one_too_many_with_the_seat():
+    """max_loras=1, three seats: x (priority 5, adapter 1) stays one adapter too many for h (priority 1, adapter 2)
+    if only y (priority 5, base model) gives up its seat, so both go and h runs (y alone went, and came back, for
+    nothing, step after step)."""
+    from asyncllm.lora import LoRARequest
+
+    def with_adapter(req: Request, lora_id: int) -> Request:
+        lora = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}")
+        return Request(req.request_id, req.prompt_token_ids, req.params, [2], req.arrival_time, priority=req.priority,
+                       lora=lora)
+
+    sched = make_scheduler(scheduling_policy="priority", max_num_seqs=3, enable_lora=True, max_loras=1)
+    sched.add_request(_priority_request("a", 4, 0, 0.0))
+    sched.add_request(with_adapter(_priority_request("x", 4, 5, 1.0), 1))
+    sched.add_request(_priority_request("y", 4, 5, 2.0))
+    run_step(sched)
+    sched.add_request(with_adapter(_priority_request("h", 4, 1, 3.0), 2))
+    steps = [_step_summary(run_step(sched)[0]) for _ in range(2)]
+    assert steps == [({"a": 1, "h": 4}, ["y", "x"], ["h"]), ({"a": 1, "h": 1, "y": 1}, [], ["y"])]  # x waits for h
