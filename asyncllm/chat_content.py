@@ -11,7 +11,8 @@ vLLM hands a message's content to the template in one of two shapes (``--chat-te
   content; `detect_content_format`), else ``"string"``.
 
 Either way a content of None is no parts ("" or []), and a tool message of text parts only is one joined string
-(as vLLM: most templates take a tool result as a string).
+(as vLLM: most templates take a tool result as a string). What vLLM reads as text is a text part here
+(`text_part_text`): a bare string, an ``input_text`` or ``output_text`` part, a ``refusal`` or ``thinking`` part.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 
-__all__ = ["CONTENT_FORMATS", "check_content_format", "content_format_of", "detect_content_format",
-           "formatted_messages"]
+__all__ = ["CONTENT_FORMATS", "TEXT_PART_FIELDS", "check_content_format", "content_format_of", "detect_content_format",
+           "formatted_messages", "is_text_part", "text_part_text", "with_text_parts"]
 
 CONTENT_FORMATS = ("auto", "string", "openai")
+TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                    "thinking": "thinking"}
+"""The text-like part types vLLM reads as text, and the field each holds it in."""
 
 
 def check_content_format(value: object, config: bool = False) -> None:
@@ -160,13 +164,50 @@ def _string_content(i: int, texts: list[str], media: list[str], placeholder: Cal
 
 
 def _parts(i: int, content: str | list[Any] | None) -> list[dict[str, Any]]:
-    """A content as parts: None no parts, a string one text part; a text part's text must be a string."""
+    """A content as parts: None no parts, a string one text part, a list's text-like parts as text parts
+    (`text_part_text`; one vLLM skips is dropped), its other dicts (media parts) as they are."""
     if content is None:
         return []
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
+    parts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") == "text" and not isinstance(part.get("text"), str):
-            raise InvalidRequestError("messages", f"item {i}: a content part must be a dict, a text part "
-                                                  f"{{'type': 'text', 'text': str}}; got {part!r:.80}")
-    return list(content)
+        if is_text_part(part):
+            text = text_part_text(i, part)
+            if text is not None:
+                parts.append({"type": "text", "text": text})
+        elif isinstance(part, dict):
+            parts.append(part)
+        else:
+            raise InvalidRequestError("messages", f"item {i}: a content part must be a string or a dict, "
+                                                  f"got {part!r:.80}")
+    return parts
+
+
+def with_text_parts(messages: list[Any]) -> list[Any]:
+    """`messages` with each content list's text-like parts as text parts ``{"type": "text", "text": str}``."""
+    return [{**message, "content": _parts(i, message["content"])}
+            if isinstance(message, dict) and isinstance(message.get("content"), list) else message
+            for i, message in enumerate(messages)]
+
+
+def is_text_part(part: object) -> bool:
+    """Whether vLLM reads content `part` as text: a string, or a dict whose ``type`` is in `TEXT_PART_FIELDS`."""
+    return isinstance(part, str) or isinstance(part, dict) and isinstance(part.get("type"), str) \
+        and part["type"] in TEXT_PART_FIELDS
+
+
+def text_part_text(i: int, part: str | dict[str, Any]) -> str | None:
+    """A text-like part's text (`is_text_part`), as vLLM's ``_parse_chat_message_content_part``: a bare string, a
+    ``text``, ``input_text`` or ``output_text`` part's ``text``, a ``refusal``'s ``refusal``, a ``thinking``'s
+    ``thinking``; None for a ``text`` or ``refusal`` part whose text is None (vLLM skips it)."""
+    if isinstance(part, str):
+        return part
+    kind = part["type"]
+    field = TEXT_PART_FIELDS[kind]
+    text = part.get(field)
+    if text is None and kind in ("text", "refusal"):
+        return None
+    if not isinstance(text, str):
+        raise InvalidRequestError("messages", f"item {i}: a {kind} part needs a str {field!r}, got {text!r:.80}")
+    return text

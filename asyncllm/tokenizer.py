@@ -230,8 +230,8 @@ def template_messages(messages: object) -> list[dict[str, Any]]:
     Each is a dict with a str ``role`` and ``content`` (or a list of parts: the "openai" content format,
     asyncllm/chat_content.py); an assistant message
     with ``tool_calls`` (OpenAI's shape) may have ``content`` None (rendered
-    as ""), and its calls' ``arguments`` JSON text is parsed into the dict (or list) the
-    templates write (as vLLM does). Other keys (``tool_call_id``, ``name``)
+    as ""), and its calls' ``arguments`` JSON text is parsed into the value the
+    templates write (as vLLM does; `with_template_calls`). Other keys (``tool_call_id``, ``name``)
     pass through.
     """
     if not isinstance(messages, list) or not messages:
@@ -249,12 +249,17 @@ def template_messages(messages: object) -> list[dict[str, Any]]:
 
 
 def with_template_calls(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """Message `i` with its ``tool_calls`` (if any) as templates read them: arguments parsed, content None as ""."""
-    if message.get("tool_calls") is None:
+    """Message `i` with its ``tool_calls`` (if any) as templates read them: arguments parsed, content None as "".
+
+    An empty list is dropped, as vLLM's ``_postprocess_messages`` does: templates test ``'tool_calls' in message``
+    (Llama 3.1's), so the message stays on their plain assistant path."""
+    calls = message.get("tool_calls")
+    if calls is None:
         return message
-    calls = [_template_call(i, call) for call in _listed(i, message["tool_calls"])]
-    content = message.get("content")
-    return {**message, "content": "" if content is None else content, "tool_calls": calls}
+    content = "" if message.get("content") is None else message["content"]
+    if calls == []:
+        return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": content}
+    return {**message, "content": content, "tool_calls": [_template_call(i, call) for call in _listed(i, calls)]}
 
 
 def _listed(i: int, calls: object) -> list[Any]:
@@ -264,21 +269,22 @@ def _listed(i: int, calls: object) -> list[Any]:
 
 
 def _template_call(i: int, call: object) -> dict[str, Any]:
-    """One of an assistant's ``tool_calls`` with its arguments parsed, as vLLM's ``_postprocess_messages``: JSON
-    text as the object (or array) it holds, none (None, "", empty) as {}."""
+    """One of an assistant's ``tool_calls`` with its arguments as vLLM's ``_postprocess_messages`` hands them to the
+    template: JSON text as the value it holds (an object, an array, a string, a number...), text that is not JSON
+    as {}, a dict or list as it is, anything else (None, a number) as {}."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError("messages", f"item {i}: each tool call needs a 'function' with a str 'name'")
-    arguments = function.get("arguments") or {}
+    arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = json.loads(arguments)
         except ValueError:
-            raise InvalidRequestError("messages", f"item {i}: tool call arguments are not JSON: {arguments!r}") from None
+            arguments = {}
         except RecursionError:  # nested deeper than Python's recursion limit
             raise InvalidRequestError("messages", f"item {i}: tool call arguments are JSON nested too deeply") from None
-    if not isinstance(arguments, (dict, list)):
-        raise InvalidRequestError("messages", f"item {i}: tool call arguments must be a JSON object or array")
+    elif not isinstance(arguments, (dict, list)):
+        arguments = {}
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
+from asyncllm.chat_content import TEXT_PART_FIELDS, is_text_part, text_part_text
 from asyncllm.errors import InvalidRequestError
 
 __all__ = ["chat_messages", "media_url"]
@@ -26,9 +27,6 @@ _ASSISTANT_IGNORED_KEYS = frozenset({"refusal", "annotations", "audio", "functio
 """OpenAI's assistant message fields the template does not read (as vLLM, ignored): the official client's
 ``message.model_dump()`` carries them when a reply is sent back as the next turn's history."""
 _REASONING_KEYS = ("reasoning", "reasoning_content")
-_TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-                "thinking": "thinking"}
-"""The text-like part types vLLM reads as text, and the field each holds it in."""
 
 
 def chat_messages(messages: list[dict[str, Any]], images: bool = False,
@@ -77,11 +75,16 @@ def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _content_part(i: int, part: object, images: bool, media_root: Path | None) -> dict[str, Any] | None:
-    """A content part as the engine's chat takes it; None for one vLLM skips (a text or refusal part whose text
-    is None)."""
+    """A content part as the engine's chat takes it (a text-like one as asyncllm/chat_content.py's
+    `text_part_text` reads it); None for one vLLM skips (a text or refusal part whose text is None)."""
     if images and _is_image_part(part):
         return _image_part(i, part, media_root)
-    text = _text_part(i, part)
+    if not is_text_part(part):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise InvalidRequestError("messages", f"item {i}: only text ({', '.join(TEXT_PART_FIELDS)}), image_url, "
+                                              "video_url, audio_url and input_audio content parts are built "
+                                              f"(the media parts in chat completions), got {kind!r}")
+    text = text_part_text(i, part)
     return None if text is None else {"type": "text", "text": text}
 
 
@@ -125,23 +128,3 @@ def media_url(url: str, media_root: Path | None, field: str) -> str:
         raise InvalidRequestError(field, f"the file {url!r:.120} must be inside --allowed-local-media-path "
                                          f"{str(media_root)!r}")
     return str(path)
-
-
-def _text_part(i: int, part: object) -> str | None:
-    """A text-like part's text, as vLLM's ``_parse_chat_message_content_part``: a bare string, a ``text``,
-    ``input_text`` or ``output_text`` part's ``text``, a ``refusal``'s ``refusal``, a ``thinking``'s ``thinking``;
-    None for a ``text`` or ``refusal`` part whose text is None (vLLM skips it)."""
-    if isinstance(part, str):
-        return part
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    field = _TEXT_FIELDS.get(kind) if isinstance(kind, str) else None
-    if field is None:
-        raise InvalidRequestError("messages", f"item {i}: only text ({', '.join(_TEXT_FIELDS)}), image_url, "
-                                              "video_url, audio_url and input_audio content parts are built "
-                                              f"(the media parts in chat completions), got {kind!r}")
-    text = part.get(field)
-    if text is None and kind in ("text", "refusal"):
-        return None
-    if not isinstance(text, str):
-        raise InvalidRequestError("messages", f"item {i}: a {kind} part needs a str {field!r}, got {text!r:.80}")
-    return text

@@ -1,8 +1,9 @@
 """OpenAI's Responses API (``POST /v1/responses``), run through the chat machinery.
 
-A request's ``input`` (a string, or message / ``function_call`` /
+A request's ``input`` (a string, or message / ``reasoning`` / ``function_call`` /
 ``function_call_output`` items; messages with ``input_text`` and, for a
-multimodal model, ``input_image`` parts) and ``instructions`` become chat messages;
+multimodal model, ``input_image`` parts) and ``instructions`` become chat messages
+(merged into assistant turns as vLLM merges them: responses_input.py);
 ``tools`` (flat function tools), ``tool_choice``, ``text.format`` and the
 sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
 reasoning parsers and structured output behave exactly as in chat
@@ -32,6 +33,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionRequest
+from asyncllm.integrations.responses_input import input_items, input_messages
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
 
@@ -110,87 +112,6 @@ def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None
         "user": req.user, "stream": req.stream,
     }
     return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
-
-
-def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` as a list of items: a string is one user message."""
-    return [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
-
-
-def input_messages(items: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
-    """Chat messages of ``input``: messages, and function calls and their outputs as tool history.
-
-    ``developer`` is the system role; ``reasoning`` items (earlier thoughts a
-    client sends back) are dropped, as chat templates drop them.
-    """
-    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise InvalidRequestError("input", f"item {i} must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _content(i, item.get("content"))})
-        elif kind == "function_call":
-            _require_strings(i, item, ("call_id", "name", "arguments"))
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            _require_strings(i, item, ("call_id",))
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else _text(i, output)})
-        elif kind != "reasoning":
-            raise InvalidRequestError("input", f"item {i}: type {kind!r} is not built (message, function_call, "
-                                               "function_call_output, reasoning are)")
-    return messages
-
-
-def _require_strings(i: int, item: dict[str, Any], keys: tuple[str, ...]) -> None:
-    """vLLM's item models (``ResponseFunctionToolCall``, a function_call_output) require these as strings."""
-    for key in keys:
-        if not isinstance(item.get(key), str):
-            raise InvalidRequestError("input", f"item {i}: a {item['type']} needs {key} as a string")
-
-
-def _content(i: int, content: object) -> str | list[dict[str, Any]]:
-    """A message's content for the chat path: its text, or a list's chat text parts (the engine joins them with
-    "\n" or keeps them: the chat template content format, asyncllm/chat_content.py) and ``input_image`` parts as
-    ``image_url`` ones (a base64 ``data:`` URL; ``detail`` dropped, as in chat completions), in order."""
-    if not isinstance(content, list):
-        return _text(i, content)
-    parts: list[dict[str, Any]] = []
-    for part in content:
-        if isinstance(part, dict) and part.get("type") == "input_image":
-            if part.get("file_id") is not None or not isinstance(part.get("image_url"), str):
-                raise InvalidRequestError("input", f"item {i}: an input_image needs image_url (a data: URL); "
-                                                   "file_id is not built")
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
-        else:
-            parts.append({"type": "text", "text": _text(i, [part])})
-    return parts
-
-
-def _text(i: int, content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError("input", f"item {i}: only text content parts are built, got {kind!r}")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
-    raise InvalidRequestError("input", f"item {i}: content must be a string or a list of text parts")
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

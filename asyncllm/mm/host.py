@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from asyncllm import protocol
-from asyncllm.chat_content import content_format_of, formatted_messages
+from asyncllm.chat_content import content_format_of, formatted_messages, with_text_parts
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
@@ -43,6 +43,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. Its length
     (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
+    if chat and isinstance(prompt, list):  # bare strings, input_text...: text parts, not media
+        prompt = with_text_parts(prompt)
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
     if mm is None:  # a dict prompt's shape first: `plain_prompt` found no plain prompt in it

@@ -21,7 +21,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["pa
         "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY}]
 CONVERSATION = [
-    {"role": "developer", "content": "You help."},
+    {"role": "system", "content": "You help."},  # developer reaches the template as developer (the tiny one refuses it)
     {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
     {"type": "reasoning", "id": "rs_1", "summary": []},
     {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "paris"}'},

@@ -122,6 +122,25 @@ def test_rendered_prompts_match_vllms_conversation(tokenizer) -> None:
     assert apply_chat_template(tokenizer, [{"role": "user", "content": None}]) == empty
 
 
+def test_engine_chat_reads_text_like_parts_as_vllms_llm_chat(tokenizer) -> None:
+    """`AsyncEngine.chat` (as vLLM's ``LLM.chat``) takes bare string parts and ``input_text`` / ``output_text`` /
+    ``refusal`` / ``thinking`` parts as text parts, a text part of text None skipped: a text chat (not media), with
+    the "\n"-joined string or the parts vLLM gives the template."""
+    from asyncllm.mm.host import multimodal_prompt
+
+    user = ["first", {"type": "input_text", "text": "second"}, {"type": "text", "text": None}]
+    reply = [{"type": "output_text", "text": "a"}, {"type": "refusal", "refusal": "b"}, {"type": "thinking", "thinking": "c"}]
+    given = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    plain = [TWO_PARTS[0], {"role": "assistant", "content": [{"type": "text", "text": t} for t in "abc"]}]
+    assert multimodal_prompt(None, given, True) is None  # a text chat: no "takes no images"
+    for template in (CHAT_TEMPLATE, GEMMA3_LIKE):
+        assert apply_chat_template(tokenizer, given, chat_template=template) == \
+            apply_chat_template(tokenizer, plain, chat_template=template)
+    assert formatted_messages(given, "string")[1]["content"] == "a\nb\nc"
+    with pytest.raises(InvalidRequestError, match="a content part must be a string or a dict"):
+        formatted_messages([{"role": "user", "content": [5]}], "string")
+
+
 def test_multimodal_chat_renders_vllms_openai_conversation(tokenizer) -> None:
     """The multimodal path (asyncllm/mm/host.py): media parts in place, a string content as one text part; a list of
     text parts alone is a text chat, and a text model refuses media parts."""

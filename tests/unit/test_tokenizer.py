@@ -111,17 +111,28 @@ def test_template_exception_is_invalid_request(tokenizer: Any) -> None:
 
 
 def test_tool_call_arguments_parsed_as_vllm() -> None:
-    """vLLM's ``_postprocess_messages``: JSON text parsed, a dict or list kept, none (None, "", []) as {}."""
+    """vLLM's ``_postprocess_messages``: JSON text as the value it holds (any), text that is not JSON as {}, a dict
+    or list kept, anything else (None, a number) as {}."""
     def parsed(arguments: object) -> object:
         call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
         return template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])[0][
             "tool_calls"][0]["function"]["arguments"]
 
-    assert [parsed(a) for a in ("[1, 2]", [1, 2], '{"a": 1}', {"a": 1}, None, "", [])] == [
-        [1, 2], [1, 2], {"a": 1}, {"a": 1}, {}, {}, {}]
-    for arguments in ("5", '"x"', 5):
-        with pytest.raises(InvalidRequestError, match="JSON object or array"):
-            parsed(arguments)
+    given = ("[1, 2]", [1, 2], '{"a": 1}', {"a": 1}, None, "", [], "5", '"x"', "null", '{"a": 1', "not json", 5, 1.5)
+    assert [parsed(a) for a in given] == [
+        [1, 2], [1, 2], {"a": 1}, {"a": 1}, {}, {}, [], 5, "x", None, {}, {}, {}, {}]
+
+
+def test_empty_tool_calls_dropped_as_vllm(tokenizer: Any) -> None:
+    """An assistant's ``tool_calls: []`` is dropped (vLLM's ``_postprocess_messages``), so a template testing
+    ``'tool_calls' in message`` (Llama 3.1's) renders a plain assistant turn."""
+    template = ("{% for m in messages %}{% if 'tool_calls' in m %}{{ raise_exception('single calls only') }}"
+                "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []}]
+    assert template_messages(messages)[1] == {"role": "assistant", "content": ""}
+    plain = [messages[0], {"role": "assistant", "content": ""}]
+    assert apply_chat_template(tokenizer, messages, chat_template=template) == \
+        apply_chat_template(tokenizer, plain, chat_template=template)
 
 
 def _with_generation_config(tiny_path: str, tmp_path: Path, eos: object) -> str:

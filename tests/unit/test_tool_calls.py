@@ -102,8 +102,7 @@ def test_template_messages_parse_call_arguments() -> None:
     assert out[1]["content"] == "" and out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert out[2] == messages[2] and messages[1]["content"] is None  # the caller's messages are not changed
     bad = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{x"}}]}]
-    with pytest.raises(InvalidRequestError, match="not JSON"):
-        template_messages(bad)
+    assert template_messages(bad)[0]["tool_calls"][0]["function"]["arguments"] == {}  # as vLLM: not JSON is {}
 
 
 def test_tool_modes_refuse_what_they_cannot_take() -> None:
