@@ -138,10 +138,11 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
     """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts (whose ``cache_salt``
     salts every step's requests)."""
-    params.validate(engine.config.max_logprobs)
+    params.validate()
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
+    params.validate(engine.config.max_logprobs)  # once started: an attached host's config is then the core's
     prompt, cache_salt = split_cache_salt(prompt, options.get("cache_salt"))  # every step's requests are salted
     if cache_salt is not None:
         options = {**options, "cache_salt": cache_salt}

@@ -310,7 +310,7 @@ def check_model(config: Any) -> None:
     from asyncllm.generation_config import read_generation_config
     from asyncllm.models.checkpoint import resolve_model_path
 
-    path = resolve_model_path(config.model, config.revision, config.download_dir)
+    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format)
     read_generation_config(config.generation_config, path)
 
 

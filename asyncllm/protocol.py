@@ -262,7 +262,8 @@ def wire_protocol() -> str:
     Array-like structs are decoded by position: a field inserted mid-struct misreads every request of a host and a
     core of different asyncllm versions, so each refuses the other at `Hello` / `Ready` (`wire_protocol_mismatch`).
     Computed once per process, on first use (a few ms). `WIRE_REVISION` is in it too: a change of meaning the
-    schema does not show (an id's format or bound, an error type's name) bumps it by hand.
+    schema does not show (an id's format or bound, an error type's name) bumps it by hand. So is `EngineConfig`'s
+    schema (`_config_schema`): `Ready.config` is a plain dict, read by `EngineConfig.from_dict` on the host.
     """
     return _fingerprint((HostMessage, CoreMessage))
 
@@ -271,11 +272,23 @@ WIRE_REVISION = 1
 """Bumped when the messages' meaning changes without their shape (1: core ids ``<id>#<k>``, 2026-11-30)."""
 
 
-def _fingerprint(messages: tuple[Any, ...]) -> str:
+def _fingerprint(messages: tuple[Any, ...], config_schema: dict[str, list[list[str]]] | None = None) -> str:
     schemas, structs = msgspec.json.schema_components(messages)
     shape = {"messages": _shape(list(schemas)), "structs": {name: _shape(s) for name, s in structs.items()},
-             "revision": WIRE_REVISION}
+             "revision": WIRE_REVISION, "config": _config_schema() if config_schema is None else config_schema}
     return hashlib.sha256(msgspec.json.encode(shape, order="sorted")).hexdigest()[:16]
+
+
+def _config_schema() -> dict[str, list[list[str]]]:
+    """`EngineConfig`'s sections, each its fields' [name, annotation] in order, and the keys of its
+    `speculative_config` dict (`SpeculativeConfig`'s): what `Ready.config` carries."""
+    from dataclasses import fields
+
+    from asyncllm.config import _SECTIONS  # here: asyncllm.config is not needed to decode messages
+    from asyncllm.spec.config import SpeculativeConfig
+
+    sections = {**_SECTIONS, "speculative_config": SpeculativeConfig}
+    return {name: [[f.name, str(f.type)] for f in fields(section)] for name, section in sections.items()}
 
 
 def _shape(schema: Any) -> Any:

@@ -320,13 +320,14 @@ class AsyncEngine(EngineRequests, EngineControl):
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
         if owned and self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum
-            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (a shared core's must stay what it was)
+            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (a shared core fits its own)
         try:
-            await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
+            prepared = await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         except BaseException:
             replica.processor = processor  # still dead: stats() and new requests say so
             raise
-        self.config = served_max_model_len(self._replicas.replicas, self.config)  # the restarted core's fit counts
+        config = self.config if owned else prepared.config  # a shared core's: its memory, timeouts, ... may be new
+        self.config = served_max_model_len(self._replicas.replicas, config)  # the restarted core's fit counts
         if owned:  # sent now, before any request can reach the new core
             await self._weights.replay(replica)
 

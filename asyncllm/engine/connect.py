@@ -23,12 +23,12 @@ import zmq
 
 from asyncllm import protocol
 from asyncllm.auth import resolve_key
-from asyncllm.config import HOST_SIDE_FIELDS, EngineConfig
+from asyncllm.config import EngineConfig
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.errors import ConfigError, EngineDeadError
 
-__all__ = ["check_address", "default_address", "handshake", "prepare_attached"]
+__all__ = ["ATTACHED_FIELDS", "check_address", "default_address", "handshake", "prepare_attached"]
 
 
 def default_address() -> str:
@@ -121,12 +121,22 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
     return prepared
 
 
+ATTACHED_FIELDS = frozenset({
+    "model", "tokenizer", "tokenizer_mode", "trust_remote_code", "skip_tokenizer_init", "revision",
+    "tokenizer_revision", "hf_overrides", "enable_prompt_embeds", "generation_config", "override_generation_config",
+    "max_logprobs", "logprobs_mode", "pooler_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "mm_processor_kwargs", "media_io_kwargs", "limit_mm_per_prompt", "mm_max_image_pixels",
+})
+"""The core-side fields a host acted on when it attached (its tokenizer, chat template, generation defaults,
+logprobs, pooling, LoRA and media checks): a restarted shared core must keep them. The others (memory, parallelism,
+scheduling, timeouts, and max_model_len, fitted again as an owned core's) the host takes from the new core."""
+
+
 def _check_same_core(before: EngineConfig, now: EngineConfig, address: str) -> None:
     """`EngineDeadError` unless the restarted core at `address` serves what the host attached to first (its
-    core-side fields)."""
+    `ATTACHED_FIELDS`)."""
     old, new = before.to_dict(wire=True), now.to_dict(wire=True)
-    changed = [f"{name} {old[name]!r} -> {new[name]!r}" for name in old
-               if name not in HOST_SIDE_FIELDS and old[name] != new[name]]
+    changed = [f"{name} {old[name]!r} -> {new[name]!r}" for name in sorted(ATTACHED_FIELDS) if old[name] != new[name]]
     if changed:
         raise EngineDeadError(f"the engine core restarted at {address} serves something else ({'; '.join(changed)}): "
                               "this host keeps what it attached to; restart the host to attach to it")

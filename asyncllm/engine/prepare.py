@@ -98,7 +98,7 @@ def import_transformers(multimodal: bool = False) -> None:
 
 
 def _prepare(config: EngineConfig) -> Prepared:
-    path = resolve_model_path(config.model, config.revision, config.download_dir)
+    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt

@@ -41,9 +41,9 @@ _HUB_ALLOW_PATTERNS = [*_TOKENIZER_PATTERNS, "*.safetensors"]
 
 
 def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
-                       weights: bool = True) -> str:
+                       weights: bool = True, load_format: str = "auto") -> str:
     """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
-    tokenizer files only, the snapshot of a `tokenizer_revision`).
+    tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors).
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
     and huggingface_hub falls back to its cache (``download_dir``, else HF_HUB_CACHE) when the hub is
@@ -64,15 +64,15 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
 
     offline = constants.HF_HUB_OFFLINE or envs.HF_HUB_OFFLINE.get()
     cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    hub: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline)
+    pt = weights and load_format == "pt"  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
     try:
-        path = snapshot_download(
-            model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
-            allow_patterns=_HUB_ALLOW_PATTERNS if weights else _TOKENIZER_PATTERNS)
-        pickles = [] if not weights else (dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors"))
-                                          else ["*.bin", "*.pt"])  # (asyncllm/models/pt_checkpoint.py)
+        path = snapshot_download(model, **hub, allow_patterns=[*_TOKENIZER_PATTERNS, "*.bin", "*.pt"] if pt
+                                 else _HUB_ALLOW_PATTERNS if weights else _TOKENIZER_PATTERNS)
+        pickles = [] if not weights or pt else (
+            dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"])
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
-            model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
-            allow_patterns=[*_HUB_ALLOW_PATTERNS, *pickles])
+            model, **hub, allow_patterns=[*_HUB_ALLOW_PATTERNS, *pickles])
     except HFValidationError as exc:
         raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
     except LocalEntryNotFoundError as exc:

@@ -3,6 +3,7 @@ fields are the core's, host-side ones (`config.HOST_SIDE_FIELDS`) the host's own
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import msgspec
@@ -11,7 +12,7 @@ import pytest
 from asyncllm import AsyncEngine, ConfigError, EngineDeadError, protocol
 from asyncllm.attention import availability
 from asyncllm.config import HOST_SIDE_FIELDS, EngineConfig
-from asyncllm.engine import connect
+from asyncllm.engine import async_engine, connect
 from asyncllm.engine.prepare import prepare
 
 CORE_FIELDS = dict(max_logprobs=50, override_generation_config={"max_tokens": 3, "temperature": 0.0},
@@ -75,13 +76,47 @@ def test_a_restarted_shared_core_with_other_core_side_fields_is_refused(monkeypa
     restarted = {"config": attached.replace(model="other-model", max_logprobs=5, stream_interval=7)}
     monkeypatch.setattr(connect, "_await_handshake", lambda *args: _ready(restarted["config"]))
     monkeypatch.setattr(connect, "prepare", lambda config, resolved: SimpleNamespace(config=config))
-    with pytest.raises(EngineDeadError, match="serves something else \\(model 'first-model' -> 'other-model'; "
-                                              "max_logprobs 20 -> 5\\)"):
+    with pytest.raises(EngineDeadError, match="serves something else \\(max_logprobs 20 -> 5; "
+                                              "model 'first-model' -> 'other-model'\\)"):
         connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False)
     restarted["config"] = attached.replace(stream_interval=7)  # a host-side field's default: no other core
     again = connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False,
                                      host_fields={"stream_interval": 2})
     assert again.config == attached
+
+
+RESTARTED_WITH = dict(gpu_memory_utilization=0.8, enforce_eager=True, swap_space=2.0, max_num_seqs=8,
+                      worker_step_timeout_s=30.0, max_num_queued_requests=5, max_model_len=96)
+
+
+def test_a_restarted_shared_core_with_other_memory_scheduling_or_timeouts_is_taken(monkeypatch) -> None:
+    """Only `connect.ATTACHED_FIELDS` must stay: the rest (and max_model_len, fitted again) is the new core's."""
+    attached = EngineConfig.create("first-model", max_model_len=128, stream_interval=2)
+    restarted = attached.replace(**RESTARTED_WITH, stream_interval=7)
+    monkeypatch.setattr(connect, "_await_handshake", lambda *args: _ready(restarted))
+    monkeypatch.setattr(connect, "prepare", lambda config, resolved: SimpleNamespace(config=config))
+    again = connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False,
+                                     host_fields={"stream_interval": 2})
+    assert again.config == restarted.replace(stream_interval=2)
+
+
+def test_an_attached_engine_shows_its_restarted_cores_config(monkeypatch, tmp_path) -> None:
+    engine = AsyncEngine.connect(f"ipc://{tmp_path}/engine.sock", max_core_restarts=1)
+    engine.config = EngineConfig.create("first-model", max_model_len=128, max_core_restarts=1)  # as `start` sets it
+    restarted = engine.config.replace(**RESTARTED_WITH)
+
+    async def start_replica(replica, config, spec, closed=None):
+        replica.max_model_len = 96
+        return SimpleNamespace(config=restarted)
+
+    async def nothing(*args) -> None:
+        return None
+
+    monkeypatch.setattr(async_engine, "start_replica", start_replica)
+    monkeypatch.setattr(async_engine, "finish_in_thread", nothing)
+    engine._replicas[0].processor = SimpleNamespace()
+    asyncio.run(engine._restart_replica(0))
+    assert engine.config == restarted
 
 
 def test_an_attached_host_takes_a_core_serving_a_hub_revision(tiny_llama, monkeypatch) -> None:

@@ -88,3 +88,16 @@ def test_a_beam_width_above_half_max_logprobs_names_beam_width() -> None:
     assert info.value.field == "beam_width"
     out = asyncio.run(beam_search(_Engine(max_logprobs=-1), [1, 3], wide))  # type: ignore[arg-type]
     assert out.sequences[0].tokens == [1, 3, 5]
+
+
+def test_max_logprobs_is_the_started_engines() -> None:
+    """An attached host (`AsyncEngine.connect`) holds a placeholder config until `start` takes the core's: the
+    beam width is checked against the max_logprobs the engine has once started."""
+
+    class _Attached(_Engine):
+        async def start(self) -> None:
+            self.config = SimpleNamespace(max_logprobs=40)  # the core's, placeholder 20 before
+
+    wide = BeamSearchParams(beam_width=16, max_tokens=1)
+    out = asyncio.run(beam_search(_Attached(), [1, 3], wide))  # type: ignore[arg-type]
+    assert out.sequences[0].tokens == [1, 3, 5]

@@ -30,7 +30,9 @@ def _restart(monkeypatch, engine: AsyncEngine, index: int, fitted: int) -> list[
 
     async def start_replica(replica, config, spec, closed=None):
         asked.append(config.max_model_len)
-        _serve(replica, fitted if config.max_model_len == -1 else config.max_model_len)
+        served = fitted if config.max_model_len == -1 else config.max_model_len
+        _serve(replica, served)
+        return SimpleNamespace(config=config.replace(max_model_len=served))  # `Prepared`: a shared core's config
 
     async def nothing(*args) -> None:
         return None
@@ -139,7 +141,7 @@ def test_the_processor_thread_serves_the_length_in_order_with_requests() -> None
 
 
 def test_an_attached_host_restarts_with_its_cores_length_not_auto(monkeypatch) -> None:
-    """A shared core's restart must serve what it served (`_check_same_core`): the host never asks for -1."""
+    """The host never asks a shared core for -1: the core fits its own (the host takes it, `_check_same_core`)."""
     engine = AsyncEngine.connect("ipc:///tmp/asyncllm-no-core.sock")
     _serve(engine._replicas[0], 96)
     engine.config = engine.config.replace(max_model_len=96)  # the core's, from its Ready

@@ -66,6 +66,19 @@ def test_fingerprint_follows_the_shape_of_nested_structs_not_their_docs() -> Non
     assert protocol._fingerprint((protocol.HostMessage, messages)) != protocol.wire_protocol()
 
 
+def test_fingerprint_follows_the_engine_configs_fields() -> None:
+    """`Ready.config` is a plain dict read by `EngineConfig.from_dict`: a host and a core whose EngineConfig differ
+    (a field added, renamed or retyped) are refused at the handshake, not by a confusing ConfigError after it."""
+    messages = (protocol.HostMessage, protocol.CoreMessage)
+    schema = protocol._config_schema()
+    assert schema["cache_config"][0] == ["block_size", "int"]
+    assert schema["speculative_config"][0] == ["num_speculative_tokens", "int"]  # a dict field's keys
+    assert protocol._fingerprint(messages, schema) == protocol.wire_protocol()
+    added = {**schema, "cache_config": [*schema["cache_config"], ["kv_cache_layout", "str"]]}
+    retyped = {**schema, "cache_config": [["block_size", "int | None"], *schema["cache_config"][1:]]}
+    assert len({protocol._fingerprint(messages, s) for s in (schema, added, retyped)}) == 3
+
+
 def _core() -> tuple[EngineCore, list[tuple[bytes, Any]]]:
     """An `EngineCore` that answers Hellos (no scheduler or workers); returns what it sends."""
     sent: list[tuple[bytes, Any]] = []
