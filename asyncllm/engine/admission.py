@@ -52,6 +52,10 @@ class HostAdmission:
         """Requests submitted since `_snapshot` arrived."""
         self._num_submitted_tokens = 0
 
+    def follow(self, max_num_queued_requests: int | None, max_num_queued_tokens: int | None) -> None:
+        """Take these limits: an attached host's are its core's, known once it started (a placeholder's before)."""
+        self.max_num_queued_requests, self.max_num_queued_tokens = max_num_queued_requests, max_num_queued_tokens
+
     @property
     def enabled(self) -> bool:
         return self.max_num_queued_requests is not None or self.max_num_queued_tokens is not None

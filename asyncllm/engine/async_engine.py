@@ -231,6 +231,8 @@ class AsyncEngine(EngineRequests, EngineControl):
             await stop_all(self._replicas.replicas)
             raise EngineDeadError("the engine was closed while starting (aclose() during start())")
         self.config = prepared.config
+        for replica in self._replicas.replicas:  # an attached host's limits are its core's
+            replica.admission.follow(self.config.max_num_queued_requests, self.config.max_num_queued_tokens)
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
         self.tokenizer = prepared.tokenizer
@@ -328,6 +330,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             raise
         config = self.config if owned else prepared.config  # a shared core's: its memory, timeouts, ... may be new
         self.config = served_max_model_len(self._replicas.replicas, config)  # the restarted core's fit counts
+        replica.admission.follow(self.config.max_num_queued_requests, self.config.max_num_queued_tokens)
         if owned:  # sent now, before any request can reach the new core
             await self._weights.replay(replica)
 

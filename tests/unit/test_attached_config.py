@@ -117,6 +117,7 @@ def test_an_attached_engine_shows_its_restarted_cores_config(monkeypatch, tmp_pa
     engine._replicas[0].processor = SimpleNamespace()
     asyncio.run(engine._restart_replica(0))
     assert engine.config == restarted
+    assert engine._replicas[0].admission.max_num_queued_requests == 5  # the host's early check: the core's limit
 
 
 def test_an_attached_host_takes_a_core_serving_a_hub_revision(tiny_llama, monkeypatch) -> None:
