@@ -79,7 +79,8 @@ class ModelConfig:
     to the whole sequence); no effect on a model without one."""
     load_format: str = "auto"
     """auto reads the safetensors, else the PyTorch pickles (`pytorch_model*.bin`, `*.pt`); safetensors / pt read
-    only those (pre-quantized checkpoints too); dummy makes random weights of the real shapes."""
+    only those (pre-quantized checkpoints too; with pt a hub id fetches its `*.bin` / `*.pt`); dummy makes random
+    weights of the real shapes."""
     quantization: str | None = None
     """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
     with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8

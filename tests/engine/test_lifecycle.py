@@ -159,7 +159,7 @@ def _stand_in_prepare(monkeypatch: pytest.MonkeyPatch, wait: threading.Event | N
     """`replica.prepare` blocks until `wait` is set (a download); `replica.launch_core` records its call."""
     launched: list[str] = []
 
-    def prepare(config: Any) -> Any:
+    def prepare(config: Any, resolved: bool = False) -> Any:
         if wait is not None:
             wait.wait(3)
         return SimpleNamespace(config=config, hf_config_json=None)
@@ -222,7 +222,7 @@ def test_a_cancelled_start_stops_the_core_launched_after_the_cancel(monkeypatch:
 def test_a_failed_start_leaves_the_engine_to_any_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A failed start left the engine bound to its loop: a retry from another open loop raised EventLoopError though
     nothing ran."""
-    def prepare(config: Any) -> Any:
+    def prepare(config: Any, resolved: bool = False) -> Any:
         raise RuntimeError("stand-in prepare failed")
 
     monkeypatch.setattr(replica, "prepare", prepare)
@@ -333,7 +333,7 @@ def test_an_abandoned_result_is_stopped_in_a_thread_of_its_own() -> None:
 def test_after_a_failed_start_another_loop_may_start_it_contended(monkeypatch: pytest.MonkeyPatch) -> None:
     """The start lock of the failed loop stayed: two starts from the next loop raised "bound to a different event
     loop"."""
-    def prepare(config: Any) -> Any:
+    def prepare(config: Any, resolved: bool = False) -> Any:
         time.sleep(0.05)
         raise RuntimeError("stand-in prepare failed")
 
