@@ -88,7 +88,14 @@ class CacheConfig:
 
 
 DEFAULT_MAX_NUM_SEQS = 256
-"""`SchedulerConfig.max_num_seqs` when unset (vLLM's), at most the step's token budget."""
+"""`SchedulerConfig.max_num_seqs` when unset (vLLM's), at most the step's token budget (`default_max_num_seqs`)."""
+
+
+def default_max_num_seqs(max_num_batched_tokens: int | None) -> int:
+    """`SchedulerConfig.max_num_seqs` when unset: `DEFAULT_MAX_NUM_SEQS`, at most the step's token budget (vLLM's)."""
+    if max_num_batched_tokens is None:
+        return DEFAULT_MAX_NUM_SEQS
+    return min(DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -136,8 +143,7 @@ class SchedulerConfig:
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         budget = self.max_num_batched_tokens
         if self.max_num_seqs is None:  # vLLM's: the default, at most the budget
-            object.__setattr__(self, "max_num_seqs", DEFAULT_MAX_NUM_SEQS if budget is None
-                               else min(DEFAULT_MAX_NUM_SEQS, budget))
+            object.__setattr__(self, "max_num_seqs", default_max_num_seqs(budget))
         elif budget is not None and budget < self.max_num_seqs:
             raise ConfigError("max_num_batched_tokens", budget, f"greater than or equal to max_num_seqs "
                                                                 f"({self.max_num_seqs}), as vLLM: raise it or lower "

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.pooling_model import lowercases
+from asyncllm.engine.pooling_model import lowered
 from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt, truncation_length
 from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.integrations.openai_http import EventStream
@@ -177,7 +177,7 @@ async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_pro
     if engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     keep = truncation_length(truncate_prompt_tokens, max_model_len)
-    text = prompt.lower() if lowercases(engine.pooling_model) else prompt  # do_lower_case, as the engine's text
+    text = lowered(engine.pooling_model, prompt)  # do_lower_case, as the engine's text
     return await anyio.to_thread.run_sync(lambda: encode_prompt(engine.tokenizer, text, max_length=keep))
 
 

@@ -15,14 +15,15 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.sampling import StructuredOutputs
 
-__all__ = ["structured_output", "check_response_format_keys", "constraint_field", "constraint_errors"]
+__all__ = ["JSON_SCHEMA_KEYS", "structured_output", "check_response_format_keys", "constraint_field",
+           "constraint_errors"]
 
 
 _JSON_OBJECT = {"type": "object"}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
-_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
+JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
 """OpenAI's keys of ``response_format`` and of its ``json_schema``: others are refused as unknown fields are
 (vLLM ignores them, so ``{"type": "json_object", "schema": ...}`` would constrain nothing but the JSON object)."""
 
@@ -72,7 +73,7 @@ def check_response_format_keys(response_format: dict[str, Any]) -> None:
     spec = response_format.get("json_schema")
     unknown = [f"response_format.{key}" for key in response_format if key not in _RESPONSE_FORMAT_KEYS]
     if isinstance(spec, dict):
-        unknown += [f"response_format.json_schema.{key}" for key in spec if key not in _JSON_SCHEMA_KEYS]
+        unknown += [f"response_format.json_schema.{key}" for key in spec if key not in JSON_SCHEMA_KEYS]
     if unknown:
         raise InvalidRequestError(unknown[0], "unknown field (OpenAI's response_format has type and json_schema: "
                                               "name, schema, strict, description)")

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncllm.engine.pooling_model import lowercases
+from asyncllm.engine.pooling_model import lowered
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
 from asyncllm.integrations.openai_request_log import log_under, route_id
@@ -32,7 +32,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
         tokenizer = await server._tokenizer()
         if req.prompt is not None:  # lowercased as the engine's text prompts are (vLLM's do_lower_case)
-            prompt = req.prompt.lower() if lowercases(server.engine.pooling_model) else req.prompt
+            prompt = lowered(server.engine.pooling_model, req.prompt)
             special = req.add_special_tokens is not False
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:

@@ -33,6 +33,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionRequest
+from asyncllm.integrations.openai_structured import JSON_SCHEMA_KEYS
 from asyncllm.integrations.responses_input import input_items, input_messages
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
@@ -52,7 +53,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}``."""
+    """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict", "description"}}``."""
     store: bool | None = None
     """Keep the response (default: yes, as OpenAI) when the server's store is on (responses_store.py); else
     accepted and answered ``false``."""
@@ -135,14 +136,22 @@ def _chat_tool_choice(choice: Any) -> Any:
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format`` (a json_schema's name, schema, strict and description in its
+    ``json_schema``); a key OpenAI's format of that type does not have is a 400 naming ``text.format.<key>``."""
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise InvalidRequestError("text", f"format must be an object ({{\"type\": ...}}), got {fmt!r}")
-    if fmt is None or fmt.get("type") in (None, "text"):
+    kind = None if fmt is None else fmt.get("type")
+    known = {"type", *JSON_SCHEMA_KEYS} if kind == "json_schema" else {"type"}
+    unknown = [key for key in fmt or () if key not in known]
+    if unknown and kind in (None, "text", "json_object", "json_schema"):  # another type: chat refuses it as such
+        raise InvalidRequestError(f"text.format.{unknown[0]}", f"unknown field (OpenAI's {kind or 'text'} format has "
+                                                               f"{', '.join(sorted(known))})")
+    if fmt is None or kind in (None, "text"):
         return None
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    return {"type": fmt.get("type")}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return {"type": kind}
 
 
 # ------------------------------------------------------------------ the response

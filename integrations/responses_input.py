@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncllm.chat_content import TEXT_PART_FIELDS, is_text_part, text_part_text
 from asyncllm.errors import InvalidRequestError
 
 __all__ = ["input_items", "input_messages"]
@@ -103,9 +104,9 @@ def _require_strings(i: int, item: dict[str, Any], keys: tuple[str, ...]) -> Non
 
 
 def _content(i: int, content: object) -> str | list[dict[str, Any]]:
-    """A message's content for the chat path: its text, or a list's chat text parts (the engine joins them with
-    "\n" or keeps them: the chat template content format, asyncllm/chat_content.py) and ``input_image`` parts as
-    ``image_url`` ones (a base64 ``data:`` URL; ``detail`` dropped, as in chat completions), in order."""
+    """A message's content for the chat path: its text, or a list's text parts as they are (the chat path reads
+    them: asyncllm/chat_content.py's `text_part_text`) and ``input_image`` parts as ``image_url`` ones (a base64
+    ``data:`` URL; ``detail`` dropped, as in chat completions), in order."""
     if not isinstance(content, list):
         return _text(i, content)
     parts: list[dict[str, Any]] = []
@@ -116,20 +117,25 @@ def _content(i: int, content: object) -> str | list[dict[str, Any]]:
                                                    "file_id is not built")
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            parts.append({"type": "text", "text": _text(i, [part])})
+            parts.append(_text_part(i, part))
     return parts
 
 
 def _text(i: int, content: object) -> str:
-    """A string, or a list of text parts' texts joined with "\\n" (as vLLM's chat parsing joins them)."""
+    """A string, or a list of text parts' texts joined with "\\n" (as vLLM's chat parsing joins them; a part
+    vLLM skips, `text_part_text` None, is left out)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError("input", f"item {i}: only text content parts are built, got {kind!r}")
-            parts.append(part.get("text", ""))
-        return "\n".join(parts)
+        texts = (text_part_text(i, _text_part(i, part)) for part in content)
+        return "\n".join(text for text in texts if text is not None)
     raise InvalidRequestError("input", f"item {i}: content must be a string or a list of text parts")
+
+
+def _text_part(i: int, part: Any) -> Any:
+    """`part`, refused unless it is a text part (`is_text_part`)."""
+    if not is_text_part(part):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise InvalidRequestError("input", f"item {i}: only text content parts ({', '.join(TEXT_PART_FIELDS)}; "
+                                           f"in a message also input_image) are built, got {kind!r}")
+    return part

@@ -15,7 +15,7 @@ import torch
 from asyncllm.bench import report
 from asyncllm.bench.model import PRESETS, BenchModel, resolve_bench_model
 from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_bandwidth
-from asyncllm.config import DEFAULT_MAX_NUM_SEQS
+from asyncllm.config import default_max_num_seqs
 from asyncllm.errors import ConfigError
 
 __all__ = ["add_common_args", "BenchContext", "make_context", "check_fits", "open_engine", "finish", "int_range"]
@@ -151,10 +151,7 @@ def check_fits(ctx: BenchContext, longest: int, lengths: str) -> None:
 
 def max_num_seqs(args: argparse.Namespace) -> int:
     """The engine's max_num_seqs: --max-num-seqs, else its default, 256 at most --max-num-batched-tokens."""
-    if args.max_num_seqs is not None:
-        return args.max_num_seqs
-    budget = args.max_num_batched_tokens
-    return DEFAULT_MAX_NUM_SEQS if budget is None else min(DEFAULT_MAX_NUM_SEQS, budget)
+    return args.max_num_seqs if args.max_num_seqs is not None else default_max_num_seqs(args.max_num_batched_tokens)
 
 
 def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from asyncllm.models.architectures import (
 from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "lowercases", "pooling_model_of",
+__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "lowercases", "lowered", "pooling_model_of",
            "sentence_transformers_config", "sentence_transformers_normalize", "sentence_transformers_pooling"]
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -199,6 +199,11 @@ def lowercases(model: PoolingModel | None) -> bool:
     """Whether text is lowercased before it is tokenized (``do_lower_case``, as vLLM): a text prompt, a score pair,
     the text chat messages render to (None: a model not prepared from a config, which does not)."""
     return model is not None and model.do_lower_case
+
+
+def lowered(model: PoolingModel | None, text: str) -> str:
+    """`text` as it is tokenized for `model`: lowercased where it `lowercases`."""
+    return text.lower() if lowercases(model) else text
 
 
 _ST_ENCODER_CONFIGS = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",

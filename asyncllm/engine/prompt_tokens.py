@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from asyncllm import errors
-from asyncllm.engine.pooling_model import PoolingModel, lowercases
+from asyncllm.engine.pooling_model import PoolingModel, lowercases, lowered
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
 from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_chars, truncated_prompt,
                                        truncation_length)
@@ -132,12 +132,11 @@ class PromptTokenizer:
         classify, score) on the right, as vLLM's pooling runner and sentence-transformers."""
         pooling = job.options.pooling is not None
         keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
-        lower = lowercases(self.pooling_model)  # vLLM's, before tokenizing
-        prompt = job.prompt.lower() if lower else job.prompt
+        prompt = lowered(self.pooling_model, job.prompt)  # vLLM's, before tokenizing
         if job.options.text_pair is None:
             return encode_prompt(self.tokenizer, prompt, max_length=keep,
                                  truncation_side="right" if pooling else "left")
-        text_pair = job.options.text_pair.lower() if lower else job.options.text_pair
+        text_pair = lowered(self.pooling_model, job.options.text_pair)
         token_ids, type_start = self._encode_pair(prompt, text_pair, keep)
         if type_start is not None and job.options.pooling is not None:  # the second text's token type, to the model
             pooling_params = msgspec.structs.replace(job.options.pooling, token_type_start=type_start)

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from asyncllm import protocol
-from asyncllm.chat_content import content_format_of, formatted_messages, with_text_parts
+from asyncllm.chat_content import content_format_of, formatted_messages, is_text_part, with_text_parts
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
@@ -24,10 +24,11 @@ MEDIA_KEYS = frozenset({"images", "image_uuids", "videos", "video_uuids", "audio
 
 
 def _is_multimodal_chat(messages: Any) -> bool:
-    """Whether some message's content holds a part other than text (a list of text parts alone is a text chat)."""
+    """Whether some message's content holds a part other than text (a list of text parts alone, bare strings and
+    input_text parts too, is a text chat: `is_text_part`)."""
     return isinstance(messages, list) and any(
         isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(not isinstance(part, dict) or part.get("type") != "text" for part in m["content"]) for m in messages)
+        and any(not is_text_part(part) for part in m["content"]) for m in messages)
 
 
 def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
@@ -43,8 +44,6 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. Its length
     (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
-    if chat and isinstance(prompt, list):  # bare strings, input_text...: text parts, not media
-        prompt = with_text_parts(prompt)
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
     if mm is None:  # a dict prompt's shape first: `plain_prompt` found no plain prompt in it
@@ -53,7 +52,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
                                          "architecture)")
     field = "messages" if chat else "prompt.images"
     if chat:
-        messages, inputs = split_chat_media(prompt)
+        messages, inputs = split_chat_media(with_text_parts(prompt))  # bare strings, input_text...: text parts
         messages = formatted_messages(messages, content_format_of(content_format, mm.tokenizer, chat_template, tools),
                                       mm.placeholder_text)
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]

@@ -33,7 +33,7 @@ def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
 
 def check_request(
     request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int,
-    kv_size: str = "gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override",
+    kv_size: str,
 ) -> None:
     """`InvalidRequestError` (field "prompt") if the request could never be scheduled; ``kv_size``: what makes the KV
     cache larger (`kv_size_fields`).

@@ -40,9 +40,11 @@ def preempt_for_priority(sched: Scheduler, step: _Step) -> None:
     admitted in this step (`_num_victims`); none when it would not be even with all of them gone: they would lose
     their KV for nothing."""
     head = sched.waiting.peek()
-    why = f"request {head.request_id} of higher priority was waiting"
-    for _ in range(_num_victims(sched, head, step)):
-        preempt_in_step(sched, sched.running.pop(), step, why=why)
+    num_victims = _num_victims(sched, head, step)
+    if num_victims:
+        why = f"request {head.request_id} of higher priority was waiting"
+        for _ in range(num_victims):
+            preempt_in_step(sched, sched.running.pop(), step, why=why)
 
 
 def _num_victims(sched: Scheduler, head: Request, step: _Step) -> int:

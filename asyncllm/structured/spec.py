@@ -83,6 +83,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
             raise InvalidRequestError("structured", "start_after_suffix must be a non-empty string after a start_after")
         if not isinstance(self.start_after_only_if_opened, bool):
             raise InvalidRequestError("structured", "start_after_only_if_opened must be a boolean")
+        if self.start_after_only_if_opened and self.start_after is None:
+            raise InvalidRequestError("structured", "start_after_only_if_opened needs a start_after")
         between = self.start_after_max_between
         if not isinstance(between, int) or isinstance(between, bool) or between < 0:
             raise InvalidRequestError("structured", "start_after_max_between must be an integer >= 0")

@@ -129,7 +129,8 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
         return params
     marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
                        structured.start_after_max_between)
-    structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None) \
+    structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
+                                         start_after_only_if_opened=False) \
         if marker.starts_answer(prompt_ids, structured.start_after_only_if_opened) else msgspec.structs.replace(
             structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix))
     params = msgspec.structs.replace(params, structured=structured)

@@ -142,8 +142,9 @@ def test_engine_chat_reads_text_like_parts_as_vllms_llm_chat(tokenizer) -> None:
 
 
 def test_multimodal_chat_renders_vllms_openai_conversation(tokenizer) -> None:
-    """The multimodal path (asyncllm/mm/host.py): media parts in place, a string content as one text part; a list of
-    text parts alone is a text chat, and a text model refuses media parts."""
+    """The multimodal path (asyncllm/mm/host.py): media parts in place, a string content as one text part (an
+    ``input_text`` part as a text part too); a list of text parts alone is a text chat, and a text model refuses
+    media parts."""
     from types import SimpleNamespace
 
     from asyncllm.mm.host import multimodal_prompt
@@ -152,7 +153,7 @@ def test_multimodal_chat_renders_vllms_openai_conversation(tokenizer) -> None:
                            placeholder_text=lambda kind: "<image>")
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     messages = [{"role": "system", "content": "sys"},
-                {"role": "user", "content": [image, {"type": "text", "text": "what?"}]}]
+                {"role": "user", "content": [image, {"type": "input_text", "text": "what?"}]}]
     vllm_openai = [{"role": "system", "content": [{"type": "text", "text": "sys"}]},
                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
     expected = tokenizer.apply_chat_template(vllm_openai, chat_template=GEMMA3_LIKE, add_generation_prompt=True,

@@ -143,6 +143,7 @@ def test_thinking_off_is_all_answer_unless_the_prompt_opened_the_thinking() -> N
     plain = with_start_after_ids(params, tokenizer.encode("<|assistant|>"), tokenizer, len(tokenizer))
     assert opened.structured.start_after_token_ids == tokenizer.encode("</think>", add_special_tokens=False)
     assert plain.structured.start_after is None and not plain.structured.start_after_token_ids
+    plain.validate()  # as the core checks it: no start_after_only_if_opened left without its start_after
 
 
 def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> None:

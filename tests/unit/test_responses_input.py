@@ -1,5 +1,5 @@
 """The Responses API's input items as chat messages (integrations/responses_input.py), merged into assistant turns as
-vLLM's ``_construct_message_from_response_item`` merges them."""
+vLLM's ``_construct_message_from_response_item`` merges them; its ``text.format`` as chat's ``response_format``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_messages import chat_messages
+from asyncllm.integrations.responses_api import ResponsesRequest, chat_request
 from asyncllm.integrations.responses_input import input_messages
 from asyncllm.tokenizer import apply_chat_template
 
@@ -29,7 +30,7 @@ def test_an_agent_loops_reply_is_one_assistant_turn() -> None:
     """Reasoning, the reply's text and its call (sent back in that order) fill one assistant message, as vLLM."""
     assert input_messages([USER, _reasoning("I need the tool."), _reply("Let me check."), CALL, OUTPUT], None) == [
         {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "reasoning": "I need the tool.", "content": [{"type": "text", "text": "Let me check."}],
+        {"role": "assistant", "reasoning": "I need the tool.", "content": _reply("Let me check.")["content"],
          "tool_calls": [CHAT_CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     second = {**CALL, "call_id": "call_2"}
@@ -61,8 +62,8 @@ def test_an_assistant_field_already_set_starts_a_new_turn() -> None:
     assert input_messages([_reasoning("a"), summary, {"type": "reasoning", "summary": []}, _reply("x"), _reply("y")],
                           None) == [
         {"role": "assistant", "reasoning": "a"}, {"role": "assistant", "reasoning": "from the summary"},
-        {"role": "assistant", "reasoning": "", "content": [{"type": "text", "text": "x"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "y"}]}]
+        {"role": "assistant", "reasoning": "", "content": _reply("x")["content"]},
+        {"role": "assistant", "content": _reply("y")["content"]}]
     with pytest.raises(InvalidRequestError, match="encrypted_content is not built"):
         input_messages([{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}], None)
 
@@ -75,3 +76,30 @@ def test_developer_kept_and_tool_output_parts_joined_with_newlines() -> None:
                                {**OUTPUT, "output": parts}], None)
     assert messages[0] == {"role": "developer", "content": "in French"}
     assert messages[2] == {"role": "tool", "tool_call_id": "call_1", "content": "line one\nline two"}
+
+
+def test_text_parts_read_as_the_chat_path_reads_them() -> None:
+    """A message's text parts pass through as they are (chat_messages reads them); an output's texts are
+    `text_part_text`'s, joined with "\\n": a refusal's too, a text part of text None skipped, one without text
+    refused; a part neither text nor input_image is refused."""
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}
+    parts = ["bare", {"type": "input_text", "text": "hi"}, image]
+    assert input_messages([{"type": "message", "role": "user", "content": parts}], None) == [
+        {"role": "user", "content": [*parts[:2], {"type": "image_url", "image_url": {"url": image["image_url"]}}]}]
+    output = [{"type": "refusal", "refusal": "no"}, {"type": "text", "text": None}, "bare"]
+    assert input_messages([{**OUTPUT, "output": output}], None)[0]["content"] == "no\nbare"
+    with pytest.raises(InvalidRequestError, match="input_text part needs a str 'text'"):
+        input_messages([{**OUTPUT, "output": [{"type": "input_text"}]}], None)
+    with pytest.raises(InvalidRequestError, match="only text content parts"):
+        input_messages([{"type": "message", "role": "user", "content": [{"type": "input_file"}]}], None)
+
+
+def test_text_format_forwards_openais_keys_and_refuses_others_by_name() -> None:
+    fmt = {"type": "json_schema", "name": "city", "schema": {"type": "object"}, "strict": True, "description": "A city"}
+    request = chat_request(ResponsesRequest(input="x", text={"format": fmt}))
+    assert request.response_format == {"type": "json_schema", "json_schema": {k: fmt[k] for k in list(fmt)[1:]}}
+    for bad, key in [({**fmt, "strict_mode": True}, "strict_mode"), ({"type": "json_object", "schema": {}}, "schema"),
+                     ({"type": "text", "name": "x"}, "name")]:
+        with pytest.raises(InvalidRequestError) as info:
+            chat_request(ResponsesRequest(input="x", text={"format": bad}))
+        assert info.value.field == f"text.format.{key}"
