@@ -43,13 +43,11 @@ class ServerLimits:
     max_audio_bytes: int = 25 << 20
     """Largest upload to ``/v1/audio/transcriptions`` and ``/translations`` (413 beyond; OpenAI's 25 MB)."""
     max_n: int = 128
-    """Largest `n` (samples per prompt; and a beam search's width): RL rollouts' n of 64 or 128 fit (vLLM has no
-    limit; the engine's own is 1024)."""
+    """Largest `n` (samples per prompt, a beam search's width): RL rollouts' 64, 128 fit (vLLM: none; engine: 1024)."""
     max_tokens: int | None = None
     """Largest `max_tokens`; None = the model's max_model_len bounds it."""
     max_prompts: int = 2048
-    """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request (OpenAI's
-    embeddings limit; vLLM has none)."""
+    """Most prompts in a /v1/completions request, or inputs in a /v1/embeddings one (OpenAI's limit; vLLM: none)."""
     allowed_local_media_path: Path | None = None
     """The folder whose files requests may name as ``file://`` media urls (vLLM's ``--allowed-local-media-path``:
     a risk, for trusted clients only); None: no file is read for a request (`media_url`). Resolved at creation."""
