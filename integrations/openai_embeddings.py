@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
     from asyncllm.lora import LoRARequest
 
-__all__ = ["EmbeddingRequest", "embedding_inputs", "embedding_prompts", "embed_all", "embedding_response"]
+__all__ = ["EmbeddingRequest", "embedding_inputs", "embedding_prompts", "embed_all", "embedding_response", "input_prompts"]
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -86,9 +86,15 @@ def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | 
     chat_only = [name for name in _CHAT_ONLY if getattr(req, name) != getattr(_DEFAULTS, name)]
     if chat_only:
         raise InvalidRequestError(chat_only[0], "applies to messages only, not to input")
-    prompts = completion_prompts(req.input, limits, field="input")
+    return input_prompts(req.input, limits, "embed")
+
+
+def input_prompts(value: str | list[Any], limits: ServerLimits, task: str) -> list[str | list[int]]:
+    """A pooling request's ``input`` as engine prompts (`completion_prompts`); an empty string is a 400 saying there
+    is nothing to `task` (embed, classify)."""
+    prompts = completion_prompts(value, limits, field="input")
     if any(prompt == "" for prompt in prompts):
-        raise InvalidRequestError("input", "an input is an empty string: there is nothing to embed")
+        raise InvalidRequestError("input", f"an input is an empty string: there is nothing to {task}")
     return prompts
 
 

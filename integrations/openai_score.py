@@ -26,7 +26,8 @@ from asyncllm.engine import scoring
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.integrations.openai_protocol import CacheSalt, completion_prompts, decode_request
+from asyncllm.integrations.openai_embeddings import input_prompts
+from asyncllm.integrations.openai_protocol import CacheSalt, decode_request
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import gather_until
@@ -101,9 +102,7 @@ class _Handlers:
     async def classify(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), ClassificationRequest)
         model, lora = self.server._model(req.model)
-        prompts = completion_prompts(req.input, self.server.limits, field="input")
-        if any(prompt == "" for prompt in prompts):
-            raise InvalidRequestError("input", "an input is an empty string: there is nothing to classify")
+        prompts = input_prompts(req.input, self.server.limits, "classify")
         request_id = route_id("classify", request.headers)
         outputs = await classify_all(self.server.engine, prompts, pooling_options(req, lora),
                                      until=lambda: wait_disconnect(request), request_log=self.server.request_log,
