@@ -83,7 +83,6 @@ class AsyncEngine(EngineRequests, EngineControl):
         engine._init(EngineConfig.create(address, **kwargs), address)  # the address stands in for the model
         engine._host_fields = kwargs
         engine._engine_key = resolve_key(address, key)
-        engine._fits_max_model_len = False  # the core's max_model_len is the core's (fitted there)
         return engine
 
     @classmethod
@@ -321,8 +320,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         replica.max_model_len = 0  # its next core's fit (a dead one's no longer holds the others down)
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
-        if owned and self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum
-            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (a shared core fits its own)
+        if self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum
+            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (owned only: connect refuses max_model_len)
         try:
             prepared = await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         except BaseException:

@@ -56,7 +56,10 @@ class PromptTokenizer:
 
     def serve(self, max_model_len: int) -> None:
         """Serve `max_model_len` (data parallelism: the replicas' least), never past the core's own."""
-        self.max_model_len = min(max_model_len, self.core_max_model_len)
+        limit = min(max_model_len, self.core_max_model_len)
+        if limit == self.max_model_len:  # told again (a Ready, then the replicas' least): no vocabulary scan
+            return
+        self.max_model_len = limit
         if self.tokenizer is not None:
             self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
 
