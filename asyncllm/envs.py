@@ -190,7 +190,9 @@ REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE
             ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
             MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)
-_SET_BY_ASYNCLLM = frozenset({"ASYNCLLM_PARENT_PID"})
+PARENT_PID_NAME = "ASYNCLLM_PARENT_PID"
+"""Set by `procutil.spawn_module` in a child's environment, read (and removed) by `procutil.exit_when_parent_dies`."""
+_SET_BY_ASYNCLLM = frozenset({PARENT_PID_NAME})
 """Variables asyncllm sets for its own children (asyncllm/procutil.py), never read from the user."""
 
 

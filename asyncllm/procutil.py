@@ -36,8 +36,7 @@ from asyncllm.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_PARENT_PID = "ASYNCLLM_PARENT_PID"
-"""Private: set by `spawn_module` in a new interpreter's environment, read (and removed) by `exit_when_parent_dies`."""
+_PARENT_PID = envs.PARENT_PID_NAME
 
 
 def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

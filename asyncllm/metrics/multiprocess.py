@@ -35,7 +35,7 @@ once: no atexit hook; the other processes' threads remove their gauge files,
 `reap_dead`). A forked child
 (gunicorn ``--preload``) starts over with its own pid: nothing of the parent's
 growth, the inherited counts as its baseline, its thread started at its first
-snapshot, sync or mirror (`_fork`).
+snapshot, sync or mirror (`_before_fork` / `_after_fork_in_child`).
 """
 
 from __future__ import annotations
