@@ -166,21 +166,6 @@ class ModelConfig:
         check_json_dict("hf_overrides", self.hf_overrides)
 
 
-def _check_max_image_pixels(value: int) -> None:
-    """``mm_max_image_pixels`` within PIL's own decompression-bomb bound (twice ``PIL.Image.MAX_IMAGE_PIXELS``, a
-    process-wide setting, read here), which refuses a larger image before ours is checked: above it our bound would
-    silently be PIL's."""
-    check_int("mm_max_image_pixels", value, 1)
-    try:
-        from PIL import Image
-    except ImportError:  # no images without pillow (asyncllm/mm/processor.py says so)
-        return
-    if Image.MAX_IMAGE_PIXELS is not None and value > 2 * Image.MAX_IMAGE_PIXELS:
-        raise ConfigError("mm_max_image_pixels", value, f"at most {2 * int(Image.MAX_IMAGE_PIXELS)}, PIL's "
-                          "decompression-bomb limit (2 x PIL.Image.MAX_IMAGE_PIXELS), which refuses larger images "
-                          "first; raise PIL.Image.MAX_IMAGE_PIXELS in this process before creating the engine to go higher")
-
-
 def _check_mm_limits(limits: dict[str, int] | None) -> None:
     """vLLM's ``limit_mm_per_prompt``: counts per modality (a video or audio count for a model without them is
     refused when the model is known: asyncllm/engine/prepare.py)."""
@@ -224,7 +209,7 @@ class MultiModalConfig:
     rank encodes a share of a step's images and the features are all-gathered."""
     mm_max_image_pixels: int = 16_777_216
     """Largest image accepted (width x height, read from its header before decoding); at most PIL's limit, 2 x
-    `PIL.Image.MAX_IMAGE_PIXELS`."""
+    `PIL.Image.MAX_IMAGE_PIXELS` in the host process (checked when it prepares a multimodal model)."""
     mm_encoder_cache_gb: float = 0.5
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -241,7 +226,7 @@ class MultiModalConfig:
         check_float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
         check_choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
         check_choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
-        _check_max_image_pixels(self.mm_max_image_pixels)
+        check_int("mm_max_image_pixels", self.mm_max_image_pixels, 1)  # PIL's bound: check_max_image_pixels
         check_float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")

@@ -145,6 +145,7 @@ def _prepare(config: EngineConfig) -> Prepared:
     mm = None
     if multimodal:
         import_transformers(multimodal=True)
+        from asyncllm.mm.images import check_max_image_pixels
         from asyncllm.mm.processor import MultiModalProcessor
         from asyncllm.models.registry import get_model_class
         from asyncllm.models.vision_language import image_limit
@@ -152,6 +153,7 @@ def _prepare(config: EngineConfig) -> Prepared:
         model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
 
         mm_config = config.multimodal_config
+        check_max_image_pixels(mm_config.mm_max_image_pixels)  # here, in the host that decodes the images
         limits = mm_config.limit_mm_per_prompt or {}
         for kind in ("video", "audio"):
             if limits.get(kind) and getattr(model_cls, f"mm_{kind}_token_id", None) is None:

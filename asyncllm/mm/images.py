@@ -19,13 +19,28 @@ import io
 import os
 from typing import Any
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ImageInput", "check_uuid", "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image",
+__all__ = ["ImageInput", "check_max_image_pixels", "check_uuid", "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image",
            "read_image", "to_rgb", "uuid_key"]
 
 ImageInput = Any
 """``bytes``, a base64 ``data:`` URL, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
+
+
+def check_max_image_pixels(value: int) -> None:
+    """``mm_max_image_pixels`` within PIL's own decompression-bomb bound (twice ``PIL.Image.MAX_IMAGE_PIXELS``, a
+    process-wide setting, read here), which refuses a larger image before ours is checked: above it our bound would
+    silently be PIL's. Checked once, by the host as it prepares a multimodal model (asyncllm/engine/prepare.py): it
+    decodes the images; the core and workers, fresh interpreters with PIL's default, never decode one."""
+    try:
+        from PIL import Image
+    except ImportError:  # no images without pillow (asyncllm/mm/processor.py says so)
+        return
+    if Image.MAX_IMAGE_PIXELS is not None and value > 2 * Image.MAX_IMAGE_PIXELS:
+        raise ConfigError("mm_max_image_pixels", value, f"at most {2 * int(Image.MAX_IMAGE_PIXELS)}, PIL's "
+                          "decompression-bomb limit (2 x PIL.Image.MAX_IMAGE_PIXELS), which refuses larger images "
+                          "first; raise PIL.Image.MAX_IMAGE_PIXELS in this process before creating the engine to go higher")
 
 
 def read_image(image: ImageInput, field: str) -> bytes | Any:
@@ -139,7 +154,8 @@ def check_uuid(uuid: Any, field: str) -> str | None:
 
 def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:
     """The RGB image (`to_rgb`), after checking its size against ``max_pixels`` (mm_max_image_pixels; PIL refuses
-    an image over twice ``PIL.Image.MAX_IMAGE_PIXELS`` as it opens it, a bound the config keeps ours within)."""
+    an image over twice ``PIL.Image.MAX_IMAGE_PIXELS`` as it opens it, a bound `check_max_image_pixels` keeps ours
+    within)."""
     from PIL import Image, UnidentifiedImageError
 
     try:

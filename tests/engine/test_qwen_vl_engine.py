@@ -188,6 +188,10 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
                           "x").items) == 1
     with pytest.raises(ConfigError, match="limit_mm_per_prompt.audio.*takes no audios"):
         prepare(EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"audio": 1}))
+    from PIL import Image
+
+    with pytest.raises(ConfigError, match="mm_max_image_pixels=.*PIL's decompression-bomb limit"):  # the host checks
+        prepare(EngineConfig.create(qwen25_vl, mm_max_image_pixels=2 * Image.MAX_IMAGE_PIXELS + 1))
     with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
         EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": -1})
     assert EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": 0, "video": 0}).multimodal_config

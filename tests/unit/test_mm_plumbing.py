@@ -9,7 +9,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
 from asyncllm.mm.inputs import split_chat_media
-from asyncllm.mm.images import decode_image, image_hash, load_image
+from asyncllm.mm.images import check_max_image_pixels, decode_image, image_hash, load_image
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2_vl import normalize_qwen2_vl_name
 from asyncllm.protocol import AddRequest, MultiModalItem
@@ -154,15 +154,20 @@ def test_both_processor_cache_types_are_accepted_and_others_refused():
 
 def test_mm_max_image_pixels_stays_within_pils_bomb_limit_which_names_it_when_met(monkeypatch):
     """PIL refuses an image over 2 x its ``MAX_IMAGE_PIXELS`` before ours is read: a larger setting is a ConfigError
-    (never silently PIL's), and an image PIL refuses names ours."""
+    where the host prepares a multimodal model (never silently PIL's), not in the config, which the core rebuilds in
+    a fresh interpreter with PIL's default; an image PIL refuses names ours."""
     import io
 
     from PIL import Image
 
+    default_bound = 2 * Image.MAX_IMAGE_PIXELS
+    above_default = EngineConfig.create("m", mm_max_image_pixels=default_bound + 1)
+    rebuilt = EngineConfig.from_dict(above_default.to_dict(wire=True))  # the core's rebuild: no PIL check
+    assert rebuilt.multimodal_config.mm_max_image_pixels == default_bound + 1
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
-    assert EngineConfig.create("m", mm_max_image_pixels=2000).multimodal_config.mm_max_image_pixels == 2000
+    check_max_image_pixels(2000)
     with pytest.raises(ConfigError, match=r"mm_max_image_pixels=2001.*at most 2000, PIL's decompression-bomb limit"):
-        EngineConfig.create("m", mm_max_image_pixels=2001)
+        check_max_image_pixels(2001)
     encoded = io.BytesIO()
     Image.new("RGB", (64, 64)).save(encoded, format="PNG")
     with pytest.raises(InvalidRequestError, match=r"^images\[0\]: the image is too large: .*\(mm_max_image_pixels=2000\)$"):

@@ -54,6 +54,7 @@ def test_multimodal_fields_on_a_text_model_are_refused(tiny_llama, fields, field
 
 
 def test_multimodal_fields_asking_for_nothing_pass_on_a_text_model(tiny_llama) -> None:
+    """... and ``mm_max_image_pixels`` above PIL's bound: only a multimodal model's preparation compares them."""
     config = EngineConfig.create(tiny_llama, limit_mm_per_prompt={"image": 0, "video": 0}, mm_processor_kwargs={},
-                                 media_io_kwargs={})
+                                 media_io_kwargs={}, mm_max_image_pixels=2**40)
     assert prepare(config).mm is None
