@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from asyncllm import envs
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,16 @@ def forked(owner_pid: int | None) -> bool:
     """Whether this process was forked from `owner_pid` (the process an engine started in; None: not started):
     threads, event loops and sockets do not cross os.fork(), so the child cannot use what the parent runs."""
     return owner_pid is not None and owner_pid != os.getpid()
+
+
+def check_not_forked(owner_pid: int | None, what: str) -> None:
+    """An engine (`what`: AsyncEngine, SyncEngine) serves the process that started it: its threads, event loop and
+    sockets do not cross os.fork() (gunicorn --preload, a Celery prefork master), so a forked child's request would
+    wait forever."""
+    if forked(owner_pid):
+        raise EngineDeadError(
+            f"this {what} was started in process {owner_pid}, before a fork: process {os.getpid()} cannot use it; "
+            "create the engine after the fork (in the worker), see docs/integrations/task-runners.md")
 
 
 def die_with_parent(parent: int | None = None) -> None:

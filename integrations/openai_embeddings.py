@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from asyncllm.engine.pooling_model import MatryoshkaRefusal
 from asyncllm.engine.validation import truncated_prompt
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
@@ -76,9 +77,10 @@ _CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_
 _DEFAULTS = EmbeddingRequest()
 
 
-def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | list[int]] | None:
+def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits, task: str = "embed") -> list[str | list[int]] | None:
     """The engine prompts of ``input`` (at most `limits.max_prompts`); None for a request with ``messages``
-    (the server renders them). A request with both, neither, or an empty input is a 400."""
+    (the server renders them). A request with both, neither, or an empty input is a 400 (the latter naming the
+    `task` served: /pooling's)."""
     if (req.input is None) == (req.messages is None):
         raise InvalidRequestError("input", "give input or messages (one of them)")
     if req.messages is not None:
@@ -86,7 +88,7 @@ def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | 
     chat_only = [name for name in _CHAT_ONLY if getattr(req, name) != getattr(_DEFAULTS, name)]
     if chat_only:
         raise InvalidRequestError(chat_only[0], "applies to messages only, not to input")
-    return input_prompts(req.input, limits, "embed")
+    return input_prompts(req.input, limits, task)
 
 
 def input_prompts(value: str | list[Any], limits: ServerLimits, task: str) -> list[str | list[int]]:
@@ -98,10 +100,10 @@ def input_prompts(value: str | list[Any], limits: ServerLimits, task: str) -> li
     return prompts
 
 
-async def embedding_prompts(server: OpenAIServer, req: EmbeddingRequest) -> list[str | list[int]]:
+async def embedding_prompts(server: OpenAIServer, req: EmbeddingRequest, task: str = "embed") -> list[str | list[int]]:
     """`embedding_inputs`, or the request's ``messages`` rendered by the server and cut to ``truncate_prompt_tokens``
     as a text input is: their first k tokens (vLLM's ``_preprocess_chat``; `truncated_prompt`)."""
-    prompts = embedding_inputs(req, server.limits)
+    prompts = embedding_inputs(req, server.limits, task)
     if prompts is not None:
         return prompts
     token_ids = await server._chat_tokens(req)  # the engine started
@@ -129,21 +131,15 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     field (``input`` or ``messages``), but a context-length error's stays ``prompt``, as on every route.
     """
     pooling = pooling_params(req)
-    if model_name is not None and pooling.dimensions is not None:
-        await _check_served(engine, pooling, model_name)
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
-    with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True):
-        return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
-
-
-async def _check_served(engine: AsyncEngine, pooling: PoolingParams, model_name: str) -> None:
-    """The engine's refusal of `pooling` before it runs, naming the model as the server serves it, not its checkpoint
-    path (which the engine's own check names)."""
-    if not engine.started:
-        await engine.start()
-    assert engine.pooling_model is not None, "set by start"
-    engine.pooling_model.check(pooling, model_name)
+    try:
+        with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True):
+            return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
+    except MatryoshkaRefusal as exc:  # the engine's check names the model as configured (a checkpoint's path)
+        if model_name is None:
+            raise
+        raise exc.naming(model_name) from None
 
 
 def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, encoding_format: str = "float",

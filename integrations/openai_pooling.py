@@ -106,7 +106,7 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     if not engine.started:
         await engine.start()
     task = pooling_task(req, model_pooling_tasks(engine))
-    prompts = await embedding_prompts(server, req)
+    prompts = await embedding_prompts(server, req, task)
     request_id = _request_id(req, request)
     until, log = (lambda: wait_disconnect(request)), server.request_log
     outputs: list[EmbeddingOutput] | list[ClassificationOutput]

@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncllm.errors import EngineDeadError
-from asyncllm.procutil import forked
+from asyncllm.procutil import check_not_forked, forked
 
 if TYPE_CHECKING:
     from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
@@ -189,20 +189,17 @@ class SyncEngine:
             raise
 
     def _check_open(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
-        problem = None
-        if forked(self._owner_pid):
-            problem = EngineDeadError(
-                f"this SyncEngine was created in process {self._owner_pid}, before a fork: process {os.getpid()} "
-                "cannot use it; create the engine after the fork (in the worker): docs/integrations/task-runners.md")
-        elif self._closed:
-            problem = EngineDeadError("this SyncEngine was closed; create a new one")
-        elif threading.current_thread() is self._thread:
-            problem = RuntimeError("SyncEngine called from its own loop thread would deadlock; "
+        try:
+            check_not_forked(self._owner_pid, "SyncEngine")
+            if self._closed:
+                raise EngineDeadError("this SyncEngine was closed; create a new one")
+            if threading.current_thread() is self._thread:
+                raise RuntimeError("SyncEngine called from its own loop thread would deadlock; "
                                    "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
-        if problem is not None:
+        except BaseException:
             if coro is not None:
                 coro.close()  # never awaited: close it so Python does not warn
-            raise problem
+            raise
 
     def __del__(self) -> None:
         # A forgotten close: stop the loop thread; the dropped AsyncEngine is then collected and stops its processes.

@@ -29,7 +29,7 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, check_not_forked, finish_in_thread, start_replica,
+    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica,
     start_replicas, stop_all, stop_forgotten, weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
@@ -39,7 +39,7 @@ from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.errors import EngineDeadError, EventLoopError
 from asyncllm.outputs import EngineStats
-from asyncllm.procutil import forked
+from asyncllm.procutil import check_not_forked, forked
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
 

@@ -8,6 +8,7 @@ import logging
 
 from asyncllm import errors
 from asyncllm.config import EngineConfig
+from asyncllm.models.rope_config import is_longrope
 from asyncllm.sched.admission import kv_size_fields
 
 __all__ = ["check_kv_fits", "fit_max_model_len", "kv_capacity", "longrope_original", "served_config", "swap_blocks"]
@@ -65,7 +66,7 @@ def longrope_original(hf_config_json: str | None) -> int | None:
     top = json.loads(hf_config_json)
     for part in (top, top.get("text_config") or {}):
         params = part.get("rope_parameters") or part.get("rope_scaling") or {}
-        if params.get("rope_type", params.get("type")) in ("longrope", "su"):
+        if is_longrope(params):
             return params.get("original_max_position_embeddings") or part.get("original_max_position_embeddings")
     return None
 

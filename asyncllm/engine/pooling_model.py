@@ -26,8 +26,9 @@ from asyncllm.models.architectures import (
 from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "lowercases", "lowered", "pooling_model_of",
-           "sentence_transformers_config", "sentence_transformers_normalize", "sentence_transformers_pooling"]
+__all__ = ["ClassifierHead", "Matryoshka", "MatryoshkaRefusal", "PoolingModel", "lowercases", "lowered",
+           "pooling_model_of", "sentence_transformers_config", "sentence_transformers_normalize",
+           "sentence_transformers_pooling"]
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
@@ -109,7 +110,7 @@ class Matryoshka:
 
     name: str
     """The model as its refusals name it (``EngineConfig.model``; the OpenAI server names its served name, as vLLM's
-    ``served_model_name``: `PoolingModel.check`)."""
+    ``served_model_name``: `MatryoshkaRefusal.naming`)."""
     supported: bool = False
     """The config's ``is_matryoshka`` or ``matryoshka_dimensions``: False refuses any ``dimensions``."""
     dimensions: tuple[int, ...] | None = None
@@ -123,18 +124,31 @@ class Matryoshka:
             return cls(name, True, tuple(int(d) for d in dims))
         return cls(name, bool(getattr(hf_config, "is_matryoshka", False)))
 
-    def check(self, dimensions: int, model_name: str | None = None) -> None:
-        """vLLM's refusals of ``dimensions`` for a model that is not Matryoshka or not at this size, naming it
-        `model_name` (None: `name`)."""
-        name = model_name or self.name
+    def check(self, dimensions: int) -> None:
+        """vLLM's refusals of ``dimensions`` for a model that is not Matryoshka or not at this size
+        (`MatryoshkaRefusal`)."""
         if not self.supported:
-            raise InvalidRequestError("dimensions", f'Model "{name}" does not support matryoshka '
-                                                    "representation, changing output dimensions will lead to poor "
-                                                    "results.")
+            raise MatryoshkaRefusal(self.name, None)
         if self.dimensions is not None and dimensions not in self.dimensions:
-            raise InvalidRequestError("dimensions", f'Model "{name}" only supports {list(self.dimensions)} '
-                                                    "matryoshka dimensions, use other output dimensions will lead "
-                                                    "to poor results.")
+            raise MatryoshkaRefusal(self.name, self.dimensions)
+
+
+class MatryoshkaRefusal(InvalidRequestError):
+    """A refusal of ``dimensions`` in vLLM's words, naming the model; `naming` is the same refusal naming it as a
+    server serves it (its served name, as vLLM's ``served_model_name``), the request not checked again."""
+
+    def __init__(self, name: str, sizes: tuple[int, ...] | None) -> None:
+        """``sizes``: the only ``dimensions`` the model serves; None: it serves none (not Matryoshka)."""
+        self.sizes = sizes
+        if sizes is None:
+            super().__init__("dimensions", f'Model "{name}" does not support matryoshka representation, changing '
+                                           "output dimensions will lead to poor results.")
+        else:
+            super().__init__("dimensions", f'Model "{name}" only supports {list(sizes)} matryoshka dimensions, use '
+                                           "other output dimensions will lead to poor results.")
+
+    def naming(self, name: str) -> MatryoshkaRefusal:
+        return MatryoshkaRefusal(name, self.sizes)
 
 
 @dataclass(frozen=True)
@@ -167,9 +181,9 @@ class PoolingModel:
         return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type,
                                        token_type_start=None)
 
-    def check(self, pooling: PoolingParams | None, model_name: str | None = None) -> None:
+    def check(self, pooling: PoolingParams | None) -> None:
         """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation); a refusal of
-        ``dimensions`` names the model `model_name` (a server's served name; None: the model as configured)."""
+        ``dimensions`` is a `MatryoshkaRefusal`."""
         task = "generate" if pooling is None else pooling.task
         arch = self.architecture
         if self.classifier is not None:
@@ -184,7 +198,7 @@ class PoolingModel:
             raise InvalidRequestError("prompt", f"this model ({arch}, no LM head) serves embeddings only: use "
                                                 "embed() or /v1/embeddings")
         elif task == "embed" and pooling.dimensions is not None:
-            (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions, model_name)
+            (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
 
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
                     ) -> tuple[list[int], int | None]:

@@ -72,15 +72,17 @@ class Prepared:
     """The rows' width of a prompt given as embeddings (the model's hidden size); None: not enabled."""
 
 
-def prepare(config: EngineConfig, resolved: bool = False) -> Prepared:
+def prepare(config: EngineConfig, resolved: bool = False, decodes_images: bool = True) -> Prepared:
     """What the host needs before the core starts (on a worker thread; engines starting at once prepare in parallel,
     their transformers names imported first, one thread at a time). ``resolved``: `config` is one prepared before
     (a restart's, or the shared core's an attached host takes), its model and tokenizer the local folders its hub ids
-    and revisions resolved to, so its revisions are not checked against those folders."""
+    and revisions resolved to, so its revisions are not checked against those folders. ``decodes_images`` False: a
+    standalone core's preparation (asyncllm/engine/standalone.py), which decodes no image, so ``mm_max_image_pixels``
+    is not compared with its PIL's limit (each attached host compares it with its own)."""
     import_transformers()
     if not resolved:
         _check_local_revisions(config)
-    return _prepare(config)
+    return _prepare(config, decodes_images)
 
 
 def import_transformers(multimodal: bool = False) -> None:
@@ -97,7 +99,7 @@ def import_transformers(multimodal: bool = False) -> None:
             from transformers import AutoFeatureExtractor, AutoImageProcessor  # noqa: F401
 
 
-def _prepare(config: EngineConfig) -> Prepared:
+def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
@@ -153,7 +155,8 @@ def _prepare(config: EngineConfig) -> Prepared:
         model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
 
         mm_config = config.multimodal_config
-        check_max_image_pixels(mm_config.mm_max_image_pixels)  # here, in the host that decodes the images
+        if decodes_images:  # the host that decodes the images, not a standalone core
+            check_max_image_pixels(mm_config.mm_max_image_pixels)
         limits = mm_config.limit_mm_per_prompt or {}
         for kind in ("video", "audio"):
             if limits.get(kind) and getattr(model_cls, f"mm_{kind}_token_id", None) is None:

@@ -23,7 +23,7 @@ from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.cache import CACHE_MISS_ERROR
 from asyncllm.mm.host import resend_with_data
-from asyncllm.mm.inputs import MultiModalPrompt
+from asyncllm.mm.inputs import MultiModalPrompt, uuid_error
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.outputs import StreamDelta
 
@@ -44,6 +44,8 @@ class TrackedRequest:
     """Filled by prefill chunks; handed over with the first token."""
     mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
     """A request with images: what to resend if the core misses a processor-cache key."""
+    mm_uuids: list[tuple[str, str] | None] | None = None
+    """A request with images: `MultiModalPrompt.uuids`, which name its workers' errors of uuid-keyed items."""
     pacer: StreamPacer | None = None
     """``stream_interval`` > 1: groups its deltas."""
     cumulative_logprob: float | None = None
@@ -170,7 +172,7 @@ class ProcessorOutputs:
         if out.error is not None:
             self._ending.append(collector)
             aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
-            return _request_error(out.error_type, out.error)
+            return _request_error(out.error_type, out.error, tracked.mm_uuids)
         if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
             tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder, tracked.detokenizer.decodes)
         if not out.new_token_ids and out.finish_reason is None:
@@ -224,14 +226,14 @@ class ProcessorOutputs:
         return True
 
 
-def _request_error(error_type: str, text: str) -> BaseException:
-    """Rebuild the typed error the core reported for one request."""
+def _request_error(error_type: str, text: str, mm_uuids: list[tuple[str, str] | None] | None = None) -> BaseException:
+    """Rebuild the typed error the core reported for one request (one of a uuid-keyed item named by `uuid_error`)."""
     if error_type == "EngineOverloadedError":
         return errors.EngineOverloadedError(text)
     if error_type == "EngineDeadError":  # a core that does not know this host (core.py `_handle`)
         return errors.EngineDeadError(text)
     field, _, detail = text.partition(": ")
-    return errors.InvalidRequestError(field, detail)
+    return errors.InvalidRequestError(*uuid_error(field, detail, mm_uuids or []))
 
 
 def error_from(message: protocol.EngineFailed) -> BaseException:

@@ -129,7 +129,7 @@ class ProcessorRequests:
                                           prompt_embeds=job.embeds)
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items
-                tracked.mm_resend = (message, job.mm_prompt)
+                tracked.mm_resend, tracked.mm_uuids = (message, job.mm_prompt), job.mm_prompt.uuids
             try:
                 frames.append((core_id, tracked, self._encoder.encode(message)))
             except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
            "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly",
-           "abandon", "check_not_forked"]
+           "abandon"]
 
 logger = logging.getLogger(__name__)
 
@@ -355,15 +354,6 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
         return None if bound is None else bound(*args)
 
     return call_while_alive
-
-
-def check_not_forked(owner_pid: int | None, what: str) -> None:
-    """An engine serves the process that started it: its threads, event loop and sockets do not cross os.fork()
-    (gunicorn --preload, a Celery prefork master), so a forked child's request would wait forever."""
-    if forked(owner_pid):
-        raise EngineDeadError(
-            f"this {what} was started in process {owner_pid}, before a fork: process {os.getpid()} cannot use it; "
-            "create the engine after the fork (in the worker), see docs/integrations/task-runners.md")
 
 
 def abandon(replicas: list[Replica]) -> None:

@@ -41,7 +41,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     configure_child_logging("core")
     report_crashes()
     envs.warn_unknown()
-    prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
+    prepared = prepare(config, decodes_images=False)  # the model folder and max_model_len, as a host would
     auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
     if socket_path is not None:

@@ -32,7 +32,8 @@ def check_max_image_pixels(value: int) -> None:
     """``mm_max_image_pixels`` within PIL's own decompression-bomb bound (twice ``PIL.Image.MAX_IMAGE_PIXELS``, a
     process-wide setting, read here), which refuses a larger image before ours is checked: above it our bound would
     silently be PIL's. Checked once, by the host as it prepares a multimodal model (asyncllm/engine/prepare.py): it
-    decodes the images; the core and workers, fresh interpreters with PIL's default, never decode one."""
+    decodes the images; the core and workers, fresh interpreters with PIL's default, never decode one (a standalone
+    core's preparation skips it: each attached host checks it)."""
     try:
         from PIL import Image
     except ImportError:  # no images without pillow (asyncllm/mm/processor.py says so)

@@ -14,7 +14,7 @@ from asyncllm.mm.images import ImageInput, check_uuid
 from asyncllm.mm.videos import VideoInput
 from asyncllm.protocol import MultiModalItem
 
-__all__ = ["MultiModalInputs", "MultiModalPrompt", "split_chat_media"]
+__all__ = ["MultiModalInputs", "MultiModalPrompt", "split_chat_media", "uuid_error"]
 
 
 @dataclass
@@ -45,6 +45,20 @@ class MultiModalPrompt:
     overrides: dict[str, Any] = dataclass_field(default_factory=dict)
     """The request's ``mm_processor_kwargs`` (over the engine's), all of them: a resend after a cache miss processes
     the inputs again with them, the model's own (Qwen-Omni's ``use_audio_in_video``) deciding the same layout."""
+    uuids: list[tuple[str, str] | None] = dataclass_field(default_factory=list)
+    """Each item's (input field, caller's uuid) where a uuid keys it, else None, for the workers' errors
+    (`uuid_error`); empty where the model's ``mm_prompt_items`` laid the items out."""
+
+
+def uuid_error(field: str, detail: str, uuids: list[tuple[str, str] | None]) -> tuple[str, str]:
+    """The workers' error of item ``mm_items[i]`` (asyncllm/mm/embeddings.py) as (field, detail): for an item a
+    caller's uuid keys (`MultiModalPrompt.uuids`), its input's field, the detail naming the uuid (one given to other
+    content before gets that content's features); any other error as it is."""
+    index = field.removeprefix("mm_items[").removesuffix("]")
+    owner = uuids[int(index)] if field.startswith("mm_items[") and index.isdigit() and int(index) < len(uuids) else None
+    if owner is None:
+        return field, detail
+    return owner[0], f"uuid {owner[1]!r} ({field}): {detail}"
 
 
 def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MultiModalInputs]:

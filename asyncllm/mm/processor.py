@@ -241,6 +241,7 @@ class MultiModalProcessor(MediaItems):
                                   f"{len(given)} {kind}s were given: put one placeholder per {kind}")
         expanded: list[int] = []
         items: list[MultiModalItem] = []
+        uuids: list[tuple[str, str] | None] = []  # per item: its input's field and uuid (`MultiModalPrompt.uuids`)
         previous, seen = 0, {"image": 0, "video": 0, "audio": 0}
         before, after = self._image_text
         for slot, kind in slots:
@@ -262,13 +263,15 @@ class MultiModalProcessor(MediaItems):
                                        where("audio", track)), token_ids[slot + 1 : slot + 2], expanded, items, inline)
             else:
                 self._video(value, uuid, where(kind, index), expanded, items, inline)
+            owned = uuid is not None and not (with_audio and kind == "video")  # a video's items hold its track's too
+            uuids += [(where(kind, index), uuid) if owned else None] * (len(items) - len(uuids))
             previous = slot + 1
         self._join(expanded, token_ids[previous:])
         if self.needs_audio is not None and len(items) != 1:
             raise InvalidRequestError(fields["audio"], f"{len(items)} audios; the model takes {self.needs_audio}")
         if self._prompt_items is not None:
-            items = self._prompt_items(self._hf_config, expanded, items)
-        return MultiModalPrompt(expanded, items, inputs, list(token_ids), request_kwargs)  # all: replayed
+            items, uuids = self._prompt_items(self._hf_config, expanded, items), []
+        return MultiModalPrompt(expanded, items, inputs, list(token_ids), request_kwargs, uuids)  # all: replayed
 
     def encode_text(self, text: str, num_images: int) -> list[int]:
         """A dict prompt's text as token ids: the tokenizer's, or of the text the model's processor writes around

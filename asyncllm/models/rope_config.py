@@ -17,7 +17,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["ROPE_OVERRIDE_KEYS", "UNBUILT_ROPE_TYPES", "apply_rope_overrides", "rope_scaled_length"]
+__all__ = ["ROPE_OVERRIDE_KEYS", "UNBUILT_ROPE_TYPES", "apply_rope_overrides", "is_longrope", "rope_scaled_length"]
 
 ROPE_OVERRIDE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 """The ``hf_overrides`` keys `apply_rope_overrides` sets (the legacy pair folded into ``rope_parameters``)."""
@@ -29,6 +29,13 @@ _TYPE_INDEPENDENT = ("rope_theta", "partial_rotary_factor", "mrope_section", "mr
 scaling go)."""
 _UNSCALED_LENGTH_TYPES = ("su", "longrope", "llama3")
 """Rope types whose ``max_position_embeddings`` already counts the scaling (vLLM's list)."""
+
+
+def is_longrope(params: dict[str, Any]) -> bool:
+    """Whether rope parameters are LongRoPE's: ``rope_type`` (else the older ``type``) ``longrope``. Not its legacy
+    name ``su``, as transformers: Phi-3's config classes rename ``su`` to ``longrope`` as they load, and any other
+    config's ``su`` is a rope type transformers does not build (nor do the workers: `compute_inv_freq`)."""
+    return params.get("rope_type", params.get("type")) == "longrope"
 
 
 def _folds_rope_overrides(hf_config: Any) -> bool:

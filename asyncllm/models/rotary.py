@@ -23,7 +23,7 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import pretrained_config
-from asyncllm.models.rope_config import UNBUILT_ROPE_TYPES
+from asyncllm.models.rope_config import UNBUILT_ROPE_TYPES, is_longrope
 from asyncllm.kernels import reference
 
 __all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding", "identity_rotary"]
@@ -59,7 +59,7 @@ def _per_layer_type(hf_config: Any, layer_type: str | None) -> bool:
 def _length_dependent(params: dict[str, Any]) -> bool:
     """Whether the rotation of a position depends on the sequence it is in (see above); a LongRoPE whose
     short and long factors agree (`fix_longrope_factors`) does not."""
-    if params.get("rope_type") == "longrope":
+    if is_longrope(params):
         return list(params["short_factor"]) != list(params["long_factor"])
     return params.get("rope_type") in _LENGTH_DEPENDENT_ROPE_TYPES
 
@@ -70,7 +70,7 @@ def fix_longrope_factors(hf_config: Any, max_model_len: int) -> Any:
     sequence that fits there: outputs equal its), the long ones otherwise (vLLM's choice; transformers switches
     to them only for a sequence longer than that). ``attention_factor`` stays as transformers computes it."""
     params = rope_parameters(hf_config)
-    if params.get("rope_type") != "longrope":
+    if not is_longrope(params):
         return hf_config
     original = params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
     factors = list(params["long_factor"] if max_model_len > original else params["short_factor"])

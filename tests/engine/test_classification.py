@@ -121,7 +121,8 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
     """vLLM's /pooling on a classifier: its own task (classify) gives /classify's probs, ``use_activation`` false (or
     vLLM's older ``softmax``) the raw logits, ``score`` the cross-encoder's activation, chat ``messages`` classified
     as the template renders them; another model's task, a per-token task, another task's parameter are 400s naming
-    the field, a context-length error says "embedding generation" (vLLM's /pooling, whatever the task)."""
+    the field, a context-length error says "embedding generation" (vLLM's /pooling, whatever the task), an empty
+    input names the task served."""
     from transformers import AutoTokenizer
 
     prompts, messages = [[5, 9, 14], [7, 300, 12]], [{"role": "user", "content": "hi"}]
@@ -131,7 +132,9 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
                ({"input": "a", "task": "token_classify"}, "task", "'token_classify' (per-token pooling"),
                ({"input": "a", "normalize": True}, "normalize", "Task classify only supports ['use_activation']"),
                ({"input": "a", "task": "score", "dimensions": 4}, "dimensions", "Task score only supports"),
-               ({"input": [5] * (length + 1)}, "prompt", "in the input for embedding generation.")]
+               ({"input": [5] * (length + 1)}, "prompt", "in the input for embedding generation."),
+               ({"input": ""}, "input", "an input is an empty string: there is nothing to classify"),
+               ({"input": ["a", ""], "task": "score"}, "input", "there is nothing to score")]
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
         classified = (await client.post("/classify", json={"input": prompts})).json()
         pooled, raw, old_name, scored, chat = [(await client.post("/pooling", json=body)).json() for body in (

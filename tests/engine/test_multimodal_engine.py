@@ -152,6 +152,18 @@ async def test_a_bad_chat_image_is_named_by_its_message_and_part(engine):
     assert caught.value.field == "messages[2].content[1]"  # not the chat's second image, messages[1]
 
 
+async def test_a_failed_item_keyed_by_a_uuid_names_the_uuid_and_its_image(engine):
+    """An item the workers cannot lay on its placeholders, keyed by the caller's uuid (how a uuid reused for other
+    content fails where their rows differ, docs/multimodal.md): the error names the uuid and the image's field."""
+    images = [make_image(30, 20, seed=14), make_image(40, 30, seed=15)]
+    with items_altered(engine):  # the last item (the second image's) laid short
+        with pytest.raises(InvalidRequestError) as info:
+            await engine.generate({"prompt": "a <image> b <image>", "images": images,
+                                   "image_uuids": [None, "photo-1"]}, GREEDY)
+    assert info.value.field == "prompt.images[1]"
+    assert info.value.message.startswith("uuid 'photo-1' (mm_items[1]): its data encodes to 16 rows, not its 15 ")
+
+
 async def test_an_image_the_encoder_cannot_lay_on_its_placeholders_fails_only_its_request(engine, tiny_llava):
     """A host process sharing the core that lays an image's 16 feature rows over 15 of its placeholders (a bug, or
     a hostile client): the workers find it when the prefill reaches the image and fail that request alone, its

@@ -81,8 +81,13 @@ async def test_base64_is_the_float32_bytes(app) -> None:
     assert list(struct.unpack(f"<{HIDDEN_SIZE}f", raw)) == pytest.approx(floats, abs=1e-7)
 
 
-async def test_dimensions_and_normalize(app) -> None:
+async def test_dimensions_and_normalize(app, monkeypatch) -> None:
+    from asyncllm.engine.pooling_model import Matryoshka
+
+    checked = []
+    monkeypatch.setattr(Matryoshka, "check", lambda self, dimensions: checked.append(dimensions))
     short = (await _embed(app, input=TOKENS, dimensions=16))["data"][0]["embedding"]
+    assert checked == [16]  # once, by the engine: the server names the served model in its refusal (no check of its own)
     raw = (await _embed(app, input=TOKENS, normalize=False))["data"][0]["embedding"]
     short_raw = (await _embed(app, input=TOKENS, dimensions=16, normalize=False))["data"][0]["embedding"]
     assert _close(short, _reference(TOKENS, dimensions=16))  # truncated, then normalized

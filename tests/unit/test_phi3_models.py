@@ -88,3 +88,25 @@ def test_prequantized_checkpoint_is_not_built() -> None:
     backend = get_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32)
     with pytest.raises(NotBuiltError, match="pre-quantized Phi-3"):
         Phi3ForCausalLM(hf_config, dtype=torch.float32, tp=TensorParallel(), attn_backend=backend, max_position=64)
+
+
+def test_legacy_su_rope_is_longrope_only_where_transformers_renames_it() -> None:
+    """The max_model_len fit's warning (`longrope_original`) and the workers' factors (`fix_longrope_factors`) agree
+    on the legacy ``su``, as transformers: Phi-3's config renames it ``longrope`` as it loads; elsewhere it is no
+    LongRoPE (a rope type transformers does not build)."""
+    import json
+    from types import SimpleNamespace
+
+    from transformers import Phi3Config
+
+    from asyncllm.engine.kv_budget import longrope_original
+    from asyncllm.models.checkpoint import hf_config_json
+    from asyncllm.models.rotary import fix_longrope_factors
+
+    su = {"type": "su", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = Phi3Config.from_dict({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+                                 "max_position_embeddings": 256, "rope_scaling": dict(su)})
+    assert longrope_original(hf_config_json(phi3)) == 64 and fix_longrope_factors(phi3, 64) is not phi3
+    other = SimpleNamespace(rope_parameters={**su, "rope_type": "su"}, original_max_position_embeddings=64)
+    assert longrope_original(json.dumps({"rope_parameters": other.rope_parameters})) is None
+    assert fix_longrope_factors(other, 64) is other

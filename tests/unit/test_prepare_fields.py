@@ -58,3 +58,27 @@ def test_multimodal_fields_asking_for_nothing_pass_on_a_text_model(tiny_llama) -
     config = EngineConfig.create(tiny_llama, limit_mm_per_prompt={"image": 0, "video": 0}, mm_processor_kwargs={},
                                  media_io_kwargs={}, mm_max_image_pixels=2**40)
     assert prepare(config).mm is None
+
+
+def test_only_the_host_compares_mm_max_image_pixels_with_its_pil_limit(tmp_path, monkeypatch) -> None:
+    """A standalone core (`asyncllm engine`) decodes no image: it prepares a multimodal model whatever its own PIL's
+    limit; a host, which decodes them, refuses a bound above its PIL's."""
+    from PIL import Image
+    from mm_utils import make_tiny_llava
+
+    from asyncllm.engine import standalone
+
+    class Prepared(Exception):
+        pass
+
+    def claimed(socket_path: str) -> None:  # reached once the core prepared: stop there
+        raise Prepared
+
+    for name, stand_in in (("configure_child_logging", lambda what: None), ("report_crashes", lambda: None),
+                           ("_claim_socket", claimed)):
+        monkeypatch.setattr(standalone, name, stand_in)
+    config = EngineConfig.create(make_tiny_llava(tmp_path / "llava"), mm_max_image_pixels=2 * Image.MAX_IMAGE_PIXELS + 1)
+    with pytest.raises(Prepared):
+        standalone.run_standalone_core(config, f"ipc://{tmp_path}/core.sock")
+    with pytest.raises(ConfigError, match="mm_max_image_pixels=.*PIL's decompression-bomb limit"):
+        prepare(config)
