@@ -30,7 +30,7 @@ from asyncllm.tool_call_replies import ArgumentsObject
 from asyncllm.tool_call_streams import ReplyPart, ToolCallDeltaStream, partial_tag_suffix
 
 __all__ = ["Header", "HarmonyScanner", "HarmonyReasoningStream", "HarmonyToolStream", "FINAL_START", "MessagePart",
-           "parse_header"]
+           "joined_parts", "parse_header"]
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -169,31 +169,38 @@ MessagePart = tuple[str, str, bool]
 recipient)."""
 
 
+def joined_parts(reasoning: str, content: str) -> list[MessagePart]:
+    """A reply's reasoning and content, each joined, as its parts (neither starts a message)."""
+    return [(kind, text, False) for kind, text in (("reasoning", reasoning), ("content", content)) if text]
+
+
 class HarmonyReasoningStream:
     """``openai_gptoss``: analysis bodies are reasoning; final and preamble (commentary without a recipient) bodies
     content; a message with a recipient (a tool call) passes on as written, as content, for a tool-call parser
     after this one to read (without one it stays content); text outside messages is content.
 
     `feed` and `finish` join each kind's messages with a newline (a chat message's reasoning and content);
-    `feed_parts` and `finish_parts` keep the messages apart, in order (the Responses API's items, one a message)."""
+    `feed_parts` and `finish_parts`, `apart`, keep the messages apart, in order (the Responses API's items, one a
+    message), else give the joined text as parts (a tag parser's `ReasoningStream.feed_parts`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, apart: bool = False) -> None:
+        self._apart = apart
         self._scanner = HarmonyScanner()
         self._kind = ""  # the open message's: reasoning, content, or raw
         self._starts = False  # the open message's first part is still to come
         self._said = {"reasoning": False, "content": False}  # whether that kind has had a body (a newline joins)
 
     def feed(self, text: str) -> tuple[str, str]:
-        return self._joined(self.feed_parts(text))
+        return self._joined(self._parts(self._scanner.feed(text)))
 
     def finish(self) -> tuple[str, str]:
-        return self._joined(self.finish_parts())
+        return self._joined(self._parts(self._scanner.finish()))
 
     def feed_parts(self, text: str) -> list[MessagePart]:
-        return self._parts(self._scanner.feed(text))
+        return self._parts(self._scanner.feed(text)) if self._apart else joined_parts(*self.feed(text))
 
     def finish_parts(self) -> list[MessagePart]:
-        return self._parts(self._scanner.finish())
+        return self._parts(self._scanner.finish()) if self._apart else joined_parts(*self.finish())
 
     def _joined(self, parts: list[MessagePart]) -> tuple[str, str]:
         out: dict[str, list[str]] = {"reasoning": [], "content": []}

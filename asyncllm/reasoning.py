@@ -16,7 +16,8 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   writes (a special token, kept in the reply's text by the server) up to
   ``[/THINK]``, the text around it content; a reply without it is all answer,
   streamed as it comes, a ``[/THINK]`` that nothing opened dropped (vLLM's case 3.a;
-  vLLM keeps it when a ``[THINK]`` follows: `MistralReasoningStream`).
+  vLLM keeps it when a ``[THINK]`` follows: `MistralReasoningStream`); a constraint applies from the first
+  token of a reply that does not open ``[THINK]`` with it (`ReasoningParser.opened_first`).
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): reasoning only when the reply opens
   ``<think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
   (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
@@ -46,7 +47,7 @@ from __future__ import annotations
 import re
 
 from asyncllm.errors import ConfigError
-from asyncllm.harmony import CHANNEL, MESSAGE, HarmonyReasoningStream
+from asyncllm.harmony import CHANNEL, MESSAGE, HarmonyReasoningStream, MessagePart, joined_parts
 from asyncllm.tool_calls import partial_tag_suffix
 
 __all__ = ["ReasoningParser", "ReasoningStream", "REASONING_PARSERS", "get_reasoning_parser"]
@@ -109,6 +110,14 @@ class ReasoningStream:
         """Content, as written (the newlines after ``</think>`` too, as vLLM's ``partition`` leaves them)."""
         return text
 
+    def feed_parts(self, text: str) -> list[MessagePart]:
+        """`feed` as the reply's parts in order (`HarmonyReasoningStream.feed_parts`'s form): its reasoning, then its
+        content; none starts a message (a tag parser's reply is one message)."""
+        return joined_parts(*self.feed(text))
+
+    def finish_parts(self) -> list[MessagePart]:
+        return joined_parts(*self.finish())
+
 
 class ReasoningParser:
     """A thinking model's tag convention."""
@@ -123,6 +132,10 @@ class ReasoningParser:
     end_max_between = 0
     opened_by_prompt = True
     """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
+    opened_first = False
+    """Whether the reply thinks only when its first token opens the thinking (`start_tag`, one special token): a
+    constraint then applies from the first token of a reply that does not, which the parser reads as all answer
+    (`StructuredOutputs.start_after_only_if_reply_opens`; mistral's)."""
     needs_special_tokens = False
     """Its markers are special tokens (harmony's): the server keeps special tokens in every chat reply's text."""
     prompt_ends_thinking = True
@@ -144,10 +157,11 @@ class ReasoningParser:
         """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
         return self.thinking_switch is not None and template_kwargs.get(self.thinking_switch) is False
 
-    def stream(self, answering: bool = False) -> ReasoningStream | HarmonyReasoningStream:
+    def stream(self, answering: bool = False, apart: bool = False) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
         thinking off), or its request turned the thinking off and its prompt did not open it (`Marker.starts_answer`),
-        so all of it is content, as vLLM reads it (``is_reasoning_end`` on the prompt)."""
+        so all of it is content, as vLLM reads it (``is_reasoning_end`` on the prompt). `apart` (the Responses API's):
+        its ``feed_parts`` keep a harmony reply's messages apart; a tag parser's reply is one message either way."""
         return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
     def parse(self, text: str, answering: bool = False) -> tuple[str | None, str | None]:
@@ -189,7 +203,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     thinking_switch = "enable_thinking"
 
-    def stream(self, answering: bool = False) -> Qwen3ReasoningStream:
+    def stream(self, answering: bool = False, apart: bool = False) -> Qwen3ReasoningStream:
         return Qwen3ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
@@ -239,9 +253,10 @@ class MistralReasoningParser(ReasoningParser):
 
     start_tag, end_tag = "[THINK]", "[/THINK]"
     opened_by_prompt = False
+    opened_first = True
     needs_special_tokens = True
 
-    def stream(self, answering: bool = False) -> MistralReasoningStream:
+    def stream(self, answering: bool = False, apart: bool = False) -> MistralReasoningStream:
         return MistralReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
@@ -257,8 +272,8 @@ class GptOssReasoningParser(ReasoningParser):
     prompt_ends_thinking = False
     opened_by_prompt = False  # nothing opens the analysis channel: the Responses API counts 0 reasoning tokens
 
-    def stream(self, answering: bool = False) -> HarmonyReasoningStream:
-        return HarmonyReasoningStream()
+    def stream(self, answering: bool = False, apart: bool = False) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream(apart)
 
 
 class WrappedAnswerStream(ReasoningStream):
@@ -315,7 +330,7 @@ class HunyuanA13BReasoningParser(ReasoningParser):
     of its sequences (the marker's first newline may be merged into the thought's last token, as in ``\\n\\n``)."""
     opened_by_prompt = False
 
-    def stream(self, answering: bool = False) -> WrappedAnswerStream:
+    def stream(self, answering: bool = False, apart: bool = False) -> WrappedAnswerStream:
         return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, "\n" + self.end_tag, answering)
 
 

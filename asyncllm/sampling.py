@@ -234,7 +234,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or [],
                   "bad_words_token_ids": [t for ids in self.bad_words_token_ids for t in ids],
                   "structured": self.structured.start_after_token_ids + self.structured.start_after_suffix_token_ids
-                  if isinstance(self.structured, StructuredOutputs) else []}
+                  + self.structured.start_after_opener_token_ids if isinstance(self.structured, StructuredOutputs)
+                  else []}
         for name, token_ids in fields.items():
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:

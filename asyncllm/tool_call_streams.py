@@ -70,6 +70,11 @@ class ToolCallDeltaStream(abc.ABC):
     def finish(self) -> list[ReplyPart]:
         """At the reply's end: whatever was held back (an unfinished call's text is content)."""
 
+    def end_message(self) -> list[ReplyPart]:
+        """A harmony message of the reply ended (the Responses API's item ends): what this stream held back of its
+        text, so it is not carried into the next message's (`HarmonyToolStream`'s; other formats hold none)."""
+        return []
+
 
 def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (held back: the next delta may complete it)."""

@@ -23,7 +23,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.harmony import HarmonyReasoningStream, HarmonyToolStream
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
 from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value
@@ -55,7 +54,7 @@ class ChatReply:
         ``{"message_start": True}`` delta and without the newline that joins a chat message's.
         """
         self.mode = mode
-        self._reasoning = reasoning.stream(prompt_ended_thinking) if reasoning is not None else None
+        self._reasoning = reasoning.stream(prompt_ended_thinking, message_starts) if reasoning is not None else None
         self._calls_stream: ToolCallDeltaStream | None = (
             mode.parser.delta_stream(stream_arguments) if mode.parser is not None else None)
         self._text: list[str] = []
@@ -64,7 +63,6 @@ class ChatReply:
         """An auto call's index in the parser's stream -> its index in the reply (None: left out, not parallel)."""
         self._whole_calls = 0
         self._named_id = mode.new_call_id()
-        self._message_starts = message_starts
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas `text` (the next part of the reply) releases."""
@@ -81,13 +79,10 @@ class ChatReply:
         return deltas + more, finish_reason
 
     def _reply_parts(self, text: str | None) -> list[Delta]:
-        """The deltas of the reasoning stream's next parts (None: its last ones): harmony messages apart and in order
-        with `message_starts`; else the reasoning, then the answer."""
+        """The deltas of the reasoning stream's next parts (None: its last ones), in order: the reasoning, then the
+        answer; with `message_starts`, a harmony reply's messages apart, each after a ``message_start``."""
         stream = self._reasoning
         assert stream is not None
-        if not (self._message_starts and isinstance(stream, HarmonyReasoningStream)):
-            reasoning, answer = stream.feed(text) if text is not None else stream.finish()
-            return ([{"reasoning": reasoning}] if reasoning else []) + self._answer(answer)
         deltas: list[Delta] = []
         for kind, part, starts in stream.feed_parts(text) if text is not None else stream.finish_parts():
             deltas += self._message_end() + [{"message_start": True}] if starts else []
@@ -96,7 +91,7 @@ class ChatReply:
 
     def _message_end(self) -> list[Delta]:
         """Before the next harmony message: what the ``openai`` tool stream held back of the last one's text."""
-        if self.mode.kind != "auto" or not isinstance(self._calls_stream, HarmonyToolStream):
+        if self.mode.kind != "auto" or self._calls_stream is None:
             return []
         return self._deltas(self._calls_stream.end_message())
 

@@ -16,7 +16,11 @@
 A constraint with `start_after_token_ids` (a reasoning model's ``</think>``)
 waits: no bitmask row and no matcher step until the output has written them
 (`Marker.ends`: with a suffix, gpt-oss's ``<|channel|>final`` then ``<|message|>``
-with a few tokens between); the tokens after them are the grammar's.
+with a few tokens between); the tokens after them are the grammar's. One whose
+marker has an opener (`StructuredOutputs.start_after_only_if_reply_opens`,
+mistral's ``[THINK]``) is undecided until its first token: that one's row is the
+grammar's with the opener allowed too; the opener then waits, any other token is
+the grammar's first.
 
 Nothing here runs when no request is structured: the core checks `active` first.
 """
@@ -212,7 +216,7 @@ class StructuredOutputManager:
             request = requests.get(req_id)
             if request is None:
                 self._forget(req_id)
-            elif req_id in self.waiting and not drafts.get(req_id):
+            elif req_id in self.waiting and not drafts.get(req_id) and not self._undecided(req_id):
                 continue  # free text until its start_after tokens
             elif req_id in num_scheduled and request.num_computed_tokens + num_scheduled[req_id] >= request.num_tokens:
                 req_ids.append(req_id)
@@ -236,17 +240,23 @@ class StructuredOutputManager:
         back after; a request waiting for its start tokens is free text until the drafts complete them."""
         matcher, waiting = self.matchers[req_id], self.waiting.get(req_id)
         start_after, recent = (waiting[0], list(waiting[1])) if waiting else (None, [])
+        undecided = self._undecided(req_id)
         positions: list[int] = []
         accepted = 0
         for position in range(len(drafts) + 1):
-            if start_after is None:
+            if start_after is None or undecided:
                 if position and matcher.is_terminated():  # a draft ended the grammar: no later row
                     break
                 matcher.fill_next_token_bitmask(bitmask, first + len(positions))
+                if undecided:
+                    _allow(bitmask, first + len(positions), start_after.opener[0])  # type: ignore[union-attr]
                 positions.append(position)
             if position == len(drafts):
                 break
             token = drafts[position]
+            if undecided:  # the first token: the opener waits, any other is the grammar's
+                undecided = False
+                start_after = start_after if token == start_after.opener[0] else None  # type: ignore[union-attr]
             if start_after is None:
                 if not matcher.accept_token(token):
                     break
@@ -257,6 +267,11 @@ class StructuredOutputManager:
         if accepted:
             matcher.rollback(accepted)
         return positions
+
+    def _undecided(self, req_id: str) -> bool:
+        """Whether a waiting request's first token is still to come and decides whether it waits (its opener)."""
+        waiting = self.waiting.get(req_id)
+        return waiting is not None and bool(waiting[0].opener) and not waiting[1]
 
     def _bitmask_rows(self, num_rows: int) -> Any:
         """A reused int32 [rows, ceil(vocab / 32)] tensor with at least `num_rows` rows."""
@@ -308,6 +323,9 @@ class StructuredOutputManager:
         if waiting is None:
             return tokens
         start_after, recent = waiting
+        if tokens and self._undecided(req_id) and tokens[0] != start_after.opener[0]:
+            del self.waiting[req_id]  # the reply did not open the thinking: all of it is the grammar's
+            return tokens
         for k, token in enumerate(tokens):
             recent.append(token)
             del recent[:-start_after.span]
@@ -331,6 +349,12 @@ class StructuredOutputManager:
             logger.info("exiting without waiting for a grammar compilation still running")
             logging.shutdown()
             os._exit(0)
+
+
+def _allow(bitmask: Any, row: int, token: int) -> None:
+    """Set `token`'s bit in the int32 bitmask's `row` (bit 31 as the word's sign)."""
+    bit = 1 << (token % 32)
+    bitmask[row, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 def _narrowing(request: Request) -> tuple[str, ...]:

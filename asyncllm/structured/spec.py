@@ -49,6 +49,12 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     start_after_only_if_opened: bool = False
     """With `start_after`: wait for it only when the prompt's end opened it (its opener, ``<think>``), else start at
     once: a request that turned the thinking off (`Marker.starts_answer`)."""
+    start_after_only_if_reply_opens: bool = False
+    """With `start_after`: wait for it only when the output's first token is its opener (`start_after` without its
+    first "/", one token: mistral's ``[THINK]``); any other first token is the constraint's, which applies from the
+    start (that token is sampled from the grammar's tokens and the opener). An opener of several tokens: always wait."""
+    start_after_opener_token_ids: list[int] = []
+    """With `start_after_only_if_reply_opens`: the opener's one token id; the engine fills it from `start_after`."""
 
     @property
     def kind(self) -> str:
@@ -73,7 +79,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
             raise InvalidRequestError("structured", f"{kind} must be a non-empty string")
 
     def _check_start_after(self) -> None:
-        for name in ("start_after_token_ids", "start_after_suffix_token_ids"):
+        for name in ("start_after_token_ids", "start_after_suffix_token_ids", "start_after_opener_token_ids"):
             ids = getattr(self, name)
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                     for t in ids):
@@ -81,10 +87,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         if self.start_after_suffix is not None and (not isinstance(self.start_after_suffix, str)
                                                     or not self.start_after_suffix or self.start_after is None):
             raise InvalidRequestError("structured", "start_after_suffix must be a non-empty string after a start_after")
-        if not isinstance(self.start_after_only_if_opened, bool):
-            raise InvalidRequestError("structured", "start_after_only_if_opened must be a boolean")
-        if self.start_after_only_if_opened and self.start_after is None:
-            raise InvalidRequestError("structured", "start_after_only_if_opened needs a start_after")
+        for name in ("start_after_only_if_opened", "start_after_only_if_reply_opens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError("structured", f"{name} must be a boolean")
+            if getattr(self, name) and self.start_after is None:
+                raise InvalidRequestError("structured", f"{name} needs a start_after")
         between = self.start_after_max_between
         if not isinstance(between, int) or isinstance(between, bool) or between < 0:
             raise InvalidRequestError("structured", "start_after_max_between must be an integer >= 0")

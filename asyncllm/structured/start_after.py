@@ -38,17 +38,21 @@ class Marker:
     max_between: int = 0
 
     @classmethod
-    def of(cls, tokenizer: Any, text: str, suffix: str | None = None, max_between: int = 0) -> "Marker":
+    def of(cls, tokenizer: Any, text: str, suffix: str | None = None, max_between: int = 0,
+           opener: str | None = None) -> "Marker":
+        """`text` (and its `suffix`) as token ids; its `opener` when given (a reasoning parser's start tag, as
+        Hunyuan-A13B's ``<think>\\n`` for its ``</think>\\n<answer>\\n``), else `text` without its first "/"."""
         if suffix is not None:
             return cls(_ids(tokenizer, text), (), _ids(tokenizer, suffix), max_between)
-        opener = text.replace("/", "", 1)
+        opener = text.replace("/", "", 1) if opener is None else opener
         return cls(_ids(tokenizer, text), _ids(tokenizer, opener) if opener != text else ())
 
     @classmethod
     def of_structured(cls, structured: StructuredOutputs) -> "Marker":
-        """The marker of a constraint whose start_after is in token ids (the core's)."""
-        return cls(tuple(structured.start_after_token_ids), (), tuple(structured.start_after_suffix_token_ids),
-                   structured.start_after_max_between)
+        """The marker of a constraint whose start_after is in token ids (the core's); its opener only when the output's
+        first token decides whether it waits (`StructuredOutputs.start_after_only_if_reply_opens`)."""
+        return cls(tuple(structured.start_after_token_ids), tuple(structured.start_after_opener_token_ids),
+                   tuple(structured.start_after_suffix_token_ids), structured.start_after_max_between)
 
     @property
     def span(self) -> int:
@@ -129,10 +133,12 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
         return params
     marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
                        structured.start_after_max_between)
+    opener = list(marker.opener) if structured.start_after_only_if_reply_opens and len(marker.opener) == 1 else []
     structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
-                                         start_after_only_if_opened=False) \
+                                         start_after_only_if_opened=False, start_after_only_if_reply_opens=False) \
         if marker.starts_answer(prompt_ids, structured.start_after_only_if_opened) else msgspec.structs.replace(
-            structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix))
+            structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix),
+            start_after_opener_token_ids=opener)
     params = msgspec.structs.replace(params, structured=structured)
     check_params_vocab(params, vocab_size)
     return params

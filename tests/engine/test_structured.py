@@ -105,6 +105,19 @@ async def test_a_constraint_starts_after_its_start_after_text(engine: AsyncEngin
         assert re.fullmatch(r"x[0-9]y(<\|eos\|>)?", out.text) and user not in out.token_ids, out.text
 
 
+async def test_a_reply_that_does_not_open_the_thinking_is_constrained_from_its_first_token(engine: AsyncEngine) -> None:
+    """`start_after_only_if_reply_opens` (mistral's ``[THINK]``, the server's): the first token decides. The opener
+    ("<|user|>" here, `start_after` without its "/", one token) is allowed beside the grammar's first tokens and then
+    waits for `start_after`; any other first token is the grammar's, which applies from the start."""
+    user = engine.tokenizer.convert_tokens_to_ids("<|user|>")
+    mistral_like = StructuredOutputs(regex=r"x[0-9]y", start_after="<|/user|>", start_after_only_if_reply_opens=True)
+    greedy = {"temperature": 0.0, "max_tokens": 12, "skip_special_tokens": False, "structured": mistral_like}
+    opened = await engine.generate("ebnf:", SamplingParams(**greedy, logit_bias={user: 100.0}))
+    assert opened.token_ids == [user] * 12 and opened.finish_reason == "length"  # thinking: free until start_after
+    answer = await engine.generate("ebnf:", SamplingParams(**greedy, logit_bias={user: -100.0}))
+    assert re.fullmatch(r"x[0-9]y(<\|eos\|>)?", answer.text) and answer.finish_reason == "stop", answer.text
+
+
 @pytest.mark.parametrize("structured, why", [
     (StructuredOutputs(regex="(a"), "invalid regex: "),
     (StructuredOutputs(grammar='start: ("x" '), "invalid grammar: Lark error at line 1, column 13: expected ')'"),

@@ -75,8 +75,9 @@ async def test_function_calls_and_their_history(client, app, bundled_tokenizer) 
 async def test_json_schema_text_format(client) -> None:
     response = await client.responses.create(
         model=MODEL, input="A city:", max_output_tokens=40, temperature=1.0,
-        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}, "verbosity": "low"})
     jsonschema.validate(json.loads(response.output_text), CITY)
+    assert response.text.verbosity == "low"  # accepted and echoed, not read (as vLLM's)
 
 
 async def test_what_is_not_built_is_refused_by_name(app) -> None:
@@ -120,3 +121,19 @@ async def test_reasoning_tokens_and_events(bundled_engine) -> None:
     assert kinds[:2] == ["response.output_item.added", "response.reasoning_part.added"]
     assert kinds[-3:] == ["response.reasoning_text.done", "response.reasoning_part.done", "response.output_item.done"]
     assert events[-1]["response"]["usage"] == whole["usage"]
+
+
+async def test_hunyuan_reasoning_tokens_are_those_of_its_thought(bundled_engine, bundled_tokenizer) -> None:
+    """Hunyuan-A13B's thought is opened by ``<think>\\n`` (its start tag), not by its end tag without the "/": the
+    Responses API's reasoning_tokens are the thought's (vLLM's hunyuan_a13b parser counts none)."""
+    from asyncllm.integrations.openai_responses import Choices
+    from asyncllm.integrations.openai_server import create_app
+    from asyncllm.outputs import StreamDelta
+
+    server = create_app(bundled_engine, manage_engine=False, reasoning_parser="hunyuan_a13b").state.openai_server
+    pieces = ["<think>\n", "Two and two.\n", "</think>\n<answer>\n", "4\n</answer>"]
+    ids = [bundled_tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+    choices = Choices(1, 1, None, chat=True, reasoning=server.reasoning, reasoning_end=server.reasoning_end(),
+                      counts_reasoning=True)
+    choices.add(0, StreamDelta(0, "".join(pieces), sum(ids, []), "stop"))
+    assert choices.usage(reasoning_tokens=True)["completion_tokens_details"] == {"reasoning_tokens": len(ids[1])}

@@ -262,3 +262,14 @@ def test_responses_items_one_per_message_streamed_or_not(name: str) -> None:
         events.feed(more)
         events.finish(finish, usage)
         assert items(events.body) == expected
+
+
+def test_every_reasoning_stream_gives_parts_and_harmony_keeps_its_messages_apart_when_asked() -> None:
+    """`ChatReply` reads any parser's stream alike (`feed_parts`): a tag parser's reply is one message (reasoning,
+    then content); harmony's messages come apart, each starting, only with `apart` (the Responses API's)."""
+    tag = get_reasoning_parser("deepseek_r1").stream(apart=True)
+    assert tag.feed_parts("a</think>b") + tag.finish_parts() == [("reasoning", "a", False), ("content", "b", False)]
+    text = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
+    joined, apart = (get_reasoning_parser("openai_gptoss").stream(apart=a) for a in (False, True))
+    assert joined.feed_parts(text) + joined.finish_parts() == [("reasoning", "x\ny", False)]
+    assert apart.feed_parts(text) + apart.finish_parts() == [("reasoning", "x", True), ("reasoning", "y", True)]

@@ -146,6 +146,20 @@ def test_thinking_off_is_all_answer_unless_the_prompt_opened_the_thinking() -> N
     plain.validate()  # as the core checks it: no start_after_only_if_opened left without its start_after
 
 
+def test_a_mistral_constraint_waits_only_for_a_reply_that_opens_think() -> None:
+    """Magistral thinks only when its reply's first token is ``[THINK]`` (vLLM's mistral parser reads any other
+    reply as all content): the server's constraint applies from the first token of a reply that does not."""
+    from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ServerLimits, decode_request
+    from asyncllm.integrations.openai_sampling import chat_params
+
+    body = b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}'
+    req = decode_request(body, ChatCompletionRequest)
+    mistral = chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("mistral")).structured
+    assert mistral.start_after == "[/THINK]" and mistral.start_after_only_if_reply_opens
+    assert not chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("glm45")).structured \
+        .start_after_only_if_reply_opens
+
+
 def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> None:
     """gpt-oss's ``<|channel|>final`` (7, 8) ... ``<|message|>`` (9), up to 2 tokens between here (vLLM's
     openai_gptoss ``is_reasoning_end`` takes up to 20: ``<|constrain|>json``)."""

@@ -93,10 +93,14 @@ def test_a_start_after_in_two_parts_is_checked() -> None:
     SamplingParams(structured=two_parts).check_vocab(100)
     with pytest.raises(InvalidRequestError, match=r"\[100\]"):
         SamplingParams(structured=msgspec.structs.replace(two_parts, start_after_suffix_token_ids=[100])).check_vocab(100)
+    with pytest.raises(InvalidRequestError, match=r"\[100\]"):  # mistral's [THINK] (start_after_only_if_reply_opens)
+        SamplingParams(structured=msgspec.structs.replace(two_parts, start_after_opener_token_ids=[100])).check_vocab(100)
     for bad, why in [({"start_after_max_between": 0}, "at least 1 with a suffix"),
                      ({"start_after_suffix_token_ids": [-1]}, "start_after_suffix_token_ids must be"),
                      ({"start_after_suffix": "<|message|>"}, "after a start_after"),
-                     ({"start_after_only_if_opened": True}, "start_after_only_if_opened needs a start_after")]:
+                     ({"start_after_only_if_opened": True}, "start_after_only_if_opened needs a start_after"),
+                     ({"start_after_only_if_reply_opens": True}, "start_after_only_if_reply_opens needs a start_after"),
+                     ({"start_after_opener_token_ids": [-1]}, "start_after_opener_token_ids must be")]:
         with pytest.raises(InvalidRequestError, match=why):
             msgspec.structs.replace(two_parts, **bad).validate()
 

@@ -236,6 +236,42 @@ def test_drafts_get_a_row_at_each_position_the_grammar_constrains(manager_args, 
     manager.shutdown()
 
 
+def test_the_first_token_decides_a_wait_with_an_opener(manager_args, tiny_llama: str) -> None:
+    """`start_after_opener_token_ids` (mistral's ``[THINK]``): the first row is the grammar's with the opener allowed
+    too; an opener first waits for start_after (drafts: no rows until it), any other first token is the grammar's."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    yes = AutoTokenizer.from_pretrained(tiny_llama).encode("yes", add_special_tokens=False)
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0, max_drafts=8)
+    requests = {r: _request(r, StructuredOutputs(regex="(yes|no)+", start_after_token_ids=[40, 41],
+                                                 start_after_opener_token_ids=[3])) for r in ("u", "o")}
+    for request in requests.values():
+        manager.add(request)
+    while manager.pending:
+        _wait_polled(manager)
+
+    def rows(req_id: str, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
+        sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {req_id: 3 + len(drafts)},
+                                             3 + len(drafts), spec_token_ids={req_id: drafts} if drafts else {})
+        grammar = manager.grammar_bitmask(sched_out, requests)
+        assert grammar is not None
+        words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
+        return grammar.positions or [0], unpack_bitmask(words, 512)
+
+    positions, masks = rows("u", [])
+    assert positions == [0] and masks[0, 3] and masks[0, yes[0]] and not masks[0, 9]
+    assert rows("o", [3, 9, 40, 41] + yes)[0] == [0, *range(4, 5 + len(yes))]
+    assert rows("o", yes)[0] == list(range(len(yes) + 1))
+    manager.accept([(b"c", protocol.RequestOutputDelta("u", yes)), (b"c", protocol.RequestOutputDelta("o", [3, 9]))],
+                   lambda ids: None)
+    assert "u" not in manager.waiting and "o" in manager.waiting and not manager.matchers["u"].is_terminated()
+    assert manager.grammar_bitmask(protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"o": 3}, 3),
+                                   requests) is None  # decided: it waits, no row
+    manager.shutdown()
+
+
 def test_the_grammar_starts_after_gptoss_final_header_with_tokens_between(manager_args, tiny_llama: str) -> None:
     """gpt-oss's constraint, as the server sets it: ``<|constrain|>json`` between still starts it, as vLLM's."""
     from transformers import AutoTokenizer
