@@ -15,9 +15,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.config import EngineConfig
+
+if TYPE_CHECKING:
+    from asyncllm.sched.request import Request
 
 __all__ = ["ChunkPolicy", "token_budget", "whole_spans"]
 
@@ -52,6 +55,19 @@ class ChunkPolicy:
         if capped <= self.max_num_batched_tokens:
             return 0
         return budget
+
+    def prefill_chunk(self, request: Request, budget: int) -> int:
+        """The tokens a running request's prefill under way computes this step (`chunk`, kept off an image's
+        bidirectional rows: `whole_spans`); 0: it waits for a fuller step."""
+        num_computed = request.num_computed_tokens
+        num_new = self.chunk(request.num_tokens - num_computed, budget)
+        return whole_spans(request.mm_items, num_computed, num_new, budget) if request.mm_items else num_new
+
+    def first_chunk(self, request: Request, num_computed: int, budget: int) -> int:
+        """The tokens a waiting request computes from `num_computed` (its resume point) on in the step that admits
+        it (`admission_chunk`, kept off an image's bidirectional rows); 0: it waits."""
+        num_new = self.admission_chunk(request.num_tokens - num_computed, budget)
+        return whole_spans(request.mm_items, num_computed, num_new, budget) if request.mm_items else num_new
 
     def _capped(self, num_remaining: int) -> int:
         return self._threshold if 0 < self._threshold < num_remaining else num_remaining

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from asyncllm.sched.request import Request
     from asyncllm.sched.scheduler import Scheduler, _Step
 
-__all__ = ["running_rows", "schedule_decodes", "step_record", "update_decodes"]
+__all__ = ["may_run_short", "running_rows", "schedule_decodes", "step_record", "update_decodes"]
 
 
 def running_rows(sched: Scheduler) -> StepRows:
@@ -43,6 +43,30 @@ def running_rows(sched: Scheduler) -> StepRows:
     if cached is None or len(cached) != len(running) or not cached.live(rows).all():
         cached = sched.running_order = rows.rows_of(list(running))
     return cached
+
+
+def may_run_short(sched: Scheduler) -> bool:
+    """Whether the running requests' largest possible next chunks (each the whole step budget, drafts aside)
+    need more blocks than are free: the next `schedule()` may preempt for blocks; False is certain."""
+    running = sched.running
+    if not running:
+        return False
+    kv = sched.kv_cache_manager
+    block_size, tables = sched.block_size, kv.req_to_blocks
+    order, rows = running_rows(sched), sched.rows
+    computed = rows.computed[order.rows]
+    needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows])
+    needed_blocks = -(-needed // block_size)
+    # A request's blocks cover its computed tokens: only those whose next chunk reaches past them may need more.
+    maybe = np.flatnonzero(needed_blocks > -(-computed // block_size))
+    free = kv.num_free_blocks
+    for i, num_blocks in zip(maybe.tolist(), needed_blocks[maybe].tolist()):
+        missing = num_blocks - len(tables[order.req_ids[i]])
+        if missing > 0:
+            free -= missing
+            if free < 0:
+                return True
+    return False
 
 
 def schedule_decodes(sched: Scheduler, step: _Step) -> int:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncllm import protocol
-from asyncllm.sched.decode_step import running_rows, step_record
+from asyncllm.sched.decode_step import may_run_short, step_record
 from asyncllm.sched.rows import RequestRows, StepRows
 from asyncllm.sched.step_outputs import StepOutputs
 
@@ -151,32 +151,19 @@ class OutputPlaceholders:
         """Whether the next `schedule()` could preempt a running request (then it must not run ahead).
 
         Conservative: a priority preemption is possible whenever the first
-        waiting request outranks the last running one; a preemption for
-        blocks, whenever the running requests' largest possible chunks need
-        more blocks than are free.
+        waiting request outranks a running one; a preemption for blocks,
+        whenever the running requests' largest possible chunks need more
+        blocks than are free.
         """
         sched = self.scheduler
         running = sched.running
         if not running:
             return False
-        if sched.policy == "priority" and sched.waiting and running[-1].priority > sched.waiting.peek().priority:
-            return True
-        kv = sched.kv_cache_manager
-        block_size, tables = sched.block_size, kv.req_to_blocks
-        order, rows = running_rows(sched), sched.rows
-        computed = rows.computed[order.rows]
-        needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows])
-        needed_blocks = -(-needed // block_size)
-        # A request's blocks cover its computed tokens: only those whose next chunk reaches past them may need more.
-        maybe = np.flatnonzero(needed_blocks > -(-computed // block_size))
-        free = kv.num_free_blocks
-        for i, num_blocks in zip(maybe.tolist(), needed_blocks[maybe].tolist()):
-            missing = num_blocks - len(tables[order.req_ids[i]])
-            if missing > 0:
-                free -= missing
-                if free < 0:
-                    return True
-        return False
+        if sched.policy == "priority" and sched.waiting:
+            priority = sched.waiting.peek().priority
+            if any(r.priority > priority for r in running):  # running is in admission order: any may be a victim
+                return True
+        return may_run_short(sched)
 
 
 def _advance(record: StepRows, rows: RequestRows, placeholders: bool, max_seq_len: int) -> None:

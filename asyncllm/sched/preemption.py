@@ -1,23 +1,22 @@
 """Preemption: taking a running request's KV blocks away, and the running order victims come from.
 
-The scheduler keeps `running` ordered so that the victim is always its last
-element: admission order under 'fcfs' (the most recently admitted request
-goes first), ``(priority, arrival_time)`` under 'priority' (the lowest
-priority, latest arrival goes first). The same order decides who is served
-first when the token budget is short.
+The scheduler keeps `running` in admission order under both policies (as
+vLLM V1): the running requests are served in that order when the token
+budget is short. The victim (`victim_index`) is the most recently admitted
+request under 'fcfs', the greatest ``(priority, arrival_time)`` (the lowest
+priority, latest arrival) under 'priority'.
 
 `Preemptor.preempt` frees the victim's GPU blocks, by recompute (its KV is
 dropped) or by swap (its computed blocks are copied to the CPU `SwapSpace`
 first; recompute when that is full), puts it back at the front of the
 waiting queue, counts it and warns (rate-limited). While the scheduler builds
 a step, `preempt_in_step` also drops the victim's row and lists it in the
-step's `preempted_req_ids`; `preempt_until_allocated` takes victims from the
-tail of `running` until a request's new slots fit.
+step's `preempted_req_ids`; `preempt_until_allocated` takes victims among the
+running requests not yet served in the step until a request's new slots fit.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -32,21 +31,24 @@ from asyncllm.sched.request import Request, RequestStatus
 if TYPE_CHECKING:
     from asyncllm.sched.scheduler import Scheduler, _Step
 
-__all__ = ["PreemptionLogger", "Preemptor", "insert_running", "preempt_in_step", "preempt_until_allocated"]
+__all__ = [
+    "PreemptionLogger", "Preemptor", "preempt_in_step", "preempt_until_allocated", "priority_key", "victim_index",
+]
 
 logger = logging.getLogger("asyncllm.sched")
 
 
-def _priority_key(request: Request) -> tuple[int, float]:
+def priority_key(request: Request) -> tuple[int, float]:
+    """A request's rank under 'priority': the greatest is preempted first."""
     return request.priority, request.arrival_time
 
 
-def insert_running(running: list[Request], request: Request, policy: str) -> None:
-    """Add an admitted request to `running`, keeping the policy's order (victim last)."""
-    if policy == "priority":
-        bisect.insort_right(running, request, key=_priority_key)
-    else:
-        running.append(request)
+def victim_index(running: list[Request], start: int, policy: str) -> int:
+    """The index in `running` of the request to preempt among those from `start` on: the last under 'fcfs', the
+    first of the greatest `priority_key` under 'priority' (vLLM V1's max over its running requests)."""
+    if policy != "priority":
+        return len(running) - 1
+    return max(range(start, len(running)), key=lambda i: (priority_key(running[i]), -i))
 
 
 class PreemptionLogger:
@@ -120,13 +122,18 @@ def preempt_in_step(sched: Scheduler, request: Request, step: _Step,
 
 
 def preempt_until_allocated(sched: Scheduler, request: Request, num_new: int, step: _Step) -> list[int] | None:
-    """Preempt the last running requests (maybe `request` itself) until its slots fit; None if it was the victim.
+    """Preempt victims (`victim_index`; maybe `request` itself) until its slots fit; None if it was the victim.
 
-    The last running request is never one scheduled in this step: those
-    come before `request`, which is itself still in the list.
+    Victims come from `request` on: the requests before it were served in
+    this step (vLLM may take one of those back; under 'priority' asyncllm's
+    step 0 takes vLLM's victims before any is served, so this is for what it
+    did not foresee: drafts). Removing one after `request` leaves the
+    caller's iteration over `running` intact.
     """
+    running = sched.running
+    start = next(i for i, r in enumerate(running) if r is request) if sched.policy == "priority" else 0
     while True:
-        victim = sched.running.pop()
+        victim = running.pop(victim_index(running, start, sched.policy))
         preempt_in_step(sched, victim, step)
         if victim is request:
             return None

@@ -4,8 +4,8 @@ free block).
 
 `Scheduler._schedule_running` calls `schedule_each` for the running requests from the first the bulk decodes did
 not schedule; same result as the vectorized path for the steps both can do (tests/unit/test_decode_step.py).
-When a request finds no free block, the last running requests are preempted until it does (maybe itself: then
-the loop ends).
+When a request finds no free block, running requests from it on are preempted until it does (`victim_index`;
+maybe itself: then the loop ends).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from asyncllm.sched.chunking import whole_spans
 from asyncllm.sched.preemption import preempt_until_allocated
 from asyncllm.spec.draft_model import DraftModelProposer
 
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     from asyncllm.sched.request import Request
     from asyncllm.sched.scheduler import Scheduler, _Step
 
-__all__ = ["schedule_each"]
+__all__ = ["draft_room", "schedule_each"]
 
 
 def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
@@ -40,8 +39,8 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
     cached_new_block_ids = cached.new_block_ids
     num_scheduled_tokens = step.num_scheduled_tokens
     budget = step.budget
-    # Preemption only pops the list's tail (never a request before this one), so iterating while it
-    # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
+    # Preemption only removes this request or one after it (never one before), so iterating while the list
+    # shrinks is safe: when the request preempts itself the loop ends.
     for request in islice(running, start, None):
         if budget <= 0 or (max_running is not None and len(num_scheduled_tokens) >= max_running):
             break
@@ -60,11 +59,9 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
             if drafts:
                 num_new += len(drafts)
             elif num_new != 1:
-                num_new = sched.chunking.chunk(num_new, budget)
-                if request.mm_items:
-                    num_new = whole_spans(request.mm_items, num_computed, num_new, budget)
-                    if not num_new:  # an image's rows need a fuller step
-                        continue
+                num_new = sched.chunking.prefill_chunk(request, budget)
+                if not num_new:  # an image's rows need a fuller step
+                    continue
             assert num_new > 0, request
             new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None and drafts:  # no room for the drafts: one token, as without them
@@ -92,7 +89,12 @@ def _drafts(sched: Scheduler, request: Request, budget: int) -> list[int]:
     buffer = request.draft_buffer
     if buffer is None:
         return []
-    room = min(budget - 1, request.max_output_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)
+    room = draft_room(request, budget)
     if isinstance(sched.proposer, DraftModelProposer):  # proposed by the workers after the last step
         return sched.proposer.take(request.request_id, room)
     return sched.proposer.propose(request.all_token_ids, buffer, room)  # type: ignore[union-attr]
+
+
+def draft_room(request: Request, budget: int) -> int:
+    """The drafts a decoding request may take this step: what the budget and its max_tokens leave after its token."""
+    return min(budget - 1, request.max_output_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)

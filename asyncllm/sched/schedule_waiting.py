@@ -7,22 +7,25 @@ whose LoRA adapter would be one too many (max_loras) is skipped and keeps its pl
 than `MAX_LORA_SKIPS` steps, the adapter requests queued after it are held too, so that the running adapters drain
 and free a slot for it (vLLM has no such bound: its skipped request can wait for as long as the running adapters'
 traffic lasts). `preempt_for_priority` is step 0 under 'priority': when the first waiting request would not be
-admitted in this step, the shortest tail of running requests of lower priority after which it would be (a seat, an
-adapter slot, token budget left by the running requests that stay, free blocks: `_running_plan` predicts what
-`Scheduler._schedule_running` will take) is preempted, and nobody when no tail would do: a victim that does not let
-it run only loses its KV and recomputes (vLLM never preempts for a waiting request).
+admitted in this step, the fewest running requests of lower priority, in vLLM's victim order (greatest
+`priority_key` first), after which it would be (a seat, an adapter slot, token budget left by the running requests
+that stay, free blocks: `_running_plan` predicts what `Scheduler._schedule_running` will take, with the same chunk
+arithmetic: `ChunkPolicy.prefill_chunk`, `draft_room`, `ChunkPolicy.first_chunk`) are preempted, and nobody when no
+number would do: a victim that does not let it run only loses its KV and recomputes (vLLM never preempts for a
+waiting request).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from asyncllm import protocol
 from asyncllm.protocol import EngineCoreEventType
-from asyncllm.sched.chunking import whole_spans
-from asyncllm.sched.preemption import insert_running, preempt_in_step
+from asyncllm.sched.decode_step import may_run_short
+from asyncllm.sched.preemption import preempt_in_step, priority_key
 from asyncllm.sched.request import RequestStatus
+from asyncllm.sched.schedule_each import draft_room
 
 if TYPE_CHECKING:
     from asyncllm.kv.block_pool import KVCacheBlock
@@ -35,75 +38,128 @@ MAX_LORA_SKIPS = 16
 """Steps a waiting request may be skipped for lack of an adapter slot before later adapter requests are held."""
 
 
-def preempt_for_priority(sched: Scheduler, step: _Step) -> None:
-    """Preempt the fewest lower-priority running requests, from the tail, after which the first waiting one is
-    admitted in this step (`_num_victims`); none when it would not be even with all of them gone: they would lose
-    their KV for nothing."""
+def preempt_for_priority(sched: Scheduler, step: _Step) -> bool:
+    """Step 0 under 'priority': vLLM's victims when the running requests' next tokens need more blocks than are free
+    (`_short_victims`), else the fewest lower-priority running requests after which the first waiting one is admitted
+    in this step (`_victims`). Whether it preempted for blocks: then, as when step 1 preempts, nobody is admitted."""
+    victims = _short_victims(sched, step)
+    for victim in victims:
+        sched.running.remove(victim)
+        preempt_in_step(sched, victim, step)
+    if victims or not sched.waiting:
+        return bool(victims)
     head = sched.waiting.peek()
-    num_victims = _num_victims(sched, head, step)
-    if num_victims:
-        why = f"request {head.request_id} of higher priority was waiting"
-        for _ in range(num_victims):
-            preempt_in_step(sched, sched.running.pop(), step, why=why)
+    why = f"request {head.request_id} of higher priority was waiting"
+    for victim in _victims(sched, head, step):
+        sched.running.remove(victim)
+        preempt_in_step(sched, victim, step, why=why)
+    return False
 
 
-def _num_victims(sched: Scheduler, head: Request, step: _Step) -> int:
-    """How many running requests of lower priority than `head`, from the tail, must go for `head` to be admitted in
-    this step: the fewest that leave it a seat, an adapter slot (max_loras), token budget after the running requests
-    that stay, and free blocks for theirs and its first chunk (a victim's block held by a request that stays, as a
-    shared prefix block, frees nothing); 0 when none would do."""
+def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
+    """The fewest running requests, greatest `priority_key` first, after which the others' next tokens (drafts
+    aside: they are dropped when no block is left for them) fit the free blocks: vLLM's victims, which it takes as
+    it meets a request without room (one it already served included); asyncllm takes them before serving any."""
+    kv = sched.kv_cache_manager
+    if not may_run_short(sched):  # cheap (arrays over the running requests' rows), and most steps
+        return []
+    eligible = sorted(sched.running, key=priority_key, reverse=True)
+    freed, plan = _Freed(sched, eligible, set()), _running_plan(sched, step, drafts=False)
+
+    def fits(num_victims: int) -> bool:
+        _, num_blocks, _ = plan(set(map(id, eligible[:num_victims])))
+        return num_blocks <= kv.num_free_blocks + freed[num_victims]
+
+    return eligible[:_fewest(fits, 0, len(eligible))]
+
+
+def _victims(sched: Scheduler, head: Request, step: _Step) -> list[Request]:
+    """The running requests of lower priority than `head`, greatest `priority_key` first (vLLM's victim order),
+    the fewest of which must go for `head` to be admitted in this step: a seat, an adapter slot (max_loras), token
+    budget after the running requests that stay, and free blocks for theirs and its first chunk (a victim's block
+    held by a request that stays, as a shared prefix block, frees nothing); none when none would do."""
     running, kv = sched.running, sched.kv_cache_manager
-    num_eligible = 0
-    while num_eligible < len(running) and running[-1 - num_eligible].priority > head.priority:
-        num_eligible += 1
-    if not num_eligible:
-        return 0
-    plan = _running_plan(sched, step)
+    eligible = sorted((r for r in running if r.priority > head.priority), key=priority_key, reverse=True)
+    low = max(len(running) - sched.max_num_seqs + 1, _adapter_bound(sched, head, eligible))  # a seat, a slot
+    if not eligible or low > len(eligible):
+        return []
     hits, num_computed, _ = _resume_point(sched, head)
-    hit_ids = {block.block_id for block in hits}
-    holders: dict[int, int] = {}  # block id -> how many of the victims so far hold it
-    loras = _lora_counts(sched, head)
-    num_freed, last_budget, num_needed = 0, -1, None
-    for num_victims in range(num_eligible + 1):
-        if num_victims:
-            victim = running[-num_victims]
-            num_freed += _num_freed(kv.req_to_blocks.get(victim.request_id, ()), holders, hit_ids)
-            if loras.get(victim.lora_int_id, 0) > 0:
-                loras[victim.lora_int_id] -= 1
-        num_kept = len(running) - num_victims
-        budget, num_blocks, num_scheduled = plan[num_kept]
-        if num_kept >= sched.max_num_seqs or (step.max_reqs is not None and num_scheduled >= step.max_reqs):
-            continue
-        if _one_too_many(head.lora_int_id, {lora for lora, n in loras.items() if n}, sched.max_loras):
-            continue
-        if budget != last_budget:
-            last_budget, num_needed = budget, _first_chunk_blocks(sched, head, hits, num_computed, budget)
-        if num_needed is not None and num_blocks + num_needed <= kv.num_free_blocks + num_freed:
-            return num_victims
-    return 0
+    freed, plan = _Freed(sched, eligible, {block.block_id for block in hits}), _running_plan(sched, step)
+
+    def admitted(num_victims: int) -> bool:
+        budget, num_blocks, num_scheduled = plan(set(map(id, eligible[:num_victims])))
+        if step.max_reqs is not None and num_scheduled >= step.max_reqs:
+            return False
+        num_needed = _first_chunk_blocks(sched, head, hits, num_computed, budget)
+        return num_needed is not None and num_blocks + num_needed <= kv.num_free_blocks + freed[num_victims]
+
+    return eligible[:_fewest(admitted, max(low, 0), len(eligible))]
 
 
-def _lora_counts(sched: Scheduler, head: Request) -> dict[int, int]:
-    """The running requests of each adapter, when `head`'s could be one too many (max_loras); else empty."""
+def _fewest(enough: Callable[[int], bool], low: int, high: int) -> int:
+    """The fewest victims from `low` to `high` that are `enough`, by bisection, each try a pass over the running
+    requests (`_running_plan`); 0 when `high` is not enough. More victims leave as much room or more (but where a
+    prefill that stays takes the budget a victim left, and blocks with it), and the count returned was tried."""
+    if enough(low):
+        return low
+    if low == high or not enough(high):
+        return 0
+    low += 1
+    while low < high:
+        mid = (low + high) // 2
+        if enough(mid):
+            high = mid
+        else:
+            low = mid + 1
+    return high
+
+
+class _Freed:
+    """The blocks the first 0, 1, ... `victims` free (`_num_freed`), counted as far as asked."""
+
+    def __init__(self, sched: Scheduler, victims: list[Request], hit_ids: set[int]) -> None:
+        self._req_to_blocks, self._victims, self._hit_ids = sched.kv_cache_manager.req_to_blocks, victims, hit_ids
+        self._holders: dict[int, int] = {}  # block id -> how many of the victims so far hold it
+        self._freed = [0]
+
+    def __getitem__(self, num_victims: int) -> int:
+        freed = self._freed
+        while len(freed) <= num_victims:
+            victim = self._victims[len(freed) - 1]
+            blocks = self._req_to_blocks.get(victim.request_id, ())
+            freed.append(freed[-1] + _num_freed(blocks, self._holders, self._hit_ids))
+        return freed[num_victims]
+
+
+def _adapter_bound(sched: Scheduler, head: Request, victims: list[Request]) -> int:
+    """The fewest `victims` after which `head`'s adapter is not one too many (max_loras); len(victims) + 1: none."""
+    if not (sched.max_loras and head.lora_int_id):
+        return 0
     counts: dict[int, int] = {}
-    if sched.max_loras and head.lora_int_id:
-        for request in sched.running:
-            if request.lora_int_id:
-                counts[request.lora_int_id] = counts.get(request.lora_int_id, 0) + 1
-    return counts
+    for request in sched.running:
+        if request.lora_int_id:
+            counts[request.lora_int_id] = counts.get(request.lora_int_id, 0) + 1
+    for num_victims in range(len(victims) + 1):
+        if num_victims and counts.get(victims[num_victims - 1].lora_int_id, 0) > 0:
+            counts[victims[num_victims - 1].lora_int_id] -= 1
+        if not _one_too_many(head.lora_int_id, {lora for lora, n in counts.items() if n}, sched.max_loras):
+            return num_victims
+    return len(victims) + 1
 
 
 def _first_chunk_blocks(sched: Scheduler, head: Request, hits: list[KVCacheBlock], num_computed: int,
                         budget: int) -> int | None:
     """The free blocks `head`'s first chunk would take under `budget`, as `schedule_waiting` admits it; None: it
     would get no token."""
-    num_new = sched.chunking.admission_chunk(head.num_tokens - num_computed, budget)
-    if head.mm_items:
-        num_new = whole_spans(head.mm_items, num_computed, num_new, budget)
+    num_new = sched.chunking.first_chunk(head, num_computed, budget)
     if not num_new:
         return None
-    return sched.kv_cache_manager.num_blocks_to_allocate(head, num_computed - len(hits) * sched.block_size + num_new,
-                                                         hits)
+    return sched.kv_cache_manager.num_blocks_to_allocate(head, _num_slots(sched, hits, num_computed, num_new), hits)
+
+
+def _num_slots(sched: Scheduler, hits: list[KVCacheBlock], num_computed: int, num_new: int) -> int:
+    """The slots an admitted request allocates beyond its prefix hits: its resume point's rest and first chunk."""
+    return num_computed - len(hits) * sched.block_size + num_new
 
 
 def _one_too_many(lora_id: int, loras: set[int], max_loras: int) -> bool:
@@ -122,36 +178,41 @@ def _num_freed(blocks: Iterable[KVCacheBlock], holders: dict[int, int], hit_ids:
     return num_freed
 
 
-def _running_plan(sched: Scheduler, step: _Step) -> list[tuple[int, int, int]]:
-    """The token budget left, the blocks taken and the requests scheduled once the first 0, 1, ... of the running
-    requests are scheduled in this step, as `Scheduler._schedule_running` would (drafts at their most)."""
-    kv = sched.kv_cache_manager
+def _running_plan(sched: Scheduler, step: _Step, drafts: bool = True) -> Callable[[set[int]], tuple[int, int, int]]:
+    """The token budget left, the blocks taken and the requests scheduled once the running requests but those
+    `gone` (their ids) are scheduled in this step, as `Scheduler._schedule_running` would (drafts at their most,
+    or none), for any `gone`: a decode's token and blocks, the same under any budget, are counted once."""
+    kv, chunking, running = sched.kv_cache_manager, sched.chunking, sched.running
     spec = sched.config.scheduler_config.speculative
-    max_drafts = spec.num_speculative_tokens if sched.proposer is not None and spec is not None else 0
-    budget, num_blocks, num_scheduled = step.budget, 0, 0
-    plan = [(budget, num_blocks, num_scheduled)]
-    for request in sched.running:
-        if budget > 0 and (step.max_running is None or num_scheduled < step.max_running):
-            num_new = _running_chunk(sched, request, budget, max_drafts)
-            if num_new:
+    max_drafts = spec.num_speculative_tokens if drafts and sched.proposer is not None and spec is not None else 0
+    decodes = [kv.num_blocks_to_allocate(r, 1) if r.num_tokens - r.num_computed_tokens == 1
+               and not (max_drafts and r.draft_buffer is not None) else None for r in running]
+    max_running = step.max_running
+
+    def plan(gone: set[int]) -> tuple[int, int, int]:
+        budget, num_blocks, num_scheduled = step.budget, 0, 0
+        for request, decode_blocks in zip(running, decodes):
+            if budget <= 0 or (max_running is not None and num_scheduled >= max_running):
+                break
+            if gone and id(request) in gone:
+                continue
+            if decode_blocks is not None:
+                num_new = 1
+                num_blocks += decode_blocks
+            else:
+                num_new = request.num_tokens - request.num_computed_tokens
+                if num_new == 1:  # drafts
+                    num_new += min(max_drafts, draft_room(request, budget))
+                elif num_new:
+                    num_new = chunking.prefill_chunk(request, budget)
+                if not num_new:
+                    continue
                 num_blocks += kv.num_blocks_to_allocate(request, num_new)
-                budget -= num_new
-                num_scheduled += 1
-        plan.append((budget, num_blocks, num_scheduled))
+            budget -= num_new
+            num_scheduled += 1
+        return budget, num_blocks, num_scheduled
+
     return plan
-
-
-def _running_chunk(sched: Scheduler, request: Request, budget: int, max_drafts: int) -> int:
-    """The tokens `schedule_each` (asyncllm/sched/schedule_each.py) would schedule for a running request, its
-    drafts counted at their most; 0: none this step."""
-    num_computed = request.num_computed_tokens
-    num_new = request.num_tokens - num_computed
-    if num_new == 1:
-        return 1 + min(max_drafts, budget - 1) if request.draft_buffer is not None else 1
-    if not num_new:
-        return 0
-    num_new = sched.chunking.chunk(num_new, budget)
-    return whole_spans(request.mm_items, num_computed, num_new, budget) if request.mm_items else num_new
 
 
 def schedule_waiting(sched: Scheduler, step: _Step) -> None:
@@ -177,12 +238,10 @@ def schedule_waiting(sched: Scheduler, step: _Step) -> None:
             skipped.append(sched.waiting.pop())
             continue
         hits, num_computed, swapped = _resume_point(sched, request)
-        num_new = sched.chunking.admission_chunk(request.num_tokens - num_computed, step.budget)
-        if request.mm_items:
-            num_new = whole_spans(request.mm_items, num_computed, num_new, step.budget)
+        num_new = sched.chunking.first_chunk(request, num_computed, step.budget)
         if num_new == 0:
             break
-        block_ids = kv.allocate_slots(request, num_computed - len(hits) * sched.block_size + num_new, hits)
+        block_ids = kv.allocate_slots(request, _num_slots(sched, hits, num_computed, num_new), hits)
         if block_ids is None:
             break
         sched.waiting.pop()
@@ -241,4 +300,4 @@ def _admit(sched: Scheduler, request: Request, num_computed_tokens: int) -> None
     request.num_lora_skips = 0
     if request.num_preemptions == 0:
         request.num_cached_tokens = num_computed_tokens
-    insert_running(sched.running, request, sched.policy)
+    sched.running.append(request)

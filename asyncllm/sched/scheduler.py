@@ -3,12 +3,17 @@
 One `schedule()` builds one step under `max_num_batched_tokens` tokens and
 `max_num_seqs` requests:
 
-0. 'priority' only: while the first waiting request outranks the last running
-   one and finds no seat or too few free blocks, that running request is preempted.
-1. RUNNING requests first, in the policy's order (`insert_running`): decodes
-   and prefills under way. When no block is free for one, the last running
-   request is preempted (maybe itself): by recompute, or by swap to the CPU
-   `SwapSpace` (recompute when it is full), and queued again at the front.
+0. 'priority' only: when the running requests' next tokens need more blocks
+   than are free, the fewest of them, lowest priority and latest arrival first
+   (vLLM's victims), are preempted, and nobody is admitted; else, when the
+   first waiting request would not be admitted, the fewest lower-priority
+   running requests (in that order) after which it would be; none when no
+   number would do.
+1. RUNNING requests first, in admission order (as vLLM V1, under both
+   policies): decodes and prefills under way. When no block is free for one, a
+   request not yet served is preempted (maybe itself; `victim_index`: the last
+   under fcfs, the lowest priority under priority): by recompute, or by swap to
+   the CPU `SwapSpace` (recompute when it is full), and queued again.
 2. If step 1 preempted nothing, WAITING requests in queue order with what is
    left: prefix-cache hits (plus a swapped request's swap-in), then the prompt
    or a chunk of it, until blocks, budget or seats run out.
@@ -150,7 +155,7 @@ class Scheduler:
         """Every unfinished request (waiting, running or preempted) by request_id."""
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
-        """Running requests in the policy's order (`insert_running`): the last one is preempted first."""
+        """Running requests in admission order; victims by `victim_index` (asyncllm/sched/preemption.py)."""
         self.rows = RequestRows(config.max_num_seqs)
         """The running requests' counters (asyncllm/sched/rows.py): each holds a row while in `running`."""
         self.running_order: StepRows | None = None
@@ -283,11 +288,10 @@ class Scheduler:
         it carries `finished_req_ids` and `preempted_req_ids` only once.
         """
         step = _Step(self.max_num_batched_tokens, *self._micro_batch_size())
-        if self.policy == "priority" and self.waiting and self.running:
-            preempt_for_priority(self, step)
+        short = self.policy == "priority" and bool(self.running) and preempt_for_priority(self, step)
         num_preempted = len(step.preempted_req_ids)
         self._schedule_running(step)
-        if len(step.preempted_req_ids) == num_preempted:
+        if not short and len(step.preempted_req_ids) == num_preempted:
             schedule_waiting(self, step)
         total = self.max_num_batched_tokens - step.budget  # every scheduled token was taken from the budget
         offloads, loads = self.kv_cache_manager.take_offload_copies()  # the CPU tier's (asyncllm/kv/offload.py)

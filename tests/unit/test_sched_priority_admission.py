@@ -87,7 +87,9 @@ def test_fcfs_refuses_priorities_and_never_preempts_for_a_waiting_request():
     assert run_step(sched)[0].preempted_req_ids == []
 
 
-def test_priority_running_order_serves_higher_priorities_first_under_the_budget():
+def test_priority_running_requests_keep_admission_order_under_the_budget():
+    """As vLLM V1: the running requests are served in admission order, so the decodes of b and a (priority 1, 2)
+    keep their tokens ahead of c's prefill (priority 0, admitted after them), which gets the rest of the budget."""
     sched = scheduler(scheduling_policy="priority", max_num_batched_tokens=11)
     sched.add_request(request("a", 4, priority=2, arrival=0.0))
     sched.add_request(request("b", 4, priority=1, arrival=1.0))
@@ -96,12 +98,23 @@ def test_priority_running_order_serves_higher_priorities_first_under_the_budget(
     sched.add_request(request("d", 20, priority=1, arrival=0.5))
     out, _ = run_step(sched)
     assert list(out.num_scheduled_tokens.items()) == [("b", 1), ("a", 1), ("c", 9)]
-    assert ids(sched.running) == ["c", "b", "a"]
+    assert ids(sched.running) == ["b", "a", "c"]
+    steps = [list(run_step(sched)[0].num_scheduled_tokens.items()) for _ in range(2)]
+    assert steps == [[("b", 1), ("a", 1), ("c", 9)], [("b", 1), ("a", 1), ("c", 2), ("d", 7)]]
+    assert ids(sched.running) == ["b", "a", "c", "d"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request_wherever_it_was_admitted():
+    """b (priority 5) was admitted before a (priority 0): when a's decode needs a block and none is free, b is the
+    victim (vLLM's max over (priority, arrival)), not a, which comes after it in the running list."""
+    sched = scheduler(num_gpu_blocks=4, max_model_len=16, scheduling_policy="priority", enable_prefix_caching=False)
+    sched.add_request(request("b", 4, priority=5, max_tokens=8))
+    run_step(sched)
+    sched.add_request(request("a", 8, priority=0, arrival=1.0, max_tokens=8))
     out, _ = run_step(sched)
-    assert out.num_scheduled_tokens == {"c": 11}  # c's prefill takes the whole budget; a and b wait a step
-    out, _ = run_step(sched)
-    assert list(out.num_scheduled_tokens.items()) == [("c", 1), ("b", 1), ("a", 1), ("d", 8)]
-    assert ids(sched.running) == ["c", "d", "b", "a"]
+    assert (out.num_scheduled_tokens, ids(sched.running)) == ({"b": 1, "a": 8}, ["b", "a"])
+    out, _ = run_step(sched)  # b's decode fits its block; a's starts a new one, and the 4 blocks are taken
+    assert (out.num_scheduled_tokens, out.preempted_req_ids, ids(sched.running)) == ({"a": 1}, ["b"], ["a"])
 
 
 # ------------------------------------------------------------------ admission control

@@ -150,7 +150,7 @@ def _step_summary(out) -> tuple[dict[str, int], list[str], list[str]]:
 
 
 @pytest.mark.parametrize(("prompt", "preempted"), [(24, ["d", "c"]), (30, [])])
-def test_priority_preempts_the_shortest_tail_that_admits_the_waiting_request_or_none(prompt, preempted):
+def test_priority_preempts_the_fewest_that_admit_the_waiting_request_or_none(prompt, preempted):
     """12 blocks of 4: a (priority 0) holds 5, b, c, d (priority 5) one each; e (priority 1) needs 6 blocks (d and c
     make room) or 8 (7 free with all three gone: preempting them would only make them recompute)."""
     sched = make_scheduler(num_gpu_blocks=12, enable_prefix_caching=False, scheduling_policy="priority")
@@ -183,8 +183,9 @@ def test_priority_does_not_preempt_a_request_whose_blocks_are_shared():
 
 
 def test_priority_preempts_only_when_the_waiting_request_gets_tokens_in_the_step():
-    """One seat left for c (priority 1) if b (priority 5) goes, but a's prefill (priority 0) takes the whole budget
-    of 8 until its last chunk: b is preempted only in the step that admits c."""
+    """One seat left for c (priority 1) if b (priority 5) goes, but a's prefill (priority 0) takes what b's decode
+    leaves of the budget of 8 (b was admitted first), and all of it with b gone, until its last chunk: b is
+    preempted only in the step that admits c."""
     sched = make_scheduler(scheduling_policy="priority", max_num_seqs=2, max_num_batched_tokens=8,
                            enable_prefix_caching=False)
     sched.add_request(_priority_request("b", 3, 5, 0.0))
@@ -193,7 +194,7 @@ def test_priority_preempts_only_when_the_waiting_request_gets_tokens_in_the_step
     run_step(sched)  # a: 7 tokens, b: 1
     sched.add_request(_priority_request("c", 3, 1, 2.0))
     steps = [_step_summary(run_step(sched)[0]) for _ in range(5)]
-    assert steps == [({"a": 8}, [], [])] * 4 + [({"a": 1, "c": 3}, ["b"], ["c"])]
+    assert steps == [({"b": 1, "a": 7}, [], [])] * 4 + [({"a": 5, "c": 3}, ["b"], ["c"])]
 
 
 def test_priority_preempts_the_requests_of_an_adapter_one_too_many_with_the_seat():
