@@ -7,6 +7,7 @@ weight, LoRA, prefix-cache and sleep controls `EngineControl` (asyncllm/engine/e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -204,10 +205,13 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._rebind(loop)
 
     def _rebind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve `loop` from now on; the closed loop's requests are aborted (their tasks were cancelled with it)."""
+        """Serve `loop` from now on; the closed loop's requests are aborted (their tasks were cancelled with it) and
+        their collectors ended (a stream of that loop raises `EventLoopError` here: `RequestStream._check_loop`)."""
         for collector in list(self._in_flight):
             if not collector.finished:
                 self._abort(collector.request_id)
+                with contextlib.suppress(RuntimeError):  # a waiter of a loop closed with its tasks still pending
+                    collector.put_error(EventLoopError("its event loop closed; the engine moved to another loop"))
         self._in_flight = weakref.WeakSet()
         self._loop = loop
 

@@ -117,7 +117,8 @@ class RequestCollector:
         """Every sample finished, or the request failed: nothing more is accepted."""
         self.replica = 0
         """The data-parallel replica (engine core) that serves every sample of it (docs/parallelism.md)."""
-        self._num_unfinished = n
+        self._unfinished: dict[int, float | None] = dict.fromkeys(range(n))
+        """Each unfinished sample's latest ``cumulative_logprob``: what its abort delta carries (`abort`)."""
         self._pending: dict[int, StreamDelta] = {}
         """DELTA: the merged pending delta of each sample, in arrival order."""
         self._samples = None if output_kind is RequestOutputKind.DELTA else [_SampleOutput(i) for i in range(n)]
@@ -136,8 +137,10 @@ class RequestCollector:
         if self.finished:
             return
         if delta.finish_reason is not None:
-            self._num_unfinished -= 1
-            self.finished = self._num_unfinished == 0
+            self._unfinished.pop(delta.index, None)
+            self.finished = not self._unfinished
+        elif delta.index in self._unfinished:
+            self._unfinished[delta.index] = delta.cumulative_logprob
         if self._samples is None:
             pending = self._pending.get(delta.index)
             if pending is None:
@@ -158,6 +161,17 @@ class RequestCollector:
         self.finished = True
         self._error = error
         self._ready.set()
+
+    def abort(self) -> None:
+        """End every unfinished sample with finish_reason "abort", as the engine's close does (`_fail_all`): the
+        stream was left (`RequestStream.aclose`), and a task still reading it gets these last deltas."""
+        for index, cumulative_logprob in list(self._unfinished.items()):
+            self.put(StreamDelta(index, "", [], "abort", cumulative_logprob=cumulative_logprob))
+
+    @property
+    def pending(self) -> bool:
+        """Deltas (or snapshots) not handed out yet."""
+        return bool(self._pending or self._changed)
 
     async def get(self) -> StreamDelta:
         """The next sample's merged delta (or snapshot); raises the request's error once all are out."""

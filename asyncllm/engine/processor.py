@@ -108,6 +108,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._ending: list[RequestCollector] = []
         """Requests the core message being handled ended (untracked, their last item not delivered yet): should the
         thread fail before it delivers them, `_fail_all` fails them too."""
+        self._adding: Submit | None = None
+        """The request `_add_request` is handling: should the thread fail in it, `_fail_queued_requests` fails it."""
         self._submissions = itertools.count()
         """Numbers each request's core ids apart from an earlier request of the same id (`sample_request_ids`)."""
         self._logprobs_decoder = LogprobsDecoder(tokenizer)
@@ -239,11 +241,12 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self._doorbell_pull.close(linger=0)
 
     def _fail_queued_requests(self) -> None:
-        """Requests posted that the ending thread will never serve: they fail rather than wait forever."""
+        """Requests posted that the ending thread will never serve (the one it failed while adding included): they
+        fail rather than wait forever, with the error the others got."""
         error = self.dead or errors.EngineDeadError("the engine was closed")
         with self._accepting_lock:  # a `_post` between its check and its put finishes first: its job is drained
             self._accepting = False
-            jobs = []
+            jobs = [] if self._adding is None else [self._adding]
             while not self._jobs.empty():
                 jobs.append(self._jobs.get_nowait())
         for job in jobs:
@@ -337,7 +340,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             except queue.Empty:
                 return True
             if isinstance(job, Submit):
+                self._adding = job
                 self._add_request(dealer, job)
+                self._adding = None
             elif job[0] == "abort":
                 untracked = self._untrack(job[1])
                 if untracked:

@@ -2,17 +2,21 @@
 
 Leaving it in any way aborts the request in the core: the last delta,
 ``break`` (the object is dropped), ``aclose()``, ``async with`` exit, task
-cancellation or a timeout around ``__anext__``, or garbage collection.
+cancellation or a timeout around ``__anext__``, or garbage collection. A stream
+left before its end ends as the engine's ``aclose()`` ends it: each unfinished
+sample's last delta has finish_reason "abort" (what a task still reading it, or
+a later ``__anext__``, gets), then it stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.errors import POOLING_OPERATIONS, InvalidRequestError
+from asyncllm.errors import POOLING_OPERATIONS, EventLoopError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.pooling import PoolingParams
@@ -133,7 +137,10 @@ class RequestStream:
         """The OpenTelemetry context where the stream was made: its request span's parent, however late and on
         whichever task the stream is first iterated (a StreamingResponse iterates it after the handler returned)."""
         self.collector: RequestCollector | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The event loop the request was submitted from: its deliveries go there (`_check_loop`)."""
         self._done = False
+        """Left, or every delta handed out: nothing more is aborted, what the collector holds is still handed out."""
 
     @property
     def request_id(self) -> str | None:
@@ -143,12 +150,17 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
-        if self._done:
+        if self._done and (self.collector is None or not self.collector.pending):
             raise StopAsyncIteration
+        if self.collector is not None:
+            self._check_loop()
         try:
             if self.collector is None:
-                self.collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat,
-                                                            self._trace_context)
+                collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat,
+                                                       self._trace_context)
+                self.collector, self._loop = collector, asyncio.get_running_loop()
+                if self._done:  # left (``aclose()`` from another task) while this was submitting it
+                    self._abort()
             delta = await self.collector.get()
         except BaseException:
             self._leave()
@@ -169,8 +181,27 @@ class RequestStream:
     def _leave(self) -> None:
         if not self._done:
             self._done = True
-            if self.collector is not None and not self.collector.finished:
-                self._engine._abort(self.collector.request_id)
+            self._abort()
+
+    def _abort(self) -> None:
+        """Abort the request in the core, and end its collector's samples now (a reader in another task wakes)."""
+        if self.collector is not None and not self.collector.finished:
+            self._engine._abort(self.collector.request_id)
+            self.collector.abort()
+
+    def _check_loop(self) -> None:
+        """A stream's deltas reach the loop it was submitted from; a takeover of the engine by a new loop
+        (`AsyncEngine._check_loop`) aborted the requests of the closed one."""
+        loop = self._loop
+        if loop is asyncio.get_running_loop():
+            return
+        self._engine._check_loop()  # the engine's open loop refuses this one; a closed one's is taken over
+        if loop is not None and loop.is_closed():
+            raise EventLoopError(
+                "this stream's request was made in an event loop that has closed; the engine moved to this loop, "
+                "which aborted that loop's requests: make a new request here")
+        raise EventLoopError("this stream's request was made in another event loop, which is still open and "
+                             "receives its deltas: iterate it there")
 
     def __del__(self) -> None:
         try:

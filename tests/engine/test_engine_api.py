@@ -8,7 +8,8 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, EventLoopError, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, EngineDeadError, EventLoopError, InvalidRequestError, SamplingParams
+from asyncllm.engine.processor import Processor
 from hf_reference import hf_greedy
 from engine_helpers import wait_idle as _wait_idle
 
@@ -103,6 +104,59 @@ async def test_timeout_and_aclose_abort(engine: AsyncEngine) -> None:
     other = engine.stream("if x:\n", LONG)
     await other.__anext__()
     await other.aclose()
+    await _wait_idle(engine)
+
+
+async def _read(stream, deltas: list | None = None) -> list:
+    deltas = [] if deltas is None else deltas
+    async for delta in stream:
+        deltas.append(delta)
+    return deltas
+
+
+@pytest.mark.parametrize(("n", "close"), [(1, "aclose"), (2, "aclose"), (1, "async with"), (2, "async with")])
+async def test_a_stream_closed_in_another_task_ends_its_reader_with_abort_deltas(engine: AsyncEngine, n: int,
+                                                                                close: str) -> None:
+    """`aclose()` (or an ``async with`` exit) while another task reads: the reader's loop ends as `engine.aclose()`
+    ends a stream, each unfinished sample's last delta with finish_reason "abort" (it waited forever, before)."""
+    stream = engine.stream("class A:\n", SamplingParams(n=n, temperature=1.0, max_tokens=500, ignore_eos=True))
+    deltas: list = []
+    reader = asyncio.create_task(_read(stream, deltas))
+    async with asyncio.timeout(30):
+        while len({d.index for d in deltas}) < n:  # the reader waits for more, mid-generation
+            await asyncio.sleep(0.005)
+    if close == "aclose":
+        await stream.aclose()
+    else:
+        async with stream:
+            pass
+    await asyncio.wait_for(reader, 5)
+    for index in range(n):
+        reasons = [d.finish_reason for d in deltas if d.index == index]
+        assert reasons[-1] == "abort" and reasons[:-1] == [None] * (len(reasons) - 1)
+    await _wait_idle(engine)
+
+
+async def test_a_stream_closed_while_its_first_step_submits_aborts_the_request(engine: AsyncEngine,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`aclose()` from another task while the reader's first `__anext__` still submits (the engine starting, or
+    waiting for a core restart): the request is aborted once submitted and the reader gets its abort delta (it
+    generated to its end unread, before)."""
+    pick, entered, release = engine._replicas.pick, asyncio.Event(), asyncio.Event()
+
+    async def slow_pick(*args):
+        entered.set()
+        await release.wait()
+        return await pick(*args)
+
+    monkeypatch.setattr(engine._replicas, "pick", slow_pick)
+    stream = engine.stream("while True:\n", LONG)
+    reader = asyncio.create_task(_read(stream))
+    await asyncio.wait_for(entered.wait(), 10)
+    await stream.aclose()
+    release.set()
+    deltas = await asyncio.wait_for(reader, 5)
+    assert [(d.token_ids, d.finish_reason) for d in deltas] == [([], "abort")]
     await _wait_idle(engine)
 
 
@@ -242,22 +296,35 @@ async def test_a_request_from_another_open_loop_is_refused_at_once(engine: Async
     with pytest.raises(EventLoopError, match="one engine per event loop"):
         await asyncio.to_thread(other_loop)
     assert len((await engine.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))).token_ids) == 2
+    stream = engine.stream("x", SamplingParams(max_tokens=3, ignore_eos=True))  # a stream read from another loop
+    first = await stream.__anext__()
+    with pytest.raises(EventLoopError, match="one engine per event loop"):
+        await asyncio.to_thread(asyncio.run, stream.__anext__())
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in await _read(stream)) == 3  # its own loop reads on
 
 
 async def test_lazy_start_on_first_request_then_a_later_asyncio_run(tiny_llama: str) -> None:
     """The first request starts the engine; once its loop closed (asyncio.run returned, a per-test loop ended) the
-    engine serves the next loop (it hung, before)."""
+    engine serves the next loop (it hung, before). A stream the first loop left open is aborted by the takeover and
+    raises `EventLoopError` in the new loop (it gave a stale delta, then a bare RuntimeError, before)."""
     engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=256)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    held = engine.stream([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
 
     async def first() -> tuple[bool, list[int]]:
         assert not engine.started
         out = await engine.generate([5, 6, 7], params)
+        await held.__anext__()
         return engine.started, out.token_ids
 
     async def second() -> list[int]:
         try:
-            return (await asyncio.wait_for(engine.generate([5, 6, 7], params), 20)).token_ids
+            with pytest.raises(EventLoopError, match="event loop that has closed"):
+                await held.__anext__()
+            out = (await asyncio.wait_for(engine.generate([5, 6, 7], params), 20)).token_ids
+            await _wait_idle(engine)
+            assert engine.stats().request_success_total["abort"] == 1  # the held request, by the takeover
+            return out
         finally:
             await engine.aclose()
 
@@ -269,3 +336,20 @@ async def test_lazy_start_on_first_request_then_a_later_asyncio_run(tiny_llama: 
 
     (started, one), two = await asyncio.to_thread(runs)
     assert started and len(one) == 3 and two == one
+
+
+async def test_a_request_the_processor_thread_fails_on_gets_the_error_every_stream_gets(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The processor thread dying while it adds a request (a bug in asyncllm) fails that request too, with the
+    error the open streams get (it got no reply and waited forever, before)."""
+    def broken(self, dealer, job) -> None:
+        raise RuntimeError("a bug in the add path")
+
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=256) as engine:
+        running = engine.stream([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        await running.__anext__()
+        monkeypatch.setattr(Processor, "_add_request", broken)
+        with pytest.raises(EngineDeadError, match="processor thread failed: a bug in the add path"):
+            await asyncio.wait_for(engine.generate("x", SamplingParams(max_tokens=2)), 10)
+        with pytest.raises(EngineDeadError, match="processor thread failed: a bug in the add path"):
+            await _read(running)

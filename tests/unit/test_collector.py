@@ -82,3 +82,18 @@ async def test_error_comes_after_the_pending_deltas() -> None:
     assert (await c.get()).text == "a" and not c.done
     with pytest.raises(InvalidRequestError):
         await c.get()
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+async def test_abort_ends_each_unfinished_sample_as_the_engine_close_does(kind: RequestOutputKind) -> None:
+    """A stream left (`RequestStream.aclose`): each unfinished sample's last delta says "abort" and keeps its running
+    ``cumulative_logprob``, as `_fail_all`'s; a finished sample gets none."""
+    c = RequestCollector("r", 0.0, n=3, output_kind=kind)
+    c.put(delta(0, "a", 1))
+    c.put(delta(1, "x", 7, "stop"))
+    c.abort()
+    assert c.finished
+    got = {d.index: d for d in await drain(c)}
+    assert (got[0].text, got[0].finish_reason, got[0].cumulative_logprob) == ("a", "abort", -1.0)
+    assert (got[2].text, got[2].token_ids, got[2].finish_reason, got[2].cumulative_logprob) == ("", [], "abort", None)
+    assert got[1].finish_reason == "stop" and not c.pending

@@ -17,7 +17,7 @@ def _processor(jobs: queue.SimpleQueue) -> tuple[Processor, list]:
     """A `Processor` with only what `_post` and `_fail_queued_requests` use; what it delivers goes to the list."""
     delivered: list = []
     processor = Processor.__new__(Processor)
-    processor._jobs, processor.dead, processor._accepting = jobs, None, True
+    processor._jobs, processor.dead, processor._accepting, processor._adding = jobs, None, True, None
     processor._accepting_lock, processor._doorbell_lock = threading.Lock(), threading.Lock()
     processor._doorbell = SimpleNamespace(closed=True)
     processor._deliver = lambda batch, stats: delivered.extend(batch)
