@@ -8,7 +8,7 @@ import sys
 
 from asyncllm import __version__
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
-from asyncllm.cli_config import expand_config_file
+from asyncllm.cli_config import dash_flag_names, expand_config_file
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
@@ -77,7 +77,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = dash_flag_names(sys.argv[1:] if argv is None else argv)  # vLLM's --max_model_len too, for every command
     if argv[:1] == ["bench"]:  # its own parser: asyncllm.bench.cli
         from asyncllm.bench.cli import main as bench_main
 

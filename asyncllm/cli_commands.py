@@ -34,8 +34,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the model ids clients may send; responses carry the first "
                             "(default: MODEL as given, or asyncllm-tiny)")
-    serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {envs.API_KEY.name})")
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on /v1 routes, KEY any of those given (vLLM's; "
+                            f"or set {envs.API_KEY.name}, one key)")
     serve.add_argument("--connect", default=None, metavar="ADDRESS",
                        help="attach to a running `asyncllm engine` core at ADDRESS instead of starting one")
     serve.add_argument("--max-n", type=int, default=128, help="largest n per request (default: %(default)s)")
@@ -74,11 +75,10 @@ def add_serve_parser(commands: Any) -> None:
                        help="put X-Request-Id on every response: the request's own, else a random id (vLLM's flag)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat_template (Jinja from clients)")
-    serve.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=None,
-                       metavar="NAME=PATH",
+    serve.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                        help="LoRA adapters served as models of their own: a request with model NAME runs with the "
                             "adapter at PATH; also JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
-                            "(needs --enable-lora)")
+                            "(needs --enable-lora; given again, the last list replaces the others, as vLLM's)")
     serve.add_argument("--enable-prompt-tokens-details", action="store_true",
                        help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the "
                             "prefix cache (vLLM's flag)")
@@ -201,10 +201,10 @@ def cors_policy(args: argparse.Namespace) -> Any:
     return CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
-def warn_open_cors(cors: Any, api_key: str | None) -> None:
+def warn_open_cors(cors: Any, api_keys: list[str]) -> None:
     """Warn that any origin with no key lets every web page the user's browser opens read the server (a
     localhost one too: binding to 127.0.0.1 does not stop a browser on the same machine; docs/security.md)."""
-    if api_key is None and "*" in cors.allowed_origins:
+    if not api_keys and "*" in cors.allowed_origins:
         print("[asyncllm] warning: no --api-key and CORS allows any origin (--allowed-origins '[\"*\"]', vLLM's "
               "default): any web page opened in a browser on a machine that reaches this server, this one "
               "included, can call it and read the replies; set --api-key or --allowed-origins", file=sys.stderr)
@@ -280,16 +280,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
 def _serve_app(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any]:
     """The engine (not started) and the OpenAI app over it: nothing read but the flags' own files."""
-    from asyncllm.integrations.openai_protocol import ServerLimits
     from asyncllm.integrations.openai_server import create_app
 
+    limits = _server_limits(args)
     engine, name = _serve_engine(args)
-    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
-                          max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
-                          allowed_local_media_path=args.allowed_local_media_path)
-    api_key, cors = args.api_key or envs.API_KEY.get() or None, cors_policy(args)
-    warn_open_cors(cors, api_key)
-    app = create_app(engine, model_name=name, api_key=api_key, limits=limits,
+    api_keys = [key for key in (args.api_key or [envs.API_KEY.get()]) if key]  # vLLM's: the flag's, else the env's
+    cors = cors_policy(args)
+    warn_open_cors(cors, api_keys)
+    app = create_app(engine, model_name=name, api_key=api_keys, limits=limits,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                      reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
@@ -302,6 +300,21 @@ def _serve_app(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
                      default_chat_template_kwargs=args.default_chat_template_kwargs,
                      request_logger=request_logger(args, parser))
     return engine, app
+
+
+def _server_limits(args: argparse.Namespace) -> Any:
+    """The app's `ServerLimits` from serve's flags: one below 1 is a `ConfigError` (--max-tokens-limit's names
+    max_tokens_limit, not the request's max_tokens)."""
+    from asyncllm.integrations.openai_protocol import ServerLimits
+
+    try:
+        return ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes,
+                            max_n=args.max_n, max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
+                            allowed_local_media_path=args.allowed_local_media_path)
+    except ConfigError as exc:
+        if exc.field != "max_tokens":
+            raise
+        raise ConfigError("max_tokens_limit", exc.value, "an int >= 1 (unset: max_model_len bounds it)") from None
 
 
 def check_model(config: Any) -> None:

@@ -7,6 +7,8 @@ other value as its text. The options are put in front of the command line's, whi
 an unknown key (a flag's prefix too, and ``config``: one file) is argparse's ``unrecognized arguments`` error naming
 it; a null value leaves the option unset; a flag's value must be a boolean. ``model`` is the command's MODEL when the
 command line gives none. A ``--config`` after ``--`` is a positional, not read.
+
+`dash_flag_names` reads ``--max_model_len`` as ``--max-model-len``, as the same parser does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,21 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["expand_config_file"]
+__all__ = ["dash_flag_names", "expand_config_file"]
+
+
+def dash_flag_names(argv: list[str]) -> list[str]:
+    """`argv` with each long option's name (before any ``=``) spelt with ``-`` for ``_``, as vLLM's parser reads it;
+    values and the words after ``--`` are left as they are."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [_dashed(arg) for arg in argv[:end]] + argv[end:]
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, equals, value = arg.partition("=")
+    return name.replace("_", "-") + equals + value
 
 
 def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tuple[list[str], str | None]:

@@ -23,6 +23,8 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO_MAX_MODEL_LEN = -1
 """vLLM's ``max_model_len`` -1 (the CLI's ``auto``): the longest length that fits the KV cache
 (asyncllm/engine/kv_budget.py `fit_max_model_len`)."""
+_MAX_SEED = 2**64 - 1
+"""torch's ``manual_seed`` takes a uint64 (a request's seed is an int64: `SamplingParams.seed`)."""
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -63,12 +65,13 @@ class ModelConfig:
     """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
     model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
     dtype: str = "auto"
-    """Weights and activations: float32, bfloat16, float16 (vLLM's half and float too); auto = float32 on CPU, the
-    checkpoint's half type on GPU."""
+    """Weights and activations: float32, bfloat16, float16 (vLLM's half and float too, and a ``torch.dtype`` such as
+    ``torch.bfloat16``: kept as its name); auto = float32 on CPU, the checkpoint's half type on GPU."""
     device: str = "auto"
     """cpu or cuda; auto picks cuda when available."""
     seed: int = 0
-    """Seed of the engine's random state (dummy weights, unseeded sampling)."""
+    """Seed of the engine's random state (dummy weights, unseeded sampling): 0 to 2**64 - 1, what torch's
+    generators take."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings, times its rope scaling
     factor (YaRN: original_max_position_embeddings times it), as vLLM derives it. -1 (the CLI's ``auto``, vLLM's):
@@ -133,11 +136,13 @@ class ModelConfig:
         check_bool("trust_remote_code", self.trust_remote_code)
         if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
             raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
+        if type(self.dtype).__module__ == "torch" and type(self.dtype).__name__ == "dtype":  # torch.bfloat16, as
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))  # vLLM's LLM takes: its name
         if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
-        check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0, _MAX_SEED)
         length = self.max_model_len
         if length is not None and (not isinstance(length, int) or isinstance(length, bool)
                                    or (length < 1 and length != AUTO_MAX_MODEL_LEN)):

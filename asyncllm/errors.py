@@ -133,3 +133,11 @@ def prompt_too_long(max_model_len: int, amount: str, operation: str | None,
         said = f"your request has {amount}. Please reduce the length of the input messages."
     return InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
                                       f"{said}", code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_remote_code(exc: Exception, trust_remote_code: bool, path: str, what: str) -> None:
+    """`ConfigError` naming ``trust_remote_code`` when transformers refused to load `what` ("configuration",
+    "tokenizer") at `path` because it needs the checkpoint's own code (its ``auto_map``) and the flag is off."""
+    if not trust_remote_code and "trust_remote_code" in str(exc):
+        raise ConfigError("trust_remote_code", False, f"True to run {path}'s own {what} code (its auto_map), if "
+                                                      "you trust it") from exc

@@ -5,7 +5,8 @@ timestamp tokens (asyncllm/speech.py). The host reads it once when the engine st
 loads the model.
 
 The engine's ``generation_config`` field says which file (vLLM's ``--generation-config``): ``auto`` and ``vllm``
-the model folder's (none for a GGUF file or a folder without one), a folder that folder's (it must hold one).
+the model folder's (none for a GGUF file; for a folder without one, as vLLM, the generation attributes its
+config.json sets, its ``eos_token_id`` say: `from_model_config`), a folder that folder's (it must hold one).
 ``vllm`` turns off only the file's default sampling parameters (asyncllm/engine/prepare.py): what the file says
 about the model itself (its EOS ids, ``suppress_tokens``, Whisper's task and timestamp tokens) still applies.
 Whether a Whisper checkpoint predicts timestamps is decided here too, once for the host and the workers
@@ -22,19 +23,42 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["TimestampRules", "read_generation_config", "sampling_fields_of", "source_of", "timestamp_rules"]
+__all__ = ["TimestampRules", "from_model_config", "read_generation_config", "sampling_fields_of", "source_of",
+           "timestamp_rules"]
 
 _NO_BOUND = 2**62
 """An upper bound past any vocabulary."""
 
 
-def read_generation_config(generation_config: str, model_path: str) -> dict[str, Any]:
+def read_generation_config(generation_config: str, model_path: str, model_config: Any = None) -> dict[str, Any]:
     """The keys of the generation_config.json that ``generation_config`` names for the model at ``model_path`` ({}:
-    none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto`` / ``vllm``)."""
+    none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto`` / ``vllm``).
+    A model folder without the file: the generation attributes of its config (`model_config`, the loaded
+    config.json; None: {}), as vLLM's ``try_get_generation_config`` and transformers' ``generate`` take them
+    (`from_model_config`)."""
     if generation_config in _MODEL_FOLDER and os.path.isfile(model_path):  # a GGUF file has none
         return {}
     field, folder = source_of(generation_config, model_path)
-    return _read(os.path.join(folder, "generation_config.json"), field, must_exist=field == "generation_config")
+    generation = _read(os.path.join(folder, "generation_config.json"), field, must_exist=field == "generation_config")
+    if generation is None:
+        return {} if model_config is None else from_model_config(model_config)
+    return generation
+
+
+def from_model_config(model_config: Any) -> dict[str, Any]:
+    """The generation attributes a model config (config.json, its decoder's too) sets to other than
+    `GenerationConfig`'s defaults: transformers' ``GenerationConfig.from_model_config(config).to_diff_dict()``,
+    what vLLM reads where a model has no generation_config.json (its ``eos_token_id``, say)."""
+    from transformers import GenerationConfig
+
+    if not hasattr(model_config, "get_text_config"):  # a worker's WireConfig: its values (transformers reads dicts)
+        model_config = model_config.to_dict()
+    generation = GenerationConfig.from_model_config(model_config).to_diff_dict()
+    return {key: value for key, value in generation.items() if key not in _BOOKKEEPING}
+
+
+_BOOKKEEPING = frozenset({"_from_model_config", "transformers_version"})
+"""`to_diff_dict` keys that say where the config came from, not how to generate."""
 
 
 _MODEL_FOLDER = ("auto", "vllm")
@@ -51,7 +75,8 @@ def source_of(generation_config: str, model_path: str) -> tuple[str, str]:
     return ("model", model_path) if generation_config in _MODEL_FOLDER else ("generation_config", generation_config)
 
 
-def _read(path: str, field: str, must_exist: bool) -> dict[str, Any]:
+def _read(path: str, field: str, must_exist: bool) -> dict[str, Any] | None:
+    """The file's keys; None: no file (unless it `must_exist`)."""
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -59,7 +84,7 @@ def _read(path: str, field: str, must_exist: bool) -> dict[str, Any]:
         if must_exist:
             raise ConfigError(field, os.path.dirname(path), "'auto', 'vllm' or a folder holding a "
                                                             "generation_config.json") from None
-        return {}
+        return None
     except (OSError, ValueError) as exc:
         raise ConfigError(field, path, f"a readable generation_config.json ({exc})") from exc
     if not isinstance(raw, dict):

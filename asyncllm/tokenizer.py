@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
-from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.errors import ConfigError, InvalidRequestError, check_remote_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,11 +53,14 @@ def check_chat_template(chat_template: object) -> None:
 
 
 def load_chat_template(value: str) -> str:
-    """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``)."""
+    """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``): a value that
+    is no file and holds a ``{``, ``}`` or newline is the text (vLLM's rule), taken as is, as vLLM's since
+    vllm-project/vllm#15143 (its older ``unicode_escape`` decoding turned ``\\n`` into a newline and garbled
+    non-ASCII text)."""
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as file:
             return file.read()
-    if "{" not in value:
+    if not any(char in value for char in "{}\n"):
         raise ConfigError("chat_template", value, "a Jinja template file that exists, or the template text")
     return value
 
@@ -75,6 +78,7 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "
         return AutoTokenizer.from_pretrained(name_or_path, revision=revision, use_fast=mode != "slow",
                                              trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ImportError...
+        check_remote_code(exc, trust_remote_code, name_or_path, "tokenizer")
         raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
 
 
@@ -294,7 +298,8 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation: Mapping
 
     Chat models often end a turn with a token other than the tokenizer's EOS
     (Llama 3's ``<|eot_id|>``) and list it only in generation_config.json, as
-    HF ``generate`` reads it; ``generation`` is that file's keys (asyncllm/generation_config.py; {}: no extra ids).
+    HF ``generate`` reads it; ``generation`` is that file's keys (asyncllm/generation_config.py; a folder without
+    the file: config.json's generation attributes, as vLLM and ``generate`` read them; {}: no extra ids).
     Without a tokenizer (``skip_tokenizer_init``) config.json's `config_eos` stands in for its EOS.
     The engine core treats the rest as vLLM's ``update_from_generation_config`` does: the first id ends a request
     with ``stop_reason`` None, the others as ``stop_token_ids`` (``stop_reason`` the id; asyncllm/sched/request.py).

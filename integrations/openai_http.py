@@ -1,5 +1,5 @@
-"""The OpenAI server's HTTP steps every route shares: the API key, the body's size bound, the replies, and the
-optional middleware (`CorsPolicy`, `RequestIdHeaders`).
+"""The OpenAI server's HTTP steps every route shares: the API key, the caller's trace context, the body's size
+bound, the replies, and the optional middleware (`CorsPolicy`, `RequestIdHeaders`).
 
 Errors become OpenAI-style bodies ``{"error": {"message", "type", "param",
 "code"}}`` with the status of the asyncllm error (errors.py: 400 invalid
@@ -28,9 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.streams import ClientDisconnected
+from asyncllm.metrics.tracing import remote_parent
 
 __all__ = ["SSE_HEADERS", "EventStream", "CorsPolicy", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
-           "text_response", "not_found", "not_allowed"]
+           "text_response", "not_found", "not_allowed", "api_key_bytes"]
 
 logger = logging.getLogger("asyncllm.integrations.openai")
 
@@ -55,13 +56,15 @@ class EventStream(StreamingResponse):
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def guard(handler: Handler, api_key: bytes | None) -> Handler:
-    """`handler` behind the API-key check (none when `api_key` is None), its errors mapped to OpenAI-style bodies."""
+def guard(handler: Handler, api_keys: tuple[bytes, ...]) -> Handler:
+    """`handler` behind the API-key check (none without `api_keys`), its errors mapped to OpenAI-style bodies;
+    it runs in the caller's trace context (`remote_parent`: its requests' spans under the caller's, as vLLM's)."""
 
     async def guarded(request: Request) -> Response:
         try:
-            check_api_key(request, api_key)
-            return await handler(request)
+            check_api_key(request, api_keys)
+            with remote_parent(request.headers):  # the engine's request spans under the caller's trace
+                return await handler(request)
         except (AsyncLLMError, ApiError) as exc:
             return error_response(exc)
         except ClientDisconnected:
@@ -73,12 +76,20 @@ def guard(handler: Handler, api_key: bytes | None) -> Handler:
     return guarded
 
 
-def check_api_key(request: Request, api_key: bytes | None) -> None:
-    """A 401 `ApiError` unless the request sends ``Authorization: Bearer`` and the key (compared in constant time)."""
-    if api_key is None:
+def api_key_bytes(api_key: str | Sequence[str] | None) -> tuple[bytes, ...]:
+    """The keys a request may send, `guard`'s: one, or several as vLLM's ``--api-key K1 K2``; "" and None: none."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    return tuple(key.encode() for key in keys if key)
+
+
+def check_api_key(request: Request, api_keys: tuple[bytes, ...]) -> None:
+    """A 401 `ApiError` unless the request sends ``Authorization: Bearer`` and one of the keys (each compared, in
+    constant time)."""
+    if not api_keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
+    sent = token.strip().encode()
+    if scheme.lower() != "bearer" or not any([hmac.compare_digest(sent, key) for key in api_keys]):
         raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                        "authentication_error", code="invalid_api_key")
 

@@ -24,19 +24,19 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from asyncllm.config_checks import check_int
 from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import ConfigError, InvalidRequestError
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_prompts", "request_options", "take_request_id", "header_data_parallel_rank",
-    "template_kwargs", "chat_echo", "chat_role", "response_id", "ChatTemplates", "is_int",
-]
+    "template_kwargs", "chat_echo", "chat_role", "response_id", "ChatTemplates", "is_int"]
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Per-request bounds the server enforces before anything reaches the engine."""
+    """Per-request bounds the server enforces before anything reaches the engine; each at least 1 (`ConfigError`)."""
 
     max_body_bytes: int = 64 << 20
     """Largest request body (413 beyond): a bound against abuse that still takes a few photos as data URLs."""
@@ -53,11 +53,12 @@ class ServerLimits:
     a risk, for trusted clients only); None: no file is read for a request (`media_url`). Resolved at creation."""
 
     def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_audio_bytes", "max_n", "max_tokens", "max_prompts"):  # 0 refuses all
+            check_int(name, getattr(self, name), 1, optional=name == "max_tokens")
         root = self.allowed_local_media_path
-        if root is not None:
-            if not Path(root).is_dir():
-                raise ConfigError("allowed_local_media_path", str(root), "an existing folder")
-            object.__setattr__(self, "allowed_local_media_path", Path(root).resolve())
+        if root is not None and not Path(root).is_dir():
+            raise ConfigError("allowed_local_media_path", str(root), "an existing folder")
+        object.__setattr__(self, "allowed_local_media_path", None if root is None else Path(root).resolve())
 
     def check_sequences(self, prompts: int, n: int, field: str = "n") -> None:
         """`InvalidRequestError` naming `field` when prompts x n exceed max(max_prompts, max_n): no product."""

@@ -45,7 +45,7 @@ from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all,
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_http import (
-    CorsPolicy, EventStream, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
+    CorsPolicy, EventStream, RequestIdHeaders, api_key_bytes, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
@@ -87,7 +87,7 @@ logger = logging.getLogger("asyncllm.integrations.openai")
 
 
 def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[str] | None = None,
-               api_key: str | None = None,
+               api_key: str | Sequence[str] | None = None,
                limits: ServerLimits | None = None, manage_engine: bool = True,
                tool_call_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
@@ -101,7 +101,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     `model_name` is the id clients pass as ``model`` (default: the model as configured, or ``asyncllm-tiny`` for
     the bundled one); several names are all accepted, and responses carry the first (vLLM's ``--served-model-name
     a b``). With `manage_engine` the app's lifespan starts the engine and closes it at shutdown.
-    `api_key`: requests need ``Authorization: Bearer <key>`` (vLLM's ``--api-key``; None: no key asked).
+    `api_key`: requests need ``Authorization: Bearer <key>``, one of them if several (vLLM's ``--api-key``; None: none).
     `limits` bound each request (`ServerLimits`: body and upload bytes, n, max_tokens, prompts; None: the defaults).
     `tool_call_parser` (``"hermes"``, ``"llama3_json"``, ``"openai"``, ...) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
@@ -146,7 +146,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
 class OpenAIServer:
     """The route handlers; one per app."""
 
-    def __init__(self, engine: AsyncEngine, model_names: list[str | None], api_key: str | None,
+    def __init__(self, engine: AsyncEngine, model_names: list[str | None], api_key: str | Sequence[str] | None,
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
                  lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False,
@@ -173,7 +173,7 @@ class OpenAIServer:
         self._model_names = model_names
         """The names clients may send as ``model``; [None] until a shared core's model is known."""
         self.limits = limits
-        self._api_key = api_key.encode() if api_key else None
+        self._api_keys = api_key_bytes(api_key)
         self.created = int(time.time())
         """When the server started: its /v1/models cards' ``created``."""
         self.runtime_lora = runtime_lora
@@ -372,7 +372,7 @@ class OpenAIServer:
     # ------------------------------------------------------------ shared steps
     def _guarded(self, handler: Any) -> Any:
         """API-key check and error mapping around a /v1 handler (openai_http.py)."""
-        return guard(handler, self._api_key)
+        return guard(handler, self._api_keys)
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.limits.max_body_bytes)

@@ -76,13 +76,13 @@ class GenerationRules:
 
     @classmethod
     def of(cls, generation_config: str, model_path: str, vocab_size: int | None,
-           device: torch.device) -> "GenerationRules | None":
+           device: torch.device, model_config: object = None) -> "GenerationRules | None":
         """The rules of the generation_config.json that the engine's ``generation_config`` field names for the
-        checkpoint at ``model_path`` (asyncllm/generation_config.py: the model folder's for ``vllm`` too; None when
-        it sets none)."""
+        checkpoint at ``model_path`` (asyncllm/generation_config.py: the model folder's for ``vllm`` too; a folder
+        without one: `model_config`'s generation attributes; None when it sets none)."""
         if vocab_size is None:
             return None
-        config = read_generation_config(generation_config, model_path)
+        config = read_generation_config(generation_config, model_path, model_config)
         suppress, begin = config.get("suppress_tokens") or [], config.get("begin_suppress_tokens") or []
         for name, ids in (("suppress_tokens", suppress), ("begin_suppress_tokens", begin)):
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):

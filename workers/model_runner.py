@@ -113,7 +113,7 @@ class ModelRunner(KVCacheSetup):
         self.hf_config = hf_config
         self.input_batch.generation_rules = GenerationRules.of(  # suppress_tokens, Whisper's timestamps
             self.config.generation_config, resolve_model_path(self.config.model, self.config.revision),
-            getattr(text_config_of(hf_config), "vocab_size", None), self.device)
+            getattr(text_config_of(hf_config), "vocab_size", None), self.device, hf_config)
         spec = self.config.scheduler_config.speculative
         if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target
             runner_cls = {"eagle": EagleRunner, "eagle3": EagleRunner, "mtp": MTPRunner}.get(spec.method, DraftModelRunner)

@@ -64,7 +64,8 @@ class Prepared:
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
     generation_config: dict[str, Any] = field(default_factory=dict)
     """The keys of the generation_config.json the ``generation_config`` field names (asyncllm/generation_config.py:
-    read once, here; the model folder's for ``vllm`` too, whose sampling defaults alone are dropped)."""
+    read once, here; the model folder's for ``vllm`` too, whose sampling defaults alone are dropped; a folder without
+    one: its config.json's generation attributes)."""
     pooling_model: PoolingModel | None = None
     """Which requests the model takes (bare decoders embed only, classifiers classify only) and a classifier's
     labels (asyncllm/engine/pooling_model.py)."""
@@ -100,7 +101,8 @@ def import_transformers(multimodal: bool = False) -> None:
 
 
 def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
-    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format)
+    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format,
+                              trust_remote_code=config.trust_remote_code)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
@@ -166,7 +168,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
                                  mm_config.mm_processor_kwargs, image_limit(model_cls, limits), limits.get("video"),
                                  mm_config.video_num_frames, limits.get("audio"))
     config_json = hf_config_json(hf_config)
-    generation = read_generation_config(config.generation_config, path)
+    generation = read_generation_config(config.generation_config, path, hf_config)
     eos = eos_token_ids(tokenizer, generation, getattr(text_config, "eos_token_id", None))
     return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
@@ -355,7 +357,8 @@ def _model_tokenizer_path(config: EngineConfig, path: str) -> str:
     ``tokenizer``) the model repo's tokenizer files at that revision, without its weights."""
     if config.tokenizer_revision is None or config.tokenizer_revision == config.revision:
         return path
-    return resolve_model_path(config.model, config.tokenizer_revision, config.download_dir, weights=False)
+    return resolve_model_path(config.model, config.tokenizer_revision, config.download_dir, weights=False,
+                              trust_remote_code=config.trust_remote_code)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any, path: str | None = None) -> int:

@@ -81,7 +81,7 @@ class ProcessorRequests:
         core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
         if collector.request_id in self._samples:
             error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
-            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+            self._observer.on_rejected(job, error, time.time())
             self._deliver([(collector, error)], None)
             return
         try:
@@ -108,7 +108,7 @@ class ProcessorRequests:
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
             error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
                 "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
-            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+            self._observer.on_rejected(job, error, time.time())
             self._deliver([(collector, error)], None)
             return
         collector.prompt_token_ids = token_ids
@@ -134,14 +134,14 @@ class ProcessorRequests:
                 frames.append((core_id, tracked, self._encoder.encode(message)))
             except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread
                 error = errors.InvalidRequestError("request", f"cannot be sent to the engine core ({exc})")
-                self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+                self._observer.on_rejected(job, error, time.time())
                 self._deliver([(collector, error)], None)
                 return
         self._samples[collector.request_id] = list(core_ids)
         for core_id, tracked, frame in frames:
             self._tracked[core_id] = tracked
             dealer.send(frame)
-        self._observer.on_added(collector, job.params, job.chat, job.trace_context)
+        self._observer.on_added(job)
 
     def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
         """The request's adapter with a local folder, checked against the model (once per adapter id;

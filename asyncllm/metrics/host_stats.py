@@ -25,6 +25,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+"""vLLM's ``request_time_per_output_token_seconds`` buckets."""
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 """1, 2, 5, 10, 20, 50, ... 5,000,000 tokens."""
 
@@ -100,6 +103,7 @@ class HostStats:
         self.request_prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)
         self.request_decode_time = Histogram(REQUEST_LATENCY_BUCKETS)
         self.request_inference_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_time_per_output_token = Histogram(TPOT_BUCKETS)
         self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
 

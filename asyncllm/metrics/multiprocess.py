@@ -93,9 +93,10 @@ class _Writer:
         self.collectors: weakref.WeakSet[Any] = weakref.WeakSet()
         """Added and read under `lock` (a WeakSet changed while iterated raises)."""
         self.folder = checked_dir()
-        from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES  # which imports this module
+        from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES, gauge_families  # which imports this module
 
         self._engine_counters = ENGINE_COUNTER_NAMES
+        self._gauge_families = gauge_families
         self.thread_pid: int | None = None
         """The process in which the writer thread runs (None: not started, or stopped by `_at_exit`)."""
         self.closed = False
@@ -135,15 +136,22 @@ class _Writer:
                     self._active.update(collector.named_models())
                 unchecked = self._unchecked(per_collector)
                 if not unchecked:
-                    self._write(per_collector)
+                    self._write(per_collector, self._gauges())
                     return
             in_files = reported_elsewhere(self.folder, map(_file_key, unchecked))
             found = {key: _file_key(key) in in_files for key in unchecked}
 
-    def _write(self, per_collector: list[tuple[Any, dict[_Key, float], set[str]]]) -> None:
+    def _gauges(self) -> dict[_Key, float]:
+        """The process's gauges of named models, its collectors' engines combined each by its own rule (KV usage
+        as blocks, `lora_requests_info` the time: `prometheus.gauge_families`), as one registry would."""
         gauges: dict[_Key, float] = defaultdict(float)
+        for family in self._gauge_families(list(self.collectors)):
+            _add_family(gauges, family)
+        return {key: value for key, value in gauges.items() if _model(key) in self._active}
+
+    def _write(self, per_collector: list[tuple[Any, dict[_Key, float], set[str]]], gauges: dict[_Key, float]) -> None:
         for collector, samples, owned in per_collector:
-            self._add_growth(self._last_seen.setdefault(collector, {}), samples, gauges, owned)
+            self._add_growth(self._last_seen.setdefault(collector, {}), samples, owned)
         now = time.time()
         entries: dict[str, Entries] = {"counter": {}, "histogram": {}, LIVE_GAUGES: {}}
         for key, value in gauges.items():  # a gauge no longer exported leaves the file
@@ -153,16 +161,12 @@ class _Writer:
         for kind, written in entries.items():
             self.files.write(kind, written)
 
-    def _add_growth(self, last_seen: dict[_Key, float], samples: dict[_Key, float], gauges: dict[_Key, float],
-                    owned: set[str]) -> None:
+    def _add_growth(self, last_seen: dict[_Key, float], samples: dict[_Key, float], owned: set[str]) -> None:
         for key in [k for k in last_seen if k not in samples]:
             del last_seen[key]  # this host no longer reports the core: a later report counts from its first value
         for key, value in samples.items():
-            if _model(key) not in self._active:
-                continue  # not named yet: perhaps the core's address (no way to remove a series later)
-            if key[0] == "gauge":
-                gauges[key] += value
-                continue
+            if _model(key) not in self._active or key[0] == "gauge":
+                continue  # not named yet (perhaps the core's address: no way to remove a series later); `_gauges`
             last = last_seen.get(key)
             if last is None and not self._taken_over(key, owned):
                 last = 0.0  # this process's own series, its own core, or a shared core's first reporter: all of it

@@ -17,13 +17,13 @@ from asyncllm.metrics import multiprocess
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.prometheus import attach, retire
 from asyncllm.metrics.request_timing import apply_events, observe_finished
-from asyncllm.metrics.tracing import RequestTracer, tracing_available
+from asyncllm.metrics.tracing import RequestTracer, span_operation, tracing_available
 from asyncllm.protocol import RequestOutputDelta, SchedulerStats
 
 if TYPE_CHECKING:
     from asyncllm.engine.collector import RequestCollector
+    from asyncllm.engine.processor_requests import Submit
     from asyncllm.outputs import StreamDelta
-    from asyncllm.sampling import SamplingParams
 
 __all__ = ["RequestObserver"]
 
@@ -103,22 +103,25 @@ class RequestObserver:
             return None
 
     # ------------------------------------------------------------ request start
-    def on_added(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any) -> None:
+    def on_added(self, job: Submit) -> None:
         """The request was tokenized and sent to the core."""
         if self._tracer is not None:
-            span = self._span_call("start", self._tracer.start, collector.request_id, params, chat,
-                                   len(collector.prompt_token_ids), trace_context, collector.metrics.arrival_time)
+            span = self._start_span(job, len(job.collector.prompt_token_ids))
             if span is not None:
-                self._traced[collector.request_id] = _Traced(span)
+                self._traced[job.collector.request_id] = _Traced(span)
 
-    def on_rejected(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any,
-                    error: BaseException, now: float) -> None:
+    def on_rejected(self, job: Submit, error: BaseException, now: float) -> None:
         """The host refused the request before sending it (a bad prompt, a duplicate id)."""
         if self._tracer is not None:
-            span = self._span_call("start", self._tracer.start, collector.request_id, params, chat, 0,
-                                   trace_context, collector.metrics.arrival_time)
+            span = self._start_span(job, 0)
             if span is not None:
                 self._span_call("end", RequestTracer.fail, span, error, now)
+
+    def _start_span(self, job: Submit, num_prompt_tokens: int) -> Any:
+        assert self._tracer is not None
+        operation = span_operation(job.chat, job.options.pooling is not None)
+        return self._span_call("start", self._tracer.start, job.collector.request_id, job.params, operation,
+                               num_prompt_tokens, job.trace_context, job.collector.metrics.arrival_time)
 
     # ------------------------------------------------------------ outputs
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
@@ -139,14 +142,18 @@ class RequestObserver:
         if isinstance(item, BaseException):
             self.on_error(collector, item, now)
             return
+        pooled = out.embedding is not None
+        if pooled:  # a pooling request's one delta: its sampled token is dropped, it generated nothing (vLLM's)
+            metrics.num_generated_tokens = 0
         if out.new_token_ids:
-            self._on_tokens(collector, len(out.new_token_ids), traced, now, is_prefilling)
-        if item.finish_reason is not None:
-            self.stats.count_finished(item.finish_reason)
+            self._on_tokens(collector, 0 if pooled else len(out.new_token_ids), traced, now, is_prefilling)
+        finish_reason = "stop" if pooled and item.finish_reason else item.finish_reason  # vLLM's pooling: STOP
+        if finish_reason is not None:
+            self.stats.count_finished(finish_reason)
             if traced is not None:
-                traced.finish_reasons.append(item.finish_reason)
+                traced.finish_reasons.append(finish_reason)
             if metrics.finished_time is not None:  # the request's last sample
-                self._on_request_finished(collector, item.finish_reason, now)
+                self._on_request_finished(collector, finish_reason, now, pooled)
 
     def _on_tokens(self, collector: RequestCollector, num_new: int, traced: _Traced | None, now: float,
                    is_prefilling: bool) -> None:
@@ -163,13 +170,15 @@ class RequestObserver:
         metrics.last_token_time = now
         stats.generation_tokens_total += num_new
 
-    def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float) -> None:
+    def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
+                             pooled: bool) -> None:
         if finish_reason != "abort":
-            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids))
+            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), collector.num_samples,
+                             pooled)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.finish, traced.span, collector.metrics, traced.finish_reasons,
-                            collector.num_cached_tokens, now)
+                            collector.num_cached_tokens, now, pooled)
 
     # ------------------------------------------------------------ early ends
     def on_aborted(self, collector: RequestCollector, now: float) -> None:

@@ -45,7 +45,7 @@ from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, Host
 from asyncllm.metrics.multiprocess import mirror, multiprocess_dir
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
+__all__ = ["AsyncLLMCollector", "attach", "gauge_families", "PREFIX", "retire"]
 
 PREFIX = "asyncllm:"
 _LABELS = ["model_name"]
@@ -93,6 +93,8 @@ _HISTOGRAMS: list[tuple[str, str, str]] = [
     ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "request_decode_time"),
     ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
      "request_inference_time"),
+    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.",
+     "request_time_per_output_token"),
     ("request_prompt_tokens", "Number of prefill tokens processed.", "request_prompt_tokens"),
     ("request_generation_tokens", "Number of generation tokens processed.", "request_generation_tokens"),
 ]
@@ -142,23 +144,47 @@ class AsyncLLMCollector(Collector):
         """The families without samples, so the registry refuses a clashing name up front."""
         return _families({})
 
-    def collect(self) -> Iterable[Metric]:
+    def sources(self) -> list[HostStats]:
+        """The engines' `HostStats`: the live ones, and per model the retired engines' totals."""
         with self._lock:
-            sources = [*self._sources, *self._retired.values()]
-        by_model: dict[str, list[HostStats]] = defaultdict(list)
-        for stats in sources:
-            by_model[stats.model_name].append(stats)
-        return _families(by_model)
+            return [*self._sources, *self._retired.values()]
+
+    def collect(self) -> Iterable[Metric]:
+        return _families(_by_model(self.sources()))
 
 
-def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
-    views = {model: [(h.engine_index, h.engine) for h in group] for model, group in by_model.items()}  # read once
-    engines = _engine_stats(views)
+def gauge_families(collectors: Iterable[AsyncLLMCollector]) -> Iterator[Metric]:
+    """The gauges of the engines of several collectors, combined as one collector combines its engines (each by
+    its rule: `summed_snapshots`, KV usage as blocks, `lora_requests_info` the time): one process's gauges in
+    multiprocess mode, where each engine with a private registry has a collector of its own."""
+    by_model = _by_model([stats for collector in collectors for stats in collector.sources()])
+    return _gauges(_engine_stats(_views(by_model)))
+
+
+def _by_model(sources: list[HostStats]) -> dict[str, list[HostStats]]:
+    by_model: dict[str, list[HostStats]] = defaultdict(list)
+    for stats in sources:
+        by_model[stats.model_name].append(stats)
+    return by_model
+
+
+def _views(by_model: dict[str, list[HostStats]]) -> _Views:
+    return {model: [(h.engine_index, h.engine) for h in group] for model, group in by_model.items()}
+
+
+def _gauges(engines: dict[_EngineKey, SchedulerStats]) -> Iterator[Metric]:
     for name, doc, read in _GAUGES:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for key, scheduler in engines.items():
             family.add_sample(PREFIX + name, _labels(key), read(scheduler))
         yield family
+    yield _lora_info(engines)
+
+
+def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
+    views = _views(by_model)  # each engine's view read once
+    engines = _engine_stats(views)
+    yield from _gauges(engines)
     counters = _engine_counters(views, engines)
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
@@ -171,7 +197,6 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
             family.add_metric([model], sum(read_host(h) for h in group))
         yield family
     yield _request_success(by_model)
-    yield _lora_info(engines)
     yield _accepted_per_pos(counters)
     for name, doc, attribute in _HISTOGRAMS:
         family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)

@@ -35,17 +35,24 @@ def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None
             metrics.queued_time = event.timestamp
 
 
-def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int) -> None:
-    """Record a request that finished with a reason other than abort in the request histograms."""
+def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, num_samples: int = 1,
+                     pooled: bool = False) -> None:
+    """Record a request that finished with a reason other than abort in the request histograms. The time per
+    output token is vLLM's: decode time / (tokens - 1), over the mean sample's tokens of an n > 1 request, for
+    more than one token. A pooling request (`pooled`) decodes nothing: neither is observed."""
     assert metrics.finished_time is not None
     stats.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
     stats.request_prompt_tokens.observe(num_prompt_tokens)
     stats.request_generation_tokens.observe(metrics.num_generated_tokens)
+    decode_time = None if pooled else metrics.decode_time
     for histogram, value in (
         (stats.request_queue_time, metrics.queue_time),
         (stats.request_prefill_time, metrics.prefill_time),
-        (stats.request_decode_time, metrics.decode_time),
+        (stats.request_decode_time, decode_time),
         (stats.request_inference_time, metrics.inference_time),
     ):
         if value is not None:
             histogram.observe(max(value, 0.0))
+    sample_tokens = metrics.num_generated_tokens / num_samples
+    if decode_time is not None and sample_tokens > 1:  # vLLM's mean time per output token after the first
+        stats.request_time_per_output_token.observe(max(decode_time, 0.0) / (sample_tokens - 1))

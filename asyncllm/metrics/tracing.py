@@ -19,6 +19,8 @@ one with status ERROR and the exception recorded.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from asyncllm.outputs import RequestMetrics
@@ -27,12 +29,13 @@ from asyncllm.sampling import SamplingParams
 
 try:
     from opentelemetry import context as otel_context
+    from opentelemetry import propagate as otel_propagate
     from opentelemetry import trace as otel_trace
     from opentelemetry.trace import SpanKind, Status, StatusCode
 except ImportError:  # opentelemetry-api is optional (the `tracing` extra)
     otel_trace = None
 
-__all__ = ["RequestTracer", "capture_context", "tracing_available"]
+__all__ = ["RequestTracer", "capture_context", "remote_parent", "span_operation", "tracing_available"]
 
 _EVENT_NAMES = {
     EngineCoreEventType.QUEUED: "queued",
@@ -50,6 +53,26 @@ def capture_context() -> Any:
     return None if otel_trace is None else otel_context.get_current()
 
 
+@contextlib.contextmanager
+def remote_parent(headers: Mapping[str, str]) -> Iterator[None]:
+    """Inside, the current context is the caller's from an HTTP request's `headers` (W3C ``traceparent``, or the
+    propagators the host set: ``opentelemetry.propagate``), as vLLM's server extracts it: requests made there
+    get their span under the caller's. Nothing is read until the host sets a tracer provider."""
+    if otel_trace is None or isinstance(otel_trace.get_tracer_provider(), otel_trace.ProxyTracerProvider):
+        yield
+        return
+    token = otel_context.attach(otel_propagate.extract(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def span_operation(chat: bool, pooled: bool) -> str:
+    """The request's gen_ai operation name: ``embeddings`` for a pooling request (embed, classify, score)."""
+    return "embeddings" if pooled else "chat" if chat else "text_completion"
+
+
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
@@ -64,10 +87,10 @@ class RequestTracer:
         self.model_name = model_name
         self._tracer = otel_trace.get_tracer("asyncllm", __version__)
 
-    def start(self, request_id: str, params: SamplingParams, chat: bool, num_prompt_tokens: int,
+    def start(self, request_id: str, params: SamplingParams, operation: str, num_prompt_tokens: int,
               context: Any, arrival_time: float) -> Any:
-        """A recording span, or None when the host set no tracer provider (nothing more to pay)."""
-        operation = "chat" if chat else "text_completion"
+        """A recording span, or None when the host set no tracer provider (nothing more to pay); `operation`:
+        `span_operation`'s."""
         span = self._tracer.start_span(
             f"{operation} {self.model_name}", context=context, kind=SpanKind.INTERNAL,
             start_time=_ns(arrival_time), attributes=self._request_attributes(operation, request_id, params),
@@ -84,6 +107,10 @@ class RequestTracer:
             "gen_ai.provider.name": "asyncllm",
             "gen_ai.request.model": self.model_name,
             "gen_ai.response.id": request_id,
+        }
+        if operation == "embeddings":
+            return attributes  # its sampling parameters are the pooling path's own, not the caller's
+        attributes |= {
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
         }
@@ -110,9 +137,10 @@ class RequestTracer:
 
     @staticmethod
     def finish(span: Any, metrics: RequestMetrics, finish_reasons: list[str], num_cached_tokens: int,
-               now: float) -> None:
-        """End the span of a request whose samples all finished (status ERROR "cancelled" if one was aborted)."""
-        span.set_attributes(_timing_attributes(metrics, num_cached_tokens))
+               now: float, pooled: bool = False) -> None:
+        """End the span of a request whose samples all finished (status ERROR "cancelled" if one was aborted); a
+        pooling request's (`pooled`) has no output tokens and no decode time."""
+        span.set_attributes(_timing_attributes(metrics, num_cached_tokens, pooled))
         span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
         span.add_event("finished", {"finish_reason": finish_reasons[-1]}, timestamp=_ns(now))
         if "abort" in finish_reasons:
@@ -140,18 +168,18 @@ def _set_cancelled(span: Any) -> None:
     span.set_status(Status(StatusCode.ERROR, "cancelled"))
 
 
-def _timing_attributes(metrics: RequestMetrics, num_cached_tokens: int | None) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        "gen_ai.usage.output_tokens": metrics.num_generated_tokens,
-        "asyncllm.request.num_preemptions": metrics.num_preemptions,
-    }
+def _timing_attributes(metrics: RequestMetrics, num_cached_tokens: int | None,
+                       pooled: bool = False) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"asyncllm.request.num_preemptions": metrics.num_preemptions}
+    if not pooled:
+        attributes["gen_ai.usage.output_tokens"] = metrics.num_generated_tokens
     if num_cached_tokens is not None:
         attributes["asyncllm.request.num_cached_tokens"] = num_cached_tokens
     for name, value in (
         ("asyncllm.latency.queue", metrics.queue_time),
         ("asyncllm.latency.time_to_first_token", metrics.time_to_first_token),
         ("asyncllm.latency.prefill", metrics.prefill_time),
-        ("asyncllm.latency.decode", metrics.decode_time),
+        ("asyncllm.latency.decode", None if pooled else metrics.decode_time),
         ("asyncllm.latency.e2e", metrics.e2e_latency),
     ):
         if value is not None:

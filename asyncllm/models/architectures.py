@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.rope_config import rope_scaled_length
 
 __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
@@ -149,9 +149,14 @@ SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBED
 
 
 def architecture_of(hf_config: Any) -> str:
-    """``hf_config.architectures[0]`` when asyncllm runs it; `NotBuiltError` naming the supported ones otherwise."""
+    """``hf_config.architectures[0]`` when asyncllm runs it; `NotBuiltError` naming the supported ones otherwise, a
+    `ConfigError` when config.json lists none (vLLM's "No model architectures are specified")."""
     architectures = getattr(hf_config, "architectures", None) or []
-    arch = architectures[0] if architectures else None
+    if not architectures:
+        raise ConfigError("model", getattr(hf_config, "name_or_path", None) or None,
+                          "a checkpoint whose config.json lists its architectures: it lists none (no model "
+                          "architectures are specified; hf_overrides={'architectures': [...]} can name one)")
+    arch = architectures[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     return arch

@@ -2,7 +2,7 @@
 
 ``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
 through huggingface_hub's cache); ``load_hf_config`` reads its config.json with
-transformers' ``AutoConfig`` (no remote code). The host prepares an engine
+transformers' ``AutoConfig`` (its own code only with trust_remote_code). The host prepares an engine
 with these and the architecture table (asyncllm/models/architectures.py), so
 importing `AsyncEngine` imports neither torch nor the model classes; the
 engine's start does its preparation on a worker thread (where transformers,
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError, check_remote_code
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
 from asyncllm.models.st_dense import dense_pickle_patterns
 
@@ -36,14 +36,14 @@ __all__ = ["resolve_model_path", "load_hf_config", "apply_hf_overrides", "served
            "pretrained_config", "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
 _TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-_HUB_ALLOW_PATTERNS = [*_TOKENIZER_PATTERNS, "*.safetensors"]
-"""What a snapshot needs for serving: configs and tokenizer files (all a tokenizer's snapshot has), safetensors."""
+"""A snapshot's configs and tokenizer files (all a tokenizer's has; `resolve_model_path` adds weights and code)."""
 
 
 def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
-                       weights: bool = True, load_format: str = "auto") -> str:
+                       weights: bool = True, load_format: str = "auto", trust_remote_code: bool = False) -> str:
     """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
-    tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors).
+    tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors;
+    `trust_remote_code`: its ``*.py`` too, the configuration_*.py, tokenization_*.py its ``auto_map`` names).
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
     and huggingface_hub falls back to its cache (``download_dir``, else HF_HUB_CACHE) when the hub is
@@ -66,13 +66,14 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     hub: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline)
     pt = weights and load_format == "pt"  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
+    files = [*_TOKENIZER_PATTERNS, *(["*.py"] if trust_remote_code else [])]
     try:
-        path = snapshot_download(model, **hub, allow_patterns=[*_TOKENIZER_PATTERNS, "*.bin", "*.pt"] if pt
-                                 else _HUB_ALLOW_PATTERNS if weights else _TOKENIZER_PATTERNS)
+        path = snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"] if pt
+                                 else [*files, "*.safetensors"] if weights else files)
         pickles = [] if not weights or pt else (
             dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"])
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
-            model, **hub, allow_patterns=[*_HUB_ALLOW_PATTERNS, *pickles])
+            model, **hub, allow_patterns=[*files, "*.safetensors", *pickles])
     except HFValidationError as exc:
         raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
     except LocalEntryNotFoundError as exc:
@@ -103,9 +104,7 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConf
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, StrictDataclassError) as exc:
-        if not trust_remote_code and "trust_remote_code" in str(exc):
-            raise ConfigError("trust_remote_code", False, f"True to run {path}'s own configuration code (its "
-                                                          "config.json's auto_map), if you trust it") from exc
+        check_remote_code(exc, trust_remote_code, path, "configuration")
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
     from asyncllm.models.family_config import omni_thinker_config  # Qwen2.5-Omni: its thinker's config is served

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from asgi_helpers import asgi_client
 
 from asyncllm import AsyncEngine, EngineDeadError, InvalidRequestError, SamplingParams
 from asyncllm.engine.collector import RequestCollector
@@ -66,9 +67,11 @@ def _scrape(engine: AsyncEngine) -> dict[str, float]:
     names += [f"{h}_count" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                                      "e2e_request_latency_seconds", "request_queue_time_seconds",
                                      "request_prefill_time_seconds", "request_decode_time_seconds",
-                                     "request_prompt_tokens", "request_generation_tokens")]
+                                     "request_prompt_tokens", "request_generation_tokens",
+                                     "request_time_per_output_token_seconds")]
     scraped = {name: _value(engine, f"asyncllm:{name}") for name in names}
-    scraped["request_prompt_tokens_sum"] = _value(engine, "asyncllm:request_prompt_tokens_sum")
+    for name in ("request_prompt_tokens_sum", "request_generation_tokens_sum", "request_time_per_output_token_seconds_sum"):
+        scraped[name] = _value(engine, f"asyncllm:{name}")
     for reason in ("stop", "length", "abort", "timeout"):
         scraped[reason] = _value(engine, "asyncllm:request_success_total", finished_reason=reason)
     return scraped
@@ -97,6 +100,9 @@ async def test_known_workload_counters_and_histograms(engine: AsyncEngine, caplo
                  "request_decode_time", "request_prompt_tokens", "request_generation_tokens"):
         assert delta[f"{name}{'' if 'tokens' in name else '_seconds'}_count"] == 4, name
     assert delta["inter_token_latency_seconds_count"] == 4 * (MAX_TOKENS - 1)
+    assert delta["request_time_per_output_token_seconds_count"] == 4  # vLLM's per-request mean decode step
+    tpot = sum(out.metrics.decode_time / (MAX_TOKENS - 1) for out in outs)
+    assert delta["request_time_per_output_token_seconds_sum"] == pytest.approx(tpot)
     # preemptions: forced by the small KV cache, counted by the core, and seen by each request's events
     preempted = sum(out.metrics.num_preemptions for out in outs)
     assert preempted > 0 and delta["num_preemptions_total"] == preempted
@@ -156,6 +162,39 @@ async def test_span_is_a_child_of_the_callers_span_with_gen_ai_attributes(engine
     assert names[:3] == ["queued", "scheduled", "first_token"] and names[-1] == "finished"
     assert span.status.status_code is StatusCode.UNSET
     assert span.start_time == int(out.metrics.arrival_time * 1e9)
+
+
+async def test_a_pooling_request_generates_nothing_and_finishes_stop_as_vllms(engine: AsyncEngine) -> None:
+    before = _scrape(engine)
+    out = await engine.embed(PROMPTS[2], request_id="traced-embed")
+    after = _scrape(engine)
+    delta = {name: after[name] - before[name] for name in after}
+    assert out.metrics.num_generated_tokens == 0 and delta["generation_tokens_total"] == 0
+    assert (delta["stop"], delta["length"]) == (1, 0)
+    assert (delta["request_generation_tokens_count"], delta["request_generation_tokens_sum"]) == (1, 0)
+    assert delta["prompt_tokens_total"] == len(PROMPTS[2])
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prefill_time_seconds"):
+        assert delta[f"{name}_count"] == 1, name
+    for name in ("inter_token_latency_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
+        assert delta[f"{name}_count"] == 0, name  # it decodes nothing
+    (span,) = _spans_named("traced-embed")
+    a = span.attributes
+    assert span.name == f"embeddings {engine._observer.stats.model_name}" and a["gen_ai.operation.name"] == "embeddings"
+    assert a["gen_ai.response.finish_reasons"] == ("stop",) and a["gen_ai.usage.input_tokens"] == len(PROMPTS[2])
+    assert not {"gen_ai.usage.output_tokens", "gen_ai.request.max_tokens", "asyncllm.latency.decode"} & set(a)
+
+
+async def test_the_servers_request_span_is_a_child_of_the_callers_traceparent(engine: AsyncEngine) -> None:
+    from asyncllm.integrations.openai_server import create_app
+
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        reply = await client.post("/v1/completions", headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+                                  json={"prompt": [5, 6, 7], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    (span,) = [s for s in EXPORTER.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
+    assert f"{span.parent.span_id:016x}" == parent_id and span.parent.is_remote
+    assert span.attributes["gen_ai.operation.name"] == "text_completion"
 
 
 async def test_span_parent_is_where_the_stream_was_made_not_where_it_is_iterated(engine: AsyncEngine) -> None:

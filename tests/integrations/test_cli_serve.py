@@ -250,6 +250,16 @@ def test_serve_warns_that_any_origin_without_a_key_opens_it_to_web_pages(monkeyp
     assert "warning" not in capsys.readouterr().err
 
 
+def test_api_key_takes_several_keys_as_vllms_else_the_environments(monkeypatch) -> None:
+    from asyncllm.cli_commands import _serve_app
+
+    parser = _parser()
+    monkeypatch.setenv("ASYNCLLM_API_KEY", "k3")
+    for flags, keys in ((["--api-key", "k1", "k2"], (b"k1", b"k2")), ([], (b"k3",))):
+        _, app = _serve_app(parser.parse_args(["serve", *flags]), parser)  # the engine is built, not started
+        assert app.state.openai_server._api_keys == keys
+
+
 def test_serve_labels_metrics_with_the_first_served_name(monkeypatch) -> None:
     from prometheus_client import generate_latest
 

@@ -98,6 +98,11 @@ async def test_api_key(bundled_engine) -> None:
         health = await client.get("/health")
     assert (missing.status_code, missing.json()["error"]["code"]) == (401, "invalid_api_key")
     assert wrong.status_code == 401 and right.status_code == 200 and health.status_code == 200
+    app = create_app(bundled_engine, manage_engine=False, api_key=["k1", "k2"])  # vLLM's --api-key K1 K2: any
+    async with asgi_client(app) as client:
+        statuses = [(await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code
+                    for key in ("k1", "k2", "k3", "k1k2")]
+    assert statuses == [200, 200, 401, 401]
 
 
 @pytest.mark.parametrize(("error", "status", "kind"), [

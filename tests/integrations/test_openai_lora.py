@@ -253,11 +253,23 @@ def test_cli_refuses_bad_lora_flags(capsys) -> None:
     cases = {("--lora-modules", "sql=/tmp/sql"): "--lora-modules needs --enable-lora",
              ("--enable-lora", "--lora-modules", "sql"): "neither NAME=PATH nor a JSON object",
              ("--enable-lora", "--lora-modules", '{"name": "sql"}'): "missing required field `path`",
-             ("--enable-lora", "--lora-modules", "a=/x", "--lora-modules", "a=/y"): "two LoRA modules"}
+             ("--enable-lora", "--lora-modules", "a=/x", "a=/y"): "two LoRA modules"}
     for argv, why in cases.items():
         with pytest.raises(SystemExit) as exit_info:
             main(["serve", *argv])
         assert exit_info.value.code == 2 and why in capsys.readouterr().err, argv
+
+
+def test_the_last_lora_modules_list_wins_as_vllms(tmp_path) -> None:
+    """vLLM's LoRAParserAction sets the list: a later --lora-modules (the command line's over --config's) replaces."""
+    from asyncllm.cli import _parser, parse_args
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("lora-modules: [a=/x]\n")
+    for argv in (["--config", str(config), "--lora-modules", "b=/y", "c=/z"],
+                 ["--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z"]):
+        args = parse_args(_parser(), ["serve", "m", *argv])
+        assert [module.name for module in args.lora_modules] == ["b", "c"], argv
 
 
 def test_lora_module_forms() -> None:

@@ -54,6 +54,22 @@ def test_config_file_options_under_the_command_line(tmp_path, capsys) -> None:
         assert said in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [(["serve", "--enable_auto_tool_choice"], "needs --tool-call-parser"),
+                                        (["engine", "--max_num_seqs=0"], "max_num_seqs=0 is not allowed"),
+                                        (["generate", "--max_tokens", "0"], "error: max_tokens"),
+                                        (["bench", "latency", "--input_len", "-1"], "argument --input-len")])
+def test_underscored_flag_names_are_vllms_dashed_ones(argv, said, capsys) -> None:
+    """vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len: every command's names, not values."""
+    from asyncllm.cli import main
+    from asyncllm.cli_config import dash_flag_names
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and said in capsys.readouterr().err
+    assert dash_flag_names(["serve", "m_1", "--a_b=c_d", "-x_y", "--", "--e_f"]) == [
+        "serve", "m_1", "--a-b=c_d", "-x_y", "--", "--e_f"]
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_default_chat_template_kwargs_under_the_requests(bundled_engine, bundled_tokenizer) -> None:
     args = parse_args(_parser(), ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])

@@ -28,7 +28,10 @@ def test_generate_refuses_bad_values_before_the_engine_starts(flags, named, caps
 
 @pytest.mark.parametrize("flags, named", [(["/nonexistent/model"], "model='/nonexistent/model'"),
                                           (["--generation-config", "/nonexistent"], "generation_config='/nonexistent'"),
-                                          (["--port", "65536"], "--port"), (["--port", "-1"], "--port")])
+                                          (["--port", "65536"], "--port"), (["--port", "-1"], "--port"),
+                                          (["--max-n", "0"], "max_n=0"), (["--max-prompts", "0"], "max_prompts=0"),
+                                          (["--max-body-bytes", "-1"], "max_body_bytes=-1"),
+                                          (["--max-tokens-limit", "0"], "max_tokens_limit=0")])
 def test_serve_refuses_a_model_or_port_it_cannot_serve_before_the_server_starts(flags, named, capsys,
                                                                                   monkeypatch) -> None:
     def no_server(*args: object) -> None:
@@ -37,6 +40,16 @@ def test_serve_refuses_a_model_or_port_it_cannot_serve_before_the_server_starts(
     monkeypatch.setattr(cli_serve, "serve_app", no_server)
     code, err = _exit_code_and_error(["serve", "--port", "0", *flags], capsys)  # a later --port wins
     assert code == 2 and "error: " in err and named in err
+
+
+def test_server_limits_below_one_are_refused_as_they_would_refuse_every_request() -> None:
+    from asyncllm.integrations.openai_protocol import ServerLimits
+
+    for field in ("max_body_bytes", "max_audio_bytes", "max_n", "max_tokens", "max_prompts"):
+        with pytest.raises(ConfigError) as info:
+            ServerLimits(**{field: 0})
+        assert info.value.field == field
+    assert ServerLimits(max_tokens=None, max_n=1).max_tokens is None
 
 
 @pytest.mark.parametrize("value", ["cuda", frozenset({1})])  # a literal comes back as itself, the rest as its repr

@@ -62,6 +62,7 @@ def test_kwargs_and_from_config_agree() -> None:
         ("prometheus_registry", "default"),
         ("mm_processor_cache_type", "redis"),
         ("seed", -1),
+        ("seed", 2**64),  # past torch's manual_seed: the workers would fail to start
         ("max_model_len", 0),
         ("max_num_queued_requests", 0),
         ("max_num_queued_tokens", 0),
@@ -80,6 +81,13 @@ def test_bad_values_name_the_field(field: str, value: object) -> None:
         EngineConfig.create("m", **{field: value})
     assert info.value.field == field and not isinstance(info.value, NotBuiltError)
     assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_seed_takes_torchs_generator_range() -> None:
+    import torch
+
+    seed = EngineConfig.create("m", seed=2**64 - 1).seed
+    assert torch.Generator().manual_seed(seed).initial_seed() == seed
 
 
 def test_unknown_field_is_refused() -> None:
@@ -147,6 +155,19 @@ def test_vllm_dtype_aliases_and_max_model_len_auto() -> None:
         with pytest.raises(ConfigError, match=r"-1 \(fitted to the KV cache; the CLI's 'auto'\)") as info:
             EngineConfig.create("m", max_model_len=bad)
         assert info.value.field == "max_model_len"
+
+
+def test_a_torch_dtype_is_kept_as_its_name() -> None:
+    """vLLM's LLM takes ``dtype=torch.bfloat16``: the config keeps the name, so it travels as JSON as a str does."""
+    import json
+
+    import torch
+
+    config = EngineConfig.create("m", dtype=torch.bfloat16)
+    assert config.dtype == "bfloat16" and EngineConfig.create("m", dtype=torch.half).dtype == "float16"
+    assert EngineConfig.from_dict(json.loads(json.dumps(config.to_dict(wire=True)))).dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="dtype='float64'"):
+        EngineConfig.create("m", dtype=torch.float64)
 
 
 def test_max_model_len_auto_is_the_kv_caches_capacity_capped_by_the_models() -> None:

@@ -87,6 +87,29 @@ def test_the_host_reads_the_file_the_field_names(tiny_llama: str, tmp_path) -> N
     assert off.generation_config == {"eos_token_id": [1, 13], "top_k": 2}
 
 
+def test_a_folder_without_the_file_reads_config_jsons_generation_attributes(tiny_llama: str, tmp_path) -> None:
+    """As vLLM's ``try_get_generation_config`` (and transformers' ``generate``): no generation_config.json, so
+    config.json's generation attributes (``GenerationConfig.from_model_config``) stand in: its EOS ids stop requests
+    with the tokenizer loaded too, its ``max_new_tokens`` defaults ``max_tokens``; a worker's rebuilt config agrees."""
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.generation_config import from_model_config
+    from asyncllm.models.checkpoint import hf_config_from_json, hf_config_json, served_hf_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(tiny_llama):
+        if name not in ("generation_config.json", "config.json"):
+            (model / name).symlink_to(os.path.join(tiny_llama, name))
+    config = json.loads(open(os.path.join(tiny_llama, "config.json")).read())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 13], "max_new_tokens": 7}))
+    prepared = prepare(EngineConfig.create(str(model)))
+    assert prepared.eos_token_ids == [1, 13] and prepared.default_sampling == {"max_tokens": 7}
+    assert prepared.generation_config["eos_token_id"] == [1, 13]
+    assert _prepared(str(model), "vllm").eos_token_ids == [1, 13]
+    hf_config = served_hf_config(str(model), None, False)
+    assert from_model_config(hf_config_from_json(hf_config_json(hf_config))) == from_model_config(hf_config)
+
+
 def test_override_generation_config_takes_generation_config_keys() -> None:
     """vLLM maps generation_config.json's names: max_new_tokens is max_tokens; both at once is refused."""
     config = EngineConfig.create("m", override_generation_config={"max_new_tokens": 5, "temperature": 0.5})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,25 @@ def test_gauges_and_engine_counters_follow_the_reporter(tmp_path, monkeypatch: p
     assert _scrape(str(tmp_path))[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 7
     a.files.remove_live(), b.files.remove_live()  # both exit
     assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", (("model_name", "m"),))] == 2
+
+
+def test_engines_of_one_process_combine_their_gauges_as_one_registry(tmp_path, monkeypatch) -> None:
+    """Two engines with private registries in one process: KV usage as blocks, `lora_requests_info` the time."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    writer, _ = _host(4001, 0, 0.1)
+    second, stats = AsyncLLMCollector(), HostStats("m")
+    second.add(stats)
+    writer.collectors.add(second)
+    for host in (stats, *writer._collector.sources()):
+        host.take_snapshot(SchedulerStats(num_requests_running=1, num_gpu_blocks=8, num_used_blocks=3, max_lora=1), True)
+    before = time.time()
+    writer.sync()
+    scraped = _scrape(str(tmp_path))
+    m = (("model_name", "m"),)
+    assert scraped[("asyncllm:num_requests_running", m)] == 2
+    assert scraped[("asyncllm:kv_cache_usage_perc", m)] == 0.375  # (3 + 3) / (8 + 8), not 0.375 + 0.375
+    info = [v for (name, _), v in scraped.items() if name == "asyncllm:lora_requests_info"]
+    assert len(info) == 1 and before <= info[0] <= time.time()
 
 
 def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tmp_path, monkeypatch) -> None:

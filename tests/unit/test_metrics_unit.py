@@ -82,6 +82,7 @@ def test_observer_counts_tokens_requests_and_histograms() -> None:
     assert (s.e2e_request_latency.count, s.e2e_request_latency.sum) == (2, 5.0)  # the aborted one is not observed
     assert (s.request_queue_time.sum, s.request_prefill_time.sum, s.request_decode_time.sum) == (1.0, 1.0, 3.0)
     assert (s.request_prompt_tokens.sum, s.request_generation_tokens.sum) == (8, 5)
+    assert (s.request_time_per_output_token.count, s.request_time_per_output_token.sum) == (2, 2.5)  # 1/2, 2/1
     snap = observer.stats.snapshot()
     assert (snap.num_requests_running, snap.kv_cache_usage, snap.num_preemptions_total) == (2, 0.4, 3)
     assert snap.request_success_total == {"stop": 1, "length": 1, "abort": 1, "timeout": 0} and snap.prefix_cache_hit_rate == 0.5
@@ -106,6 +107,26 @@ def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once
     assert (s.request_success["stop"], s.request_success["length"]) == (1, 1)
     assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (2, 2.0)  # once per step, not per sample
     assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)
+
+
+def test_one_token_requests_have_no_time_per_output_token() -> None:
+    observer = RequestObserver("m")
+    _feed(observer, _collector("a", 2, 100.0), [101.0], "length")
+    assert observer.stats.request_time_per_output_token.count == 0 and observer.stats.request_decode_time.count == 1
+
+
+def test_trace_headers_are_not_read_until_the_host_sets_a_tracer_provider(monkeypatch) -> None:
+    from opentelemetry import propagate, trace
+
+    from asyncllm.metrics import tracing
+
+    def extract(headers):
+        raise AssertionError("read without a tracer provider")
+
+    monkeypatch.setattr(propagate, "extract", extract)
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)  # none set
+    with tracing.remote_parent({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}):
+        pass
 
 
 def test_private_registry_exports_the_series_and_never_the_global_one() -> None:

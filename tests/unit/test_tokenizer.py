@@ -180,6 +180,9 @@ def test_chat_template_flag_value(tmp_path: Path) -> None:
     path = tmp_path / "t.jinja"
     path.write_text(template, encoding="utf-8")
     assert load_chat_template(str(path)) == template and load_chat_template(template) == template
+    # vLLM's rule: no file, and a "{", "}" or newline: the text, as is (no unicode_escape, as vLLM's since #15143)
+    for text in ("User:\nAssistant:", "}", r"{{ m }}\n é"):
+        assert load_chat_template(text) == text
     with pytest.raises(ConfigError, match="chat_template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
