@@ -11,6 +11,7 @@ third-party exceptions are mapped to one of these at the edge::
      +-- RequestTimeoutError      the request's deadline passed
      +-- EngineDeadError          the engine core or a worker died and was not recovered
      +-- EventLoopError           an AsyncEngine used from an event loop other than the one it started in
+                                  (or from a loop that is not asyncio's: `running_asyncio_loop`)
 
 `check_context_length` raises the one error clients branch on by its code and words (vLLM's, with OpenAI's
 ``context_length_exceeded``; a pooling request's prompt may fill the context, its API named in
@@ -19,6 +20,8 @@ without importing asyncllm.engine. ``__all__`` is the exception tree (which ``as
 """
 
 from __future__ import annotations
+
+import asyncio
 
 __all__ = [
     "AsyncLLMError",
@@ -85,7 +88,20 @@ class EngineDeadError(AsyncLLMError, RuntimeError):
 
 class EventLoopError(AsyncLLMError, RuntimeError):
     """An `AsyncEngine` was used from an event loop other than the one it started in while that one is still open
-    (its outputs are delivered there); a RuntimeError, as asyncio's own "attached to a different loop"."""
+    (its outputs are delivered there), or from a loop that is not asyncio's (trio); a RuntimeError, as asyncio's own
+    "attached to a different loop"."""
+
+
+def running_asyncio_loop() -> asyncio.AbstractEventLoop:
+    """The running asyncio event loop; under another async library (trio, anyio's trio backend), whose coroutines
+    find none, an `EventLoopError` saying so where asyncio's bare "no running event loop" would not."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise EventLoopError(
+            "no asyncio event loop is running here, and asyncllm runs on asyncio only (trio, and anyio's trio "
+            "backend, are not supported): run it under asyncio.run, or anyio.run(main) with the default asyncio "
+            "backend (see docs/integrations/task-runners.md, \"Event loops\")") from None
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -7,12 +7,14 @@ coroutine there with `asyncio.run_coroutine_threadsafe` and waits on the
 future, so any number of threads may call it at once and their requests are
 batched together by the engine. It also works from inside a running loop's
 thread pool (``await loop.run_in_executor(None, engine.generate, ...)``);
-calling it on its own loop's thread would deadlock and raises instead.
+calling it on its own loop's thread would deadlock and raises instead. `close`
+ends every call still waiting (`EngineDeadError`), and posts nothing after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine, Iterator
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
 __all__ = ["SyncEngine"]
 
 T = TypeVar("T")
+
+CLOSED = "this SyncEngine was closed; create a new one"
 
 
 class SyncEngine:
@@ -62,6 +66,8 @@ class SyncEngine:
         self._owner_pid = os.getpid()  # its loop thread does not cross os.fork(): a forked child cannot use it
         self._loop = asyncio.new_event_loop()
         self._closed = False
+        self._stopping = False
+        """close() is past the engine's aclose(): nothing more is posted to the loop (`_post`), which stops."""
         self._close_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncllm-sync-loop", daemon=True)
         self._thread.start()
@@ -93,6 +99,16 @@ class SyncEngine:
             return
         try:
             self._call(self._engine.aclose())
+        finally:
+            with self._close_lock:
+                self._stopping = True
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        """As `asyncio.run` ends: cancel what still runs on the loop (a call from another thread; its caller gets
+        `EngineDeadError`, none waits forever), then stop and close the loop."""
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(timeout=30)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
@@ -165,25 +181,52 @@ class SyncEngine:
         try:
             while True:
                 try:
-                    yield self._call(stream.__anext__())
+                    delta = self._call(stream.__anext__())
                 except StopAsyncIteration:
                     return
+                except EngineDeadError:
+                    if self._stopping and _handed_out(stream):
+                        return  # closed after its last delta (close() aborts it: finish_reason "abort"): it ends
+                    raise
+                yield delta
         finally:  # break, exception or garbage collection of the generator: abort the request
             if not self._closed:
                 self._finish(stream.aclose())
 
     def _finish(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` on the loop: waited for, unless this is the loop's own thread (a generator in a reference
-        cycle collected there), which cannot wait for its own loop: there it is only scheduled."""
-        if threading.current_thread() is self._thread:
-            asyncio.run_coroutine_threadsafe(coro, self._loop)
-        else:
-            self._call(coro)
+        cycle collected there), which cannot wait for its own loop: there it is only scheduled. Nothing once
+        close() stops the loop: its aclose() aborted every request."""
+        future = self._post(coro)
+        if future is not None and threading.current_thread() is not self._thread:
+            try:
+                self._wait(future)
+            except EngineDeadError:
+                if not self._stopping:
+                    raise
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future = self._post(coro)
+        if future is None:
+            raise EngineDeadError(CLOSED)
+        return self._wait(future)
+
+    def _post(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T] | None:
+        """`coro` scheduled on the loop; None (`coro` closed, never run) once close() stops it, which would leave
+        the call waiting forever or raise "Event loop is closed"."""
+        with self._close_lock:
+            if not self._stopping:
+                return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        coro.close()
+        return None
+
+    def _wait(self, future: concurrent.futures.Future[T]) -> T:
         try:
             return future.result()
+        except concurrent.futures.CancelledError:
+            if self._stopping:  # cancelled by close() (`_stop_loop`)
+                raise EngineDeadError(CLOSED) from None
+            raise
         except BaseException:
             future.cancel()  # KeyboardInterrupt in the caller: cancel the coroutine (its stream aborts)
             raise
@@ -192,7 +235,7 @@ class SyncEngine:
         try:
             check_not_forked(self._owner_pid, "SyncEngine")
             if self._closed:
-                raise EngineDeadError("this SyncEngine was closed; create a new one")
+                raise EngineDeadError(CLOSED)
             if threading.current_thread() is self._thread:
                 raise RuntimeError("SyncEngine called from its own loop thread would deadlock; "
                                    "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
@@ -211,3 +254,15 @@ class SyncEngine:
             except RuntimeError:
                 pass
 
+
+def _handed_out(stream: RequestStream) -> bool:
+    """Every delta of `stream` was handed out: its `__anext__` would only raise StopAsyncIteration."""
+    return stream._done and (stream.collector is None or not stream.collector.pending)
+
+
+async def _cancel_the_rest() -> None:
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=10)

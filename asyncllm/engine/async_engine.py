@@ -38,7 +38,7 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.errors import EngineDeadError, EventLoopError
+from asyncllm.errors import EngineDeadError, EventLoopError, running_asyncio_loop
 from asyncllm.outputs import EngineStats
 from asyncllm.procutil import check_not_forked, forked
 from asyncllm.sampling import SamplingParams
@@ -193,7 +193,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         request from another loop would wait forever. Once that loop is closed (``asyncio.run`` returned, a
         per-test loop ended) the engine moves to the calling loop (`_rebind`)."""
         check_not_forked(self._owner_pid, "AsyncEngine")
-        loop = asyncio.get_running_loop()
+        loop = running_asyncio_loop()  # trio (anyio's trio backend): an EventLoopError saying asyncllm needs asyncio
         bound = self._loop
         if bound is None or bound is loop:
             return

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.errors import POOLING_OPERATIONS, EventLoopError, InvalidRequestError
+from asyncllm.errors import POOLING_OPERATIONS, EventLoopError, InvalidRequestError, running_asyncio_loop
 from asyncllm.lora import LoRARequest
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.pooling import PoolingParams
@@ -193,7 +193,7 @@ class RequestStream:
         """A stream's deltas reach the loop it was submitted from; a takeover of the engine by a new loop
         (`AsyncEngine._check_loop`) aborted the requests of the closed one."""
         loop = self._loop
-        if loop is asyncio.get_running_loop():
+        if loop is running_asyncio_loop():  # under trio: EventLoopError, asyncllm runs on asyncio
             return
         self._engine._check_loop()  # the engine's open loop refuses this one; a closed one's is taken over
         if loop is not None and loop.is_closed():

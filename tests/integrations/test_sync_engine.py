@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -119,6 +121,40 @@ def test_close_then_use(tiny_llama: str) -> None:
     with pytest.raises(EngineDeadError):
         engine.generate("x")
     assert not any(t.name == "asyncllm-sync-loop" and t is engine._thread for t in threading.enumerate())
+
+
+def test_close_ends_what_other_threads_wait_for_or_iterate(tiny_llama: str) -> None:
+    """close() while other threads hold streams or wait in calls: a stream whose last delta was handed out ends, one
+    whose last delta was not raises EngineDeadError, and so does a call still running on the loop; none waits
+    forever nor gets asyncio's bare "Event loop is closed" and a never-awaited coroutine."""
+    engine = SyncEngine(tiny_llama, disable_log_stats=True)
+    ended = engine.stream("x", SamplingParams(max_tokens=2, ignore_eos=True))
+    while next(ended).finish_reason is None:  # its last delta, not yet its StopIteration
+        pass
+    unread = engine.stream("x", SamplingParams(max_tokens=1000, ignore_eos=True))
+    next(unread)
+    running = threading.Event()
+
+    async def forever() -> None:
+        running.set()
+        await asyncio.Event().wait()
+
+    waiting: list[str] = []
+    caller = threading.Thread(target=lambda: waiting.append(_error_of(lambda: engine.run(forever()))), daemon=True)
+    caller.start()
+    assert running.wait(30)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.close()
+        caller.join(10)
+        assert not caller.is_alive(), "a call running on the loop waits forever after close()"
+        assert list(ended) == []
+        with pytest.raises(EngineDeadError, match="was closed"):
+            next(unread)
+        del ended, unread
+        gc.collect()
+    assert waiting == ["EngineDeadError: this SyncEngine was closed; create a new one"]
+    assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
 def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engine, expected) -> None:
