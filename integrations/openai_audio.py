@@ -52,6 +52,9 @@ _TIMED = ("verbose_json", "srt", "vtt")
 """The formats with timestamps: the pieces are prompted without ``<|notimestamps|>`` (asyncllm/speech.py)."""
 _LISTS = ("timestamp_granularities[]", "timestamp_granularities")
 """Fields a form may repeat: their values are kept as a list."""
+_FORM_MARGIN = 64 << 10
+"""Bytes a body may hold past ``max_audio_bytes`` (the other fields, the parts' headers and boundaries) before its
+declared ``content-length`` is a 413 unread: the file itself is held to ``max_audio_bytes`` exactly (`_file_bytes`)."""
 
 
 def audio_routes(server: OpenAIServer) -> list[Route]:
@@ -113,7 +116,7 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
 async def _form(request: Request, limit: int) -> dict[str, Any]:
     """The multipart form's fields (the file's bytes under ``file``); 413 past ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdigit() and int(declared) > limit + _FORM_MARGIN:
         raise ApiError(413, f"the upload is larger than {limit} bytes (max_audio_bytes)", "invalid_request_error")
     try:
         async with request.form(max_files=1, max_fields=len(_FIELDS)) as form:
@@ -206,9 +209,9 @@ def _flag(form: dict[str, Any], key: str) -> bool:
 
 
 async def _texts_in_order(request: Request, streams: list[RequestStream], firsts: list[Any] = (),
-                          generated: list[int] | None = None) -> AsyncIterator[str]:
+                          generated: list[int] | None = None, reasons: list[str] | None = None) -> AsyncIterator[str]:
     """The pieces' texts as they come, in the audio's order: a later piece's text waits for the earlier ones;
-    `generated`'s one item counts the tokens of every piece."""
+    `generated`'s one item counts the tokens of every piece, `reasons` gets each piece's finish reason."""
     held: list[list[str]] = [[] for _ in streams]
     finished = [False] * len(streams)
     current = 0
@@ -217,6 +220,8 @@ async def _texts_in_order(request: Request, streams: list[RequestStream], firsts
         if generated is not None:
             generated[0] += len(delta.token_ids)
         finished[index] = finished[index] or delta.finish_reason is not None
+        if reasons is not None and delta.finish_reason is not None:
+            reasons.append(delta.finish_reason)
         while current < len(streams) and (held[current] or finished[current]):
             text = "".join(held[current])
             held[current].clear()
@@ -232,14 +237,14 @@ async def _events(request: Request, streams: list[RequestStream], firsts: list[A
     """Server-sent events: each delta in OpenAI's and vLLM's shapes at once, the whole text, with `usage` vLLM's
     usage chunk (``stream_include_usage``), then ``[DONE]``."""
     parts: list[str] = []
-    generated = [0]
+    generated, reasons = [0], []
     try:
-        async for text in _texts_in_order(request, streams, firsts, generated):
+        async for text in _texts_in_order(request, streams, firsts, generated, reasons):
             parts.append(text)
             yield _event({**meta, "type": "transcript.text.delta", "delta": text,
                           "choices": [{"delta": {"content": text}, "finish_reason": None}]})
         yield _event({**meta, "type": "transcript.text.done", "text": "".join(parts),
-                      "choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]})
+                      "choices": [{"delta": {"content": ""}, "finish_reason": _finish_reason(reasons)}]})
         if usage:
             yield _event({**meta, "choices": [], "usage": _usage(streams, generated[0])})
     except ClientDisconnected:
@@ -247,6 +252,11 @@ async def _events(request: Request, streams: list[RequestStream], firsts: list[A
     except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
         yield _event(error_body(exc)[1])
     yield b"data: [DONE]\n\n"
+
+
+def _finish_reason(reasons: list[str]) -> str:
+    """The transcript's finish reason: ``length`` when a piece was cut by its token bound, else the last piece's."""
+    return "length" if "length" in reasons else (reasons[-1] if reasons else "stop")
 
 
 def _usage(streams: list[RequestStream], generated: int) -> dict[str, int]:

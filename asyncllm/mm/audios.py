@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -45,21 +46,27 @@ class Audio:
 def is_one_audio(value: Any) -> bool:
     """Whether vLLM's ``multi_modal_data["audio"]`` value is one audio (a pair, a waveform, a file) rather than a
     list of them."""
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float)):
+    if isinstance(value, tuple) and len(value) == 2 and _is_number(value[1]):
         return True
     if isinstance(value, list):  # a list of samples is one waveform; a list of audios is many
-        return bool(value) and isinstance(value[0], (int, float))
+        return bool(value) and _is_number(value[0])
     return True
+
+
+def _is_number(value: Any) -> bool:
+    """A real number, numpy's scalars included (``np.int64(16000)``), a bool not."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def read_audio(value: AudioInput, field: str, rate: int) -> Audio:
     """One audio input as a mono float32 waveform at ``rate`` Hz; `InvalidRequestError` for anything else."""
-    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], (int, float)) \
-            and not isinstance(value[1], bool) and not isinstance(value[0], (int, float)):
+    if isinstance(value, (tuple, list)) and len(value) == 2 and _is_number(value[1]) and not _is_number(value[0]):
         source_rate = value[1]
         if source_rate <= 0 or int(source_rate) != source_rate:
             raise InvalidRequestError(field, f"a sampling rate must be a positive whole number of Hz, got {source_rate}")
-        return _checked(_resampled(_waveform(value[0], field), int(source_rate), rate), rate, field)
+        waveform = _waveform(value[0], field)
+        _check_length(waveform.size, int(source_rate), field)  # before resampling: its output is bounded too
+        return _checked(_resampled(waveform, int(source_rate), rate), rate, field)
     if isinstance(value, (bytes, bytearray, memoryview, str)):
         return _checked(_decoded(_file_bytes(value, field), field, rate), rate, field)
     return _checked(_waveform(value, field), rate, field)
@@ -79,11 +86,15 @@ def _waveform(value: Any, field: str) -> np.ndarray:
 def _checked(waveform: np.ndarray, rate: int, field: str) -> Audio:
     if waveform.size == 0:
         raise InvalidRequestError(field, "the audio has no samples")
-    if waveform.size > _MAX_SECONDS * rate:
-        raise InvalidRequestError(field, f"the audio is longer than {_MAX_SECONDS} s")
+    _check_length(waveform.size, rate, field)
     if not np.isfinite(waveform).all():
         raise InvalidRequestError(field, "the waveform holds NaN or infinite samples")
     return Audio(np.ascontiguousarray(waveform, dtype=np.float32), rate)
+
+
+def _check_length(samples: int, rate: int, field: str) -> None:
+    if samples > _MAX_SECONDS * rate:
+        raise InvalidRequestError(field, f"the audio is longer than {_MAX_SECONDS} s")
 
 
 def _file_bytes(value: bytes | bytearray | memoryview | str, field: str) -> bytes:
@@ -114,13 +125,31 @@ def _decoded(data: bytes, field: str, rate: int) -> np.ndarray:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.audio:
                 raise InvalidRequestError(field, "the file has no audio stream")
+            stream = container.streams.audio[0]
+            if (_header_seconds(container, stream) or 0) > _MAX_SECONDS:
+                raise InvalidRequestError(field, f"the audio is longer than {_MAX_SECONDS} s")
             resampler = av.AudioResampler(format="fltp", rate=rate)  # planar: [channels, samples] per frame
-            parts = [frame.to_ndarray() for decoded in container.decode(container.streams.audio[0])
-                     for frame in resampler.resample(decoded)]
-            parts += [frame.to_ndarray() for frame in resampler.resample(None)]
+            parts, samples = [], 0
+            for decoded in container.decode(stream):
+                samples += decoded.samples  # at the file's rate, counted before resampling: memory stays bounded
+                _check_length(samples, decoded.sample_rate, field)
+                parts += [_mono(frame) for frame in resampler.resample(decoded)]
+            parts += [_mono(frame) for frame in resampler.resample(None)]
     except av.error.FFmpegError as exc:
         raise InvalidRequestError(field, f"the audio file could not be decoded ({exc})") from exc
-    return np.concatenate(parts, axis=1).mean(axis=0, dtype=np.float32) if parts else np.zeros(0, np.float32)
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def _header_seconds(container: Any, stream: Any) -> float | None:
+    """The duration a file's header declares (its audio stream's, else the container's); None when unknown."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    return container.duration / 1_000_000 if container.duration is not None else None  # AV_TIME_BASE units
+
+
+def _mono(frame: Any) -> np.ndarray:
+    """A planar frame's channels averaged."""
+    return frame.to_ndarray().mean(axis=0, dtype=np.float32)
 
 
 def _resampled(waveform: np.ndarray, source: int, rate: int) -> np.ndarray:

@@ -208,6 +208,9 @@ class MediaItems:
             values = self._model_cls.mm_audio_values(processed)
             values = mark(values, with_images) if mark is not None else values
             item = self._record(key, len(expanded), values, inline)
+        if item.length == 0:  # under one encoder row (~30 ms for Qwen2-Audio): vLLM's words
+            size = f"len={audio.waveform.size}" if audio is not None else f"uuid={uuid!r}"
+            raise InvalidRequestError(field, f"the audio ({size}) is too short to be represented inside the model")
         items.append(item)
         expanded += [self.audio_token_id] * item.length + after
 

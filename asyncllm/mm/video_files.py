@@ -28,10 +28,11 @@ DEFAULT_NUM_FRAMES = 32
 
 
 def sample_indices(total: int, num_frames: int) -> list[int]:
-    """``num_frames`` evenly spaced frame indices over ``total`` frames (all of them when there are fewer)."""
+    """``num_frames`` evenly spaced frame indices over ``total`` frames (all of them when there are fewer), truncated
+    as vLLM's loader takes them (``np.linspace(0, total - 1, n, dtype=int)``, not rounded)."""
     if total <= num_frames:
         return list(range(total))
-    return sorted({int(i) for i in np.linspace(0, total - 1, num_frames).round()})
+    return np.linspace(0, total - 1, num_frames, dtype=int).tolist()
 
 
 def _file_source(source: Any, field: str) -> Any:

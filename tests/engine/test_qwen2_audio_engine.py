@@ -84,6 +84,8 @@ async def test_a_repeated_audio_hits_the_processor_cache(engine):
     ({"prompt": f"a {MARK} {MARK}", "audios": [make_audio(0.5, seed=6)]}, "2 audio placeholder tokens"),
     ({"prompt": f"{MARK}{MARK}{MARK}", "audios": [make_audio(0.2, seed=i) for i in range(3)]}, "over limit_mm"),
     ({"prompt": f"a {MARK}", "audios": [b"not an audio file"]}, "could not be decoded"),
+    ({"prompt": f"a {MARK}", "audios": [make_audio(0.02, seed=6)]},  # 20 ms: no encoder row, as vLLM refuses it
+     r"prompt\.audios\[0\]: the audio \(len=320\) is too short to be represented"),
     ({"prompt": "a <image>", "images": [b"x"]}, "takes no images"),
 ])
 async def test_bad_audios_fail_only_their_request(engine, prompt, match):

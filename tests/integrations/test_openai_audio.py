@@ -87,6 +87,13 @@ async def test_a_stream_with_stream_include_usage_ends_with_vllm_usage_chunk(eng
         "prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}
 
 
+async def test_a_stream_cut_by_max_completion_tokens_finishes_with_length(engine):
+    streamed = await _post(engine, "transcriptions", wav_bytes(make_audio(1.0, seed=1)), stream="true",
+                           max_completion_tokens="3")
+    done = sse_events(streamed.text)[-1]
+    assert done["type"] == "transcript.text.done" and done["choices"][0]["finish_reason"] == "length"  # as vLLM's
+
+
 async def test_long_audio_is_cut_into_pieces_transcribed_in_order(engine, tiny_whisper):
     wav = wav_bytes(make_audio(2.5 * CHUNK_SECONDS, seed=4))
     pieces = split_audio(read_audio(wav, "file", SAMPLING_RATE).waveform, SAMPLING_RATE, CHUNK_SECONDS)
@@ -164,6 +171,11 @@ async def test_bad_uploads_are_refused(engine):
     assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "file"
     big = await _post(engine, "transcriptions", wav_bytes(make_audio(1.0, seed=3)), ServerLimits(max_audio_bytes=1000))
     assert big.status_code == 413
+    wav = wav_bytes(make_audio(0.5, seed=3))  # a file of exactly max_audio_bytes fits: the form's other bytes aside
+    exact = await _post(engine, "transcriptions", wav, ServerLimits(max_audio_bytes=len(wav)), max_completion_tokens="1")
+    assert exact.status_code == 200, exact.text
+    over = await _post(engine, "transcriptions", wav, ServerLimits(max_audio_bytes=len(wav) - 1))
+    assert over.status_code == 413 and "audio file is larger" in over.json()["error"]["message"]
     ok = await _post(engine, "transcriptions", wav_bytes(make_audio(0.5, seed=3)))
     assert ok.status_code == 200  # still serving
 

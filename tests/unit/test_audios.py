@@ -12,6 +12,7 @@ import pytest
 from audio_utils import make_audio, wav_bytes
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.mm import audios
 from asyncllm.mm.audios import is_one_audio, read_audio
 
 RATE = 16_000
@@ -75,3 +76,57 @@ def test_one_audio_or_a_list() -> None:
     tone = make_audio(0.1, seed=4)
     assert is_one_audio((tone, RATE)) and is_one_audio(tone) and is_one_audio(b"RIFF") and is_one_audio([0.1, 0.2])
     assert not is_one_audio([(tone, RATE), (tone, RATE)]) and not is_one_audio([tone])
+
+
+def _one_hz_wav(samples: int) -> bytes:
+    """A tiny 8-bit WAV whose header claims 1 Hz: each byte is a second, 16000 samples once at 16 kHz."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(1)
+        f.setframerate(1)
+        f.writeframes(bytes(128 + i % 7 for i in range(samples)))
+    return out.getvalue()
+
+
+@pytest.fixture
+def resampled(monkeypatch) -> list[int]:
+    """The source samples each resampler call gets (a pair's ``_resampled`` and a file's ``av.AudioResampler``)."""
+    import av
+
+    seen: list[int] = []
+    real = av.AudioResampler
+
+    class Counting:
+        def __init__(self, *args, **kwargs) -> None:
+            self._real = real(*args, **kwargs)
+
+        def resample(self, frame):
+            seen.append(0 if frame is None else frame.samples)
+            return self._real.resample(frame)
+
+    monkeypatch.setattr(av, "AudioResampler", Counting)
+    monkeypatch.setattr(audios, "_resampled", lambda w, *_: seen.append(w.size) or w)
+    return seen
+
+
+def test_too_long_audio_is_refused_before_resampling(monkeypatch, resampled: list[int]) -> None:
+    with pytest.raises(InvalidRequestError, match="longer than 3600 s"):  # the header says 3601 s: nothing decoded
+        read_audio(_one_hz_wav(3601), "a", RATE)
+    with pytest.raises(InvalidRequestError, match="longer than 3600 s"):  # a pair: its length and rate
+        read_audio((np.zeros(3601, np.float32), 1), "a", RATE)
+    assert resampled == []
+    monkeypatch.setattr(audios, "_MAX_SECONDS", 10)
+    monkeypatch.setattr(audios, "_header_seconds", lambda *_: None)  # a header that tells no duration
+    with pytest.raises(InvalidRequestError, match="longer than 10 s"):
+        read_audio(_one_hz_wav(100), "a", RATE)
+    assert 0 < sum(resampled) <= 10  # decoding stopped at the bound, before resampling past it
+
+
+def test_numpy_scalar_rates_make_pairs() -> None:
+    tone = make_audio(0.1, seed=5)
+    for rate in (np.int64(RATE), np.float32(RATE), float(RATE)):
+        assert is_one_audio((tone, rate)) and np.array_equal(read_audio((tone, rate), "a", RATE).waveform, tone)
+    assert is_one_audio(list(tone.astype(np.float64)))  # a list of numpy samples is one waveform
+    with pytest.raises(InvalidRequestError, match="an audio is"):
+        read_audio((tone, True), "a", RATE)  # a bool is no rate
