@@ -66,14 +66,28 @@ async def _generate(args: argparse.Namespace, config: EngineConfig, params: Samp
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """`parser`'s namespace for `argv`, serve's and engine's ``--config FILE`` read first (asyncllm/cli_config.py)."""
-    config_model = None
+    config_model, typed = None, argv
     if argv[:1] in (["serve"], ["engine"]):
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         argv, config_model = expand_config_file(argv, commands.choices[argv[0]])
     args = parser.parse_args(argv)
     if config_model is not None and args.model is None:
         args.model = config_model
+    _check_keys_left_the_model(parser, typed, args)
     return args
+
+
+def _check_keys_left_the_model(parser: argparse.ArgumentParser, typed: list[str], args: argparse.Namespace) -> None:
+    """Refuse ``serve --api-key K1 K2`` with no MODEL: the keys (several, as vLLM's) may have taken MODEL, and the
+    server would serve the bundled model with MODEL as a key. Keys a config file gave (its options end before the
+    command line's) and keys ended with ``--`` are what was meant."""
+    end = typed.index("--") if "--" in typed else len(typed)
+    on_command_line = any(word.startswith("--api") and "--api-key".startswith(word) for word in typed[:end])
+    if args.command == "serve" and args.model is None and "--" not in typed and on_command_line \
+            and len(args.api_key or ()) > 1:
+        parser.error(f"--api-key took {len(args.api_key)} keys and there is no MODEL: the keys may have taken "
+                     f"MODEL ({args.api_key[-1]!r}?): put MODEL before --api-key, or end the keys with `--` "
+                     "(MODEL after it, or nothing for the bundled model)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,32 +17,37 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["TimestampRules", "from_model_config", "read_generation_config", "sampling_fields_of", "source_of",
-           "timestamp_rules"]
+__all__ = ["TimestampRules", "from_model_config", "read_generation_config", "rule_keys_of", "sampling_fields_of",
+           "source_of", "timestamp_rules"]
 
 _NO_BOUND = 2**62
 """An upper bound past any vocabulary."""
 
 
-def read_generation_config(generation_config: str, model_path: str, model_config: Any = None) -> dict[str, Any]:
+def read_generation_config(generation_config: str, model_path: str, model_config: Any = None, *,
+                           fallback: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The keys of the generation_config.json that ``generation_config`` names for the model at ``model_path`` ({}:
     none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto`` / ``vllm``).
     A model folder without the file: the generation attributes of its config (`model_config`, the loaded
     config.json; None: {}), as vLLM's ``try_get_generation_config`` and transformers' ``generate`` take them
-    (`from_model_config`)."""
+    (`fallback`, by default `from_model_config`; a value transformers refuses is a `ConfigError` naming ``model``)."""
     if generation_config in _MODEL_FOLDER and os.path.isfile(model_path):  # a GGUF file has none
         return {}
     field, folder = source_of(generation_config, model_path)
     generation = _read(os.path.join(folder, "generation_config.json"), field, must_exist=field == "generation_config")
-    if generation is None:
-        return {} if model_config is None else from_model_config(model_config)
-    return generation
+    if generation is None and model_config is not None:
+        try:
+            return (fallback or from_model_config)(model_config)
+        except ValueError as exc:  # GenerationConfig's checks (max_new_tokens 0, say)
+            raise ConfigError(field, folder, f"a checkpoint whose config.json (it has no generation_config.json) "
+                                             f"sets generation attributes transformers accepts: {exc}") from exc
+    return generation or {}
 
 
 def from_model_config(model_config: Any) -> dict[str, Any]:
@@ -59,6 +64,21 @@ def from_model_config(model_config: Any) -> dict[str, Any]:
 
 _BOOKKEEPING = frozenset({"_from_model_config", "transformers_version"})
 """`to_diff_dict` keys that say where the config came from, not how to generate."""
+
+
+def rule_keys_of(model_config: Any) -> dict[str, Any]:
+    """`from_model_config`'s keys that the workers' rules read (workers/generation_rules.py), without transformers
+    (its import costs a worker's start about 2 s): ``suppress_tokens`` and ``begin_suppress_tokens``, the config's
+    own, else its decoder's (the first of ``decoder``, ``generator``, ``text_config`` it sets, as transformers reads a
+    config's values). The other keys it keeps no rule reads, and it drops Whisper's timestamp keys (not
+    `GenerationConfig` attributes): no timestamp rule comes from a config.json."""
+    values = model_config.to_dict()
+    decoder = next((values[name] for name in ("decoder", "generator", "text_config") if values.get(name)), values)
+    found = {key: values.get(key) if values.get(key) is not None else decoder.get(key) for key in _RULE_KEYS}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+_RULE_KEYS = ("suppress_tokens", "begin_suppress_tokens")
 
 
 _MODEL_FOLDER = ("auto", "vllm")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from asyncllm.errors import ConfigError
-from asyncllm.generation_config import TimestampRules, read_generation_config, source_of, timestamp_rules
+from asyncllm.generation_config import TimestampRules, read_generation_config, rule_keys_of, source_of, timestamp_rules
 from asyncllm.workers.logits_processors import array_to_device
 
 __all__ = ["GenerationRules", "RulesStep"]
@@ -79,10 +79,11 @@ class GenerationRules:
            device: torch.device, model_config: object = None) -> "GenerationRules | None":
         """The rules of the generation_config.json that the engine's ``generation_config`` field names for the
         checkpoint at ``model_path`` (asyncllm/generation_config.py: the model folder's for ``vllm`` too; a folder
-        without one: `model_config`'s generation attributes; None when it sets none)."""
+        without one: `model_config`'s ``suppress_tokens``, read without transformers: `rule_keys_of`; None when it
+        sets none)."""
         if vocab_size is None:
             return None
-        config = read_generation_config(generation_config, model_path, model_config)
+        config = read_generation_config(generation_config, model_path, model_config, fallback=rule_keys_of)
         suppress, begin = config.get("suppress_tokens") or [], config.get("begin_suppress_tokens") or []
         for name, ids in (("suppress_tokens", suppress), ("begin_suppress_tokens", begin)):
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):

@@ -369,7 +369,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         processor = replica.processor
         assert processor is not None
         replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing
-        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind)
+        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
+                                     logprobs=params.logprobs is not None)
         self._replicas.placed(replica, collector, params.n)
         self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))

@@ -104,7 +104,7 @@ class RequestCollector:
     """
 
     def __init__(self, request_id: str, arrival_time: float, n: int = 1,
-                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:
+                 output_kind: RequestOutputKind = RequestOutputKind.DELTA, logprobs: bool = False) -> None:
         self.request_id = request_id
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_token_ids: list[int] = []
@@ -117,8 +117,9 @@ class RequestCollector:
         """Every sample finished, or the request failed: nothing more is accepted."""
         self.replica = 0
         """The data-parallel replica (engine core) that serves every sample of it (docs/parallelism.md)."""
-        self._unfinished: dict[int, float | None] = dict.fromkeys(range(n))
-        """Each unfinished sample's latest ``cumulative_logprob``: what its abort delta carries (`abort`)."""
+        self._unfinished: dict[int, float | None] = dict.fromkeys(range(n), 0.0 if logprobs else None)
+        """Each unfinished sample's latest ``cumulative_logprob``: what its abort delta carries (`abort`; with
+        `logprobs` asked, 0.0 before its first token, as `_fail_all`'s)."""
         self._pending: dict[int, StreamDelta] = {}
         """DELTA: the merged pending delta of each sample, in arrival order."""
         self._samples = None if output_kind is RequestOutputKind.DELTA else [_SampleOutput(i) for i in range(n)]

@@ -185,9 +185,16 @@ class RequestStream:
 
     def _abort(self) -> None:
         """Abort the request in the core, and end its collector's samples now (a reader in another task wakes)."""
-        if self.collector is not None and not self.collector.finished:
-            self._engine._abort(self.collector.request_id)
+        if self._abort_in_core():
+            assert self.collector is not None
             self.collector.abort()
+
+    def _abort_in_core(self) -> bool:
+        """Post the core's abort of an unfinished request (thread-safe); whether there was one."""
+        if self.collector is None or self.collector.finished:
+            return False
+        self._engine._abort(self.collector.request_id)
+        return True
 
     def _check_loop(self) -> None:
         """A stream's deltas reach the loop it was submitted from; a takeover of the engine by a new loop
@@ -204,8 +211,12 @@ class RequestStream:
                              "receives its deltas: iterate it there")
 
     def __del__(self) -> None:
+        """Garbage collected (no reader holds it): only the core's abort, posted, as any thread may run this; the
+        collector, the loop's, is left alone (an asyncio.Event set off its loop's thread races it)."""
         try:
-            self._leave()
+            if not self._done:
+                self._done = True
+                self._abort_in_core()
         except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
             pass
 

@@ -49,7 +49,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -93,10 +93,10 @@ class _Writer:
         self.collectors: weakref.WeakSet[Any] = weakref.WeakSet()
         """Added and read under `lock` (a WeakSet changed while iterated raises)."""
         self.folder = checked_dir()
-        from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES, gauge_families  # which imports this module
+        from asyncllm.metrics.prometheus import ENGINE_COUNTER_NAMES, process_families  # which imports this module
 
         self._engine_counters = ENGINE_COUNTER_NAMES
-        self._gauge_families = gauge_families
+        self._process_families = process_families
         self.thread_pid: int | None = None
         """The process in which the writer thread runs (None: not started, or stopped by `_at_exit`)."""
         self.closed = False
@@ -130,23 +130,23 @@ class _Writer:
                 if self.closed and not final:
                     return  # the process exits: its gauge file is removed, not written again
                 self._elsewhere.update(found)
-                per_collector = [(collector, _samples(collector), collector.owned_core_models())
-                                 for collector in list(self.collectors)]
+                collectors = list(self.collectors)
+                families, gauges = self._process_families(collectors)  # each engine's view read once
+                per_collector = [(collector, _totals(own), collector.owned_core_models())
+                                 for collector, own in zip(collectors, families, strict=True)]
                 for collector, _, _ in per_collector:
                     self._active.update(collector.named_models())
                 unchecked = self._unchecked(per_collector)
                 if not unchecked:
-                    self._write(per_collector, self._gauges())
+                    self._write(per_collector, self._gauges(gauges))
                     return
             in_files = reported_elsewhere(self.folder, map(_file_key, unchecked))
             found = {key: _file_key(key) in in_files for key in unchecked}
 
-    def _gauges(self) -> dict[_Key, float]:
+    def _gauges(self, families: list[Metric]) -> dict[_Key, float]:
         """The process's gauges of named models, its collectors' engines combined each by its own rule (KV usage
-        as blocks, `lora_requests_info` the time: `prometheus.gauge_families`), as one registry would."""
-        gauges: dict[_Key, float] = defaultdict(float)
-        for family in self._gauge_families(list(self.collectors)):
-            _add_family(gauges, family)
+        as blocks, `lora_requests_info` the time: `prometheus.process_families`), as one registry would."""
+        gauges = _totals(families)
         return {key: value for key, value in gauges.items() if _model(key) in self._active}
 
     def _write(self, per_collector: list[tuple[Any, dict[_Key, float], set[str]]], gauges: dict[_Key, float]) -> None:
@@ -223,10 +223,15 @@ def _model(key: _Key) -> str | None:
 
 
 def _samples(collector: Any) -> dict[_Key, float]:
-    """The collector's samples; histogram buckets per bucket (not cumulative), as prometheus_client's files hold
+    """The collector's samples (`_totals`)."""
+    return _totals(collector.collect())
+
+
+def _totals(families: Iterable[Metric]) -> dict[_Key, float]:
+    """The families' samples; histogram buckets per bucket (not cumulative), as prometheus_client's files hold
     them, and no ``_count`` (the scrape derives it)."""
     totals: dict[_Key, float] = defaultdict(float)
-    for family in collector.collect():
+    for family in families:
         _add_family(totals, family)
     return totals
 

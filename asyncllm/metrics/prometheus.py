@@ -45,7 +45,7 @@ from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, Host
 from asyncllm.metrics.multiprocess import mirror, multiprocess_dir
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["AsyncLLMCollector", "attach", "gauge_families", "PREFIX", "retire"]
+__all__ = ["AsyncLLMCollector", "attach", "process_families", "PREFIX", "retire"]
 
 PREFIX = "asyncllm:"
 _LABELS = ["model_name"]
@@ -153,12 +153,20 @@ class AsyncLLMCollector(Collector):
         return _families(_by_model(self.sources()))
 
 
-def gauge_families(collectors: Iterable[AsyncLLMCollector]) -> Iterator[Metric]:
-    """The gauges of the engines of several collectors, combined as one collector combines its engines (each by
-    its rule: `summed_snapshots`, KV usage as blocks, `lora_requests_info` the time): one process's gauges in
-    multiprocess mode, where each engine with a private registry has a collector of its own."""
-    by_model = _by_model([stats for collector in collectors for stats in collector.sources()])
-    return _gauges(_engine_stats(_views(by_model)))
+def process_families(collectors: Iterable[AsyncLLMCollector]) -> tuple[list[list[Metric]], list[Metric]]:
+    """One process's series in multiprocess mode, where each engine with a private registry has a collector of its
+    own: each collector's families but its gauges, and the gauges of all their engines combined as one collector
+    combines its engines (each by its rule: `summed_snapshots`, KV usage as blocks, `lora_requests_info` the
+    time). Each engine's view is read once for both."""
+    per_collector: list[list[Metric]] = []
+    merged: _Views = defaultdict(list)
+    for collector in collectors:
+        by_model = _by_model(collector.sources())
+        views = _views(by_model)
+        per_collector.append(list(_families(by_model, views, gauges=False)))
+        for model, group in views.items():
+            merged[model].extend(group)
+    return per_collector, list(_gauges(_engine_stats(merged)))
 
 
 def _by_model(sources: list[HostStats]) -> dict[str, list[HostStats]]:
@@ -181,10 +189,12 @@ def _gauges(engines: dict[_EngineKey, SchedulerStats]) -> Iterator[Metric]:
     yield _lora_info(engines)
 
 
-def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
-    views = _views(by_model)  # each engine's view read once
+def _families(by_model: dict[str, list[HostStats]], views: _Views | None = None,
+              gauges: bool = True) -> Iterator[Metric]:
+    views = _views(by_model) if views is None else views  # each engine's view read once
     engines = _engine_stats(views)
-    yield from _gauges(engines)
+    if gauges:
+        yield from _gauges(engines)
     counters = _engine_counters(views, engines)
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)

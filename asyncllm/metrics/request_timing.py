@@ -38,8 +38,9 @@ def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None
 def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, num_samples: int = 1,
                      pooled: bool = False) -> None:
     """Record a request that finished with a reason other than abort in the request histograms. The time per
-    output token is vLLM's: decode time / (tokens - 1), over the mean sample's tokens of an n > 1 request, for
-    more than one token. A pooling request (`pooled`) decodes nothing: neither is observed."""
+    output token is vLLM's: decode time / (tokens - 1), over the mean sample's tokens of an n > 1 request, and 0
+    for one token or none (vLLM's ``mean_time_per_output_token``), a pooling request's too. A pooling request
+    (`pooled`) has no decode time."""
     assert metrics.finished_time is not None
     stats.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
     stats.request_prompt_tokens.observe(num_prompt_tokens)
@@ -53,6 +54,6 @@ def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_token
     ):
         if value is not None:
             histogram.observe(max(value, 0.0))
-    sample_tokens = metrics.num_generated_tokens / num_samples
-    if decode_time is not None and sample_tokens > 1:  # vLLM's mean time per output token after the first
-        stats.request_time_per_output_token.observe(max(decode_time, 0.0) / (sample_tokens - 1))
+    sample_tokens = metrics.num_generated_tokens / num_samples  # vLLM's mean time per output token after the first
+    decoded = decode_time is not None and sample_tokens > 1
+    stats.request_time_per_output_token.observe(max(decode_time, 0.0) / (sample_tokens - 1) if decoded else 0.0)

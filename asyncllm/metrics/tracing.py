@@ -57,15 +57,32 @@ def capture_context() -> Any:
 def remote_parent(headers: Mapping[str, str]) -> Iterator[None]:
     """Inside, the current context is the caller's from an HTTP request's `headers` (W3C ``traceparent``, or the
     propagators the host set: ``opentelemetry.propagate``), as vLLM's server extracts it: requests made there
-    get their span under the caller's. Nothing is read until the host sets a tracer provider."""
+    get their span under the caller's. What the headers do not carry stays as it was (the host's baggage; with no
+    trace header, its current span: an instrumented ASGI server's), and a current span of the header's own trace
+    (the server span that instrumentation starts under it) stays the parent. Nothing is read until the host sets a
+    tracer provider."""
     if otel_trace is None or isinstance(otel_trace.get_tracer_provider(), otel_trace.ProxyTracerProvider):
         yield
         return
-    token = otel_context.attach(otel_propagate.extract(headers))
+    current = otel_context.get_current()
+    extracted = otel_propagate.extract(headers, context=current)
+    if extracted is current:  # no trace header, nor baggage
+        yield
+        return
+    span = otel_trace.get_current_span(current)
+    if _in_trace_of(span, extracted):
+        extracted = otel_trace.set_span_in_context(span, extracted)
+    token = otel_context.attach(extracted)
     try:
         yield
     finally:
         otel_context.detach(token)
+
+
+def _in_trace_of(span: Any, extracted: Any) -> bool:
+    """Whether `span` is a local span of the trace the headers put in `extracted`."""
+    here, there = span.get_span_context(), otel_trace.get_current_span(extracted).get_span_context()
+    return here.is_valid and not here.is_remote and here.trace_id == there.trace_id
 
 
 def span_operation(chat: bool, pooled: bool) -> str:

@@ -140,8 +140,8 @@ async def test_a_stream_closed_in_another_task_ends_its_reader_with_abort_deltas
 async def test_a_stream_closed_while_its_first_step_submits_aborts_the_request(engine: AsyncEngine,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """`aclose()` from another task while the reader's first `__anext__` still submits (the engine starting, or
-    waiting for a core restart): the request is aborted once submitted and the reader gets its abort delta (it
-    generated to its end unread, before)."""
+    waiting for a core restart): the request is aborted once submitted and the reader gets each sample's abort delta
+    (it generated to its end unread, before), with logprobs asked a cumulative_logprob of 0.0, as `_fail_all`'s."""
     pick, entered, release = engine._replicas.pick, asyncio.Event(), asyncio.Event()
 
     async def slow_pick(*args):
@@ -150,13 +150,15 @@ async def test_a_stream_closed_while_its_first_step_submits_aborts_the_request(e
         return await pick(*args)
 
     monkeypatch.setattr(engine._replicas, "pick", slow_pick)
-    stream = engine.stream("while True:\n", LONG)
+    stream = engine.stream("while True:\n", SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True, n=2,
+                                                           logprobs=0))
     reader = asyncio.create_task(_read(stream))
     await asyncio.wait_for(entered.wait(), 10)
     await stream.aclose()
     release.set()
     deltas = await asyncio.wait_for(reader, 5)
-    assert [(d.token_ids, d.finish_reason) for d in deltas] == [([], "abort")]
+    assert sorted((d.index, d.token_ids, d.finish_reason, d.cumulative_logprob) for d in deltas) == [
+        (0, [], "abort", 0.0), (1, [], "abort", 0.0)]
     await _wait_idle(engine)
 
 

@@ -175,8 +175,10 @@ async def test_a_pooling_request_generates_nothing_and_finishes_stop_as_vllms(en
     assert delta["prompt_tokens_total"] == len(PROMPTS[2])
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prefill_time_seconds"):
         assert delta[f"{name}_count"] == 1, name
-    for name in ("inter_token_latency_seconds", "request_decode_time_seconds", "request_time_per_output_token_seconds"):
+    for name in ("inter_token_latency_seconds", "request_decode_time_seconds"):
         assert delta[f"{name}_count"] == 0, name  # it decodes nothing
+    tpot = "request_time_per_output_token_seconds"
+    assert (delta[f"{tpot}_count"], delta[f"{tpot}_sum"]) == (1, 0)  # vLLM's 0 for a request without decode steps
     (span,) = _spans_named("traced-embed")
     a = span.attributes
     assert span.name == f"embeddings {engine._observer.stats.model_name}" and a["gen_ai.operation.name"] == "embeddings"
@@ -195,6 +197,39 @@ async def test_the_servers_request_span_is_a_child_of_the_callers_traceparent(en
     (span,) = [s for s in EXPORTER.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
     assert f"{span.parent.span_id:016x}" == parent_id and span.parent.is_remote
     assert span.attributes["gen_ai.operation.name"] == "text_completion"
+
+
+def _instrumented(app, server_spans: list):
+    """An app as OpenTelemetry's ASGI instrumentation serves it: each request in a server span of its own, under
+    the request's traceparent, with the host's baggage."""
+    from opentelemetry import baggage, context, propagate
+
+    async def server(scope, receive, send) -> None:
+        headers = {key.decode(): value.decode() for key, value in scope.get("headers", ())}
+        token = context.attach(baggage.set_baggage("tenant", "t1", propagate.extract(headers)))
+        try:
+            with trace.get_tracer("asgi").start_as_current_span("POST", kind=trace.SpanKind.SERVER) as span:
+                server_spans.append(span)
+                await app(scope, receive, send)
+        finally:
+            context.detach(token)
+    return server
+
+
+async def test_the_servers_request_span_stays_under_an_instrumented_hosts_server_span(engine: AsyncEngine) -> None:
+    from asyncllm.integrations.openai_server import create_app
+
+    server_spans: list = []
+    trace_id, parent_id = "1af7651916cd43dd8448eb211c80319c", "c7ad6b7169203331"
+    async with asgi_client(_instrumented(create_app(engine, manage_engine=False), server_spans)) as client:
+        for headers in ({}, {"traceparent": f"00-{trace_id}-{parent_id}-01"}):
+            reply = await client.post("/v1/completions", headers=headers, json={"prompt": [5, 6], "max_tokens": 1})
+            assert reply.status_code == 200, reply.text
+    for server in server_spans:  # no header: not a root; a header: under it, through the server span
+        (span,) = [s for s in EXPORTER.get_finished_spans() if s.parent is not None and s.name.startswith("text_")
+                   and s.parent.span_id == server.get_span_context().span_id]
+        assert span.context.trace_id == server.get_span_context().trace_id
+    assert f"{server_spans[1].get_span_context().trace_id:032x}" == trace_id
 
 
 async def test_span_parent_is_where_the_stream_was_made_not_where_it_is_iterated(engine: AsyncEngine) -> None:

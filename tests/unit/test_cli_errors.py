@@ -90,3 +90,25 @@ def test_version_prints_the_package_version(flag, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([flag])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == __version__
+
+
+def test_several_api_keys_without_a_model_are_refused_as_they_may_have_taken_it(capsys, tmp_path) -> None:
+    from asyncllm.cli import _parser, parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(_parser(), ["serve", "--api-key", "secret", "org/real-model"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "asyncllm: error: --api-key took 2 keys and there is no MODEL" in err
+    assert "put MODEL before --api-key, or end the keys with `--`" in err
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: org/real-model\napi-key: [k1, k2]\n")
+    keys_only = tmp_path / "keys.yaml"
+    keys_only.write_text("api-key: [k1, k2]\n")
+    for argv, model in ((["serve", "org/m", "--api-key", "k1", "k2"], "org/m"),
+                        (["serve", "--api-key", "k1", "k2", "--", "org/m"], "org/m"),
+                        (["serve", "--api-key", "k1", "k2", "--"], None),  # the bundled model, two keys
+                        (["serve", "--config", str(config)], "org/real-model"),
+                        (["serve", "--config", str(keys_only)], None),  # a file's keys take no MODEL
+                        (["serve", "--config", str(config), "--api-key", "k1", "k2"], "org/real-model")):
+        args = parse_args(_parser(), argv)
+        assert (args.model, args.api_key) == (model, ["k1", "k2"])

@@ -87,13 +87,34 @@ async def test_error_comes_after_the_pending_deltas() -> None:
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
 async def test_abort_ends_each_unfinished_sample_as_the_engine_close_does(kind: RequestOutputKind) -> None:
     """A stream left (`RequestStream.aclose`): each unfinished sample's last delta says "abort" and keeps its running
-    ``cumulative_logprob``, as `_fail_all`'s; a finished sample gets none."""
-    c = RequestCollector("r", 0.0, n=3, output_kind=kind)
+    ``cumulative_logprob``, as `_fail_all`'s (0.0 with logprobs asked before any token); a finished sample gets
+    none."""
+    c = RequestCollector("r", 0.0, n=3, output_kind=kind, logprobs=True)
     c.put(delta(0, "a", 1))
     c.put(delta(1, "x", 7, "stop"))
     c.abort()
     assert c.finished
     got = {d.index: d for d in await drain(c)}
     assert (got[0].text, got[0].finish_reason, got[0].cumulative_logprob) == ("a", "abort", -1.0)
-    assert (got[2].text, got[2].token_ids, got[2].finish_reason, got[2].cumulative_logprob) == ("", [], "abort", None)
+    assert (got[2].text, got[2].token_ids, got[2].finish_reason, got[2].cumulative_logprob) == ("", [], "abort", 0.0)
     assert got[1].finish_reason == "stop" and not c.pending
+    plain = RequestCollector("p", 0.0, n=1, output_kind=kind)  # no logprobs asked: None, as vLLM's
+    plain.abort()
+    assert [d.cumulative_logprob for d in await drain(plain)] == [None]
+
+
+def test_a_stream_collected_on_another_thread_only_posts_the_abort() -> None:
+    """`RequestStream.__del__` runs on whatever thread collects it: it posts the core's abort (thread-safe) and
+    leaves the loop's collector alone (an asyncio.Event set off the loop's thread races it)."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncllm.engine.stream import RequestOptions, RequestStream
+
+    aborted: list[str] = []
+    stream = RequestStream(SimpleNamespace(_abort=aborted.append), "p", None, RequestOptions(), False)
+    stream.collector = collector = RequestCollector("r", 0.0, n=2)
+    finalizer = threading.Thread(target=stream.__del__)
+    finalizer.start()
+    finalizer.join()
+    assert aborted == ["r"] and not collector.finished and not collector.pending and not collector._ready.is_set()

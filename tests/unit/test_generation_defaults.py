@@ -110,6 +110,51 @@ def test_a_folder_without_the_file_reads_config_jsons_generation_attributes(tiny
     assert from_model_config(hf_config_from_json(hf_config_json(hf_config))) == from_model_config(hf_config)
 
 
+def test_a_generation_attribute_transformers_refuses_in_config_json_is_a_config_error(tmp_path) -> None:
+    from asyncllm.models.checkpoint import hf_config_from_json
+
+    bad = hf_config_from_json(json.dumps({"model_type": "llama", "max_new_tokens": 0}))
+    with pytest.raises(ConfigError) as info:
+        read_generation_config("auto", str(tmp_path), bad)
+    assert info.value.field == "model" and info.value.value == str(tmp_path)
+    assert "config.json (it has no generation_config.json)" in str(info.value) and "max_new_tokens" in str(info.value)
+
+
+_WORKER_RULES = """
+import json, sys
+import torch
+from asyncllm.models.checkpoint import hf_config_from_json
+from workers.generation_rules import GenerationRules
+rules = GenerationRules.of("auto", sys.argv[1], 100, torch.device("cpu"), hf_config_from_json(sys.argv[2]))
+print(json.dumps([rules._suppress.tolist(), rules._begin.tolist(), rules.timestamps, "transformers" in sys.modules]))
+"""
+
+
+def test_a_workers_rules_from_config_json_import_no_transformers_and_match_from_model_config(tmp_path) -> None:
+    """A worker (a WireConfig, no generation_config.json) reads config.json's suppress_tokens without transformers
+    (its import costs a worker's start about 2 s), as `from_model_config` reads them: the decoder's where the config
+    sets none, Whisper's timestamp keys dropped (not GenerationConfig attributes)."""
+    import subprocess
+    import sys
+
+    from asyncllm.generation_config import from_model_config, rule_keys_of
+    from asyncllm.models.checkpoint import hf_config_from_json
+
+    values = {"model_type": "whisper", "suppress_tokens": [9, 5], "eos_token_id": 2, "no_timestamps_token_id": 50,
+              "task_to_id": {"transcribe": 7}, "text_config": {"model_type": "t", "begin_suppress_tokens": [3],
+                                                               "suppress_tokens": [1]}}
+    wire = hf_config_from_json(json.dumps(values))
+    expected = from_model_config(wire)  # what a worker read before (with transformers)
+    assert "no_timestamps_token_id" not in expected
+    assert {key: expected[key] for key in ("suppress_tokens", "begin_suppress_tokens")} == {
+        "suppress_tokens": [9, 5], "begin_suppress_tokens": [3]} == rule_keys_of(wire)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", _WORKER_RULES, str(tmp_path), json.dumps(values)], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [[5, 9], [3], None, False]
+
+
 def test_override_generation_config_takes_generation_config_keys() -> None:
     """vLLM maps generation_config.json's names: max_new_tokens is max_tokens; both at once is refused."""
     config = EngineConfig.create("m", override_generation_config={"max_new_tokens": 5, "temperature": 0.5})

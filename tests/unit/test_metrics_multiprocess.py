@@ -109,6 +109,10 @@ def test_engines_of_one_process_combine_their_gauges_as_one_registry(tmp_path, m
     assert scraped[("asyncllm:kv_cache_usage_perc", m)] == 0.375  # (3 + 3) / (8 + 8), not 0.375 + 0.375
     info = [v for (name, _), v in scraped.items() if name == "asyncllm:lora_requests_info"]
     assert len(info) == 1 and before <= info[0] <= time.time()
+    reads, sources = [], AsyncLLMCollector.sources
+    monkeypatch.setattr(AsyncLLMCollector, "sources", lambda self: reads.append(self) or sources(self))
+    writer.sync()  # the folder's counters already looked up: one pass
+    assert len(reads) == 2  # each engine's view read once a sync, for its series and the combined gauges alike
 
 
 def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tmp_path, monkeypatch) -> None:

@@ -109,10 +109,11 @@ def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once
     assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)
 
 
-def test_one_token_requests_have_no_time_per_output_token() -> None:
-    observer = RequestObserver("m")
+def test_one_token_requests_have_a_time_per_output_token_of_zero_as_vllms() -> None:
+    observer = RequestObserver("m")  # vLLM's mean_time_per_output_token: 0 without a token after the first
     _feed(observer, _collector("a", 2, 100.0), [101.0], "length")
-    assert observer.stats.request_time_per_output_token.count == 0 and observer.stats.request_decode_time.count == 1
+    tpot = observer.stats.request_time_per_output_token
+    assert (tpot.count, tpot.sum) == (1, 0.0) and observer.stats.request_decode_time.count == 1
 
 
 def test_trace_headers_are_not_read_until_the_host_sets_a_tracer_provider(monkeypatch) -> None:
@@ -127,6 +128,25 @@ def test_trace_headers_are_not_read_until_the_host_sets_a_tracer_provider(monkey
     monkeypatch.setattr(trace, "get_tracer_provider", trace.ProxyTracerProvider)  # none set
     with tracing.remote_parent({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}):
         pass
+
+
+def test_trace_headers_keep_the_hosts_baggage_and_without_a_trace_header_its_span(monkeypatch) -> None:
+    from opentelemetry import baggage, context, trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+    from asyncllm.metrics import tracing
+
+    monkeypatch.setattr(trace, "get_tracer_provider", trace.NoOpTracerProvider)  # the host set one
+    host_span = NonRecordingSpan(SpanContext(0x1F, 0x2F, is_remote=False))
+    token = context.attach(trace.set_span_in_context(host_span, baggage.set_baggage("tenant", "t1")))
+    try:
+        with tracing.remote_parent({}):
+            assert trace.get_current_span() is host_span and baggage.get_baggage("tenant") == "t1"
+        with tracing.remote_parent({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}):
+            parent = trace.get_current_span().get_span_context()
+            assert (parent.span_id, parent.is_remote, baggage.get_baggage("tenant")) == (0xB7AD6B7169203331, True, "t1")
+    finally:
+        context.detach(token)
 
 
 def test_private_registry_exports_the_series_and_never_the_global_one() -> None:
