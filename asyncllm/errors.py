@@ -57,8 +57,8 @@ class ConfigError(AsyncLLMError, ValueError):
 class NotBuiltError(ConfigError):
     """The configuration asks for a feature asyncllm does not implement yet."""
 
-    def __init__(self, field: str, value: object, feature: str) -> None:
-        super().__init__(field, value, f"{feature} is not built yet in asyncllm")
+    def __init__(self, field: str, value: object, feature: str, *, value_repr: str | None = None) -> None:
+        super().__init__(field, value, f"{feature} is not built yet in asyncllm", value_repr=value_repr)
         self.feature = feature
 
 

@@ -99,9 +99,20 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
                                                     f"{hidden_size} features")
 
 
+class _FlatOutputs:
+    """vLLM's pooling results nest the result in ``.outputs`` (``out.outputs.embedding``); asyncllm's are flat
+    (``out.embedding``), and ``.outputs`` is the result itself, so vLLM's spelling reads the same field."""
+
+    __slots__ = ()
+
+    @property
+    def outputs(self) -> Any:
+        return self
+
+
 @dataclass(slots=True)
-class EmbeddingOutput:
-    """The result of `AsyncEngine.embed`."""
+class EmbeddingOutput(_FlatOutputs):
+    """The result of `AsyncEngine.embed` (vLLM's ``EmbeddingRequestOutput``, flattened)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -111,7 +122,7 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class ClassificationOutput:
+class ClassificationOutput(_FlatOutputs):
     """The result of `AsyncEngine.classify` (vLLM's ``ClassificationOutput``, flattened)."""
 
     request_id: str
@@ -131,7 +142,7 @@ class ClassificationOutput:
 
 
 @dataclass(slots=True)
-class ScoringOutput:
+class ScoringOutput(_FlatOutputs):
     """One pair's result of `AsyncEngine.score` (vLLM's ``ScoringRequestOutput``, flattened)."""
 
     score: float

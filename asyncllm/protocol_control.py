@@ -5,8 +5,9 @@ Part of the wire protocol (asyncllm/protocol.py, which re-exports every name her
 every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
 rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` and `RemoveLoRA` go to the core only, answered
 by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
-(`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`), a
-worker's `WorkerError` as the core raises it (`worker_failure`).
+(`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] with its class as the message's
+``error_type`` (`config_error_parts`; a NotBuiltError stays one), a worker's `WorkerError` as the core raises it
+(`worker_failure`).
 """
 
 from __future__ import annotations
@@ -172,24 +173,32 @@ class LoRARemoved(msgspec.Struct, **_STRUCT):
 
 # ------------------------------------------------------------- error helpers
 def config_error_parts(exc: BaseException) -> list[str]:
-    """A ConfigError as [field, value repr, allowed] for the wire; [] for anything else."""
+    """A ConfigError as [field, value repr, allowed] for the wire (a NotBuiltError: [field, value repr, feature]);
+    [] for anything else. The class goes as the message's ``error_type``."""
+    if isinstance(exc, NotBuiltError):
+        return [exc.field, exc.value_repr, exc.feature]
     if isinstance(exc, ConfigError):
         return [exc.field, exc.value_repr, exc.allowed]  # not repr(value): a re-sent error is not quoted twice
     return []
 
 
-def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | None:
-    """Rebuild a ConfigError sent with `config_error_parts`; None if there is none."""
+def config_error_from_parts(parts: list[str], where: str = "", *,
+                            error_type: str = "ConfigError") -> ConfigError | None:
+    """Rebuild the ConfigError (a NotBuiltError when ``error_type`` names it) sent with `config_error_parts`; None
+    if there is none."""
     if len(parts) != 3:
         return None
     field, value_repr, allowed = parts
+    if error_type == "NotBuiltError":
+        return NotBuiltError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
     return ConfigError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
 
 
 def worker_failure(message: "WorkerError") -> AsyncLLMError:
-    """What a worker's `WorkerError` raises in the core: its ConfigError stays a ConfigError (same field); anything
-    else kills the engine."""
-    config_error = config_error_from_parts(message.config_error, f" (worker rank {message.rank})")
+    """What a worker's `WorkerError` raises in the core: its ConfigError stays a ConfigError (same field, a
+    NotBuiltError a NotBuiltError); anything else kills the engine."""
+    config_error = config_error_from_parts(message.config_error, f" (worker rank {message.rank})",
+                                           error_type=message.error_type)
     if config_error is not None:
         return config_error
     kind = f"{message.error_type}: " if message.error_type else ""

@@ -266,7 +266,8 @@ class WorkerError(msgspec.Struct, **_STRUCT):
     rank: int
     message: str
     error_type: str = ""
-    """Class name of the worker's exception, so the core re-raises ConfigError as ConfigError."""
+    """Class name of the worker's exception, so the core re-raises ConfigError as ConfigError (NotBuiltError as
+    NotBuiltError)."""
     config_error: list[str] = []
     """[field, value repr, allowed] when the exception is a ConfigError (as in EngineFailed)."""
 

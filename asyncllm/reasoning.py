@@ -153,6 +153,13 @@ class ReasoningParser:
     without ``</think>`` is all content there (here all reasoning when the prompt opened the thinking, as in vLLM's
     streamed reply)."""
 
+    @property
+    def opener(self) -> str | None:
+        """What opens the thinking `end_tag` ends (`Marker.of`'s opener): `start_tag`; none with an `end_suffix`
+        (harmony's final header). The one opener of the server's prompt rule (`OpenAIServer.reasoning_end`) and of its
+        constraints (`StructuredOutputs.start_after_opener`)."""
+        return None if self.end_suffix is not None else self.start_tag
+
     def thinking_off(self, template_kwargs: dict) -> bool:
         """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
         return self.thinking_switch is not None and template_kwargs.get(self.thinking_switch) is False

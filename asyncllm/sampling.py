@@ -34,6 +34,8 @@ _MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value; a bias of +-100 bans or forces a token."""
 _BAD_WORD_CHARS_PER_TOKEN = 64
 """bad_words' characters allowed per bad-word token, checked before tokenizing: no usual vocabulary entry is longer."""
+_NONE_IS_EMPTY = ("stop", "stop_token_ids", "bad_words", "bad_words_token_ids")
+"""List fields whose None (vLLM's default for them) is read as the empty list, so that the wire form is the same."""
 _REPETITION_PENALTY_BOUND = 2.0**31
 """repetition_penalty lies in [1 / bound, bound]: the workers divide float32 logits by it, and a smaller one
 overflows them to inf (below float32's range it is 0), which samples token 0 whatever the logits."""
@@ -70,9 +72,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     min_tokens: int = 0
     """Tokens to generate before EOS or stop_token_ids may end the request."""
     stop: list[str] = []
-    """Strings that end generation; they are not included in the text."""
+    """Strings that end generation; they are not included in the text (None, vLLM's default, is [])."""
     stop_token_ids: list[int] = []
-    """Token ids that end generation (the token is kept in token_ids)."""
+    """Token ids that end generation (the token is kept in token_ids; None is [])."""
     ignore_eos: bool = False
     """Keep generating past the EOS token."""
     include_stop_str_in_output: bool = False
@@ -105,7 +107,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words: list[str] = []
     """Words that may not be generated: a word's last token is forbidden where the output ends with its
     other tokens (each word tokenized as written and, by vLLM's rule, after a space; the engine fills
-    bad_words_token_ids)."""
+    bad_words_token_ids; None is [])."""
     bad_words_token_ids: list[list[int]] = []
     """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
     truncate_prompt_tokens: int | None = None
@@ -122,6 +124,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"
             self.seed = None
+        for name in _NONE_IS_EMPTY:
+            if getattr(self, name) is None:  # vLLM's default: no stop strings, no stop ids, no bad words
+                setattr(self, name, [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.output_kind, str) and self.output_kind.upper() in RequestOutputKind.__members__:

@@ -51,8 +51,9 @@ from typing import Any
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
 from asyncllm.tool_call_replies import GraniteStream, MistralStream, Phi4MiniStream, PythonicStream
+from asyncllm.tool_call_llama3 import Llama3JsonStream
 from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
-from asyncllm.tool_call_streams import (HermesStream, Llama3JsonStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
+from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
                                         mistral_tool_call_id, partial_tag_suffix, tool_call_id)
 
 __all__ = ["ToolCall", "ToolCallDelta", "ReplyPart", "ParsedReply", "ToolParser", "ToolCallDeltaStream",

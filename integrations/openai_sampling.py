@@ -91,6 +91,7 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
         params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag,
                                                     start_after_suffix=reasoning.end_suffix,
                                                     start_after_max_between=reasoning.end_max_between,
+                                                    start_after_opener=reasoning.opener,
                                                     start_after_only_if_opened=thinking_off,
                                                     start_after_only_if_reply_opens=reasoning.opened_first)
     return params

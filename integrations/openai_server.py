@@ -346,7 +346,7 @@ class OpenAIServer:
         if self._reasoning_end is None and self.reasoning is not None and self.reasoning.prompt_ends_thinking \
                 and self.engine.tokenizer is not None:
             self._reasoning_end = Marker.of(self.engine.tokenizer, self.reasoning.end_tag, self.reasoning.end_suffix,
-                                            self.reasoning.end_max_between, self.reasoning.start_tag)
+                                            self.reasoning.end_max_between, self.reasoning.opener)
         return self._reasoning_end
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

@@ -3,7 +3,8 @@
 A fixed pool of worker tasks takes prompts in order from one shared iterator,
 so at most `max_concurrency` requests are in flight (memory stays bounded for a
 million prompts) while the scheduler always has enough waiting requests to
-fill its batches.
+fill its batches. A single prompt (a str, a prompt dict or a flat list of token
+ids) is a batch of one, as vLLM's ``LLM.generate`` reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ __all__ = ["generate_many"]
 async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any = None, *,
                         progress: bool = False, max_concurrency: int | None = None,
                         lora_request: Any = None) -> list[RequestOutput]:
-    prompts = list(prompts)
+    prompts = _as_batch(prompts)
     per_prompt = _per_prompt("params", params, SamplingParams, len(prompts))
     loras = _per_prompt("lora_request", lora_request, LoRARequest, len(prompts))
     limit = _concurrency(engine, max_concurrency)
@@ -53,6 +54,22 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
         if bar is not None:
             bar.close()
     return results  # type: ignore[return-value] - every slot is filled once gather returns
+
+
+def _as_batch(prompts: Any) -> list[Any]:
+    """The prompts of the batch: a str or a prompt dict is a batch of one, as vLLM's ``LLM.generate`` reads it (never
+    a str's characters); so is a flat list of token ids (vLLM's ``parse_and_batch_prompt``: an int is no prompt)."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise InvalidRequestError("prompts", f"must be a prompt or an iterable of prompts, got "
+                                             f"{type(prompts).__name__}")
+    return list(prompts)
+
+
+def _is_token_ids(prompts: Any) -> bool:
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
 
 
 def _per_prompt(field: str, value: Any, kind: type, count: int) -> list[Any]:

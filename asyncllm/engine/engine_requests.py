@@ -110,9 +110,9 @@ class EngineRequests:
                                                         delta.stop_reason, delta.logprobs, delta.cumulative_logprob)
         collector = stream.collector
         assert collector is not None and len(outputs) == collector.num_samples, (len(outputs), collector)
-        return RequestOutput(collector.request_id, prompt if isinstance(prompt, str) else None,
-                             collector.prompt_token_ids, [outputs[i] for i in sorted(outputs)], collector.metrics,
-                             collector.num_cached_tokens, prompt_logprobs=collector.prompt_logprobs)
+        return RequestOutput(collector.request_id, _prompt_text(prompt), collector.prompt_token_ids,
+                             [outputs[i] for i in sorted(outputs)], collector.metrics, collector.num_cached_tokens,
+                             prompt_logprobs=collector.prompt_logprobs)
 
     async def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, *, priority: int = 0,
                     request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
@@ -184,7 +184,8 @@ class EngineRequests:
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                             max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
-        """Run a batch job: one `RequestOutput` per prompt, in input order.
+        """Run a batch job: one `RequestOutput` per prompt, in input order (a single prompt, a str, a prompt dict
+        or a flat list of token ids, is a batch of one: a list of one output, as vLLM's ``LLM.generate``).
 
         `params` is one `SamplingParams` for all or a list with one per prompt,
         and so is `lora_request` (a `LoRARequest`, or None for the base model);
@@ -203,6 +204,14 @@ class EngineRequests:
         from asyncllm.beam_search import beam_search
 
         return await beam_search(self, prompt, params, **options)
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """`RequestOutput.prompt`: a text prompt's text, a ``{"prompt": text, ...}`` dict's too (vLLM's); None for
+    token ids or embeddings."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams | None:

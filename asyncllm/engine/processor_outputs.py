@@ -238,6 +238,6 @@ def _request_error(error_type: str, text: str, mm_uuids: list[tuple[str, str] | 
 
 def error_from(message: protocol.EngineFailed) -> BaseException:
     """The error an `EngineFailed` reports: its config error, else the engine is dead."""
-    config_error = protocol.config_error_from_parts(message.config_error)
+    config_error = protocol.config_error_from_parts(message.config_error, error_type=message.error_type)
     return config_error if config_error is not None else errors.EngineDeadError(message.message)
 

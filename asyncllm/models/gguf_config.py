@@ -2,9 +2,10 @@
 
 A model given as a local ``.gguf`` file (vLLM's ``vllm serve ./model.Q4_K_M.gguf``) is a GGUF checkpoint:
 `load_gguf_config` reads its transformers config from the file's metadata (transformers' own GGUF reader) after
-refusing an architecture asyncllm does not load from GGUF, and `gguf_checkpoint_config` checks ``quantization``
-against it. Rope scaling, which that reader drops, is added from the file as llama.cpp reads it (`_rope_scaling`):
-a linear ``rope.scaling.factor`` as rope_type "linear", Llama 3.1's ``rope_freqs.weight`` divisors as the config's
+refusing a part of a split file, an architecture asyncllm does not load from GGUF and a tensor type gguf does not
+dequantize, and `gguf_checkpoint_config` checks ``quantization`` against it. Rope scaling, which that reader drops,
+is added from the file as llama.cpp reads it (`_rope_scaling`): a linear ``rope.scaling.factor`` as rope_type
+"linear" (none for type "none"), Llama 3.1's ``rope_freqs.weight`` divisors as the config's
 ``rope_freq_factors`` (asyncllm/models/rotary.py); any other scaling is a `NotBuiltError` (LongRoPE's
 ``rope_factors_long`` / ``_short`` tensors too). The other keys that reader drops and llama.cpp reads are added the
 same way: Gemma 2's logit softcapping, a 27B Gemma's query scale, Phi-3's partial rotary and sliding window. Gemma 3
@@ -22,8 +23,8 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "ROPE_FREQS_TENSOR", "GgufCheckpointConfig", "is_gguf_file", "gguf_architecture",
-           "load_gguf_config", "gguf_checkpoint_config"]
+__all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "ROPE_FREQS_TENSOR", "GgufCheckpointConfig", "is_gguf_file",
+           "gguf_architecture", "undequantizable", "load_gguf_config", "gguf_checkpoint_config"]
 
 GGUF_QUANTIZATION = "gguf"
 """The `quantization` value naming a GGUF checkpoint (vLLM's ``--quantization gguf``); None serves it too."""
@@ -78,20 +79,55 @@ def _string(reader: Any, key: str) -> str | None:
     return None if field is None or not field.data else bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def gguf_architecture(path: str) -> str:
+def gguf_architecture(path: str, reader: Any = None) -> str:
     """The file's ``general.architecture``; `ConfigError` when it is not a GGUF file gguf can read."""
-    arch = _string(_reader(path), "general.architecture")
+    arch = _string(reader if reader is not None else _reader(path), "general.architecture")
     if arch is None:
         raise ConfigError("model", path, "a GGUF file with a general.architecture")
     return arch
+
+
+def _check_not_split(reader: Any, path: str) -> None:
+    """`ConfigError` for one file of a split GGUF (``split.count`` above 1): vLLM, too, loads single files only."""
+    count = _scalar(reader, "split.count")
+    if count is not None and count > 1:
+        number = _scalar(reader, "split.no")
+        part = f"part {int(number) + 1} of {int(count)}" if number is not None else f"one of {int(count)} parts"
+        raise ConfigError("model", path, f"a single-file GGUF (this is {part} of a split GGUF: merge the parts "
+                                         "into one file with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT`)")
+
+
+def undequantizable(path: str, tensor_name: str, type_name: str, detail: str) -> NotBuiltError:
+    """The `NotBuiltError` for a GGUF tensor whose type gguf cannot dequantize (Q8_1, Q8_K, I8, ...)."""
+    return NotBuiltError("model", path, f"dequantizing GGUF {type_name} tensors ({tensor_name}: gguf {detail})")
+
+
+def _check_tensor_types(reader: Any, path: str) -> None:
+    """`undequantizable` for the first tensor of a type gguf cannot dequantize, each type tried on one zero block
+    (the header's tensor infos only: no weight is read)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    tried: dict[Any, str] = {}
+    for tensor in reader.tensors:
+        qtype = tensor.tensor_type
+        if qtype not in tried:
+            try:
+                dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+                tried[qtype] = ""
+            except NotImplementedError as exc:
+                tried[qtype] = str(exc)
+        if tried[qtype]:
+            raise undequantizable(path, tensor.name, qtype.name, tried[qtype])
 
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 """llama.cpp's per-frequency rotary divisors (its converter writes Llama 3.1 / 3.2's llama3 rope scaling so); the
 config carries them as ``rope_freq_factors`` (asyncllm/models/rotary.py divides the inverse frequencies by them)."""
 _LINEAR_SCALING_TYPES = ("none", "linear")
-"""``rope.scaling.type`` values whose factor is a linear scale (llama.cpp: an absent type reads as "linear", and
-its ``1 / factor`` frequency scale is applied for "none" too)."""
+"""``rope.scaling.type`` values asyncllm reads: "linear" (an absent type reads so in llama.cpp) scales by the
+factor; "none" never scales, whatever the factor (llama.cpp's context sets its frequency scale to 1)."""
 _INFORMATIONAL_ROPE_KEYS = ("type", "factor", "original_context_length", "finetuned")
 """``rope.scaling.*`` keys of a linear scaling; llama.cpp reads original_context_length for YaRN only."""
 
@@ -102,12 +138,14 @@ def _scalar(reader: Any, key: str) -> float | None:
 
 
 def _linear_rope_factor(reader: Any, arch: str, path: str) -> float:
-    """The linear rope scaling factor llama.cpp applies to the file (1.0: none); `NotBuiltError` for another
-    scaling type (YaRN, LongRoPE, ...) or a ``rope.scaling`` key asyncllm does not read."""
+    """The linear rope scaling factor llama.cpp applies to the file (1.0: none, always for type "none");
+    `NotBuiltError` for another scaling type (YaRN, LongRoPE, ...) or a ``rope.scaling`` key asyncllm does not read."""
     scaling = _string(reader, f"{arch}.rope.scaling.type") or "linear"
     if scaling not in _LINEAR_SCALING_TYPES:
         raise NotBuiltError("model", path, f"GGUF rope scaling {arch}.rope.scaling.type {scaling!r} (GGUF reads "
                                            "'none' and 'linear', and llama3's rope_freqs.weight)")
+    if scaling == "none":
+        return 1.0
     prefix = f"{arch}.rope.scaling."
     unread = sorted(key for key in reader.fields if key.startswith(prefix)
                     and key[len(prefix):] not in _INFORMATIONAL_ROPE_KEYS)
@@ -174,7 +212,8 @@ def load_gguf_config(path: str) -> Any:
     from transformers import AutoConfig
 
     reader = _reader(path)
-    arch = _string(reader, "general.architecture")
+    _check_not_split(reader, path)
+    arch = gguf_architecture(path, reader)
     if arch not in GGUF_ARCHITECTURES:
         raise NotBuiltError("model", path, f"GGUF checkpoints of the {arch!r} architecture (GGUF loads "
                                            f"{', '.join(map(repr, GGUF_ARCHITECTURES))})")
@@ -182,6 +221,7 @@ def load_gguf_config(path: str) -> Any:
     if longrope:
         raise NotBuiltError("model", path, f"GGUF LongRoPE scaling ({', '.join(longrope)}: Phi-3-128k, Phi-3.5, "
                                            "Phi-4-mini; transformers' GGUF reader drops it too)")
+    _check_tensor_types(reader, path)
     factor, freqs = _rope_scaling(reader, arch, path)
     folder, name = os.path.split(os.path.abspath(path))
     try:

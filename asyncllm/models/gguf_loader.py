@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.gguf_config import ROPE_FREQS_TENSOR, gguf_architecture
+from asyncllm.errors import ConfigError
+from asyncllm.models.gguf_config import ROPE_FREQS_TENSOR, gguf_architecture, undequantizable
 from asyncllm.models.registry import CausalLM, text_config_of
 
 __all__ = ["NORM_OFFSET_ARCHITECTURES", "PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf",
@@ -85,21 +85,20 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantized(tensor: Any) -> np.ndarray:
+def _dequantized(tensor: Any, path: str) -> np.ndarray:
     from gguf.quants import dequantize
 
     try:
         return dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as exc:
-        raise NotBuiltError("model", tensor.name, f"dequantizing GGUF {tensor.tensor_type.name} tensors "
-                                                  f"(gguf {exc})") from exc
+    except NotImplementedError as exc:  # the host's load_gguf_config refuses these first
+        raise undequantizable(path, tensor.name, tensor.tensor_type.name, str(exc)) from exc
 
 
 def _check_rope_freqs(tensor: Any, text_config: Any, path: str) -> None:
     """`ConfigError` unless the config's ``rope_freq_factors`` are the file's ``rope_freqs.weight``."""
     factors = getattr(text_config, "rope_freq_factors", None)
     if factors is None or not np.array_equal(np.asarray(factors, dtype=np.float32),
-                                             _dequantized(tensor).reshape(-1)):
+                                             _dequantized(tensor, path).reshape(-1)):
         raise ConfigError("model", path, f"a config whose rope_freq_factors are the file's {ROPE_FREQS_TENSOR} (read "
                                          "the config with asyncllm.models.gguf_config.load_gguf_config)")
 
@@ -124,7 +123,7 @@ def iterate_gguf(path: str, names: dict[str, str | list[str]], hf_config: Any,
         target = names[tensor.name]
         if all(name in skipped for name in ([target] if isinstance(target, str) else target)):
             continue
-        weight = _dequantized(tensor)
+        weight = _dequantized(tensor, path)
         kind = tensor.name.split(".")[-2]
         if arch in PERMUTED_QK_ARCHITECTURES and kind in heads:
             weight = unpermute_qk(weight, heads[kind])

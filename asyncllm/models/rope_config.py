@@ -32,10 +32,10 @@ _UNSCALED_LENGTH_TYPES = ("su", "longrope", "llama3")
 
 
 def is_longrope(params: dict[str, Any]) -> bool:
-    """Whether rope parameters are LongRoPE's: ``rope_type`` (else the older ``type``) ``longrope``. Not its legacy
-    name ``su``, as transformers: Phi-3's config classes rename ``su`` to ``longrope`` as they load, and any other
-    config's ``su`` is a rope type transformers does not build (nor do the workers: `compute_inv_freq`)."""
-    return params.get("rope_type", params.get("type")) == "longrope"
+    """Whether rope parameters are LongRoPE's: ``rope_type`` (else the older ``type``) ``longrope``, or its legacy
+    name ``su`` in any config, as vLLM's ``patch_rope_parameters`` renames it for every config (transformers only in
+    Phi-3's config classes: a remote-code config's ``su``, phi3_v's, is served as vLLM serves it)."""
+    return params.get("rope_type", params.get("type")) in ("longrope", "su")
 
 
 def _folds_rope_overrides(hf_config: Any) -> bool:

@@ -38,7 +38,13 @@ FREQ_FACTORS = "rope_freq_factors"
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's rope parameters as one dict (transformers 5 ``rope_parameters``, or the
     older ``rope_theta`` + ``rope_scaling`` pair). Where they are given per layer type (Gemma 3:
-    ``{"sliding_attention": {...}, "full_attention": {...}}``), those of ``layer_type``."""
+    ``{"sliding_attention": {...}, "full_attention": {...}}``), those of ``layer_type``. A legacy ``su`` is
+    ``longrope`` (`is_longrope`, vLLM's rename)."""
+    params = _given_rope_parameters(hf_config, layer_type)
+    return {**params, "rope_type": "longrope"} if is_longrope(params) else params
+
+
+def _given_rope_parameters(hf_config: Any, layer_type: str | None) -> dict[str, Any]:
     params = getattr(hf_config, "rope_parameters", None)
     if _per_layer_type(hf_config, layer_type):
         return dict(params[layer_type])

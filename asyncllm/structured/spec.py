@@ -50,11 +50,17 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """With `start_after`: wait for it only when the prompt's end opened it (its opener, ``<think>``), else start at
     once: a request that turned the thinking off (`Marker.starts_answer`)."""
     start_after_only_if_reply_opens: bool = False
-    """With `start_after`: wait for it only when the output's first token is its opener (`start_after` without its
-    first "/", one token: mistral's ``[THINK]``); any other first token is the constraint's, which applies from the
-    start (that token is sampled from the grammar's tokens and the opener). An opener of several tokens: always wait."""
+    """With `start_after`: wait for it only when the output's first token is its opener (`start_after_opener`, one
+    token: mistral's ``[THINK]``); any other first token is the constraint's, which applies from the start (that
+    token is sampled from the grammar's tokens and the opener). An opener of several tokens: always wait."""
     start_after_opener_token_ids: list[int] = []
-    """With `start_after_only_if_reply_opens`: the opener's one token id; the engine fills it from `start_after`."""
+    """With `start_after_only_if_reply_opens`: the opener's token id (at most one); the engine fills it from
+    `start_after_opener` when it is one token, also when `start_after_token_ids` are given."""
+    start_after_opener: str | None = None
+    """With `start_after` (not with a suffix): the text that opens what it closes (`Marker.opener`: thinking opened
+    again after it, opened by the prompt's end, the reply's first token); the server gives its reasoning parser's
+    (`ReasoningParser.opener`, Hunyuan-A13B's ``<think>\\n`` for ``</think>\\n<answer>\\n``). None: `start_after`
+    without its first "/" (``<think>`` for ``</think>``)."""
 
     @property
     def kind(self) -> str:
@@ -92,11 +98,25 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
                 raise InvalidRequestError("structured", f"{name} must be a boolean")
             if getattr(self, name) and self.start_after is None:
                 raise InvalidRequestError("structured", f"{name} needs a start_after")
+        self._check_opener()
         between = self.start_after_max_between
         if not isinstance(between, int) or isinstance(between, bool) or between < 0:
             raise InvalidRequestError("structured", "start_after_max_between must be an integer >= 0")
         if (self.start_after_suffix is not None or self.start_after_suffix_token_ids) and between < 1:
             raise InvalidRequestError("structured", "start_after_max_between must be at least 1 with a suffix")
+
+    def _check_opener(self) -> None:
+        opener = self.start_after_opener
+        if opener is not None and (not isinstance(opener, str) or not opener or self.start_after is None
+                                   or self.start_after_suffix is not None):
+            raise InvalidRequestError("structured", "start_after_opener must be a non-empty string after a "
+                                                    "start_after without a start_after_suffix")
+        if len(self.start_after_opener_token_ids) > 1:
+            raise InvalidRequestError("structured", "start_after_opener_token_ids holds at most one token id (an "
+                                                    "opener of several tokens: the constraint always waits)")
+        if self.start_after_opener_token_ids and not self.start_after_only_if_reply_opens:
+            raise InvalidRequestError("structured", "start_after_opener_token_ids needs "
+                                                    "start_after_only_if_reply_opens")
 
     def for_core(self) -> StructuredOutputs:
         """This constraint with its JSON schema as text: msgpack carries no integer beyond 64 bits, JSON text does."""

@@ -27,10 +27,11 @@ _SLACK = 8
 
 @dataclass(frozen=True)
 class Marker:
-    """A closing tag as token ids (``</think>``) and its opening tag's (``<think>``: the text without its first
-    "/"; none for a tag without one). With a `suffix`, the marker is `ids` then `suffix` with fewer than
-    `max_between` tokens between (gpt-oss's ``<|channel|>final`` ... ``<|message|>``, where harmony may write
-    ``<|constrain|>json`` between: vLLM's openai_gptoss ``is_reasoning_end``)."""
+    """A closing tag as token ids (``</think>``) and its opening tag's (``<think>``: the text without its first "/",
+    unless given: `StructuredOutputs.start_after_opener`, `ReasoningParser.opener`; none for a tag without one). With
+    a `suffix`, the marker is `ids` then `suffix` with fewer than `max_between` tokens between (gpt-oss's
+    ``<|channel|>final`` ... ``<|message|>``, where harmony may write ``<|constrain|>json`` between: vLLM's
+    openai_gptoss ``is_reasoning_end``)."""
 
     ids: tuple[int, ...]
     opener: tuple[int, ...] = ()
@@ -51,7 +52,8 @@ class Marker:
     def of_structured(cls, structured: StructuredOutputs) -> "Marker":
         """The marker of a constraint whose start_after is in token ids (the core's); its opener only when the output's
         first token decides whether it waits (`StructuredOutputs.start_after_only_if_reply_opens`)."""
-        return cls(tuple(structured.start_after_token_ids), tuple(structured.start_after_opener_token_ids),
+        opener = structured.start_after_opener_token_ids if structured.start_after_only_if_reply_opens else []
+        return cls(tuple(structured.start_after_token_ids), tuple(opener),
                    tuple(structured.start_after_suffix_token_ids), structured.start_after_max_between)
 
     @property
@@ -127,18 +129,25 @@ def _found(tokens: list[int], ids: tuple[int, ...]) -> list[int]:
 
 def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
                          vocab_size: int) -> SamplingParams:
-    """``params`` with its constraint's ``start_after`` as token ids, or dropped when the prompt's end wrote it."""
+    """``params`` with its constraint's ``start_after`` as token ids (the caller's kept), or dropped when the prompt's
+    end wrote it; with ``start_after_only_if_reply_opens``, its opener's id when one token (the caller's kept)."""
     structured = params.structured
-    if structured is None or structured.start_after is None or structured.start_after_token_ids:
+    if structured is None or structured.start_after is None:
         return params
     marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
-                       structured.start_after_max_between)
-    opener = list(marker.opener) if structured.start_after_only_if_reply_opens and len(marker.opener) == 1 else []
-    structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
-                                         start_after_only_if_opened=False, start_after_only_if_reply_opens=False) \
-        if marker.starts_answer(prompt_ids, structured.start_after_only_if_opened) else msgspec.structs.replace(
-            structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix),
-            start_after_opener_token_ids=opener)
+                       structured.start_after_max_between, structured.start_after_opener)
+    opener = structured.start_after_opener_token_ids or (
+        list(marker.opener) if structured.start_after_only_if_reply_opens and len(marker.opener) == 1 else [])
+    if structured.start_after_token_ids:  # the caller's: the core waits for them
+        structured = msgspec.structs.replace(structured, start_after_opener_token_ids=opener)
+    elif marker.starts_answer(prompt_ids, structured.start_after_only_if_opened):
+        structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
+                                             start_after_opener=None, start_after_only_if_opened=False,
+                                             start_after_only_if_reply_opens=False, start_after_opener_token_ids=[])
+    else:
+        structured = msgspec.structs.replace(structured, start_after_token_ids=list(marker.ids),
+                                             start_after_suffix_token_ids=list(marker.suffix),
+                                             start_after_opener_token_ids=opener)
     params = msgspec.structs.replace(params, structured=structured)
     check_params_vocab(params, vocab_size)
     return params

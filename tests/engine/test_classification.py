@@ -50,7 +50,7 @@ async def test_classify_equals_transformers_in_chunked_batches(engine: AsyncEngi
         assert out.prompt_token_ids == prompt and out.num_classes == 1 and out.label == "class_0"
         assert abs(out.logits[0] - want[0]) < TOLERANCE, (out.logits, want)
         assert abs(out.probs[0] - _sigmoid(out.logits[0])) < 1e-12
-    assert again.num_cached_tokens >= 32
+    assert again.num_cached_tokens >= 32 and again.outputs.probs == again.probs  # vLLM's spelling too
     assert len({round(out.logits[0], 4) for out in outs}) == len(outs)  # the head tells the prompts apart
 
 
@@ -68,6 +68,7 @@ async def test_score_reads_each_pair_as_one_prompt(engine: AsyncEngine, reranker
         assert out.prompt_token_ids == ids
         assert abs(out.score - _sigmoid(hf_classifier_logits(reranker, ids)[0])) < TOLERANCE
     assert len(one_to_n) == 3 and len(one_to_one) == 1 and len(n_to_n) == 2
+    assert one_to_one[0].outputs.score == one_to_one[0].score  # vLLM's ScoringRequestOutput.outputs.score
 
 
 async def test_refusals_name_the_field(engine: AsyncEngine) -> None:

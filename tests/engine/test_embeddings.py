@@ -72,6 +72,7 @@ async def test_embeddings_equal_transformers_in_mixed_chunked_batches(tiny_llama
     assert _close(short.embedding, _reference(tiny_llama, prompts[0], dimensions=16))
     assert _close(text.embedding, _reference(tiny_llama, text.prompt_token_ids))
     assert abs(sum(x * x for x in text.embedding) - 1.0) < 1e-5
+    assert text.outputs.embedding is text.embedding  # vLLM's EmbeddingRequestOutput.outputs.embedding
     assert _close(full.embedding, _reference(tiny_llama, long[:80]))
     assert cut.prompt_token_ids == long[1:] and _close(cut.embedding, _reference(tiny_llama, long[1:]))
     assert (over.value.field, over.value.code) == ("prompt", "context_length_exceeded")

@@ -228,6 +228,7 @@ async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, to
                                 engine.generate({"prompt": "def f(x):", "multi_modal_uuids": {"image": None},
                                                  "cache_salt": "t"}, params))  # every TextPrompt key
     assert len({tuple(out.token_ids) for out in outs}) == 1 and outs[2].prompt_token_ids == ids
+    assert [out.prompt for out in outs[:3]] == ["def f(x):", "def f(x):", None]  # vLLM's: a TextPrompt's text
     for media, field in (({"multi_modal_data": {"image": b"png"}}, "prompt.images"),
                          ({"multi_modal_data": {"image": None, "video": ["v"]}}, "prompt.videos"),
                          ({"mm_processor_kwargs": {"fps": 2}}, "prompt.mm_processor_kwargs"),

@@ -67,6 +67,19 @@ async def test_concurrency_is_bounded() -> None:
     assert engine.peak == 3
 
 
+async def test_a_single_prompt_is_a_batch_of_one() -> None:
+    """vLLM's LLM.generate: a str or a prompt dict is one prompt (not its characters or keys); a flat list of token
+    ids too (an int is no prompt); a list of them is the batch."""
+    engine = _CountingEngine()
+    for prompt in ("Hello", {"prompt": "Hello"}, [0, 45, 367], (0, 45)):
+        outputs = await generate_many(engine, prompt, SamplingParams(), lora_request=[None])
+        assert [o.prompt for o in outputs] == [prompt]
+    outputs = await generate_many(engine, [[0, 45], [367]])
+    assert [o.prompt for o in outputs] == [[0, 45], [367]]
+    with pytest.raises(InvalidRequestError, match="iterable of prompts, got int"):
+        await generate_many(engine, 5)
+
+
 async def test_first_error_cancels_the_rest() -> None:
     engine = _CountingEngine()
     with pytest.raises(InvalidRequestError, match="boom"):

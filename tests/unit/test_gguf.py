@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import random_prompts
-from gguf import GGMLQuantizationType, GGUFWriter
+import gguf_reference
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf_reference import LINEAR_ROPE, LLAMA3_ROPE, hf_gguf_state_dict, with_rope_parameters, write_gguf
 from hf_reference import _hf_model, hf_logits
 from model_utils import PagedRun
@@ -136,17 +137,21 @@ def test_quantization_must_match_the_model(gguf_files, tiny_llama: str) -> None:
 
 
 def _bare_gguf(path: str, arch: str, strings: dict[str, str] | None = None, floats: dict[str, float] | None = None,
-               rope_freqs: bool = False, tensors: tuple[str, ...] = ()) -> str:
-    """A GGUF file of metadata only (and a rope_freqs tensor, or ``tensors`` of 8 ones): enough for what is refused
-    before transformers."""
-    writer = GGUFWriter(path, arch)
+               rope_freqs: bool = False, tensors: tuple[str, ...] = (), raw_dtype: GGMLQuantizationType | None = None,
+               split_max_tensors: int = 0) -> str:
+    """A GGUF file of metadata only (and a rope_freqs tensor, or ``tensors`` of 8 ones; of one zero block of
+    ``raw_dtype``): enough for what is refused before transformers (split in files of ``split_max_tensors``)."""
+    writer = GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(1)
     for key, value in (strings or {}).items():
         writer.add_string(key, value)
     for key, value in (floats or {}).items():
         writer.add_float32(key, value)
     for name in ("rope_freqs.weight",) * rope_freqs + tensors:
-        writer.add_tensor(name, np.ones(8, dtype=np.float32))
+        if raw_dtype is None:
+            writer.add_tensor(name, np.ones(8, dtype=np.float32))
+        else:
+            writer.add_tensor(name, np.zeros((1, GGML_QUANT_SIZES[raw_dtype][1]), np.uint8), raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -329,3 +334,39 @@ def test_longrope_is_not_built(tmp_path) -> None:
                                                                   "rope_factors_short.weight"))
     with pytest.raises(NotBuiltError, match="LongRoPE scaling \\(rope_factors_long.weight, rope_factors_short"):
         load_hf_config(path)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_1", "Q8_K", "I8"])
+def test_a_tensor_type_gguf_cannot_dequantize_is_refused_on_the_host(tmp_path, qtype: str) -> None:
+    path = _bare_gguf(str(tmp_path / f"u.{qtype}.gguf"), "llama", tensors=("token_embd.weight", "output.weight"),
+                      raw_dtype=GGMLQuantizationType[qtype])
+    with pytest.raises(NotBuiltError, match=f"dequantizing GGUF {qtype} tensors \\(token_embd.weight: ") as info:
+        load_hf_config(path)
+    assert info.value.field == "model" and info.value.value == path
+
+
+def test_a_split_file_is_refused_naming_the_merge_and_a_file_without_architecture_says_so(tmp_path) -> None:
+    _bare_gguf(str(tmp_path / "split.gguf"), "llama", tensors=("token_embd.weight", "output.weight"),
+               split_max_tensors=1)
+    parts = sorted(str(path) for path in tmp_path.glob("split-*.gguf"))
+    for number, part in enumerate(parts, 1):
+        with pytest.raises(ConfigError, match=f"part {number} of 2 of a split GGUF: .*llama-gguf-split --merge"):
+            load_hf_config(part)
+    writer = GGUFWriter(str(tmp_path / "bare.gguf"), "llama")
+    del writer.kv_data[0]["general.architecture"]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="a GGUF file with a general.architecture"):
+        load_hf_config(str(tmp_path / "bare.gguf"))
+
+
+def test_rope_scaling_type_none_is_served_unscaled(tiny_llama: str, tmp_path, monkeypatch) -> None:
+    def none_with_a_factor(writer: GGUFWriter, cfg: dict) -> None:
+        writer.add_rope_scaling_type(RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf_reference, "_rope_scaling_metadata", none_with_a_factor)
+    path = write_gguf(tiny_llama, str(tmp_path / "none.gguf"), "llama", GGMLQuantizationType.F32)
+    rope = load_hf_config(path).rope_parameters
+    assert rope.get("rope_type", "default") == "default" and "factor" not in rope  # llama.cpp: never scaled

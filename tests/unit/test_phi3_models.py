@@ -90,23 +90,27 @@ def test_prequantized_checkpoint_is_not_built() -> None:
         Phi3ForCausalLM(hf_config, dtype=torch.float32, tp=TensorParallel(), attn_backend=backend, max_position=64)
 
 
-def test_legacy_su_rope_is_longrope_only_where_transformers_renames_it() -> None:
-    """The max_model_len fit's warning (`longrope_original`) and the workers' factors (`fix_longrope_factors`) agree
-    on the legacy ``su``, as transformers: Phi-3's config renames it ``longrope`` as it loads; elsewhere it is no
-    LongRoPE (a rope type transformers does not build)."""
+def test_legacy_su_rope_is_longrope_in_every_config() -> None:
+    """The max_model_len fit's warning (`longrope_original`), the workers' factors (`fix_longrope_factors`) and
+    frequencies (`compute_inv_freq`) read the legacy ``su`` as ``longrope`` in any config, as vLLM's
+    ``patch_rope_parameters`` renames it: Phi-3's config (which transformers renames too) and a remote-code one
+    (phi3_v's) alike."""
     import json
-    from types import SimpleNamespace
 
-    from transformers import Phi3Config
+    from transformers import Phi3Config, PretrainedConfig
 
     from asyncllm.engine.kv_budget import longrope_original
     from asyncllm.models.checkpoint import hf_config_json
-    from asyncllm.models.rotary import fix_longrope_factors
+    from asyncllm.models.rotary import compute_inv_freq, fix_longrope_factors, rope_parameters
 
     su = {"type": "su", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    phi3 = Phi3Config.from_dict({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-                                 "max_position_embeddings": 256, "rope_scaling": dict(su)})
-    assert longrope_original(hf_config_json(phi3)) == 64 and fix_longrope_factors(phi3, 64) is not phi3
-    other = SimpleNamespace(rope_parameters={**su, "rope_type": "su"}, original_max_position_embeddings=64)
-    assert longrope_original(json.dumps({"rope_parameters": other.rope_parameters})) is None
-    assert fix_longrope_factors(other, 64) is other
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 256}
+    phi3 = Phi3Config.from_dict({**sizes, "num_key_value_heads": 4, "rope_scaling": dict(su)})
+    remote = PretrainedConfig.from_dict({**sizes, "rope_scaling": dict(su), "rope_theta": 1e4})
+    assert remote.rope_parameters["rope_type"] == "su"  # what transformers leaves a config it does not know
+    for config in (phi3, remote):
+        assert longrope_original(hf_config_json(config)) == 64 and rope_parameters(config)["rope_type"] == "longrope"
+        fixed = fix_longrope_factors(config, 64)
+        assert fixed is not config and fixed.rope_parameters["long_factor"] == [1.0] * 8
+        assert compute_inv_freq(fixed, 16)[0].shape == (8,)
+    assert longrope_original(json.dumps({"rope_scaling": {**su, "type": "linear"}})) is None

@@ -160,6 +160,27 @@ def test_a_mistral_constraint_waits_only_for_a_reply_that_opens_think() -> None:
         .start_after_only_if_reply_opens
 
 
+def test_the_constraint_reads_a_prompt_with_the_servers_opener() -> None:
+    """One opener (`ReasoningParser.opener`) for the server's prompt rule (`OpenAIServer.reasoning_end`) and the
+    constraint's (`start_after_opener`): Hunyuan-A13B's ``<think>\\n``, not its end tag without "/"
+    (``<think>\\n<answer>\\n``), so a prompt that opens the thinking again after its end tag thinks in both."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+    from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ServerLimits, decode_request
+    from asyncllm.integrations.openai_sampling import chat_params
+
+    tokenizer, hunyuan = AutoTokenizer.from_pretrained(bundled_model_path()), get_reasoning_parser("hunyuan_a13b")
+    body = b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}'
+    params = chat_params(decode_request(body, ChatCompletionRequest), ServerLimits(), reasoning=hunyuan)
+    server = Marker.of(tokenizer, hunyuan.end_tag, hunyuan.end_suffix, hunyuan.end_max_between, hunyuan.opener)
+    for text, answers in [("<|assistant|></think>\n<answer>\n<think>\n", False),
+                          ("<|assistant|></think>\n<answer>\n", True), ("<|assistant|><think>\n", False)]:
+        prompt = tokenizer.encode(text)
+        structured = with_start_after_ids(params, prompt, tokenizer, len(tokenizer)).structured
+        assert server.starts_answer(prompt) == answers == (structured.start_after is None), text
+
+
 def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> None:
     """gpt-oss's ``<|channel|>final`` (7, 8) ... ``<|message|>`` (9), up to 2 tokens between here (vLLM's
     openai_gptoss ``is_reasoning_end`` takes up to 20: ``<|constrain|>json``)."""

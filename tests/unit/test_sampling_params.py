@@ -71,6 +71,16 @@ def test_convenient_spellings_are_normalised() -> None:
     assert SamplingParams(output_kind=0).output_kind is RequestOutputKind.CUMULATIVE
 
 
+def test_vllms_none_for_a_list_field_is_the_empty_list() -> None:
+    """vLLM's SamplingParams defaults stop, stop_token_ids and bad_words to None: the same request here, the same
+    wire form; allowed_token_ids and logit_bias keep None (no restriction, no bias)."""
+    p = SamplingParams(stop=None, stop_token_ids=None, bad_words=None, bad_words_token_ids=None,
+                       allowed_token_ids=None, logit_bias=None)
+    p.validate()
+    assert p == SamplingParams() and msgspec.msgpack.encode(p) == msgspec.msgpack.encode(SamplingParams())
+    assert (p.stop, p.stop_token_ids, p.bad_words, p.allowed_token_ids, p.logit_bias) == ([], [], [], None, None)
+
+
 def test_round_trips_the_wire_with_every_new_field() -> None:
     p = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                        logit_bias={5: 2.0}, logprobs=3, prompt_logprobs=0, output_kind=RequestOutputKind.CUMULATIVE,
@@ -100,7 +110,15 @@ def test_a_start_after_in_two_parts_is_checked() -> None:
                      ({"start_after_suffix": "<|message|>"}, "after a start_after"),
                      ({"start_after_only_if_opened": True}, "start_after_only_if_opened needs a start_after"),
                      ({"start_after_only_if_reply_opens": True}, "start_after_only_if_reply_opens needs a start_after"),
-                     ({"start_after_opener_token_ids": [-1]}, "start_after_opener_token_ids must be")]:
+                     ({"start_after_opener_token_ids": [-1]}, "start_after_opener_token_ids must be"),
+                     ({"start_after": "[/THINK]", "start_after_only_if_reply_opens": True,
+                       "start_after_opener_token_ids": [3, 4]}, "holds at most one token id"),
+                     ({"start_after": "[/THINK]", "start_after_opener_token_ids": [3]},
+                      "start_after_opener_token_ids needs start_after_only_if_reply_opens"),
+                     ({"start_after_opener": "<think>"}, "start_after_opener must be a non-empty string after"),
+                     ({"start_after": "</think>", "start_after_opener": ""}, "start_after_opener must be"),
+                     ({"start_after": "<|channel|>final", "start_after_suffix": "<|message|>",
+                       "start_after_opener": "<think>"}, "without a start_after_suffix")]:
         with pytest.raises(InvalidRequestError, match=why):
             msgspec.structs.replace(two_parts, **bad).validate()
 

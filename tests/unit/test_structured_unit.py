@@ -1,11 +1,10 @@
-"""Structured output without an engine: the constraint's validation, the bitmask, the core's manager."""
+"""Structured output without an engine: the bitmask, the core's manager (the constraint itself:
+test_structured_constraint.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 
-import msgspec
 import pytest
 import torch
 
@@ -13,48 +12,6 @@ from asyncllm import protocol
 from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputs
 from asyncllm.sched.request import Request
 from asyncllm.structured.bitmask import apply_grammar_bitmask, unpack_bitmask
-from asyncllm.structured.compiler import choice_grammar
-
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-
-
-# ------------------------------------------------------------ the constraint
-@pytest.mark.parametrize("structured, why", [
-    (StructuredOutputs(), "set exactly one of json, regex, choice, grammar; got none"),
-    (StructuredOutputs(regex="a", choice=["x"]), "set exactly one of json, regex, choice, grammar; got ['regex', 'choice']"),
-    (StructuredOutputs(choice=[]), "choice must be a non-empty list of non-empty strings"),
-    (StructuredOutputs(choice=["a", ""]), "choice must be a non-empty list of non-empty strings"),
-    (StructuredOutputs(regex=""), "regex must be a non-empty string"),
-    (StructuredOutputs(grammar=3), "grammar must be a non-empty string"),  # type: ignore[arg-type]
-    (StructuredOutputs(json="[1"), "json is not valid JSON text"),
-    (StructuredOutputs(json=[1]), "json must be a JSON schema object, got list"),  # type: ignore[arg-type]
-    (StructuredOutputs(json="[" * 100_000), "json is not valid JSON text: maximum recursion depth"),
-    (StructuredOutputs(json={"enum": [b"\x00"]}), "json must be a JSON schema of JSON values"),  # a peer's msgpack
-    (StructuredOutputs(json={"properties": {"a": {}, 2: {}}}), "json must be a JSON schema of JSON values"),
-    ({"jsn": {}}, "must be a StructuredOutputs, got dict"),
-    (StructuredOutputs(json=True), "json must be a JSON schema object, got bool"),  # type: ignore[arg-type]
-    (StructuredOutputs(json="false"), "json must be a JSON schema object, got bool"),
-    # what xgrammar compiles but does not enforce (vLLM's has_xgrammar_unsupported_json_features)
-    (StructuredOutputs(json={"type": "array", "uniqueItems": True}), "json uses 'uniqueItems' on an array, which "
-                                                                      "xgrammar does not enforce"),
-    (StructuredOutputs(json={"properties": {"n": {"type": ["integer", "null"], "multipleOf": 2}}}),
-     "json uses 'multipleOf'"),
-    (StructuredOutputs(json={"type": "string", "format": "hex"}), "json uses string format 'hex'"),
-    (StructuredOutputs(json='{"items": {"type": "string", "pattern": "a+", "maxLength": 2}}'),
-     "json uses 'pattern' or 'format' together with 'minLength' or 'maxLength'"),
-    (StructuredOutputs(json={"type": "object", "properties": {}, "patternProperties": {"^x": {}}}),
-     "json uses 'patternProperties' with more than one pattern or together with 'properties'"),
-])
-def test_invalid_constraint_names_structured(structured: object, why: str) -> None:
-    with pytest.raises(InvalidRequestError) as info:
-        SamplingParams(structured=structured).validate()  # type: ignore[arg-type]
-    assert info.value.field == "structured"
-    assert why in str(info.value)
-
-
-def test_min_tokens_is_refused_with_a_constraint() -> None:
-    with pytest.raises(InvalidRequestError, match="^structured: cannot be combined with min_tokens > 0$"):
-        SamplingParams(min_tokens=2, structured=StructuredOutputs(regex="a")).validate()
 
 
 def test_missing_xgrammar_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,49 +25,6 @@ def test_missing_xgrammar_names_the_package(monkeypatch: pytest.MonkeyPatch) -> 
     assert str(info.value) == ("structured: structured output needs the xgrammar package: "
                                "pip install 'asyncllm[structured]'")
     assert not manager.active
-
-
-def test_constraint_crosses_the_wire_and_samples_keep_it() -> None:
-    params = SamplingParams(n=3, seed=5, structured={"json": SCHEMA})  # type: ignore[arg-type]
-    params.validate()
-    assert params.structured == StructuredOutputs(json=SCHEMA)
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
-    assert decoded.structured == StructuredOutputs(json=SCHEMA)
-    assert params.for_sample(2).structured is params.structured
-
-
-def test_schemas_xgrammar_enforces_pass() -> None:
-    for schema in ({"type": "string", "format": "email"}, {"type": "string", "minLength": 1, "maxLength": 3},
-                   {"type": "integer", "maximum": 10**30},
-                   {"type": "array", "items": {"type": "string", "format": "date"}, "minItems": 1},
-                   {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}):
-        StructuredOutputs(json=schema).validate()  # a format without a length; a length without a pattern
-    StructuredOutputs(grammar='# a comment\nroot ::= "a"').validate()
-    StructuredOutputs(grammar='start: "a" | rule  // a comment with ::=\nrule: "b"').validate()  # Lark
-
-
-def test_lark_is_told_from_ebnf_as_vllm_does() -> None:
-    from asyncllm.structured.spec import looks_like_lark
-
-    assert looks_like_lark('start: "a" | rule  // a comment with ::=\nrule: "b"')
-    assert not looks_like_lark('# a comment: x\nroot ::= "a"')
-
-
-def test_cache_key_and_the_wire_keep_the_schemas_order() -> None:
-    """The key order is meaning (xgrammar writes the properties in it: "reasoning" before "answer"), and a schema
-    crosses to the core as JSON text, whose integers have no 64-bit limit."""
-    schema = {"type": "object", "properties": {"z": {"type": "integer", "maximum": 10**30}, "a": {}}}
-    as_dict = StructuredOutputs(json=schema)
-    assert as_dict.cache_key() == ("json", json.dumps(schema)) and json.dumps(schema).index('"z"') < json.dumps(
-        schema).index('"a"')
-    assert as_dict.for_core() == StructuredOutputs(json=json.dumps(schema))
-    as_text = StructuredOutputs(json='{"b": 1,  "a": 2}')
-    assert as_text.cache_key() == ("json", '{"b": 1,  "a": 2}') and as_text.for_core() is as_text
-    message = protocol.AddRequest("r", [1], SamplingParams(structured=as_dict.for_core()), [0], 0.0)
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=protocol.AddRequest)
-    assert json.loads(decoded.params.structured.json) == schema
-    assert StructuredOutputs(regex="a+").cache_key() == ("regex", "a+")
-    assert choice_grammar(['say "hi"', "ü\n"]) == 'root ::= "say \\"hi\\"" | "ü\\n"'
 
 
 # ------------------------------------------------------------ the worker's mask
@@ -245,8 +159,10 @@ def test_the_first_token_decides_a_wait_with_an_opener(manager_args, tiny_llama:
 
     yes = AutoTokenizer.from_pretrained(tiny_llama).encode("yes", add_special_tokens=False)
     manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0, max_drafts=8)
-    requests = {r: _request(r, StructuredOutputs(regex="(yes|no)+", start_after_token_ids=[40, 41],
-                                                 start_after_opener_token_ids=[3])) for r in ("u", "o")}
+    opens = StructuredOutputs(regex="(yes|no)+", start_after="</t>", start_after_token_ids=[40, 41],
+                              start_after_only_if_reply_opens=True, start_after_opener_token_ids=[3])
+    opens.validate()  # the core reads the ids (its start_after text is the host's)
+    requests = {r: _request(r, opens) for r in ("u", "o")}
     for request in requests.values():
         manager.add(request)
     while manager.pending:

@@ -18,6 +18,7 @@ import zmq
 
 from asyncllm import EngineDeadError, SamplingParams, protocol
 from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.engine.client_liveness import ClientLiveness, process_identity
 from asyncllm.engine.connect import handshake
 from asyncllm.engine.core import EngineCore
@@ -230,3 +231,19 @@ def test_a_handshake_that_timed_out_says_goodbye_to_the_core_that_binds_late() -
         router.close(linger=0)
         ctx.term()
         remove_dir(folder)
+
+
+@pytest.mark.parametrize("sent", [NotBuiltError("model", "/m.Q8_1.gguf", "dequantizing GGUF Q8_1 tensors (output)"),
+                                  ConfigError("device", "cuda:9", "a device this machine has")],
+                         ids=["not-built", "config"])
+def test_a_workers_and_a_cores_config_errors_keep_their_class_and_message(sent: ConfigError) -> None:
+    from asyncllm.workers.worker import error_message
+
+    at_core = protocol.worker_failure(msgspec.msgpack.decode(msgspec.msgpack.encode(error_message(0, sent)),
+                                                             type=protocol.WorkerError))
+    failed = protocol.EngineFailed(type(sent).__name__, str(sent), protocol.config_error_parts(sent))
+    at_host = error_from(msgspec.msgpack.decode(msgspec.msgpack.encode(failed), type=protocol.EngineFailed))
+    assert type(at_core) is type(at_host) is type(sent)
+    assert str(at_host) == str(sent) and at_core.value == at_host.value == sent.value
+    assert str(at_core) == str(sent).replace(" is not built", " (worker rank 0) is not built") if \
+        isinstance(sent, NotBuiltError) else str(at_core) == f"{sent} (worker rank 0)"
