@@ -125,10 +125,10 @@ def preempt_until_allocated(sched: Scheduler, request: Request, num_new: int, st
     """Preempt victims (`victim_index`; maybe `request` itself) until its slots fit; None if it was the victim.
 
     Victims come from `request` on: the requests before it were served in
-    this step (vLLM may take one of those back; under 'priority' asyncllm's
-    step 0 takes vLLM's victims before any is served, so this is for what it
-    did not foresee: drafts). Removing one after `request` leaves the
-    caller's iteration over `running` intact.
+    this step (vLLM may take one of those back). Under 'priority' asyncllm's
+    step 0 takes vLLM's victims before any is served and leaves drafts only
+    the blocks no next token needs, so this is a safeguard there. Removing
+    one after `request` leaves the caller's iteration over `running` intact.
     """
     running = sched.running
     start = next(i for i, r in enumerate(running) if r is request) if sched.policy == "priority" else 0

@@ -29,7 +29,7 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
     budget (and a micro-batch's `max_running`) lasts."""
     # Names bound once, and a decode with room in its last block needs no allocate_slots call.
     running = sched.running
-    draft = partial(_drafts, sched) if sched.proposer is not None else None
+    draft = partial(_drafts, sched, step) if sched.proposer is not None else None
     max_running = step.max_running
     kv = sched.kv_cache_manager
     allocate_slots, cache_full_blocks, block_size = kv.allocate_slots, kv.cache_full_blocks, sched.block_size
@@ -58,6 +58,9 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
         else:
             if drafts:
                 num_new += len(drafts)
+                if step.draft_blocks is not None:  # under 'priority': the blocks they take beyond the token's
+                    num_blocks = kv.num_blocks_to_allocate
+                    step.draft_blocks -= num_blocks(request, num_new) - num_blocks(request, 1)
             elif num_new != 1:
                 num_new = sched.chunking.prefill_chunk(request, budget)
                 if not num_new:  # an image's rows need a fuller step
@@ -70,7 +73,9 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
             if new_block_ids is None:
                 new_block_ids = preempt_until_allocated(sched, request, num_new, step)
                 if new_block_ids is None:
-                    break  # the request preempted itself: it was the last one
+                    # It preempted itself: the last one under fcfs; under 'priority' (where step 0 leaves step 1
+                    # nothing to preempt) the ones after it outrank it, and wait for the next step.
+                    break
             if new_block_ids:
                 cached_new_block_ids[req_id] = new_block_ids
             if (num_computed + num_new) % block_size < num_new:  # this step fills a block: register it now
@@ -84,12 +89,18 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
     step.budget = budget
 
 
-def _drafts(sched: Scheduler, request: Request, budget: int) -> list[int]:
-    """A decoding request's drafts: as many as the budget, max_tokens and the sequence length leave room for."""
+def _drafts(sched: Scheduler, step: _Step, request: Request, budget: int) -> list[int]:
+    """A decoding request's drafts: as many as the budget, max_tokens and the sequence length leave room for (and
+    under 'priority' the slots of its blocks and `step.draft_blocks` more: blocks no other request's token needs)."""
     buffer = request.draft_buffer
     if buffer is None:
         return []
     room = draft_room(request, budget)
+    if step.draft_blocks is not None:
+        held = len(sched.kv_cache_manager.req_to_blocks.get(request.request_id, ()))
+        num_computed, block_size = request.num_computed_tokens, sched.block_size
+        num_blocks = max(held, num_computed // block_size + 1) + step.draft_blocks  # its token's, and the spare ones
+        room = min(room, num_blocks * block_size - num_computed - 1)
     if isinstance(sched.proposer, DraftModelProposer):  # proposed by the workers after the last step
         return sched.proposer.take(request.request_id, room)
     return sched.proposer.propose(request.all_token_ids, buffer, room)  # type: ignore[union-attr]

@@ -59,18 +59,25 @@ def preempt_for_priority(sched: Scheduler, step: _Step) -> bool:
 def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
     """The fewest running requests, greatest `priority_key` first, after which the others' next tokens (drafts
     aside: they are dropped when no block is left for them) fit the free blocks: vLLM's victims, which it takes as
-    it meets a request without room (one it already served included); asyncllm takes them before serving any."""
+    it meets a request without room (one it already served included); asyncllm takes them before serving any.
+    With drafts, the blocks the others' next tokens leave free are `step.draft_blocks`: step 1 gives drafts only
+    those, so it never preempts (vLLM's drafts may take a block a later request then preempts for)."""
     kv = sched.kv_cache_manager
-    if not may_run_short(sched):  # cheap (arrays over the running requests' rows), and most steps
+    if sched.proposer is None and not may_run_short(sched):  # cheap (arrays over the rows), and most steps
         return []
     eligible = sorted(sched.running, key=priority_key, reverse=True)
     freed, plan = _Freed(sched, eligible, set()), _running_plan(sched, step, drafts=False)
+    spare: dict[int, int] = {}  # victims -> the free blocks left after the others' next tokens
 
     def fits(num_victims: int) -> bool:
         _, num_blocks, _ = plan(set(map(id, eligible[:num_victims])))
-        return num_blocks <= kv.num_free_blocks + freed[num_victims]
+        spare[num_victims] = kv.num_free_blocks + freed[num_victims] - num_blocks
+        return spare[num_victims] >= 0
 
-    return eligible[:_fewest(fits, 0, len(eligible))]
+    num_victims = _fewest(fits, 0, len(eligible))
+    if sched.proposer is not None:
+        step.draft_blocks = spare[num_victims]
+    return eligible[:num_victims]
 
 
 def _victims(sched: Scheduler, head: Request, step: _Step) -> list[Request]:

@@ -8,12 +8,13 @@ One `schedule()` builds one step under `max_num_batched_tokens` tokens and
    (vLLM's victims), are preempted, and nobody is admitted; else, when the
    first waiting request would not be admitted, the fewest lower-priority
    running requests (in that order) after which it would be; none when no
-   number would do.
+   number would do. Drafts get only the free blocks no next token needs.
 1. RUNNING requests first, in admission order (as vLLM V1, under both
-   policies): decodes and prefills under way. When no block is free for one, a
-   request not yet served is preempted (maybe itself; `victim_index`: the last
-   under fcfs, the lowest priority under priority): by recompute, or by swap to
-   the CPU `SwapSpace` (recompute when it is full), and queued again.
+   policies): decodes and prefills under way. When no block is free for one
+   (under fcfs; step 0 leaves none short under priority), a request not yet
+   served is preempted (maybe itself; `victim_index`: the last under fcfs):
+   by recompute, or by swap to the CPU `SwapSpace` (recompute when it is
+   full), and queued again.
 2. If step 1 preempted nothing, WAITING requests in queue order with what is
    left: prefix-cache hits (plus a swapped request's swap-in), then the prompt
    or a chunk of it, until blocks, budget or seats run out.
@@ -87,6 +88,7 @@ class _Step:
     __slots__ = (
         "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
         "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk", "max_running", "max_reqs",
+        "draft_blocks",
     )
 
     def __init__(self, budget: int, max_running: int | None = None, max_reqs: int | None = None) -> None:
@@ -106,6 +108,8 @@ class _Step:
         self.bulk: StepRows | None = None
         """The running list with its rows, when `schedule_decodes` scheduled its first `num_bulk` requests."""
         self.num_bulk = 0
+        self.draft_blocks: int | None = None
+        """Under 'priority' with drafts: the free blocks no running request's next tokens need, all drafts may take."""
 
 
 class Scheduler:

@@ -242,16 +242,21 @@ def test_may_preempt_when_running_requests_could_need_more_blocks_than_are_free(
     assert placeholders.may_preempt()
 
 
-def test_may_preempt_under_priority_when_the_waiting_head_outranks_the_last_running():
+def test_may_preempt_under_priority_when_the_waiting_head_outranks_any_running():
+    """low (priority 2) runs before top (priority 0): the running list keeps admission order, so the victim for
+    high (priority 1) is not the last running request."""
     config = EngineConfig.create("dummy-model", block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
     sched = make_scheduler(config, 32, 0, [0.0])
     placeholders = OutputPlaceholders(sched)
     sched.add_request(Request("low", [1, 2, 4], SamplingParams(max_tokens=8), [EOS], 0.0, priority=2))
     placeholders.advance(sched.schedule())
     assert not placeholders.may_preempt()
-    sched.add_request(Request("same", [1, 2], SamplingParams(max_tokens=8), [EOS], 1.0, priority=2))
+    sched.add_request(Request("top", [3, 1], SamplingParams(max_tokens=8), [EOS], 1.0, priority=0))
+    placeholders.advance(sched.schedule())
+    assert [r.request_id for r in sched.running] == ["low", "top"]
+    sched.add_request(Request("same", [1, 2], SamplingParams(max_tokens=8), [EOS], 2.0, priority=2))
     assert not placeholders.may_preempt()
-    sched.add_request(Request("high", [5, 4], SamplingParams(max_tokens=8), [EOS], 2.0, priority=0))
+    sched.add_request(Request("high", [5, 4], SamplingParams(max_tokens=8), [EOS], 3.0, priority=1))
     assert placeholders.may_preempt()
 
 

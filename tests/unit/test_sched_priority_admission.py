@@ -117,6 +117,22 @@ def test_priority_preempts_the_lowest_priority_running_request_wherever_it_was_a
     assert (out.num_scheduled_tokens, out.preempted_req_ids, ids(sched.running)) == ({"a": 1}, ["b"], ["a"])
 
 
+def test_priority_admits_nobody_in_a_step_that_preempted_for_blocks():
+    """As vLLM V1: 6 blocks of 4, a (priority 0) holds 4, b (priority 5) 2; a's decode needs a block and none is
+    free, so b goes, and c (priority 3) waits a step although its prompt fits the block b's preemption left."""
+    sched = scheduler(num_gpu_blocks=6, max_model_len=32, scheduling_policy="priority", enable_prefix_caching=False)
+    sched.add_request(request("b", 7, priority=5, max_tokens=10))
+    sched.add_request(request("a", 16, priority=0, arrival=1.0, max_tokens=10))
+    run_step(sched)
+    assert (ids(sched.running), sched.kv_cache_manager.num_free_blocks) == (["a", "b"], 0)
+    sched.add_request(request("c", 1, priority=3, arrival=2.0, max_tokens=2))
+    out, _ = run_step(sched)
+    assert (out.num_scheduled_tokens, out.preempted_req_ids, out.new_reqs) == ({"a": 1}, ["b"], [])
+    assert sched.kv_cache_manager.num_free_blocks == 1
+    out, _ = run_step(sched)
+    assert (out.num_scheduled_tokens, ids(sched.running)) == ({"a": 1, "c": 1}, ["a", "c"])
+
+
 # ------------------------------------------------------------------ admission control
 def test_max_num_queued_requests_refuses_while_the_queue_is_full():
     sched = scheduler(max_num_queued_requests=2, max_num_seqs=1)

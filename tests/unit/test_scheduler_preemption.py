@@ -6,8 +6,10 @@ import logging
 
 import pytest
 
+from asyncllm import protocol
+from asyncllm.sched.preemption import preempt_until_allocated
 from asyncllm.sched.request import Request, RequestStatus
-from asyncllm.sched.scheduler import PreemptionLogger, Scheduler
+from asyncllm.sched.scheduler import PreemptionLogger, Scheduler, _Step
 from test_scheduler import make_request, make_scheduler, run_step
 
 
@@ -216,3 +218,52 @@ def test_priority_preempts_the_requests_of_an_adapter_one_too_many_with_the_seat
     sched.add_request(with_adapter(_priority_request("h", 4, 1, 3.0), 2))
     steps = [_step_summary(run_step(sched)[0]) for _ in range(2)]
     assert steps == [({"a": 1, "h": 4}, ["y", "x"], ["h"]), ({"a": 1, "h": 1, "y": 1}, [], ["y"])]  # x waits for h
+
+
+def _spec_step(sched: Scheduler):
+    """One step whose model rejects every draft: token 7 for each request whose tokens (and drafts) it reaches."""
+    out = sched.schedule()
+    requests = sched.requests
+    sampled = [[7] if requests[req_id].num_computed_tokens + num >= requests[req_id].num_tokens else []
+               for req_id, num in out.num_scheduled_tokens.items()]
+    sched.update_from_output(out, protocol.ModelRunnerOutput(out.step_id, list(out.num_scheduled_tokens), sampled))
+    return out.num_scheduled_tokens, out.spec_token_ids, out.preempted_req_ids
+
+
+@pytest.mark.parametrize(("block_size", "num_gpu_blocks", "drafters", "steps"), [
+    # 4 blocks of 4: b's next token needs the one free block, so a's drafts get none
+    (4, 4, "a", [({"a": 2, "b": 8}, {"a": [7]}, []), ({"a": 1, "b": 1}, {}, [])]),
+    # 8 of 2: b's next token takes one of the two free blocks, a's drafts the other; then none is free, and a
+    # drafts only what its last block holds (one, not two)
+    (2, 8, "a", [({"a": 2, "b": 8}, {"a": [7]}, []), ({"a": 3, "b": 1}, {"a": [7, 7]}, []),
+                 ({"a": 2, "b": 1}, {"a": [7]}, [])]),
+    # 6 of 4: a's drafts take the one block b's next token leaves, c's none
+    (4, 6, "ac", [({"a": 2, "c": 2, "b": 8}, {"a": [7], "c": [7]}, []), ({"a": 3, "c": 1, "b": 1}, {"a": [7, 7]}, [])]),
+])
+def test_priority_drafts_take_only_the_blocks_the_others_next_tokens_leave(block_size, num_gpu_blocks, drafters,
+                                                                           steps):
+    """a (and c; priority 5, admitted first) draft n-grams of 7s: their drafts may not take a block b's (priority
+    0) next token needs, after which b (served after them) would preempt itself while they run."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    sched = make_scheduler(num_gpu_blocks=num_gpu_blocks, block_size=block_size, enable_prefix_caching=False,
+                           scheduling_policy="priority", speculative_config=spec)
+    for i, req_id in enumerate(drafters):
+        sched.add_request(_priority_request(req_id, [7, 7], 5, i / 2))
+    _spec_step(sched)
+    sched.add_request(_priority_request("b", 8, 0, 1.0))
+    assert [_spec_step(sched) for _ in steps] == steps
+
+
+def test_a_request_without_room_preempts_the_lowest_priority_from_itself_on():
+    """The running list in admission order x, r, y, z (priority 5, 0, 3, 1), every block taken: r's next token
+    takes y's block; x, served before r, is never the victim, nor z, the last one."""
+    sched = make_scheduler(num_gpu_blocks=4, enable_prefix_caching=False, scheduling_policy="priority")
+    requests = [_priority_request(req_id, 4, priority, float(i)) for i, (req_id, priority) in enumerate(
+        (("x", 5), ("r", 0), ("y", 3), ("z", 1)))]
+    for request in requests:
+        sched.add_request(request)
+    run_step(sched)
+    sched.running = list(requests)
+    step = _Step(64)
+    assert preempt_until_allocated(sched, requests[1], 1, step) is not None
+    assert (step.preempted_req_ids, [r.request_id for r in sched.running]) == (["y"], ["x", "r", "z"])

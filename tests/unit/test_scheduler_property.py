@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from asyncllm import protocol
@@ -24,6 +24,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
+from asyncllm.sched.preemption import priority_key
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
 
@@ -189,6 +190,12 @@ ops = st.lists(
     num_drafts=st.sampled_from([0, 0, 1, 3]),
     num_offload_blocks=st.sampled_from([0, 0, 2, 16]),
 )
+@example(  # r0's drafts (priority 2, admitted first) took the block r1 (priority 1) then preempted itself for
+    ops=[("add", [0, 2], 6, True, 0, 2, None), ("step", [0], 1, True, 1, 0, None), ("add", [4], 4, True, 0, 1, None)],
+    num_gpu_blocks=5, block_size=2, budget=64, max_num_seqs=4, chunked=True, prefix_caching=False, threshold=0,
+    preemption_mode="recompute", num_cpu_blocks=0, policy="priority", max_queued=None, max_loras=0, num_drafts=3,
+    num_offload_blocks=0,
+)
 def test_random_schedules_keep_the_kv_cache_consistent(
     ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold,
     preemption_mode, num_cpu_blocks, policy, max_queued, max_loras, num_drafts, num_offload_blocks,
@@ -260,6 +267,10 @@ def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu
     def step(abort_index: int | None = None) -> None:
         out = sched.schedule()
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= budget
+        assert not set(out.num_scheduled_tokens) & set(out.preempted_req_ids), out  # never served, then preempted
+        if config.scheduling_policy == "priority" and out.preempted_req_ids and out.num_scheduled_tokens:
+            keys = {req_id: priority_key(sched.requests[req_id]) for req_id in sched.requests}
+            assert max(map(keys.get, out.num_scheduled_tokens)) < min(map(keys.get, out.preempted_req_ids)), out
         if abort_index is not None and added:  # an abort that lands while the step runs
             aborted.update(r.request_id for r in sched.abort_requests([added[abort_index % len(added)].request_id]))
         runner_out = worker.execute(out)
