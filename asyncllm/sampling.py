@@ -161,6 +161,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise InvalidRequestError("stop", "must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative token ids")
+        self.stop_token_ids = _distinct(self.stop_token_ids)  # a set: at most the vocabulary's size on the wire
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -187,6 +188,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _distinct(self.allowed_token_ids)
         self._validate_bad_words()
 
     def _validate_bad_words(self) -> None:
@@ -284,6 +287,12 @@ def _structured_from_dict(value: dict) -> object:
         return StructuredOutputs(**value)
     except TypeError:
         return value
+
+
+def _distinct(token_ids: list[int]) -> list[int]:
+    """`token_ids` without repeats, in first-seen order (the same list when it has none)."""
+    distinct = list(dict.fromkeys(token_ids))
+    return token_ids if len(distinct) == len(token_ids) else distinct
 
 
 def _is_int(value: object) -> bool:

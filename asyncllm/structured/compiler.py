@@ -72,9 +72,9 @@ class GrammarCompilerPool:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], tuple[str, str]] | None] = queue.SimpleQueue()
         self._threads_lock = threading.Lock()
         self._num_threads = 0
-        self._num_abandoned = 0
+        self._abandoned: set[Future[Any]] = set()
+        """Running compiles nobody waits for whose thread has a replacement: that thread exits when it is done."""
         self._num_busy = 0
-        """Threads busy with a compile nobody waits for: each has a replacement, and exits when it is done."""
         for _ in range(_NUM_THREADS):
             self._start_thread()
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
@@ -113,7 +113,7 @@ class GrammarCompilerPool:
 
         If nobody else waits: a queued job is cancelled; a running one cannot
         be, so its thread is abandoned to finish (its grammar stays cached)
-        and a new thread serves the queue meanwhile, up to `_MAX_THREADS`.
+        and a new thread serves the queue meanwhile (one per job), up to `_MAX_THREADS`.
         """
         if still_wanted or future.done():
             return
@@ -123,8 +123,9 @@ class GrammarCompilerPool:
                 del self._cache[key]
             return
         with self._threads_lock:
-            if self._num_threads < _MAX_THREADS:
-                self._num_abandoned += 1
+            # done: its thread already went on serving (it checks `_abandoned` under this lock after finishing)
+            if not future.done() and future not in self._abandoned and self._num_threads < _MAX_THREADS:
+                self._abandoned.add(future)
                 self._start_thread()
 
     def shutdown(self) -> None:
@@ -153,8 +154,8 @@ class GrammarCompilerPool:
                 future.set_exception(exc)
             with self._threads_lock:
                 self._num_busy -= 1
-                if self._num_abandoned:  # this or another thread was replaced: one of them goes
-                    self._num_abandoned -= 1
+                if future in self._abandoned:  # this thread was replaced: it goes, its replacement stays
+                    self._abandoned.discard(future)
                     self._num_threads -= 1
                     return
         with self._threads_lock:

@@ -71,6 +71,14 @@ def test_convenient_spellings_are_normalised() -> None:
     assert SamplingParams(output_kind=0).output_kind is RequestOutputKind.CUMULATIVE
 
 
+def test_repeated_token_ids_are_sent_once() -> None:
+    """stop_token_ids and allowed_token_ids are sets: a long list of repeats ships as its distinct ids, first-seen
+    order, so what reaches the core and the workers is bounded by the vocabulary."""
+    p = SamplingParams(stop_token_ids=[7, 3, 7] * 100_000, allowed_token_ids=[5, 2] * 100_000 + [9])
+    p.validate()
+    assert (p.stop_token_ids, p.allowed_token_ids) == ([7, 3], [5, 2, 9])
+
+
 def test_vllms_none_for_a_list_field_is_the_empty_list() -> None:
     """vLLM's SamplingParams defaults stop, stop_token_ids and bad_words to None: the same request here, the same
     wire form; allowed_token_ids and logit_bias keep None (no restriction, no bias)."""
