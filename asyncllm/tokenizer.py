@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "load_tokenizer", "encode_prompt", "truncating", "apply_chat_template", "template_arguments", "template_messages",
+    "load_tokenizer", "encode_prompt", "truncating", "apply_chat_template", "render_chat", "chat_token_ids",
+    "template_arguments", "template_messages",
     "with_template_calls",
     "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
@@ -194,13 +195,23 @@ def apply_chat_template(
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None, content_format: str = "auto", lower: bool = False,
 ) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize them (arguments: `template_arguments`), their
+    """``messages`` rendered (`render_chat`, same arguments) and tokenized (`chat_token_ids`)."""
+    return chat_token_ids(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, template_kwargs, tools,
+                                                 chat_template, content_format, lower))
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None, content_format: str = "auto", lower: bool = False,
+) -> str:
+    """Render ``messages`` with the chat template as text (arguments: `template_arguments`), their
     content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai"); `lower`: the
     rendered text lowercased first (a sentence-transformers ``do_lower_case``: vLLM lowercases the rendered chat).
 
-    The template writes the special tokens itself (BOS included), so the
-    rendered text is tokenized without adding any, as transformers does. Whatever rendering raises is an
-    `InvalidRequestError` on ``messages`` (vLLM's ``apply_hf_chat_template`` makes any exception a 400).
+    Whatever rendering raises is an `InvalidRequestError` on ``messages`` (vLLM's ``apply_hf_chat_template`` makes
+    any exception a 400). The text comes before its tokens so that the processor can refuse one longer than
+    ``max_prompt_chars`` without tokenizing it (asyncllm/engine/prompt_tokens.py): tokenizing is the costly part.
     """
     from asyncllm.chat_content import content_format_of, formatted_messages
 
@@ -216,14 +227,20 @@ def apply_chat_template(
     from jinja2 import TemplateError
 
     try:
-        if lower:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-            token_ids = tokenizer(text.lower(), add_special_tokens=False).input_ids
-        else:
-            token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except TemplateError as exc:  # raise_exception() in the template, or a template bug
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a template's TypeError, ZeroDivisionError...: a 400, as vLLM's
+        raise InvalidRequestError("messages", f"could not be tokenized ({type(exc).__name__}: {exc})") from exc
+    return text.lower() if lower else text
+
+
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """A rendered chat's token ids as transformers' ``apply_chat_template(tokenize=True)`` makes them: the template
+    wrote the special tokens itself (BOS included), so none are added."""
+    try:
+        token_ids = tokenizer(text, add_special_tokens=False).input_ids
+    except Exception as exc:  # noqa: BLE001 - a 400, as vLLM's
         raise InvalidRequestError("messages", f"could not be tokenized ({type(exc).__name__}: {exc})") from exc
     return [int(t) for t in token_ids]
 

@@ -22,7 +22,7 @@ from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.sampling import SamplingParams
-from asyncllm.tokenizer import apply_chat_template, encode_prompt, truncating
+from asyncllm.tokenizer import chat_token_ids, encode_prompt, render_chat, truncating
 
 if TYPE_CHECKING:
     from asyncllm.engine.processor import Submit
@@ -101,10 +101,7 @@ class PromptTokenizer:
                 raise errors.InvalidRequestError("prompt", f"a prompt without audio; the model takes "
                                                            f"{self.mm.needs_audio}")
         if job.chat:
-            token_ids = self._truncated(job, apply_chat_template(
-                self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
-                chat_template=options.chat_template, content_format=options.chat_template_content_format,
-                lower=lowercases(self.pooling_model)), chat=True)
+            token_ids = self._truncated(job, self._chat_token_ids(job), chat=True)
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
             if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
@@ -122,6 +119,18 @@ class PromptTokenizer:
         if self.mm is not None and self.mm.marks_text_prompts:  # PaliGemma: a text prompt is its prefix span too
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids
+
+    def _chat_token_ids(self, job: Submit) -> list[int]:
+        """The chat's ids: rendered as text first, refused unread past ``max_prompt_chars`` as a text prompt is (the
+        tokenizing of a huge chat would stall the processor thread for every request), then tokenized."""
+        options = job.options
+        text = render_chat(self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs,
+                           tools=options.tools, chat_template=options.chat_template,
+                           content_format=options.chat_template_content_format, lower=lowercases(self.pooling_model))
+        if len(text) > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:
+            raise errors.prompt_too_long(self.max_model_len, f"{len(text)} characters", options.pooling_operation,
+                                         field="messages")
+        return chat_token_ids(self.tokenizer, text)
 
     def _truncated(self, job: Submit, token_ids: list[int], chat: bool = False) -> list[int]:
         """Token ids cut to ``truncate_prompt_tokens``: the last k (vLLM's cut of token ids), the first k for a

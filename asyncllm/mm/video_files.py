@@ -21,10 +21,14 @@ import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["DEFAULT_NUM_FRAMES", "decode_video_file", "sample_indices"]
+__all__ = ["DEFAULT_NUM_FRAMES", "MAX_VIDEO_FILE_FRAMES", "decode_video_file", "sample_indices"]
 
 DEFAULT_NUM_FRAMES = 32
 """Frames taken from a video file when ``media_io_kwargs`` names no ``num_frames`` (vLLM's default)."""
+MAX_VIDEO_FILE_FRAMES = 36_000
+"""Frames a video file may have (20 minutes at 30 fps): the frames up to the last one taken are all decoded, on
+the processor thread every request shares, so a file of more (a small one can hold a million near-empty frames,
+minutes of decoding) is refused, by the container's count or by counting its packets, before any is decoded."""
 
 
 def sample_indices(total: int, num_frames: int) -> list[int]:
@@ -80,7 +84,11 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         if width * height > max_frame_pixels:
             raise InvalidRequestError(field, f"the video is {width}x{height} = {width * height} pixels a frame, over "
                                              f"mm_max_image_pixels={max_frame_pixels}")
-        total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        total = stream.frames or _counted_frames(container, stream)
+        if total > MAX_VIDEO_FILE_FRAMES:
+            raise InvalidRequestError(field, f"the video has over {MAX_VIDEO_FILE_FRAMES} frames ({total} read), more "
+                                             f"than a video file may have (asyncllm.mm.video_files."
+                                             f"MAX_VIDEO_FILE_FRAMES); pass fewer frames")
         fps = float(stream.average_rate or stream.guessed_rate or 0) or None
         wanted = sample_indices(total, num_frames)
         container.seek(0)
@@ -94,3 +102,14 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         raise InvalidRequestError(field, "the video has no frames")
     taken = wanted[: len(frames)]
     return np.stack(frames), {"fps": fps, "frames_indices": taken, "total_num_frames": max(total, taken[-1] + 1)}
+
+
+def _counted_frames(container: Any, stream: Any) -> int:
+    """The stream's packets with data (its frames), for a container that does not say how many: counted up to one
+    past `MAX_VIDEO_FILE_FRAMES`, enough to refuse the file."""
+    count = 0
+    for packet in container.demux(stream):
+        count += bool(packet.size)
+        if count > MAX_VIDEO_FILE_FRAMES:
+            break
+    return count

@@ -267,6 +267,20 @@ async def test_truncate_prompt_tokens_keeps_the_end(engine: AsyncEngine, tokeniz
     assert stream.collector.prompt_token_ids == rendered[-50:]
 
 
+async def test_a_chat_rendered_past_max_prompt_chars_is_refused_untokenized(engine: AsyncEngine, tokenizer,
+                                                                            monkeypatch) -> None:
+    """As a text prompt: a rendered chat longer than `max_prompt_chars` cannot fit, so it is never tokenized (the
+    costly part, on the processor thread every request shares), and the error names ``messages``."""
+    from asyncllm.engine import prompt_tokens
+    from asyncllm.engine.validation import max_prompt_chars
+
+    monkeypatch.setattr(prompt_tokens, "chat_token_ids", lambda *_: pytest.fail("tokenized"))
+    chat = [{"role": "user", "content": [{"type": "text", "text": "ab"}] * max_prompt_chars(tokenizer, 1024)}]
+    with pytest.raises(InvalidRequestError, match="characters") as info:
+        [d async for d in engine.chat(chat, SamplingParams(max_tokens=2))]
+    assert (info.value.field, info.value.code) == ("messages", "context_length_exceeded")
+
+
 @pytest.mark.parametrize(
     "prompt, params, field",
     [

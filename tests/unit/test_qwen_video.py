@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
 import json
 import math
 
@@ -162,6 +163,29 @@ def test_video_files_are_decoded_and_sampled_with_their_timing(tmp_path):
                             ("data:image/png;base64,AAAA", "data:video/"), (data, "over mm_max_image_pixels")):
         with pytest.raises(InvalidRequestError, match=message):
             read_video(source, "v", 1000 if source is data else 10**6)
+
+
+def test_a_video_file_of_too_many_frames_is_refused_before_decoding(monkeypatch):
+    """By the container's count (mp4), or by its packets counted (matroska says none), no frame decoded."""
+    import av
+
+    from asyncllm.mm import video_files
+
+    mkv = io.BytesIO()
+    with av.open(io.BytesIO(make_mp4(20))) as source, av.open(mkv, "w", format="matroska") as target:
+        stream = target.add_stream_from_template(source.streams.video[0])
+        for packet in source.demux(source.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                target.mux(packet)
+    monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 20)
+    assert decode_video_file(mkv.getvalue(), "v", 10**6, 5)[1]["total_num_frames"] == 20
+    monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 5)
+    monkeypatch.setattr(av.container.InputContainer, "decode", lambda *_: pytest.fail("decoded"))
+    for data, read in ((make_mp4(20), 20), (mkv.getvalue(), 6)):  # counted no further than one past the bound
+        with pytest.raises(InvalidRequestError, match=rf"over 5 frames \({read} read\)") as info:
+            decode_video_file(data, "prompt.videos[0]", 10**6)
+        assert info.value.field == "prompt.videos[0]"
 
 
 def test_media_io_kwargs_take_the_video_frame_count_only():
