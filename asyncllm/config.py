@@ -35,6 +35,8 @@ __all__ = [
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
+UNBUILT_HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
+"""vLLM's other `prefix_caching_hash_algo` values: `NotBuiltError` (asyncllm/kv/hashing.py hashes with sha256)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class CacheConfig:
     (docs/fp8-kv-cache.md)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
+    prefix_caching_hash_algo: str = "sha256"
+    """vLLM's: the hash naming prefix-cache blocks; sha256 (asyncllm's own pickle-free encoding of the tokens, so not
+    vLLM's digests); vLLM's sha256_cbor, xxhash and xxhash_cbor are not built."""
     swap_space: float = 4.0
     """GiB of CPU memory per GPU for swapped-out blocks (preemption_mode='swap')."""
     kv_offloading_size: float = 0.0
@@ -76,6 +81,11 @@ class CacheConfig:
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, ("sha256", *UNBUILT_HASH_ALGOS))
+        algo = self.prefix_caching_hash_algo
+        if algo in UNBUILT_HASH_ALGOS:
+            raise NotBuiltError("prefix_caching_hash_algo", algo,
+                                f"prefix-cache hashing with {algo} (asyncllm hashes with sha256)")
         check_float("swap_space", self.swap_space, 0.0, 1024.0)
         check_float("kv_offloading_size", self.kv_offloading_size, 0.0, 1 << 20)
         if self.kv_offloading_size and not self.enable_prefix_caching:

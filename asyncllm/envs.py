@@ -30,9 +30,18 @@ class EnvVar(Generic[T]):
             raise ConfigError(self.name, raw, str(exc)) from None
 
 
+def _positive_size(raw: str) -> float:
+    """A finite number above 0 (``float`` alone takes nan, inf and negatives, which size no cache)."""
+    value = float(raw)
+    if not 0 < value < float("inf"):  # nan fails both
+        raise ValueError("a finite number above 0")
+    return value
+
+
 CPU_KVCACHE_SPACE_GB = EnvVar(
-    "ASYNCLLM_CPU_KVCACHE_SPACE_GB", 1.0, float,
-    "GiB of host memory for the KV cache when running on the CPU (no num_gpu_blocks_override).",
+    "ASYNCLLM_CPU_KVCACHE_SPACE_GB", 1.0, _positive_size,
+    "GiB of host memory for the KV cache when running on the CPU (no num_gpu_blocks_override); a finite number "
+    "above 0. Read on the host at start (`check_at_start`) and by every worker.",
 )
 ENGINE_STARTUP_TIMEOUT_S = EnvVar(
     "ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S", 600.0, float,
@@ -202,6 +211,14 @@ def unknown_names(environ: dict[str, str] | None = None) -> list[str]:
     known = {var.name for var in REGISTRY} | _SET_BY_ASYNCLLM
     return sorted(name for name in (os.environ if environ is None else environ)
                   if name.startswith("ASYNCLLM_") and name not in known and not name.startswith("ASYNCLLM_TEST_"))
+
+
+def check_at_start() -> None:
+    """At an engine's start, before anything is spawned: warn about the unknown ``ASYNCLLM_*`` variables
+    (`warn_unknown`) and parse those the workers read at start, so a bad value is a `ConfigError` naming it here
+    rather than a worker's failure."""
+    warn_unknown()
+    CPU_KVCACHE_SPACE_GB.get()
 
 
 def warn_unknown() -> None:

@@ -89,12 +89,18 @@ class KVCacheSetup:
             budget -= self.drafter.scratch_bytes
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
-            raise ConfigError(
-                field, value,
-                f"room for at least one KV block ({self.bytes_per_block} bytes); {budget} bytes are left "
-                "after the weights and activations: raise it, or lower max_num_batched_tokens",
-            )
+            raise ConfigError(field, value, f"room for at least one KV block ({self.bytes_per_block} bytes); "
+                                            f"{self._budget_left(field, budget)}")
         return int(num_blocks)
+
+    def _budget_left(self, field: str, budget: int) -> str:
+        """What a budget too small for one block came from, and the advice (the CPU's and kv_cache_memory_bytes's
+        budget is the setting itself, not what a profile step left)."""
+        draft = " (less the draft model's scratch blocks)" if self.drafter is not None else ""
+        if field == "gpu_memory_utilization":
+            return (f"{budget} bytes are left after the weights and activations{draft}: raise it, or lower "
+                    "max_num_batched_tokens")
+        return f"it gives {budget} bytes{draft}: raise it"
 
     def determine_num_cpu_blocks(self) -> int:
         """KV blocks that fit in swap_space GiB of CPU memory on this rank."""

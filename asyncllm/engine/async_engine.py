@@ -224,7 +224,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             raise EventLoopError("this AsyncEngine is starting in another event loop: start it from one loop")
         self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
         self._owner_pid = os.getpid()
-        envs.warn_unknown()  # a mistyped ASYNCLLM_* name would be ignored silently
+        envs.check_at_start()  # a mistyped ASYNCLLM_* name would be ignored silently, a bad value fail late
         try:
             prepared = await self._start_replicas()
         except BaseException:

@@ -40,7 +40,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
                             "data parallelism in a standalone engine core (`asyncllm engine`)")
     configure_child_logging("core")
     report_crashes()
-    envs.warn_unknown()
+    envs.check_at_start()
     prepared = prepare(config, decodes_images=False)  # the model folder and max_model_len, as a host would
     auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)

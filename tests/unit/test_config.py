@@ -74,6 +74,7 @@ def test_kwargs_and_from_config_agree() -> None:
         ("tokenizer_mode", "fast"),
         ("logprobs_mode", "logits"),
         ("kv_offloading_size", -1.0),
+        ("prefix_caching_hash_algo", "builtin"),  # vLLM 0.8's, gone from vLLM since
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object) -> None:
@@ -102,12 +103,19 @@ def test_unknown_field_is_refused() -> None:
         ("quantization", "bitsandbytes"),
         ("speculative_config", {"method": "medusa", "num_speculative_tokens": 3}),
         ("tokenizer_mode", "mistral"),
+        ("prefix_caching_hash_algo", "sha256_cbor"),  # vLLM's others; sha256 (its default) is what asyncllm does
+        ("prefix_caching_hash_algo", "xxhash"),
     ],
 )
 def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:
     with pytest.raises(NotBuiltError) as info:
         EngineConfig.create("m", **{field: value})
     assert info.value.field == field and "not built yet" in str(info.value)
+
+
+def test_vllms_default_prefix_caching_hash_algo_is_accepted() -> None:
+    cfg = EngineConfig.create("m", prefix_caching_hash_algo="sha256")
+    assert cfg.cache_config.prefix_caching_hash_algo == "sha256" == EngineConfig.create("m").prefix_caching_hash_algo
 
 
 @pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])

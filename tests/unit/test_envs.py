@@ -45,3 +45,27 @@ async def test_an_engine_start_warns_once_naming_them(monkeypatch, caplog, tmp_p
     assert warned == ["unknown asyncllm environment variable(s) ASYNCLLM_CPU_KVCACHE_SPACE, ASYNCLLM_LOGGING_LEVL: "
                       "asyncllm reads none of them (its variables are listed in "
                       "docs/configuration.md#environment-variables)"]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-1", "abc"])
+def test_a_cpu_kvcache_space_that_sizes_no_cache_is_refused_naming_it(monkeypatch, raw: str) -> None:
+    """float() alone took nan and inf, which crashed the workers (int(nan * 2**30)), and 0 or -1, whose error
+    spoke of bytes left after the weights."""
+    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, raw)
+    with pytest.raises(ConfigError) as info:
+        envs.CPU_KVCACHE_SPACE_GB.get()
+    assert info.value.field == "ASYNCLLM_CPU_KVCACHE_SPACE_GB" and info.value.value == raw
+    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "0.5")
+    assert envs.CPU_KVCACHE_SPACE_GB.get() == 0.5
+
+
+async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "nan")
+    engine = AsyncEngine(str(tmp_path / "model"))
+
+    async def no_replicas() -> None:  # reached only when the value was let through
+        raise AssertionError("replicas started")
+
+    monkeypatch.setattr(engine, "_start_replicas", no_replicas)
+    with pytest.raises(ConfigError, match="ASYNCLLM_CPU_KVCACHE_SPACE_GB='nan' is not allowed"):
+        await engine.start()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncllm import envs
+from asyncllm.errors import ConfigError
 from asyncllm.workers.kv_cache_setup import profile_step
 from asyncllm.workers.model_runner import ModelRunner
 import test_model_runner
@@ -23,12 +24,14 @@ def test_cpu_blocks_follow_the_kvcache_space(fake_runner: ModelRunner, monkeypat
     monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "0.001")
     assert fake_runner.determine_num_available_blocks() == int(0.001 * 2**30) // 512
     assert fake_runner.kv_budget_field == "ASYNCLLM_CPU_KVCACHE_SPACE_GB"  # what the core's advice names
+    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "1e-7")  # 107 bytes: the variable's, not what weights left
+    with pytest.raises(ConfigError, match=r"ASYNCLLM_CPU_KVCACHE_SPACE_GB=1e-07 .*block \(512 bytes\); it gives 107 "
+                                          r"bytes: raise it$"):
+        fake_runner.determine_num_available_blocks()
 
 
 def test_kv_cache_memory_bytes_sizes_the_cache(tmp_path: Path) -> None:
     """vLLM's kv_cache_memory_bytes: that many bytes of blocks per rank, whatever the CPU space or memory."""
-    from asyncllm.errors import ConfigError
-
     for size, blocks in ((512 * 77 + 100, 77), (100, None)):
         runner = ModelRunner(make_config(tmp_path, kv_cache_memory_bytes=size), rank=0, tp_size=1, device=CPU)
         runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
