@@ -112,11 +112,11 @@ def _spy_reads(monkeypatch: pytest.MonkeyPatch, read: set[str]) -> None:
     def iterate(files: list[str]):
         return ((name, ReadSpy(name, weight, read)) for name, weight in real_iterate(files))
 
-    def dequantized(tensor: Any) -> Any:
+    def dequantized(tensor: Any, *args: Any) -> Any:
         name = re.sub(r"^blk\.(\d+)\.", r"model.layers.\1.", tensor.name)
         read.add({"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}.get(name, name))
-        return real_dequantized(tensor)
+        return real_dequantized(tensor, *args)
 
     monkeypatch.setattr(loader, "iterate_safetensors", iterate)
     monkeypatch.setattr(gguf_loader, "_dequantized", dequantized)
