@@ -45,9 +45,10 @@ def running_rows(sched: Scheduler) -> StepRows:
     return cached
 
 
-def may_run_short(sched: Scheduler) -> bool:
-    """Whether the running requests' largest possible next chunks (each the whole step budget, drafts aside)
-    need more blocks than are free: the next `schedule()` may preempt for blocks; False is certain."""
+def may_run_short(sched: Scheduler, extra: int = 0) -> bool:
+    """Whether the running requests' largest possible next chunks (each the whole step budget, and `extra` tokens
+    more each: drafts at their most) need more blocks than are free: the next `schedule()` may preempt for blocks;
+    False is certain."""
     running = sched.running
     if not running:
         return False
@@ -55,7 +56,7 @@ def may_run_short(sched: Scheduler) -> bool:
     block_size, tables = sched.block_size, kv.req_to_blocks
     order, rows = running_rows(sched), sched.rows
     computed = rows.computed[order.rows]
-    needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows])
+    needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows]) + extra
     needed_blocks = -(-needed // block_size)
     # A request's blocks cover its computed tokens: only those whose next chunk reaches past them may need more.
     maybe = np.flatnonzero(needed_blocks > -(-computed // block_size))

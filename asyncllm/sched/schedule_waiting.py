@@ -62,8 +62,9 @@ def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
     it meets a request without room (one it already served included); asyncllm takes them before serving any.
     With drafts, the blocks the others' next tokens leave free are `step.draft_blocks`: step 1 gives drafts only
     those, so it never preempts (vLLM's drafts may take a block a later request then preempts for)."""
-    kv = sched.kv_cache_manager
-    if sched.proposer is None and not may_run_short(sched):  # cheap (arrays over the rows), and most steps
+    kv, spec = sched.kv_cache_manager, sched.config.scheduler_config.speculative
+    max_drafts = spec.num_speculative_tokens if sched.proposer is not None and spec is not None else 0
+    if not may_run_short(sched, max_drafts):  # cheap (arrays over the rows), and most steps: every draft fits too
         return []
     eligible = sorted(sched.running, key=priority_key, reverse=True)
     freed, plan = _Freed(sched, eligible, set()), _running_plan(sched, step, drafts=False)

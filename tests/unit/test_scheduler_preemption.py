@@ -267,3 +267,16 @@ def test_a_request_without_room_preempts_the_lowest_priority_from_itself_on():
     step = _Step(64)
     assert preempt_until_allocated(sched, requests[1], 1, step) is not None
     assert (step.preempted_req_ids, [r.request_id for r in sched.running]) == (["y"], ["x", "r", "z"])
+
+
+def test_priority_drafts_with_blocks_to_spare_skip_the_victim_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under priority with drafts, a step whose running requests' next chunks and every draft fit the free blocks
+    plans nothing (the plan sorts and bisects the running list: every step otherwise) and leaves drafts unbounded."""
+    from asyncllm.sched import schedule_waiting
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    sched = make_scheduler(num_gpu_blocks=64, block_size=4, enable_prefix_caching=False,
+                           scheduling_policy="priority", speculative_config=spec)
+    sched.add_request(_priority_request("a", [7, 7], 5, 0.0))
+    monkeypatch.setattr(schedule_waiting, "_running_plan", lambda *_, **__: pytest.fail("planned"))
+    assert [_spec_step(sched) for _ in range(4)][-1] == ({"a": 4}, {"a": [7, 7, 7]}, [])
