@@ -255,7 +255,8 @@ async def _events(request: Request, streams: list[RequestStream], firsts: list[A
 
 
 def _finish_reason(reasons: list[str]) -> str:
-    """The transcript's finish reason: ``length`` when a piece was cut by its token bound, else the last piece's."""
+    """The transcript's finish reason: ``length`` when a piece was cut by its token bound, else the reason of the
+    piece that finished last (pieces run at once; every other reason is ``stop``)."""
     return "length" if "length" in reasons else (reasons[-1] if reasons else "stop")
 
 

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, running_asyncio_loop
 from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
 
@@ -27,6 +27,7 @@ __all__ = ["generate_many"]
 async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any = None, *,
                         progress: bool = False, max_concurrency: int | None = None,
                         lora_request: Any = None) -> list[RequestOutput]:
+    running_asyncio_loop()  # under trio: EventLoopError, before any task is made
     prompts = _as_batch(prompts)
     per_prompt = _per_prompt("params", params, SamplingParams, len(prompts))
     loras = _per_prompt("lora_request", lora_request, LoRARequest, len(prompts))

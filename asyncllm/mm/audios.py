@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def read_audio(value: AudioInput, field: str, rate: int) -> Audio:
     """One audio input as a mono float32 waveform at ``rate`` Hz; `InvalidRequestError` for anything else."""
     if isinstance(value, (tuple, list)) and len(value) == 2 and _is_number(value[1]) and not _is_number(value[0]):
         source_rate = value[1]
-        if source_rate <= 0 or int(source_rate) != source_rate:
+        if not math.isfinite(source_rate) or source_rate <= 0 or int(source_rate) != source_rate:
             raise InvalidRequestError(field, f"a sampling rate must be a positive whole number of Hz, got {source_rate}")
         waveform = _waveform(value[0], field)
         _check_length(waveform.size, int(source_rate), field)  # before resampling: its output is bounded too

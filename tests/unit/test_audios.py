@@ -130,3 +130,6 @@ def test_numpy_scalar_rates_make_pairs() -> None:
     assert is_one_audio(list(tone.astype(np.float64)))  # a list of numpy samples is one waveform
     with pytest.raises(InvalidRequestError, match="an audio is"):
         read_audio((tone, True), "a", RATE)  # a bool is no rate
+    for rate in (float("nan"), np.float64("inf")):  # named as a bad rate of its field, not a failed conversion
+        with pytest.raises(InvalidRequestError, match="positive whole number of Hz"):
+            read_audio((tone, rate), "a", RATE)

@@ -12,6 +12,7 @@ CALLS = {
     "generate": lambda engine: engine.generate("def", SamplingParams(max_tokens=4)),
     "stream": lambda engine: engine.stream("def", SamplingParams(max_tokens=4)).__anext__(),
     "aclose": lambda engine: engine.aclose(),
+    "generate_many": lambda engine: engine.generate_many(["def"], SamplingParams(max_tokens=4)),
 }
 
 
