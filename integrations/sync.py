@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
+import weakref
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +37,10 @@ __all__ = ["SyncEngine"]
 T = TypeVar("T")
 
 CLOSED = "this SyncEngine was closed; create a new one"
+OWN_THREAD = ("SyncEngine called from its own loop thread would deadlock; "
+              "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
+CANCEL_WAIT_S = 10.0
+"""How long close() lets cancelled calls clean up before it stops the loop (their callers get `EngineDeadError`)."""
 
 
 class SyncEngine:
@@ -68,7 +73,10 @@ class SyncEngine:
         self._closed = False
         self._stopping = False
         """close() is past the engine's aclose(): nothing more is posted to the loop (`_post`), which stops."""
-        self._close_lock = threading.Lock()
+        self._close_lock = threading.RLock()
+        """An RLock: a stream collected (GC) by `_post`'s allocations under it re-enters `_post` (`_finish`)."""
+        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        """What `_post` handed out: close() ends those a stopped loop leaves undone (`_fail_the_rest`)."""
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncllm-sync-loop", daemon=True)
         self._thread.start()
 
@@ -90,7 +98,9 @@ class SyncEngine:
         self.run(self._engine.start())
 
     def close(self) -> None:
-        """Abort what is in flight, stop the engine, then the loop thread. Idempotent."""
+        """Abort what is in flight, stop the engine, then the loop thread. Idempotent; any thread but its loop's."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(OWN_THREAD)  # it would wait for the loop it is blocking
         with self._close_lock:
             if self._closed:
                 return
@@ -108,11 +118,22 @@ class SyncEngine:
         """As `asyncio.run` ends: cancel what still runs on the loop (a call from another thread; its caller gets
         `EngineDeadError`, none waits forever), then stop and close the loop."""
         try:
-            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(timeout=CANCEL_WAIT_S + 20)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-            self._loop.close()
+            try:
+                self._loop.close()
+            finally:
+                self._fail_the_rest()
+
+    def _fail_the_rest(self) -> None:
+        """End the calls a stopped loop never will: their coroutine's cancellation cleanup ran past `CANCEL_WAIT_S`."""
+        for future in list(self._futures):
+            try:
+                future.set_exception(EngineDeadError(CLOSED))
+            except concurrent.futures.InvalidStateError:
+                pass  # done already
 
     # ------------------------------------------------------------ requests
     def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
@@ -195,10 +216,12 @@ class SyncEngine:
 
     def _finish(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` on the loop: waited for, unless this is the loop's own thread (a generator in a reference
-        cycle collected there), which cannot wait for its own loop: there it is only scheduled. Nothing once
-        close() stops the loop: its aclose() aborted every request."""
+        cycle collected there), which cannot wait for its own loop, or a thread holding `_close_lock` (collected in
+        `_post` or close()), whose wait would stall the loop's next `_post`: there it is only scheduled. Nothing
+        once close() stops the loop: its aclose() aborted every request."""
         future = self._post(coro)
-        if future is not None and threading.current_thread() is not self._thread:
+        if future is not None and threading.current_thread() is not self._thread \
+                and not self._close_lock._is_owned():
             try:
                 self._wait(future)
             except EngineDeadError:
@@ -216,7 +239,9 @@ class SyncEngine:
         the call waiting forever or raise "Event loop is closed"."""
         with self._close_lock:
             if not self._stopping:
-                return asyncio.run_coroutine_threadsafe(coro, self._loop)
+                future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+                self._futures.add(future)
+                return future
         coro.close()
         return None
 
@@ -237,8 +262,7 @@ class SyncEngine:
             if self._closed:
                 raise EngineDeadError(CLOSED)
             if threading.current_thread() is self._thread:
-                raise RuntimeError("SyncEngine called from its own loop thread would deadlock; "
-                                   "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
+                raise RuntimeError(OWN_THREAD)
         except BaseException:
             if coro is not None:
                 coro.close()  # never awaited: close it so Python does not warn
@@ -265,4 +289,4 @@ async def _cancel_the_rest() -> None:
     for task in tasks:
         task.cancel()
     if tasks:
-        await asyncio.wait(tasks, timeout=10)
+        await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)

@@ -14,6 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncllm import EngineDeadError, SamplingParams
+from asyncllm.integrations import sync
 from asyncllm.integrations.sync import SyncEngine
 from hf_reference import hf_greedy
 
@@ -114,6 +115,84 @@ def test_calling_it_on_its_own_loop_is_refused(engine) -> None:
         engine.run(nested())
 
 
+def test_closing_it_on_its_own_loop_is_refused(tiny_llama: str) -> None:
+    """close() in a coroutine passed to run() would wait for the loop it blocks (it hung): it raises as other calls
+    there, and closes nothing."""
+    engine = SyncEngine(tiny_llama)  # never started
+
+    async def close_here() -> None:
+        engine.close()
+
+    caller, outcome = _in_a_thread(lambda: engine.run(close_here()))
+    caller.join(10)
+    assert outcome and outcome[0].startswith("RuntimeError") and "deadlock" in outcome[0]
+    assert engine.run(asyncio.sleep(0, "open")) == "open"
+    engine.close()
+
+
+def test_a_stream_collected_while_posting_aborts_without_a_deadlock(tiny_llama: str, monkeypatch) -> None:
+    """A stream in a reference cycle collected by the allocations of another call's `_post` (under its lock)
+    re-enters `_post` to abort: no self-deadlock (a plain Lock), and its abort is only scheduled, since a wait there
+    would stall the loop's own `_post` (the stream's aclose collecting another stream on the loop thread)."""
+    engine = SyncEngine(tiny_llama)  # never started: its streams are fakes
+    aborted = threading.Event()
+
+    class FakeStream:
+        _done, collector = False, None
+
+        async def __anext__(self) -> str:
+            return "delta"
+
+        async def aclose(self) -> None:
+            engine._finish(asyncio.sleep(0))  # on the loop thread: takes `_close_lock`
+            aborted.set()
+
+    monkeypatch.setattr(engine._engine, "stream", lambda *args, **kwargs: FakeStream())
+    real = asyncio.run_coroutine_threadsafe
+
+    def collecting(coro, loop):
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", real)
+        gc.collect()  # as a gen-0 collection its allocations start
+        return real(coro, loop)
+
+    gc.disable()
+    try:
+        stream = engine.stream("x")
+        assert next(stream) == "delta"
+        cycle = [stream]
+        cycle.append(cycle)
+        del stream, cycle
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", collecting)
+        caller, outcome = _in_a_thread(lambda: engine.run(asyncio.sleep(0)))
+        caller.join(10)
+    finally:
+        gc.enable()
+    assert outcome == ["no error"] and aborted.wait(10)
+    engine.close()
+
+
+def test_close_ends_a_call_whose_cancellation_outlasts_its_wait(tiny_llama: str, monkeypatch) -> None:
+    """A call whose coroutine's cancellation cleanup runs past close()'s wait is left on a stopped loop: close()
+    ends its caller with EngineDeadError (it waited forever)."""
+    monkeypatch.setattr(sync, "CANCEL_WAIT_S", 0.05)
+    engine = SyncEngine(tiny_llama)  # never started
+    running = threading.Event()
+
+    async def stubborn() -> None:
+        try:
+            running.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.Event().wait()  # a cleanup that never ends
+            raise
+
+    caller, outcome = _in_a_thread(lambda: engine.run(stubborn()))
+    assert running.wait(10)
+    engine.close()
+    caller.join(10)
+    assert outcome == ["EngineDeadError: this SyncEngine was closed; create a new one"]
+
+
 def test_close_then_use(tiny_llama: str) -> None:
     engine = SyncEngine(tiny_llama)  # never started: close is cheap and idempotent
     engine.close()
@@ -139,9 +218,7 @@ def test_close_ends_what_other_threads_wait_for_or_iterate(tiny_llama: str) -> N
         running.set()
         await asyncio.Event().wait()
 
-    waiting: list[str] = []
-    caller = threading.Thread(target=lambda: waiting.append(_error_of(lambda: engine.run(forever()))), daemon=True)
-    caller.start()
+    caller, waiting = _in_a_thread(lambda: engine.run(forever()))
     assert running.wait(30)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -192,6 +269,14 @@ def _error_of(call) -> str:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def _in_a_thread(call) -> tuple[threading.Thread, list[str]]:
+    """`call` started in a daemon thread (a hang fails the test, not the run) and the list it reports into."""
+    outcome: list[str] = []
+    thread = threading.Thread(target=lambda: outcome.append(_error_of(call)), daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def _wait_for_child(pid: int, timeout: float = 30.0) -> None:
