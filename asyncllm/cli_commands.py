@@ -323,7 +323,8 @@ def check_model(config: Any) -> None:
     from asyncllm.generation_config import read_generation_config
     from asyncllm.models.checkpoint import resolve_model_path
 
-    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format)
+    path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format,
+                              trust_remote_code=config.trust_remote_code)  # its *.py too, as the engine fetches
     read_generation_config(config.generation_config, path)
 
 

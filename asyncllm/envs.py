@@ -30,8 +30,9 @@ class EnvVar(Generic[T]):
             raise ConfigError(self.name, raw, str(exc)) from None
 
 
-def _positive_size(raw: str) -> float:
-    """A finite number above 0 (``float`` alone takes nan, inf and negatives, which size no cache)."""
+def _positive_finite(raw: str) -> float:
+    """A finite number above 0 (``float`` alone takes nan, inf and negatives, which size no cache and time out
+    at once or never)."""
     value = float(raw)
     if not 0 < value < float("inf"):  # nan fails both
         raise ValueError("a finite number above 0")
@@ -39,13 +40,14 @@ def _positive_size(raw: str) -> float:
 
 
 CPU_KVCACHE_SPACE_GB = EnvVar(
-    "ASYNCLLM_CPU_KVCACHE_SPACE_GB", 1.0, _positive_size,
+    "ASYNCLLM_CPU_KVCACHE_SPACE_GB", 1.0, _positive_finite,
     "GiB of host memory for the KV cache when running on the CPU (no num_gpu_blocks_override); a finite number "
     "above 0. Read on the host at start (`check_at_start`) and by every worker.",
 )
 ENGINE_STARTUP_TIMEOUT_S = EnvVar(
-    "ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S", 600.0, float,
-    "Seconds the host waits for the engine core and its workers to load the model.",
+    "ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S", 600.0, _positive_finite,
+    "Seconds the host waits for the engine core and its workers to load the model; a finite number above 0. "
+    "Read on the host at start (`check_at_start`).",
 )
 RUNTIME_DIR = EnvVar(
     "ASYNCLLM_RUNTIME_DIR", "", str,
@@ -219,6 +221,7 @@ def check_at_start() -> None:
     rather than a worker's failure."""
     warn_unknown()
     CPU_KVCACHE_SPACE_GB.get()
+    ENGINE_STARTUP_TIMEOUT_S.get()
 
 
 def warn_unknown() -> None:

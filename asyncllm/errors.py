@@ -55,11 +55,14 @@ class ConfigError(AsyncLLMError, ValueError):
 
 
 class NotBuiltError(ConfigError):
-    """The configuration asks for a feature asyncllm does not implement yet."""
+    """The configuration asks for a feature asyncllm does not implement yet; ``where`` (a worker's
+    " (worker rank 0)") follows the sentence, so ``feature`` names the feature alone."""
 
-    def __init__(self, field: str, value: object, feature: str, *, value_repr: str | None = None) -> None:
-        super().__init__(field, value, f"{feature} is not built yet in asyncllm", value_repr=value_repr)
+    def __init__(self, field: str, value: object, feature: str, *, value_repr: str | None = None,
+                 where: str = "") -> None:
+        super().__init__(field, value, f"{feature} is not built yet in asyncllm{where}", value_repr=value_repr)
         self.feature = feature
+        self.where = where
 
 
 class InvalidRequestError(AsyncLLMError, ValueError):

@@ -244,7 +244,8 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
     error_type: str
     message: str
     config_error: list[str] = []
-    """[field, value repr, allowed] when error_type is ConfigError ([field, value repr, feature]: NotBuiltError)."""
+    """[field, value repr, allowed] when error_type is ConfigError ([field, value repr, feature, where]:
+    NotBuiltError)."""
 
 
 CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded, LoRARemoved]

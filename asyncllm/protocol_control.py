@@ -6,8 +6,8 @@ every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a resta
 rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` and `RemoveLoRA` go to the core only, answered
 by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
 (`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] with its class as the message's
-``error_type`` (`config_error_parts`; a NotBuiltError stays one), a worker's `WorkerError` as the core raises it
-(`worker_failure`).
+``error_type`` (`config_error_parts`; a NotBuiltError stays one, its rank note after its sentence), a worker's
+`WorkerError` as the core raises it (`worker_failure`).
 """
 
 from __future__ import annotations
@@ -173,10 +173,10 @@ class LoRARemoved(msgspec.Struct, **_STRUCT):
 
 # ------------------------------------------------------------- error helpers
 def config_error_parts(exc: BaseException) -> list[str]:
-    """A ConfigError as [field, value repr, allowed] for the wire (a NotBuiltError: [field, value repr, feature]);
-    [] for anything else. The class goes as the message's ``error_type``."""
+    """A ConfigError as [field, value repr, allowed] for the wire (a NotBuiltError: [field, value repr, feature,
+    where]); [] for anything else. The class goes as the message's ``error_type``."""
     if isinstance(exc, NotBuiltError):
-        return [exc.field, exc.value_repr, exc.feature]
+        return [exc.field, exc.value_repr, exc.feature, exc.where]
     if isinstance(exc, ConfigError):
         return [exc.field, exc.value_repr, exc.allowed]  # not repr(value): a re-sent error is not quoted twice
     return []
@@ -186,11 +186,12 @@ def config_error_from_parts(parts: list[str], where: str = "", *,
                             error_type: str = "ConfigError") -> ConfigError | None:
     """Rebuild the ConfigError (a NotBuiltError when ``error_type`` names it) sent with `config_error_parts`; None
     if there is none."""
-    if len(parts) != 3:
+    if len(parts) not in (3, 4):
         return None
-    field, value_repr, allowed = parts
+    field, value_repr, allowed, *sent_where = parts
     if error_type == "NotBuiltError":
-        return NotBuiltError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
+        return NotBuiltError(field, _literal(value_repr), allowed, value_repr=value_repr,
+                             where="".join(sent_where) + where)
     return ConfigError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
 
 

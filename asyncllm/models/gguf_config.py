@@ -70,7 +70,7 @@ def _reader(path: str) -> Any:
 
     try:
         return GGUFReader(path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, IndexError) as exc:  # IndexError: a truncated or header-only file
         raise ConfigError("model", path, f"a GGUF file gguf can read ({type(exc).__name__}: {exc})") from exc
 
 

@@ -184,3 +184,15 @@ def _has_ipv6() -> bool:
     except OSError:
         return False
     return True
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_check_model_downloads_the_code_a_trusted_model_needs(monkeypatch, trust: bool) -> None:
+    from asyncllm.models import checkpoint
+
+    calls = []
+    monkeypatch.setattr(checkpoint, "resolve_model_path", lambda *args, **kwargs: calls.append(kwargs) or "/nowhere")
+    config = SimpleNamespace(model="org/model", revision=None, download_dir=None, load_format="auto",
+                             trust_remote_code=trust, generation_config="vllm")
+    cli_commands.check_model(config)
+    assert [call["trust_remote_code"] for call in calls] == [trust]

@@ -47,25 +47,27 @@ async def test_an_engine_start_warns_once_naming_them(monkeypatch, caplog, tmp_p
                       "docs/configuration.md#environment-variables)"]
 
 
+@pytest.mark.parametrize("var", [envs.CPU_KVCACHE_SPACE_GB, envs.ENGINE_STARTUP_TIMEOUT_S], ids=lambda var: var.name)
 @pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "0", "-1", "abc"])
-def test_a_cpu_kvcache_space_that_sizes_no_cache_is_refused_naming_it(monkeypatch, raw: str) -> None:
+def test_a_float_variable_that_is_not_finite_and_positive_is_refused_naming_it(monkeypatch, var, raw: str) -> None:
     """float() alone took nan and inf, which crashed the workers (int(nan * 2**30)), and 0 or -1, whose error
-    spoke of bytes left after the weights."""
-    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, raw)
+    spoke of bytes left after the weights; a start-up timeout of nan or -1 timed out at once, inf never."""
+    monkeypatch.setenv(var.name, raw)
     with pytest.raises(ConfigError) as info:
-        envs.CPU_KVCACHE_SPACE_GB.get()
-    assert info.value.field == "ASYNCLLM_CPU_KVCACHE_SPACE_GB" and info.value.value == raw
-    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "0.5")
-    assert envs.CPU_KVCACHE_SPACE_GB.get() == 0.5
+        var.get()
+    assert info.value.field == var.name and info.value.value == raw
+    monkeypatch.setenv(var.name, "0.5")
+    assert var.get() == 0.5
 
 
-async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv(envs.CPU_KVCACHE_SPACE_GB.name, "nan")
+@pytest.mark.parametrize("name", [envs.CPU_KVCACHE_SPACE_GB.name, envs.ENGINE_STARTUP_TIMEOUT_S.name])
+async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, tmp_path, name: str) -> None:
+    monkeypatch.setenv(name, "nan")
     engine = AsyncEngine(str(tmp_path / "model"))
 
     async def no_replicas() -> None:  # reached only when the value was let through
         raise AssertionError("replicas started")
 
     monkeypatch.setattr(engine, "_start_replicas", no_replicas)
-    with pytest.raises(ConfigError, match="ASYNCLLM_CPU_KVCACHE_SPACE_GB='nan' is not allowed"):
+    with pytest.raises(ConfigError, match=f"{name}='nan' is not allowed"):
         await engine.start()

@@ -361,6 +361,17 @@ def test_a_split_file_is_refused_naming_the_merge_and_a_file_without_architectur
         load_hf_config(str(tmp_path / "bare.gguf"))
 
 
+def test_a_truncated_or_header_only_file_is_a_config_error(tmp_path) -> None:
+    _bare_gguf(str(tmp_path / "whole.gguf"), "llama")
+    (tmp_path / "cut.gguf").write_bytes((tmp_path / "whole.gguf").read_bytes()[:24])
+    writer = GGUFWriter(str(tmp_path / "header.gguf"), "llama")
+    writer.write_header_to_file()
+    writer.close()
+    for name in ("cut.gguf", "header.gguf"):
+        with pytest.raises(ConfigError, match="a GGUF file gguf can read \\(IndexError"):
+            load_hf_config(str(tmp_path / name))
+
+
 def test_rope_scaling_type_none_is_served_unscaled(tiny_llama: str, tmp_path, monkeypatch) -> None:
     def none_with_a_factor(writer: GGUFWriter, cfg: dict) -> None:
         writer.add_rope_scaling_type(RopeScalingType.NONE)
