@@ -207,10 +207,11 @@ class MediaItems:
                                                **self._model_cls.mm_audio_extractor_kwargs)
             values = self._model_cls.mm_audio_values(processed)
             values = mark(values, with_images) if mark is not None else values
+            if self._length(values) == 0:  # under one encoder row (~30 ms for Qwen2-Audio): refused before it takes
+                # a cache slot (so none is ever a hit); vLLM's words
+                raise InvalidRequestError(field, f"the audio (len={audio.waveform.size}) is too short to be "
+                                                 f"represented inside the model")
             item = self._record(key, len(expanded), values, inline)
-        if item.length == 0:  # under one encoder row (~30 ms for Qwen2-Audio): vLLM's words
-            size = f"len={audio.waveform.size}" if audio is not None else f"uuid={uuid!r}"
-            raise InvalidRequestError(field, f"the audio ({size}) is too short to be represented inside the model")
         items.append(item)
         expanded += [self.audio_token_id] * item.length + after
 
@@ -226,9 +227,13 @@ class MediaItems:
 
     def _record(self, key: str, offset: int, pixel_values: Any, inline: bool) -> MultiModalItem:
         """A processed item, recorded in the cache unless ``inline``."""
-        length_of = getattr(self._model_cls, "mm_placeholder_length_of", None)  # lengths that need the values
-        length = (length_of(self._hf_config, pixel_values) if length_of is not None
-                  else self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape))
+        length = self._length(pixel_values)
         if inline or self.cache is None:
             return inline_item(key, offset, length, pixel_values)
         return self.cache.record(key, offset, length, pixel_values)
+
+    def _length(self, pixel_values: Any) -> int:
+        """A processed item's placeholder count."""
+        length_of = getattr(self._model_cls, "mm_placeholder_length_of", None)  # lengths that need the values
+        return (length_of(self._hf_config, pixel_values) if length_of is not None
+                else self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape))

@@ -29,6 +29,8 @@ MAX_VIDEO_FILE_FRAMES = 36_000
 """Frames a video file may have (20 minutes at 30 fps): the frames up to the last one taken are all decoded, on
 the processor thread every request shares, so a file of more (a small one can hold a million near-empty frames,
 minutes of decoding) is refused, by the container's count or by counting its packets, before any is decoded."""
+_PACKETS_PER_FRAME = 4
+"""Packets of any size `_counted_frames` demuxes per frame of the bound before it stops counting."""
 
 
 def sample_indices(total: int, num_frames: int) -> list[int]:
@@ -106,10 +108,14 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
 
 def _counted_frames(container: Any, stream: Any) -> int:
     """The stream's packets with data (its frames), for a container that does not say how many: counted up to one
-    past `MAX_VIDEO_FILE_FRAMES`, enough to refuse the file."""
+    past `MAX_VIDEO_FILE_FRAMES`, enough to refuse the file. Empty packets count no frame but are demuxed too, so
+    past `_PACKETS_PER_FRAME` times the bound (a file of mostly empty packets) the count is the packets read, over it
+    too."""
     count = 0
-    for packet in container.demux(stream):
+    for read, packet in enumerate(container.demux(stream), 1):
         count += bool(packet.size)
         if count > MAX_VIDEO_FILE_FRAMES:
             break
+        if read > _PACKETS_PER_FRAME * MAX_VIDEO_FILE_FRAMES:
+            return read
     return count

@@ -95,6 +95,16 @@ async def test_bad_audios_fail_only_their_request(engine, prompt, match):
     assert len(out.outputs[0].token_ids) == 8
 
 
+async def test_a_too_short_audio_takes_no_processor_cache_slot(engine):
+    """Refused before it is recorded: the same short audio again is a cache miss, refused alike."""
+    short = {"prompt": f"a {MARK}", "audios": [make_audio(0.02, seed=9)]}
+    before = engine.stats().mm_cache_hits
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="too short"):
+            await engine.generate(short, GREEDY)
+    assert engine.stats().mm_cache_hits == before
+
+
 @pytest.mark.parametrize("fields", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
 async def test_two_ranks_or_two_stages_give_transformers_tokens(tiny_audio, fields: dict):
     """Two tensor-parallel ranks (the encoder whole on each, the decoder split), or two pipeline stages (the encoder

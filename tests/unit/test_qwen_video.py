@@ -165,19 +165,27 @@ def test_video_files_are_decoded_and_sampled_with_their_timing(tmp_path):
             read_video(source, "v", 1000 if source is data else 10**6)
 
 
+def _matroska(mp4: bytes) -> io.BytesIO:
+    """An mp4's video packets in matroska, whose header says no frame count."""
+    import av
+
+    mkv = io.BytesIO()
+    with av.open(io.BytesIO(mp4)) as source, av.open(mkv, "w", format="matroska") as target:
+        stream = target.add_stream_from_template(source.streams.video[0])
+        for packet in source.demux(source.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                target.mux(packet)
+    return mkv
+
+
 def test_a_video_file_of_too_many_frames_is_refused_before_decoding(monkeypatch):
     """By the container's count (mp4), or by its packets counted (matroska says none), no frame decoded."""
     import av
 
     from asyncllm.mm import video_files
 
-    mkv = io.BytesIO()
-    with av.open(io.BytesIO(make_mp4(20))) as source, av.open(mkv, "w", format="matroska") as target:
-        stream = target.add_stream_from_template(source.streams.video[0])
-        for packet in source.demux(source.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                target.mux(packet)
+    mkv = _matroska(make_mp4(20))
     monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 20)
     assert decode_video_file(mkv.getvalue(), "v", 10**6, 5)[1]["total_num_frames"] == 20
     monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 5)
@@ -186,6 +194,30 @@ def test_a_video_file_of_too_many_frames_is_refused_before_decoding(monkeypatch)
         with pytest.raises(InvalidRequestError, match=rf"over 5 frames \({read} read\)") as info:
             decode_video_file(data, "prompt.videos[0]", 10**6)
         assert info.value.field == "prompt.videos[0]"
+
+
+def test_a_video_file_of_empty_packets_is_refused_after_a_bounded_count(monkeypatch):
+    """Empty packets count no frame, but no more than `_PACKETS_PER_FRAME` times the bound are demuxed to count."""
+    import types
+
+    import av
+
+    from asyncllm.mm import video_files
+
+    mkv = _matroska(make_mp4(2))  # no frame count in the header, so its packets are counted
+    demuxed = []
+
+    def empty_packets(*_):
+        for _ in range(1000):
+            demuxed.append(1)
+            yield types.SimpleNamespace(size=0)
+
+    monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 5)
+    monkeypatch.setattr(av.container.InputContainer, "demux", empty_packets)
+    monkeypatch.setattr(av.container.InputContainer, "decode", lambda *_: pytest.fail("decoded"))
+    with pytest.raises(InvalidRequestError, match=r"over 5 frames \(21 read\)"):
+        decode_video_file(mkv.getvalue(), "v", 10**6)
+    assert len(demuxed) == 21
 
 
 def test_media_io_kwargs_take_the_video_frame_count_only():
