@@ -90,7 +90,8 @@ class PromptTokenizer:
         if self.mm is not None or isinstance(job.prompt, dict) or job.chat:  # chat: media for a text model is refused
             job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, options.chat_template_kwargs,
                                               options.tools, options.chat_template, options.mm_processor_kwargs,
-                                              options.chat_template_content_format)
+                                              options.chat_template_content_format,
+                                              lambda text: self._check_chat_chars(job, text, cuttable=False))
             if job.mm_prompt is not None:  # its length counts the media placeholders
                 errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation,
                                             echo_only=options.echo_only)
@@ -127,10 +128,15 @@ class PromptTokenizer:
         text = render_chat(self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs,
                            tools=options.tools, chat_template=options.chat_template,
                            content_format=options.chat_template_content_format, lower=lowercases(self.pooling_model))
-        if len(text) > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:
-            raise errors.prompt_too_long(self.max_model_len, f"{len(text)} characters", options.pooling_operation,
-                                         field="messages")
+        self._check_chat_chars(job, text)
         return chat_token_ids(self.tokenizer, text)
+
+    def _check_chat_chars(self, job: Submit, text: str, cuttable: bool = True) -> None:
+        """A rendered chat longer than ``max_prompt_chars`` refused unread, unless it may be cut
+        (``truncate_prompt_tokens``; a chat with media parts may not: asyncllm/mm/host.py)."""
+        if len(text) > self.max_prompt_chars and not (cuttable and job.params.truncate_prompt_tokens is not None):
+            raise errors.prompt_too_long(self.max_model_len, f"{len(text)} characters", job.options.pooling_operation,
+                                         field="messages")
 
     def _truncated(self, job: Submit, token_ids: list[int], chat: bool = False) -> list[int]:
         """Token ids cut to ``truncate_prompt_tokens``: the last k (vLLM's cut of token ids), the first k for a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -14,7 +14,7 @@ from asyncllm.mm.images import check_uuids
 from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt, split_chat_media
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.mm.videos import is_one_video
-from asyncllm.tokenizer import template_arguments, with_template_calls
+from asyncllm.tokenizer import chat_token_ids, render_chat
 
 __all__ = ["MEDIA_KEYS", "multimodal_prompt", "plain_prompt", "resend_with_data"]
 
@@ -36,12 +36,14 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
                       tools: list[dict[str, Any]] | None = None,
                       chat_template: str | None = None,
                       mm_processor_kwargs: dict[str, Any] | None = None,
-                      content_format: str = "auto") -> MultiModalPrompt | None:
+                      content_format: str = "auto",
+                      check_chat: Callable[[str], None] | None = None) -> MultiModalPrompt | None:
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
     `template_kwargs`, `tools`, `chat_template` and `mm_processor_kwargs` are `AsyncEngine.chat`'s
     (asyncllm.tokenizer.template_arguments), `content_format` vLLM's chat template content format
-    (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. Its length
+    (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. `check_chat` sees a chat's
+    rendered text before it is tokenized (``max_prompt_chars``: asyncllm/engine/prompt_tokens.py). Its length
     (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
@@ -53,10 +55,12 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     field = "messages" if chat else "prompt.images"
     if chat:
         messages, inputs = split_chat_media(with_text_parts(prompt))  # bare strings, input_text...: text parts
-        messages = formatted_messages(messages, content_format_of(content_format, mm.tokenizer, chat_template, tools),
-                                      mm.placeholder_text)
-        messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
-        token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
+        content_format = content_format_of(content_format, mm.tokenizer, chat_template, tools)
+        messages = formatted_messages(messages, content_format, mm.placeholder_text)
+        text = render_chat(mm.tokenizer, messages, True, template_kwargs, tools, chat_template, content_format)
+        if check_chat is not None:  # refused before the costly tokenizing, as a text chat is
+            check_chat(text)
+        token_ids = chat_token_ids(mm.tokenizer, text)  # what apply_chat_template(tokenize=True) makes
     else:
         prompt = _check_dict_prompt(from_vllm_prompt(encoder_decoder_prompt(prompt, mm)))
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -198,19 +202,6 @@ def _token_ids(ids: list[Any], mm: MultiModalProcessor) -> list[int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(mm.tokenizer) for t in ids):
         raise InvalidRequestError("prompt.prompt_token_ids", f"token ids in [0, {len(mm.tokenizer)})")
     return list(ids)
-
-
-def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
-    """The chat template over messages whose content may be a list of text and image parts."""
-    from jinja2 import TemplateError
-
-    if "chat_template" not in kwargs and not getattr(mm.tokenizer, "chat_template", None):
-        raise InvalidRequestError("messages", "the tokenizer has no chat template; send a {'prompt', 'images'} dict")
-    try:
-        token_ids = mm.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
-    except (TemplateError, TypeError, KeyError) as exc:
-        raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
-    return [int(t) for t in token_ids]
 
 
 def resend_with_data(mm: MultiModalProcessor, message: protocol.AddRequest, prompt: MultiModalPrompt) -> protocol.AddRequest:

@@ -93,6 +93,22 @@ async def test_chat_messages_with_openai_image_parts_match_transformers(engine, 
     assert tokens == hf_tokens
 
 
+async def test_a_media_chat_rendered_past_max_prompt_chars_is_refused_untokenized(engine, monkeypatch):
+    """As a text chat (asyncllm/engine/prompt_tokens.py): a chat with image parts rendered longer than
+    `max_prompt_chars` is refused before it is tokenized, naming ``messages``, truncate_prompt_tokens or not."""
+    from asyncllm.engine.validation import max_prompt_chars
+    from asyncllm.mm import host
+
+    monkeypatch.setattr(host, "chat_token_ids", lambda *_: pytest.fail("tokenized"))
+    text = "ab " * max_prompt_chars(engine.tokenizer, engine.config.max_model_len)
+    messages = [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_url", "image_url": {"url": make_image(20, 20, seed=1)}}]}]
+    for params in (GREEDY, SamplingParams(max_tokens=8, truncate_prompt_tokens=4)):
+        with pytest.raises(InvalidRequestError, match="characters") as info:
+            [d async for d in engine.chat(messages, params)]
+        assert (info.value.field, info.value.code) == ("messages", "context_length_exceeded")
+
+
 async def test_a_repeated_image_crosses_as_its_key_and_hits_both_caches(engine):
     image, other = make_image(80, 60, seed=6), make_image(80, 60, seed=7)
     prompt = "Look: <image> what?"
