@@ -23,7 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 AUTO_MAX_MODEL_LEN = -1
 """vLLM's ``max_model_len`` -1 (the CLI's ``auto``): the longest length that fits the KV cache
 (asyncllm/engine/kv_budget.py `fit_max_model_len`)."""
-_MAX_SEED = 2**64 - 1
+_MAX_ENGINE_SEED = 2**64 - 1
 """torch's ``manual_seed`` takes a uint64 (a request's seed is an int64: `SamplingParams.seed`)."""
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
@@ -142,7 +142,7 @@ class ModelConfig:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
-        check_int("seed", self.seed, 0, _MAX_SEED)
+        check_int("seed", self.seed, 0, _MAX_ENGINE_SEED)
         length = self.max_model_len
         if length is not None and (not isinstance(length, int) or isinstance(length, bool)
                                    or (length < 1 and length != AUTO_MAX_MODEL_LEN)):

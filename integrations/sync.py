@@ -118,6 +118,7 @@ class SyncEngine:
         """As `asyncio.run` ends: cancel what still runs on the loop (a call from another thread; its caller gets
         `EngineDeadError`, none waits forever), then stop and close the loop."""
         try:
+            # its own wait is CANCEL_WAIT_S; the margin covers a loop busy with what it cancels
             asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self._loop).result(timeout=CANCEL_WAIT_S + 20)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -206,7 +207,7 @@ class SyncEngine:
                 except StopAsyncIteration:
                     return
                 except EngineDeadError:
-                    if self._stopping and _handed_out(stream):
+                    if self._stopping and stream.exhausted:
                         return  # closed after its last delta (close() aborts it: finish_reason "abort"): it ends
                     raise
                 yield delta
@@ -277,11 +278,6 @@ class SyncEngine:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:
                 pass
-
-
-def _handed_out(stream: RequestStream) -> bool:
-    """Every delta of `stream` was handed out: its `__anext__` would only raise StopAsyncIteration."""
-    return stream._done and (stream.collector is None or not stream.collector.pending)
 
 
 async def _cancel_the_rest() -> None:

@@ -149,8 +149,13 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
+    @property
+    def exhausted(self) -> bool:
+        """Left (closed, or ended) with every delta handed out: `__anext__` only raises StopAsyncIteration."""
+        return self._done and (self.collector is None or not self.collector.pending)
+
     async def __anext__(self) -> StreamDelta:
-        if self._done and (self.collector is None or not self.collector.pending):
+        if self.exhausted:
             raise StopAsyncIteration
         if self.collector is not None:
             self._check_loop()

@@ -86,9 +86,10 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         if width * height > max_frame_pixels:
             raise InvalidRequestError(field, f"the video is {width}x{height} = {width * height} pixels a frame, over "
                                              f"mm_max_image_pixels={max_frame_pixels}")
-        total = stream.frames or _counted_frames(container, stream)
+        total, unit = (stream.frames, "frames") if stream.frames else _counted_frames(container, stream)
         if total > MAX_VIDEO_FILE_FRAMES:
-            raise InvalidRequestError(field, f"the video has over {MAX_VIDEO_FILE_FRAMES} frames ({total} read), more "
+            raise InvalidRequestError(field, f"the video has over {MAX_VIDEO_FILE_FRAMES} frames ({total} {unit} "
+                                             f"read), more "
                                              f"than a video file may have (asyncllm.mm.video_files."
                                              f"MAX_VIDEO_FILE_FRAMES); pass fewer frames")
         fps = float(stream.average_rate or stream.guessed_rate or 0) or None
@@ -106,16 +107,16 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
     return np.stack(frames), {"fps": fps, "frames_indices": taken, "total_num_frames": max(total, taken[-1] + 1)}
 
 
-def _counted_frames(container: Any, stream: Any) -> int:
+def _counted_frames(container: Any, stream: Any) -> tuple[int, str]:
     """The stream's packets with data (its frames), for a container that does not say how many: counted up to one
     past `MAX_VIDEO_FILE_FRAMES`, enough to refuse the file. Empty packets count no frame but are demuxed too, so
     past `_PACKETS_PER_FRAME` times the bound (a file of mostly empty packets) the count is the packets read, over it
-    too."""
+    too: (the count, what it counted)."""
     count = 0
     for read, packet in enumerate(container.demux(stream), 1):
         count += bool(packet.size)
         if count > MAX_VIDEO_FILE_FRAMES:
             break
         if read > _PACKETS_PER_FRAME * MAX_VIDEO_FILE_FRAMES:
-            return read
-    return count
+            return read, "packets"
+    return count, "frames"

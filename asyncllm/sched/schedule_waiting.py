@@ -62,9 +62,8 @@ def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
     it meets a request without room (one it already served included); asyncllm takes them before serving any.
     With drafts, the blocks the others' next tokens leave free are `step.draft_blocks`: step 1 gives drafts only
     those, so it never preempts (vLLM's drafts may take a block a later request then preempts for)."""
-    kv, spec = sched.kv_cache_manager, sched.config.scheduler_config.speculative
-    max_drafts = spec.num_speculative_tokens if sched.proposer is not None and spec is not None else 0
-    if not may_run_short(sched, max_drafts):  # cheap (arrays over the rows), and most steps: every draft fits too
+    kv = sched.kv_cache_manager
+    if not may_run_short(sched, _max_drafts(sched)):  # cheap (arrays over the rows), most steps: every draft fits
         return []
     eligible = sorted(sched.running, key=priority_key, reverse=True)
     freed, plan = _Freed(sched, eligible, set()), _running_plan(sched, step, drafts=False)
@@ -88,8 +87,10 @@ def _victims(sched: Scheduler, head: Request, step: _Step) -> list[Request]:
     held by a request that stays, as a shared prefix block, frees nothing); none when none would do."""
     running, kv = sched.running, sched.kv_cache_manager
     eligible = sorted((r for r in running if r.priority > head.priority), key=priority_key, reverse=True)
+    if not eligible:
+        return []
     low = max(len(running) - sched.max_num_seqs + 1, _adapter_bound(sched, head, eligible))  # a seat, a slot
-    if not eligible or low > len(eligible):
+    if low > len(eligible):
         return []
     hits, num_computed, _ = _resume_point(sched, head)
     freed, plan = _Freed(sched, eligible, {block.block_id for block in hits}), _running_plan(sched, step)
@@ -186,13 +187,18 @@ def _num_freed(blocks: Iterable[KVCacheBlock], holders: dict[int, int], hit_ids:
     return num_freed
 
 
+def _max_drafts(sched: Scheduler) -> int:
+    """The most drafts a running request may get in a step: none without a proposer."""
+    spec = sched.config.scheduler_config.speculative
+    return spec.num_speculative_tokens if sched.proposer is not None and spec is not None else 0
+
+
 def _running_plan(sched: Scheduler, step: _Step, drafts: bool = True) -> Callable[[set[int]], tuple[int, int, int]]:
     """The token budget left, the blocks taken and the requests scheduled once the running requests but those
     `gone` (their ids) are scheduled in this step, as `Scheduler._schedule_running` would (drafts at their most,
     or none), for any `gone`: a decode's token and blocks, the same under any budget, are counted once."""
     kv, chunking, running = sched.kv_cache_manager, sched.chunking, sched.running
-    spec = sched.config.scheduler_config.speculative
-    max_drafts = spec.num_speculative_tokens if drafts and sched.proposer is not None and spec is not None else 0
+    max_drafts = _max_drafts(sched) if drafts else 0
     decodes = [kv.num_blocks_to_allocate(r, 1) if r.num_tokens - r.num_computed_tokens == 1
                and not (max_drafts and r.draft_buffer is not None) else None for r in running]
     max_running = step.max_running

@@ -191,7 +191,7 @@ def test_a_video_file_of_too_many_frames_is_refused_before_decoding(monkeypatch)
     monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 5)
     monkeypatch.setattr(av.container.InputContainer, "decode", lambda *_: pytest.fail("decoded"))
     for data, read in ((make_mp4(20), 20), (mkv.getvalue(), 6)):  # counted no further than one past the bound
-        with pytest.raises(InvalidRequestError, match=rf"over 5 frames \({read} read\)") as info:
+        with pytest.raises(InvalidRequestError, match=rf"over 5 frames \({read} frames read\)") as info:
             decode_video_file(data, "prompt.videos[0]", 10**6)
         assert info.value.field == "prompt.videos[0]"
 
@@ -215,7 +215,7 @@ def test_a_video_file_of_empty_packets_is_refused_after_a_bounded_count(monkeypa
     monkeypatch.setattr(video_files, "MAX_VIDEO_FILE_FRAMES", 5)
     monkeypatch.setattr(av.container.InputContainer, "demux", empty_packets)
     monkeypatch.setattr(av.container.InputContainer, "decode", lambda *_: pytest.fail("decoded"))
-    with pytest.raises(InvalidRequestError, match=r"over 5 frames \(21 read\)"):
+    with pytest.raises(InvalidRequestError, match=r"over 5 frames \(21 packets read\)"):
         decode_video_file(mkv.getvalue(), "v", 10**6)
     assert len(demuxed) == 21
 
