@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
@@ -204,10 +204,12 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None, content_format: str = "auto", lower: bool = False,
+    placeholder: Callable[[str], str] | None = None,
 ) -> str:
     """Render ``messages`` with the chat template as text (arguments: `template_arguments`), their
     content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai"); `lower`: the
-    rendered text lowercased first (a sentence-transformers ``do_lower_case``: vLLM lowercases the rendered chat).
+    rendered text lowercased first (a sentence-transformers ``do_lower_case``: vLLM lowercases the rendered chat);
+    `placeholder`: a media part's text under the ``"string"`` format (a multimodal model's, asyncllm/mm/host.py).
 
     Whatever rendering raises is an `InvalidRequestError` on ``messages`` (vLLM's ``apply_hf_chat_template`` makes
     any exception a 400). The text comes before its tokens so that the processor can refuse one longer than
@@ -216,7 +218,8 @@ def render_chat(
     from asyncllm.chat_content import content_format_of, formatted_messages
 
     if isinstance(messages, list):
-        messages = formatted_messages(messages, content_format_of(content_format, tokenizer, chat_template, tools))
+        messages = formatted_messages(messages, content_format_of(content_format, tokenizer, chat_template, tools),
+                                      placeholder)
     messages = template_messages(messages)
     kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):

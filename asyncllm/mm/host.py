@@ -7,7 +7,7 @@ from typing import Any, Callable
 import msgspec
 
 from asyncllm import protocol
-from asyncllm.chat_content import content_format_of, formatted_messages, is_text_part, with_text_parts
+from asyncllm.chat_content import is_text_part, with_text_parts
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
@@ -55,9 +55,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     field = "messages" if chat else "prompt.images"
     if chat:
         messages, inputs = split_chat_media(with_text_parts(prompt))  # bare strings, input_text...: text parts
-        content_format = content_format_of(content_format, mm.tokenizer, chat_template, tools)
-        messages = formatted_messages(messages, content_format, mm.placeholder_text)
-        text = render_chat(mm.tokenizer, messages, True, template_kwargs, tools, chat_template, content_format)
+        text = render_chat(mm.tokenizer, messages, True, template_kwargs, tools, chat_template, content_format,
+                           placeholder=mm.placeholder_text)
         if check_chat is not None:  # refused before the costly tokenizing, as a text chat is
             check_chat(text)
         token_ids = chat_token_ids(mm.tokenizer, text)  # what apply_chat_template(tokenize=True) makes

@@ -207,11 +207,12 @@ class MediaItems:
                                                **self._model_cls.mm_audio_extractor_kwargs)
             values = self._model_cls.mm_audio_values(processed)
             values = mark(values, with_images) if mark is not None else values
-            if self._length(values) == 0:  # under one encoder row (~30 ms for Qwen2-Audio): refused before it takes
+            length = self._length(values)
+            if length == 0:  # under one encoder row (~30 ms for Qwen2-Audio): refused before it takes
                 # a cache slot (so none is ever a hit); vLLM's words
                 raise InvalidRequestError(field, f"the audio (len={audio.waveform.size}) is too short to be "
                                                  f"represented inside the model")
-            item = self._record(key, len(expanded), values, inline)
+            item = self._record(key, len(expanded), values, inline, length)
         items.append(item)
         expanded += [self.audio_token_id] * item.length + after
 
@@ -225,9 +226,10 @@ class MediaItems:
             self.stats.mm_cache_hits += 1
         return hit
 
-    def _record(self, key: str, offset: int, pixel_values: Any, inline: bool) -> MultiModalItem:
-        """A processed item, recorded in the cache unless ``inline``."""
-        length = self._length(pixel_values)
+    def _record(self, key: str, offset: int, pixel_values: Any, inline: bool,
+                length: int | None = None) -> MultiModalItem:
+        """A processed item, recorded in the cache unless ``inline``; `length`: its rows, when already counted."""
+        length = self._length(pixel_values) if length is None else length
         if inline or self.cache is None:
             return inline_item(key, offset, length, pixel_values)
         return self.cache.record(key, offset, length, pixel_values)
