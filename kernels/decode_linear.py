@@ -14,10 +14,13 @@ slice of x:
 ``f`` rounds exactly like the separate kernel, so the product reads the same
 input the unfused path would; only the float32 accumulation order differs
 from cuBLAS's. Grid: (column blocks, rows); a program reads its
-``[BLOCK_N, K]`` weight slice in ``BLOCK_K`` steps (rows of one column block
-share it through the L2 cache). Not wired into the models: `asyncllm bench
-kernels` measures it against the separate kernel plus torch's matmul at the
-presets' decode shapes, which decides whether it will be.
+``[BLOCK_N, K]`` weight slice in ``BLOCK_K`` steps, each step's weights loaded
+one step ahead (the first before the row's norm statistics), so the weight
+reads overlap the prologue; rows of one column block share the slice through
+the L2 cache. The Llama-family layers run their four products through it
+(`LlamaDecoderLayer.forward_fused_decode`) for steps of at most `FUSED_ROWS`
+rows: at batch 1 on an H200 it took 20 us per Qwen3-0.6B layer where the
+separate kernels and cuBLAS took 34 (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_same_device
 
-__all__ = ["MAX_ROWS", "PROLOGUES", "block_sizes", "decode_linear"]
+__all__ = ["FUSED_ROWS", "MAX_ROWS", "PROLOGUES", "block_sizes", "decode_linear"]
 
 MAX_ROWS = 16
 """Rows of x one call takes: a decode batch small enough that the weights, not the rows, cost."""
+FUSED_ROWS = 2
+"""Rows up to which the fused products beat the separate op plus cuBLAS (each row re-reads the weights through
+the L2 cache; cuBLAS reads them once): the most rows of a step the models' fused decode path runs."""
 PROLOGUES = {None: 0, "add_rms_norm": 1, "silu_and_mul": 2}
-_TILE = 8192  # weight elements a program holds per K step (64 float32 registers per thread at 4 warps)
 
 
 @triton.jit
@@ -58,6 +63,9 @@ def _decode_linear_kernel(
     n_mask = offs_n < N
     x_row = x_ptr + row * x_stride
     res_row = residual_ptr + row * residual_stride
+    w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * weight_stride
+    first_k = tl.arange(0, BLOCK_K)  # the first weight tile is on its way while the row's statistics are summed
+    w = tl.load(w_rows + first_k[None, :], mask=n_mask[:, None] & (first_k < K)[None, :], other=0.0)
     if PROLOGUE == 1:  # the row's statistics first: K values, next to the BLOCK_N * K of the weight slice
         squares = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -66,10 +74,11 @@ def _decode_linear_kernel(
             squares += summed * summed
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * weight_stride
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
+        next_k = offs_k + BLOCK_K  # the next step's weights, loaded before this step's x (one step ahead)
+        w_next = tl.load(w_rows + next_k[None, :], mask=n_mask[:, None] & (next_k < K)[None, :], other=0.0)
         if PROLOGUE == 0:
             a = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         elif PROLOGUE == 1:  # as kernels/rms_norm.py rounds: the sum, the normed row, the weighted row
@@ -84,20 +93,18 @@ def _decode_linear_kernel(
             up = tl.load(x_row + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             a = (silu * up).to(dtype).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        w = w_next
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_stride + offs_n, acc.to(dtype), mask=n_mask)
 
 
-def block_sizes(num_rows: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): about two programs per SM over the rows and column blocks, ``_TILE`` weight
-    elements per K step, K steps of at most 512."""
-    programs_per_row = max(1, -(-2 * num_sms // num_rows))
-    block_n = min(64, max(2, triton.next_power_of_2(-(-n // programs_per_row))))
-    block_k = min(512, triton.next_power_of_2(k), _TILE // block_n)
-    return block_n, block_k
+def block_sizes(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): about 512 column blocks of 2 to 8 columns, K steps of up to 1024 (the fastest of 90
+    configurations at every Qwen3-0.6B decode product on an H200, docs/kernels.md)."""
+    block_n = min(8, max(2, triton.next_power_of_2(-(-n // 512))))
+    return block_n, min(1024, triton.next_power_of_2(k))
 
 
 def decode_linear(
@@ -134,7 +141,7 @@ def decode_linear(
         assert residual is not None and norm_weight is not None
         res, norm_w, res_out = residual, norm_weight, torch.empty_like(x)
     if num_rows and n:
-        block_n, block_k = block_sizes(num_rows, n, k)
+        block_n, block_k = block_sizes(n, k)
         _decode_linear_kernel[(triton.cdiv(n, block_n), num_rows)](
             x, res, norm_w, weight, bias if bias is not None else weight, out, res_out,
             x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),

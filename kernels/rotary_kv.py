@@ -1,16 +1,20 @@
 """Triton rotary embedding (GPT-NeoX layout) fused with the paged KV-cache write.
 
-One program per token: it rotates all of the token's query heads (written to a
-new query tensor) and key heads by the token's position, and stores the
-rotated keys and the values into ``key_cache`` / ``value_cache`` at the token's
-slot (``block = slot // block_size``, ``offset = slot % block_size``); a
-negative slot is padding and is not stored. Dims past the rotary dim
-(``cos_sin_cache.shape[-1]``) pass through unchanged.
+Two programs per token, grid ``(num_tokens, 2)``: program (t, 0) rotates all of
+token t's query heads by its position (written to a new query tensor); program
+(t, 1) rotates its key heads and stores them and the values into ``key_cache`` /
+``value_cache`` at the token's slot (``block = slot // block_size``,
+``offset = slot % block_size``); a negative slot is padding and is not stored.
+Each loads the position and cos/sin itself, so the query and key/value chains of
+dependent loads and stores run side by side (one program doing both took 3.85 us
+per layer on an H200 at one decode token, 16 query heads, 8 KV heads, head dim
+128). Dims past the rotary dim (``cos_sin_cache.shape[-1]``) pass through
+unchanged.
 
 With ``q_norm_weight`` / ``k_norm_weight`` (Qwen3's per-head q/k RMSNorm) each
-query and key head is first RMS-normalised over its head dim, in the same
-program: one launch instead of three, and q and k are read once. Values are
-never normed; the stored key is the normed and rotated one.
+query and key head is first RMS-normalised over its head dim, in the program
+that rotates it: one launch instead of three, and q and k are read once. Values
+are never normed; the stored key is the normed and rotated one.
 
 Rounding follows `asyncllm.kernels.reference.norm_and_rotate` (HF's): the norm
 takes its statistics in float32, rounds the normalised head to the activation
@@ -93,6 +97,16 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(cos_sin_ptr, position, cos_sin_stride, half, HALF: tl.constexpr, dtype):
+    """The position's cos and sin rows ``[1, HALF]``, rounded to the activation dtype (as torch's)."""
+    dims = tl.arange(0, HALF)[None, :]
+    row = cos_sin_ptr + position * cos_sin_stride
+    cos = _round(tl.load(row + dims, mask=dims < half, other=0.0), dtype)
+    sin = _round(tl.load(row + half + dims, mask=dims < half, other=0.0), dtype)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
     q_norm_ptr, k_norm_ptr,
@@ -103,28 +117,31 @@ def _rotary_kv_kernel(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
+    """Grid ``(num_tokens, 2)``: program (t, 0) rotates token t's query heads, program (t, 1) its key
+    heads into the cache and copies its values there (nothing when its slot is negative)."""
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF)[None, :]
-    row = cos_sin_ptr + position * cos_sin_stride
-    cos = _round(tl.load(row + dims, mask=dims < half, other=0.0), dtype)
-    sin = _round(tl.load(row + half + dims, mask=dims < half, other=0.0), dtype)
-    _rotate_heads(q_ptr, q_token_stride, q_head_stride, q_out_ptr, q_out_token_stride, q_out_head_stride,
-                  q_norm_ptr, norm_eps, token, num_q_heads, head_dim, half, cos, sin, dtype,
-                  Q_HEADS, HALF, HEAD_DIM, HAS_NORM)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot >= 0:
-        cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
-        _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
-                      k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin, dtype,
-                      KV_HEADS, HALF, HEAD_DIM, HAS_NORM)
-        heads = tl.arange(0, KV_HEADS)[:, None]
-        all_dims = tl.arange(0, HEAD_DIM)[None, :]
-        mask = (heads < num_kv_heads) & (all_dims < head_dim)
-        value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims, mask=mask, other=0.0)
-        v_dst = v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims
-        tl.store(v_dst, to_storage(value, v_cache_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        cos, sin = _cos_sin(cos_sin_ptr, position, cos_sin_stride, half, HALF, dtype)
+        _rotate_heads(q_ptr, q_token_stride, q_head_stride, q_out_ptr, q_out_token_stride, q_out_head_stride,
+                      q_norm_ptr, norm_eps, token, num_q_heads, head_dim, half, cos, sin, dtype,
+                      Q_HEADS, HALF, HEAD_DIM, HAS_NORM)
+    else:
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            cos, sin = _cos_sin(cos_sin_ptr, position, cos_sin_stride, half, HALF, dtype)
+            cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+            _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
+                          k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin, dtype,
+                          KV_HEADS, HALF, HEAD_DIM, HAS_NORM)
+            heads = tl.arange(0, KV_HEADS)[:, None]
+            all_dims = tl.arange(0, HEAD_DIM)[None, :]
+            mask = (heads < num_kv_heads) & (all_dims < head_dim)
+            value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims, mask=mask, other=0.0)
+            v_dst = v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims
+            tl.store(v_dst, to_storage(value, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_args(
@@ -198,7 +215,7 @@ def rotary_embedding_with_kv_cache(
     if num_tokens == 0:
         return query_out
     has_norm = q_norm_weight is not None
-    _rotary_kv_kernel[(num_tokens,)](
+    _rotary_kv_kernel[(num_tokens, 2)](  # (t, 0): the query; (t, 1): the key and value
         query, key, value, query_out, key_cache, value_cache, positions, cos_sin_cache, slot_mapping,
         q_norm_weight if has_norm else query, k_norm_weight if has_norm else query,  # unread without the norm
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),

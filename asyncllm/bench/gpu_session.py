@@ -84,10 +84,10 @@ STEPS: list[Step] = [
     # where a decode step's time goes (host phases, device kernels by kind): the note of a missed target cites it
     Step("profile-qwen3-b1", ["profile", *_QWEN, "--batch-size", "1"], 90),
     Step("profile-qwen3-b256", ["profile", *_QWEN, "--batch-size", "256"], 120),
-    # the decode products with the norm / SiLU-and-mul before them fused in (docs/kernels.md): on vs the steps above
-    Step("latency-qwen3-declin", ["latency", *_QWEN], 60, env=(("ASYNCLLM_DECODE_LINEAR", "1"),)),
-    Step("profile-qwen3-b1-declin", ["profile", *_QWEN, "--batch-size", "1"], 90,
-         env=(("ASYNCLLM_DECODE_LINEAR", "1"),)),
+    # the fused decode products off (docs/kernels.md: on by default): the steps above without them
+    Step("latency-qwen3-unfused", ["latency", *_QWEN], 60, env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
+    Step("profile-qwen3-b1-unfused", ["profile", *_QWEN, "--batch-size", "1"], 90,
+         env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
     # the workers' pipelined steps off (docs/scheduling.md, "Deferred sampled ids"): their share of the gain
     Step("latency-qwen3-nopipe", ["latency", *_QWEN], 60, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("throughput-qwen3-nopipe", ["throughput", *_QWEN], 100, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),

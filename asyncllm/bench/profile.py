@@ -22,13 +22,16 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncllm.bench import common
 from asyncllm.bench.report import print_summary
 from asyncllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from asyncllm.config import EngineConfig
 
 __all__ = ["add_args", "run", "kernel_kind", "KERNEL_KINDS"]
 
@@ -116,6 +119,7 @@ class _StepLoop:
         config = prepare(EngineConfig.create(ctx.model.path, **common.engine_kwargs(ctx, max_len))).config
         if batch_size > config.max_num_seqs:
             raise ConfigError("batch_size", batch_size, f"at most --max-num-seqs ({config.max_num_seqs})")
+        config = config.replace(long_prefill_token_threshold=_prefill_chunk(config, batch_size))
         self.batch_size = batch_size
         self.runner = ModelRunner(config, rank=0, tp_size=1, device=ctx.device)
         self.runner.load_model()
@@ -134,8 +138,14 @@ class _StepLoop:
         self.sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
 
     def prefill(self) -> None:
+        """Every prompt, in the same steps (`_prefill_chunk`): each request then holds one output token."""
         while self.scheduler.waiting or any(r.num_output_tokens == 0 for r in self.scheduler.running):
             self.step(decode=False)
+        outputs = sorted({r.num_output_tokens for r in self.scheduler.running})
+        if len(self.scheduler.running) != self.batch_size or outputs != [1]:
+            raise RuntimeError(f"after the prefill {len(self.scheduler.running)} of {self.batch_size} requests run, "
+                               f"with {outputs} output tokens (one each expected: a request that decodes while "
+                               "others prefill runs ahead and stops before the profile's last step)")
 
     def step(self, decode: bool = True) -> tuple[float, float, float]:
         """One step; its (schedule, model, update) seconds."""
@@ -149,9 +159,22 @@ class _StepLoop:
         scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
         if decode and sched_out.total_num_scheduled_tokens != self.batch_size:
-            raise RuntimeError(f"a decode step ran {sched_out.total_num_scheduled_tokens} tokens, "
-                               f"not one for each of {self.batch_size} requests")
+            preempted = scheduler.num_preemptions_total
+            advice = ("the KV cache ran short: lower --batch-size, --input-len or the step counts" if preempted else
+                      "a request finished early, a bug of this loop: each request's max_tokens covers one token "
+                      "from the prefill and --warmup-steps + --num-steps + --profile-steps decodes")
+            raise RuntimeError(f"a decode step ran {sched_out.total_num_scheduled_tokens} tokens, not one for each "
+                               f"of {self.batch_size} requests ({len(scheduler.running)} running, "
+                               f"{len(scheduler.waiting)} waiting, {preempted} preemptions): {advice}")
         return t1 - t0, t2 - t1, t3 - t2
+
+
+def _prefill_chunk(config: EngineConfig, batch_size: int) -> int:
+    """The prefill's chunk per request and step (long_prefill_token_threshold): the step's token budget shared by
+    the batch, so that every prompt advances alike and all end in the same step. A request that ended its prompt
+    earlier would decode while the others prefill and reach its max_tokens (sized for the timed and profiled steps)
+    before the last of them (at batch 256, the first 64 of 128-token prompts under 8192 tokens a step ran 4 ahead)."""
+    return max(1, config.resolved_max_num_batched_tokens // batch_size)
 
 
 def _profile(loop: _StepLoop, steps: int, device: torch.device) -> list[tuple[str, float, int]]:

@@ -122,9 +122,15 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """Attention and the output projection, from the QKV projection's output."""
+        return self.o_proj(self.attention_values(positions, qkv, kv_cache, metadata))
+
+    def attention_values(
+        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """`attend` before the output projection: the heads' values ``[T, Hq * D]``."""
         query, key, value = self.qkv_proj.split_qkv(qkv)
         query, key = self.norm_qk(query, key)
-        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions)))
+        return self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions))
 
     def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as the backend takes them: as projected here; a family whose q/k norms the backend's fused
@@ -172,7 +178,7 @@ class LlamaDecoderLayer(nn.Module):
         if dense and b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get():
             from asyncllm.kernels import decode_linear  # imported only then: it imports triton
 
-            self.fused_decode_rows = decode_linear.MAX_ROWS
+            self.fused_decode_rows = decode_linear.FUSED_ROWS
             self.decode_linear = decode_linear.decode_linear
 
     def forward(
@@ -204,11 +210,16 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a few rows: each norm and the SiLU-and-mul run inside the product after them."""
+        """`forward` for a few rows: each norm and the SiLU-and-mul run inside the product after them, and the
+        output projection too unless the attention changes `attend`."""
         attn, mlp, norm, decode_linear = self.self_attn, self.mlp, self.input_layernorm, self.decode_linear
         qkv, residual = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, "add_rms_norm", residual,
                                       norm.weight, norm.eps)
-        hidden = self.to_residual(attn.attend(positions, qkv, kv_cache, metadata))
+        if type(attn).attend is LlamaAttention.attend:
+            values = attn.attention_values(positions, qkv, kv_cache, metadata)
+            hidden = self.to_residual(decode_linear(values, attn.o_proj.weight, attn.o_proj.bias))
+        else:
+            hidden = self.to_residual(attn.attend(positions, qkv, kv_cache, metadata))
         norm = self.post_attention_layernorm
         gate_up, residual = decode_linear(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, "add_rms_norm",
                                           residual, norm.weight, norm.eps)

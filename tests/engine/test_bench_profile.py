@@ -58,3 +58,13 @@ def test_profile_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as info:  # the in-process loop is synchronous: no such flag
         main(["profile", *TINY, "--async-scheduling"])
     assert info.value.code == 2
+
+
+def test_profile_prefills_every_prompt_before_the_first_decode(tmp_path: Path) -> None:
+    """A step budget of a few prompts: the prompts are prefilled in equal chunks, so that none ends early and decodes
+    ahead of the others to its max_tokens during the timed or profiled steps (at batch 256, 128-token prompts and
+    8192 tokens a step, the first 64 requests stopped in the profiled steps: "a decode step ran 192 tokens")."""
+    result = _run(tmp_path, ["profile", "--batch-size", "4", "--input-len", "16", "--max-num-batched-tokens", "16",
+                             "--num-steps", "2", "--profile-steps", "1", "--warmup-steps", "1"])
+    assert result["settings"]["batch_size"] == 4
+    assert result["metrics"]["decode_tokens_per_s"] == pytest.approx(4 / (result["metrics"]["step_ms"] / 1e3))

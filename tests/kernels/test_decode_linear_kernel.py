@@ -52,7 +52,7 @@ def test_the_silu_prologue_reads_what_the_silu_kernel_writes(dtype: torch.dtype)
 def test_the_norm_prologue_writes_the_residual_once() -> None:
     """Only the first column block's programs store the new residual; every column reads the same norm."""
     args = _inputs(2, 200, 64, torch.float32, "add_rms_norm", bias=False)
-    assert block_sizes(2, 200, 64)[0] < 200  # several column blocks
+    assert block_sizes(200, 64)[0] < 200  # several column blocks
     out, residual = decode_linear(**args)
     normed, expected_residual = fused_add_rms_norm(args["x"], args["residual"], args["norm_weight"], args["eps"])
     assert torch.equal(residual, expected_residual)
@@ -74,9 +74,11 @@ def test_launcher_rejects_bad_arguments() -> None:
 
 
 def test_block_sizes_spread_the_work() -> None:
-    assert block_sizes(1, 1024, 3072) == (4, 512)  # a small N at batch 1: many thin column blocks
-    assert block_sizes(1, 151936, 1024) == (64, 128)  # the LM head: the widest blocks
-    assert block_sizes(16, 4096, 1024)[0] == 64  # 16 rows x 64 column blocks: the rows give the programs
+    """About 512 column blocks of 2 to 8 columns, K steps of up to 1024: the H200 sweep's best (docs/kernels.md)."""
+    assert block_sizes(1024, 3072) == (2, 1024)  # Qwen3-0.6B's down and output products: 512 thin column blocks
+    assert block_sizes(4096, 1024) == (8, 1024)  # its QKV: 512 blocks of 8
+    assert block_sizes(6144, 1024) == (8, 1024)  # gate-up: at most 8 columns (768 blocks)
+    assert block_sizes(37, 100) == (2, 128)  # a tiny product: at least 2 columns, one K step
 
 
 @pytest.mark.gpu

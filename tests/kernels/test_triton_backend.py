@@ -19,6 +19,7 @@ from asyncllm.attention.selector import get_attention_backend
 from asyncllm.attention.triton import TritonBackend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.kernels.decode_linear import FUSED_ROWS
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
 from kernel_testing import DEVICE
@@ -92,7 +93,7 @@ def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypat
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     fused_rows = [getattr(layer, "fused_decode_rows", None) for layer in model.model.layers]
-    assert fused_rows == ([16, 16] if arch == "granite" else [None, None])
+    assert fused_rows == ([FUSED_ROWS] * 2 if arch == "granite" else [None, None])
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
@@ -199,11 +200,11 @@ def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_decode_linear_switch_refuses_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ASYNCLLM_DECODE_LINEAR: 1/0 (and their spellings), off by default; anything else names the variable."""
+    """ASYNCLLM_DECODE_LINEAR: 1/0 (and their spellings), on by default; anything else names the variable."""
     from asyncllm import envs
 
     monkeypatch.delenv("ASYNCLLM_DECODE_LINEAR", raising=False)
-    assert envs.DECODE_LINEAR.get() is False
+    assert envs.DECODE_LINEAR.get() is True
     for raw, expected in (("1", True), ("on", True), ("0", False), ("no", False)):
         monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", raw)
         assert envs.DECODE_LINEAR.get() is expected
