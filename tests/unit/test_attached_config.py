@@ -85,6 +85,35 @@ def test_a_restarted_shared_core_with_other_core_side_fields_is_refused(monkeypa
     assert again.config == attached
 
 
+SERVES_OTHER_TOKENS = dict(dtype="float16", quantization="fp8", load_format="dummy", kv_cache_dtype="fp8", seed=7,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+                           structured_output_disable_any_whitespace=True)
+
+
+@pytest.mark.parametrize("field", sorted(SERVES_OTHER_TOKENS))
+def test_a_restarted_shared_core_with_other_weights_or_tokens_is_refused(field, monkeypatch) -> None:
+    """A restarted core with another dtype, quantization, draft, ... would serve other tokens: refused by name, both
+    values shown (as `model`), not taken silently as its memory settings are."""
+    attached = EngineConfig.create("first-model", max_model_len=128, dtype="bfloat16")
+    restarted = attached.replace(**{field: SERVES_OTHER_TOKENS[field]})
+    monkeypatch.setattr(connect, "_await_handshake", lambda *args: _ready(restarted))
+    monkeypatch.setattr(connect, "prepare", lambda config, resolved: SimpleNamespace(config=config))
+    before, now = attached.to_dict(wire=True)[field], restarted.to_dict(wire=True)[field]
+    with pytest.raises(EngineDeadError) as refused:
+        connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False)
+    assert f"serves something else ({field} {before!r} -> {now!r}):" in str(refused.value)
+
+
+def test_a_restarted_shared_core_with_another_download_dir_is_taken(monkeypatch) -> None:
+    """download_dir only says where hub ids are cached: the folders they resolved to (model, tokenizer, a draft's) are
+    compared; the host takes the new core's cache (it resolves an `update_weights` hub id there, as the core)."""
+    attached = EngineConfig.create("/models/first", max_model_len=128, download_dir="/cache/a")
+    restarted = attached.replace(download_dir="/cache/b")
+    monkeypatch.setattr(connect, "_await_handshake", lambda *args: _ready(restarted))
+    monkeypatch.setattr(connect, "prepare", lambda config, resolved: SimpleNamespace(config=config))
+    assert connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False).config == restarted
+
+
 RESTARTED_WITH = dict(gpu_memory_utilization=0.8, enforce_eager=True, swap_space=2.0, max_num_seqs=8,
                       worker_step_timeout_s=30.0, max_num_queued_requests=5, max_model_len=96)
 
