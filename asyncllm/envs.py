@@ -99,6 +99,27 @@ WORKER_PIPELINE = EnvVar(
 )
 
 
+def _step_range(raw: str) -> tuple[int, int]:
+    """``START:COUNT`` -> (START, COUNT): the executed steps START (0-based) to START + COUNT - 1."""
+    start, sep, count = raw.strip().partition(":")
+    if not sep or not start.strip().isdigit() or not count.strip().isdigit() or int(count) < 1:
+        raise ValueError(f"expected START:COUNT (START >= 0, COUNT >= 1), got {raw!r}")
+    return int(start), int(count)
+
+
+WORKER_TRACE_STEPS = EnvVar(
+    "ASYNCLLM_WORKER_TRACE_STEPS", None, _step_range,
+    "START:COUNT: every worker runs torch.profiler (CPU, and CUDA on a GPU) over its executed steps START to "
+    "START + COUNT - 1 (0-based, the engine's warm-up steps included) and writes a JSON summary of them to "
+    "ASYNCLLM_WORKER_TRACE_DIR (workers/step_trace.py, docs/benchmarks.md); unset: no profiler. Read at worker start.",
+)
+WORKER_TRACE_DIR = EnvVar(
+    "ASYNCLLM_WORKER_TRACE_DIR", "", str,
+    "Folder of the worker traces' files (worker-trace-rank{R}-{pid}.json); unset: asyncllm-worker-trace in the "
+    "system temp dir. Read when a trace is written.",
+)
+
+
 def _on_off(raw: str) -> bool:
     mode = _ON_OFF_AUTO.get(raw.strip().lower())
     if mode is None or mode == "auto":
@@ -112,6 +133,13 @@ DECODE_LINEAR = EnvVar(
     "Llama-family layer's QKV, output, gate-up and down products as kernels/decode_linear.py, with the norm or "
     "SiLU-and-mul before them fused in (faster than cuBLAS at batch 1 on an H200: docs/kernels.md); 0: the separate "
     "kernels and torch's matmul. Read when a worker builds the model.",
+)
+
+WORKER_TRACE_CHROME = EnvVar(
+    "ASYNCLLM_WORKER_TRACE_CHROME", False, _on_off,
+    "1: with ASYNCLLM_WORKER_TRACE_STEPS, each worker also keeps its whole trace as a gzipped Chrome trace "
+    "(worker-trace-rank{R}-{pid}.chrome.json.gz; Perfetto or chrome://tracing open it; megabytes); 0: the "
+    "summary only. Read when a trace is written.",
 )
 
 ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
@@ -200,7 +228,8 @@ FORKSERVER = EnvVar(
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR,
             ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
             MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
-            RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)
+            RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE, WORKER_TRACE_CHROME, WORKER_TRACE_DIR,
+            WORKER_TRACE_STEPS)
 PARENT_PID_NAME = "ASYNCLLM_PARENT_PID"
 """Set by `procutil.spawn_module` in a child's environment, read (and removed) by `procutil.exit_when_parent_dies`."""
 _SET_BY_ASYNCLLM = frozenset({PARENT_PID_NAME})
@@ -222,6 +251,8 @@ def check_at_start() -> None:
     warn_unknown()
     CPU_KVCACHE_SPACE_GB.get()
     ENGINE_STARTUP_TIMEOUT_S.get()
+    WORKER_TRACE_STEPS.get()
+    WORKER_TRACE_CHROME.get()
 
 
 def warn_unknown() -> None:

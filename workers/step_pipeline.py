@@ -59,6 +59,9 @@ class StepPipeline:
             step, self.inflight = self.inflight, None
             self.send_output(self.runner.finish_step(step))
 
+    def close(self) -> None:
+        """At the worker's shutdown, after the last flush (a traced pipeline writes its trace: workers/step_trace.py)."""
+
     def wait(self, has_message: Callable[[], bool]) -> None:
         """Before blocking on the next command: finish the in-flight step unless a command comes first."""
         while self.inflight is not None and not has_message():

@@ -11,7 +11,9 @@ Life of a worker: join the torch.distributed group (`Worker.rendezvous_store`), 
 with pipeline stages the last stage's first rank, returns `ModelRunnerOutput`; every
 rank acknowledges `InitCache`). On CUDA a
 step's output is sent once the next step is launched, when that one is
-already waiting (`StepPipeline`, workers/step_pipeline.py). Any
+already waiting (`StepPipeline`, workers/step_pipeline.py; with
+``ASYNCLLM_WORKER_TRACE_STEPS`` set, `TracedPipeline` runs a range of the
+steps under torch.profiler, workers/step_trace.py). Any
 exception is reported as `WorkerError` and the worker exits with code 1; it
 exits with code 0 on `ShutdownWorker`, and at once when the core dies.
 """
@@ -207,8 +209,14 @@ class Worker:
         reader = self.reader
         sends = self.rank == output_rank(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
         reports = self._reports_first_stage()
-        pipeline = StepPipeline(self.runner, self.send if sends else self._send_report if reports else _drop,
-                                self.pipelined)
+        send = self.send if sends else self._send_report if reports else _drop
+        traced = envs.WORKER_TRACE_STEPS.get()
+        if traced is None:  # the plain pipeline: a trace costs the steps nothing unless asked for
+            pipeline = StepPipeline(self.runner, send, self.pipelined)
+        else:
+            from asyncllm.workers.step_trace import TracedPipeline
+
+            pipeline = TracedPipeline(self.runner, send, self.pipelined, self.rank, traced)
         while True:
             pipeline.wait(reader.has_message)
             command = self.decoder.decode(reader.dequeue())
@@ -232,6 +240,7 @@ class Worker:
                 self.send(self.sleeper.handle(command, self.rank))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command
+                pipeline.close()
                 if self.pipelined and pipeline.num_steps:
                     logger.info("pipelined steps: %d of %d launched while the previous one was in flight",
                                 pipeline.num_overlapped, pipeline.num_steps)

@@ -88,6 +88,9 @@ STEPS: list[Step] = [
     Step("latency-qwen3-unfused", ["latency", *_QWEN], 60, env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
     Step("profile-qwen3-b1-unfused", ["profile", *_QWEN, "--batch-size", "1"], 90,
          env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
+    # the real engine's device timeline at batch 1: each worker's torch.profiler over decode steps 64-127 (the warm-up
+    # takes about 5), its summary (per step host phases, device busy and idle, the largest gaps and where) in the JSON
+    Step("latency-qwen3-trace", ["latency", *_QWEN, "--num-iters", "1", "--worker-trace", "64:64"], 60),
     # the workers' pipelined steps off (docs/scheduling.md, "Deferred sampled ids"): their share of the gain
     Step("latency-qwen3-nopipe", ["latency", *_QWEN], 60, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("throughput-qwen3-nopipe", ["throughput", *_QWEN], 100, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from asyncllm.bench import common
+from asyncllm.bench import common, worker_trace
 from asyncllm.bench.peer_clock import seconds
 from asyncllm.bench.requests import BenchRequest, fixed_requests, longest_request
 
@@ -35,6 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-time-budget", type=seconds, default=None, metavar="SECONDS",
                         help=f"the peer's time limit (default {COMPARE_TIME_BUDGET_S:.0f}); a decode it cuts is "
                              "measured over the tokens generated")
+    worker_trace.add_args(parser)
 
 
 async def _one(engine: Any, request: BenchRequest) -> tuple[float, float, int]:
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = fixed_requests(args.num_iters, args.input_len, args.output_len, ctx.model.vocab_size, args.seed)
     common.check_fits(ctx, longest_request(requests), f"--input-len {args.input_len} + --output-len {args.output_len}")
-    metrics = asyncio.run(run_engine(ctx, requests))
+    metrics = worker_trace.run_traced(args, lambda: asyncio.run(run_engine(ctx, requests)))
     line = common.roofline(ctx, 1, args.input_len + args.output_len / 2)
     peers = None
     if args.compare == "hf":
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
         peers = hf_peer.latency_peer(ctx, requests[0], _budget(args))
     settings = {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
-                "compare_time_budget_s": _budget(args) if args.compare else None}
+                "compare_time_budget_s": _budget(args) if args.compare else None, "worker_trace": args.worker_trace}
     return common.finish(ctx, "latency", settings, metrics, line, metrics["decode_tokens_per_s"],
                          peers, "decode_tokens_per_s")
 

@@ -12,7 +12,7 @@ import asyncio
 import time
 from typing import Any
 
-from asyncllm.bench import common
+from asyncllm.bench import common, worker_trace
 from asyncllm.bench.peer_clock import seconds
 from asyncllm.bench.report import progress
 from asyncllm.bench.requests import BenchRequest, check_output_tokens, longest_request, total_tokens, uniform_requests
@@ -39,6 +39,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "peer reports what it completed")
     parser.add_argument("--hf-batch-size", type=common.positive_int, default=64,
                         help="transformers' static batch size")
+    worker_trace.add_args(parser)
 
 
 async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], temperature: float,
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         *args.input_len_range, *args.output_len_range))
     n = args.compare_num_requests
     num_compared = n if args.compare and n and n < len(requests) else None  # a subset: run again alone
-    metrics = asyncio.run(run_engine(ctx, requests, args.temperature, num_compared))
+    metrics = worker_trace.run_traced(
+        args, lambda: asyncio.run(run_engine(ctx, requests, args.temperature, num_compared)))
     prompt_tokens, output_tokens = total_tokens(requests)
     mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
     line = common.roofline(ctx, min(len(requests), common.max_num_seqs(args)), mean_context)
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
                 "output_len_range": list(args.output_len_range), "temperature": args.temperature,
                 "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size,
-                "compare_time_budget_s": _budget(args) if args.compare else None}
+                "compare_time_budget_s": _budget(args) if args.compare else None, "worker_trace": args.worker_trace}
     return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
                          peers, "output_tokens_per_s")
 
