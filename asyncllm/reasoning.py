@@ -19,7 +19,9 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   vLLM keeps it when a ``[THINK]`` follows: `MistralReasoningStream`); a constraint applies from the first
   token of a reply that does not open ``[THINK]`` with it (`ReasoningParser.opened_first`).
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): reasoning only when the reply opens
-  ``<think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
+  ``<think>``, the whitespace before it free (GLM-4.5 writes ``\\n<think>``); a constraint applies from the first
+  other token of a reply that does not, unless the prompt's end opened it (GLM-4.7's template): then after
+  ``</think>`` (`ReasoningParser.opened_after_space`); ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
   (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
   ``hunyuan_a13b`` (Hunyuan-A13B): as ``glm45`` with vLLM's markers
   ``<think>\\n`` and ``\\n</think>\\n<answer>\\n``, the answer up to ``\\n</answer>``.
@@ -135,7 +137,11 @@ class ReasoningParser:
     opened_first = False
     """Whether the reply thinks only when its first token opens the thinking (`start_tag`, one special token): a
     constraint then applies from the first token of a reply that does not, which the parser reads as all answer
-    (`StructuredOutputs.start_after_only_if_reply_opens`; mistral's)."""
+    (`StructuredOutputs.start_after_only_if_reply_opens`; mistral's), unless the prompt's end opened it
+    (`Marker.opened_by`): then the reply thinks until `end_tag`."""
+    opened_after_space = False
+    """With `opened_first`: the whitespace tokens before the reply's first other token are free and do not decide
+    (`StructuredOutputs.start_after_opener_after_space`; glm45's: GLM-4.5 writes ``\\n<think>``)."""
     needs_special_tokens = False
     """Its markers are special tokens (harmony's): the server keeps special tokens in every chat reply's text."""
     prompt_ends_thinking = True
@@ -342,9 +348,13 @@ class HunyuanA13BReasoningParser(ReasoningParser):
 
 
 class Glm45ReasoningParser(ReasoningParser):
-    """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` itself when it thinks."""
+    """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` (one special token) itself when it thinks, after a newline
+    (GLM-4.5's ``\\n<think>``); GLM-4.7's template opens it in the prompt, whose reply the constraint then reads as
+    thinking until ``</think>`` (`Marker.opened_by`), as vLLM's ``is_reasoning_end`` waits for it there."""
 
     opened_by_prompt = False
+    opened_first = True
+    opened_after_space = True
 
 
 class SeedOssReasoningParser(ReasoningParser):

@@ -93,7 +93,8 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
                                                     start_after_max_between=reasoning.end_max_between,
                                                     start_after_opener=reasoning.opener,
                                                     start_after_only_if_opened=thinking_off,
-                                                    start_after_only_if_reply_opens=reasoning.opened_first)
+                                                    start_after_only_if_reply_opens=reasoning.opened_first,
+                                                    start_after_opener_after_space=reasoning.opened_after_space)
     return params
 
 

@@ -8,13 +8,13 @@ penalties, temperature, top-k/p and logprobs all work on the allowed tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from asyncllm.protocol import GrammarBitmask
 
-__all__ = ["apply_grammar_bitmask", "unpack_bitmask"]
+__all__ = ["apply_grammar_bitmask", "pack_tokens", "unpack_bitmask"]
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -23,6 +23,14 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, W] int32 words -> [rows, vocab_size] bool, True where the token is allowed (bit j of word w: 32w + j)."""
     bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def pack_tokens(token_ids: Iterable[int], num_words: int) -> torch.Tensor:
+    """[num_words] int32 words with the bits of `token_ids` set (`unpack_bitmask`'s layout; bit 31 the sign)."""
+    bits = torch.zeros(num_words * 32, dtype=torch.int64)
+    bits[list(token_ids)] = 1
+    words = (bits.view(num_words, 32) << _BITS.long()).sum(1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str],

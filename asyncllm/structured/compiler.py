@@ -16,6 +16,7 @@ background and its result stays in the cache for the next request.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -93,6 +94,19 @@ class GrammarCompilerPool:
     def bitmask_vocab_size(self) -> int:
         """Tokens a bitmask row covers: the model's vocabulary (after the first compile job loaded it)."""
         return self._tokenizer_info.vocab_size
+
+    @functools.cached_property
+    def space_tokens(self) -> frozenset[int]:
+        """The tokens whose text is all whitespace (after the first compile job loaded the vocabulary): free before an
+        output's first other token decides whether it thinks (`Marker.after_space`, GLM-4.5's ``\\n<think>``)."""
+        return frozenset(i for i, text in enumerate(self._tokenizer_info.decoded_vocab) if text and text.isspace())
+
+    @functools.cached_property
+    def space_row(self) -> Any:
+        """`space_tokens` as one bitmask row's int32 words (OR-ed into an undecided output's rows)."""
+        from asyncllm.structured.bitmask import pack_tokens
+
+        return pack_tokens(self.space_tokens, (self.bitmask_vocab_size + 31) // 32)
 
     def submit(self, structured: StructuredOutputs) -> Future[Any]:
         """The future of `structured`'s compiled grammar: from the cache, or a new job."""

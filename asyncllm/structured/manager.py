@@ -20,7 +20,8 @@ with a few tokens between); the tokens after them are the grammar's. One whose
 marker has an opener (`StructuredOutputs.start_after_only_if_reply_opens`,
 mistral's ``[THINK]``) is undecided until its first token: that one's row is the
 grammar's with the opener allowed too; the opener then waits, any other token is
-the grammar's first.
+the grammar's first. With `Marker.after_space` (glm45's, GLM-4.5 writes ``\n<think>``)
+whitespace tokens are allowed too and keep it undecided, free, not the grammar's.
 
 Nothing here runs when no request is structured: the core checks `active` first.
 """
@@ -249,11 +250,13 @@ class StructuredOutputManager:
                     break
                 matcher.fill_next_token_bitmask(bitmask, first + len(positions))
                 if undecided:
-                    _allow(bitmask, first + len(positions), start_after.opener[0])  # type: ignore[union-attr]
+                    self._allow_opening(bitmask, first + len(positions), start_after)  # type: ignore[arg-type]
                 positions.append(position)
             if position == len(drafts):
                 break
             token = drafts[position]
+            if undecided and self._leading_spaces(start_after, [token]):  # type: ignore[arg-type]
+                continue  # whitespace before the first other token: still undecided
             if undecided:  # the first token: the opener waits, any other is the grammar's
                 undecided = False
                 start_after = start_after if token == start_after.opener[0] else None  # type: ignore[union-attr]
@@ -268,8 +271,24 @@ class StructuredOutputManager:
             matcher.rollback(accepted)
         return positions
 
+    def _allow_opening(self, bitmask: Any, row: int, start_after: Marker) -> None:
+        """An undecided row also allows the opener, and the whitespace tokens with `Marker.after_space`."""
+        _allow(bitmask, row, start_after.opener[0])
+        if start_after.after_space:
+            assert self._compilers is not None
+            bitmask[row] |= self._compilers.space_row
+
+    def _leading_spaces(self, start_after: Marker, tokens: list[int]) -> int:
+        """How many of `tokens` are whitespace before the first other one, with `Marker.after_space` (else 0)."""
+        if not start_after.after_space:
+            return 0
+        assert self._compilers is not None
+        spaces = self._compilers.space_tokens
+        return next((k for k, token in enumerate(tokens) if token not in spaces), len(tokens))
+
     def _undecided(self, req_id: str) -> bool:
-        """Whether a waiting request's first token is still to come and decides whether it waits (its opener)."""
+        """Whether a waiting request's first token (with `Marker.after_space`: other than whitespace) is still to come
+        and decides whether it waits (its opener)."""
         waiting = self.waiting.get(req_id)
         return waiting is not None and bool(waiting[0].opener) and not waiting[1]
 
@@ -323,9 +342,11 @@ class StructuredOutputManager:
         if waiting is None:
             return tokens
         start_after, recent = waiting
-        if tokens and self._undecided(req_id) and tokens[0] != start_after.opener[0]:
-            del self.waiting[req_id]  # the reply did not open the thinking: all of it is the grammar's
-            return tokens
+        if tokens and self._undecided(req_id):
+            tokens = tokens[self._leading_spaces(start_after, tokens):]  # free, not the grammar's
+            if tokens and tokens[0] != start_after.opener[0]:
+                del self.waiting[req_id]  # the reply did not open the thinking: the rest is the grammar's
+                return tokens
         for k, token in enumerate(tokens):
             recent.append(token)
             del recent[:-start_after.span]

@@ -52,7 +52,12 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     start_after_only_if_reply_opens: bool = False
     """With `start_after`: wait for it only when the output's first token is its opener (`start_after_opener`, one
     token: mistral's ``[THINK]``); any other first token is the constraint's, which applies from the start (that
-    token is sampled from the grammar's tokens and the opener). An opener of several tokens: always wait."""
+    token is sampled from the grammar's tokens and the opener). An opener of several tokens: always wait. The engine
+    drops the flag when the prompt's end opened it (`Marker.opened_by`: GLM-4.7's template): the output waits."""
+    start_after_opener_after_space: bool = False
+    """With `start_after_only_if_reply_opens`: whitespace tokens before the output's first other token do not decide
+    (GLM-4.5 writes ``\\n<think>``): they are free (the first rows also allow them) and not the grammar's, whose text
+    starts at the first other token."""
     start_after_opener_token_ids: list[int] = []
     """With `start_after_only_if_reply_opens`: the opener's token id (at most one); the engine fills it from
     `start_after_opener` when it is one token, also when `start_after_token_ids` are given."""
@@ -93,7 +98,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         if self.start_after_suffix is not None and (not isinstance(self.start_after_suffix, str)
                                                     or not self.start_after_suffix or self.start_after is None):
             raise InvalidRequestError("structured", "start_after_suffix must be a non-empty string after a start_after")
-        for name in ("start_after_only_if_opened", "start_after_only_if_reply_opens"):
+        for name in ("start_after_only_if_opened", "start_after_only_if_reply_opens", "start_after_opener_after_space"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError("structured", f"{name} must be a boolean")
             if getattr(self, name) and self.start_after is None:
@@ -114,9 +119,9 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         if len(self.start_after_opener_token_ids) > 1:
             raise InvalidRequestError("structured", "start_after_opener_token_ids holds at most one token id (an "
                                                     "opener of several tokens: the constraint always waits)")
-        if self.start_after_opener_token_ids and not self.start_after_only_if_reply_opens:
-            raise InvalidRequestError("structured", "start_after_opener_token_ids needs "
-                                                    "start_after_only_if_reply_opens")
+        for name in ("start_after_opener_token_ids", "start_after_opener_after_space"):
+            if getattr(self, name) and not self.start_after_only_if_reply_opens:
+                raise InvalidRequestError("structured", f"{name} needs start_after_only_if_reply_opens")
 
     def for_core(self) -> StructuredOutputs:
         """This constraint with its JSON schema as text: msgpack carries no integer beyond 64 bits, JSON text does."""

@@ -31,12 +31,14 @@ class Marker:
     unless given: `StructuredOutputs.start_after_opener`, `ReasoningParser.opener`; none for a tag without one). With
     a `suffix`, the marker is `ids` then `suffix` with fewer than `max_between` tokens between (gpt-oss's
     ``<|channel|>final`` ... ``<|message|>``, where harmony may write ``<|constrain|>json`` between: vLLM's
-    openai_gptoss ``is_reasoning_end``)."""
+    openai_gptoss ``is_reasoning_end``). `after_space`: the whitespace tokens before the output's first other token
+    do not decide whether it opens (`StructuredOutputs.start_after_opener_after_space`, the core's)."""
 
     ids: tuple[int, ...]
     opener: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
     max_between: int = 0
+    after_space: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any, text: str, suffix: str | None = None, max_between: int = 0,
@@ -54,7 +56,8 @@ class Marker:
         first token decides whether it waits (`StructuredOutputs.start_after_only_if_reply_opens`)."""
         opener = structured.start_after_opener_token_ids if structured.start_after_only_if_reply_opens else []
         return cls(tuple(structured.start_after_token_ids), tuple(opener),
-                   tuple(structured.start_after_suffix_token_ids), structured.start_after_max_between)
+                   tuple(structured.start_after_suffix_token_ids), structured.start_after_max_between,
+                   bool(opener) and structured.start_after_opener_after_space)
 
     @property
     def span(self) -> int:
@@ -130,12 +133,16 @@ def _found(tokens: list[int], ids: tuple[int, ...]) -> list[int]:
 def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
                          vocab_size: int) -> SamplingParams:
     """``params`` with its constraint's ``start_after`` as token ids (the caller's kept), or dropped when the prompt's
-    end wrote it; with ``start_after_only_if_reply_opens``, its opener's id when one token (the caller's kept)."""
+    end wrote it; with ``start_after_only_if_reply_opens``, its opener's id when one token (the caller's kept), the
+    flag dropped when the prompt's end opened it (the output thinks: it waits)."""
     structured = params.structured
     if structured is None or structured.start_after is None:
         return params
     marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
                        structured.start_after_max_between, structured.start_after_opener)
+    if structured.start_after_only_if_reply_opens and marker.opened_by(prompt_ids):
+        structured = msgspec.structs.replace(structured, start_after_only_if_reply_opens=False,
+                                             start_after_opener_after_space=False, start_after_opener_token_ids=[])
     opener = structured.start_after_opener_token_ids or (
         list(marker.opener) if structured.start_after_only_if_reply_opens and len(marker.opener) == 1 else [])
     if structured.start_after_token_ids:  # the caller's: the core waits for them
@@ -143,7 +150,8 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
     elif marker.starts_answer(prompt_ids, structured.start_after_only_if_opened):
         structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
                                              start_after_opener=None, start_after_only_if_opened=False,
-                                             start_after_only_if_reply_opens=False, start_after_opener_token_ids=[])
+                                             start_after_only_if_reply_opens=False,
+                                             start_after_opener_after_space=False, start_after_opener_token_ids=[])
     else:
         structured = msgspec.structs.replace(structured, start_after_token_ids=list(marker.ids),
                                              start_after_suffix_token_ids=list(marker.suffix),

@@ -118,6 +118,26 @@ async def test_a_reply_that_does_not_open_the_thinking_is_constrained_from_its_f
     assert re.fullmatch(r"x[0-9]y(<\|eos\|>)?", answer.text) and answer.finish_reason == "stop", answer.text
 
 
+async def test_a_glm_constraint_starts_at_the_first_content_token_unless_the_prompt_opened(engine) -> None:
+    """glm45's constraint (`start_after_opener_after_space`: whitespace does not decide): a reply whose first token
+    is content is constrained from it, and the glm45 parser reads all of it as content, the constrained text; a
+    prompt whose end opened the thinking (GLM-4.7's template; "<|user|>" here) makes the reply think: free until
+    start_after, whatever its first token."""
+    from asyncllm.reasoning import get_reasoning_parser
+
+    tokenizer = engine.tokenizer
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    spaces = {t: -100.0 for t in range(len(tokenizer)) if tokenizer.decode([t]).isspace()}
+    glm_like = StructuredOutputs(regex=r"x[0-9]y", start_after="<|/user|>", start_after_only_if_reply_opens=True,
+                                 start_after_opener_after_space=True)
+    greedy = {"temperature": 0.0, "max_tokens": 12, "structured": glm_like, "logit_bias": {user: -100.0, **spaces}}
+    answer = await engine.generate("ebnf:", SamplingParams(**greedy))
+    assert re.fullmatch(r"x[0-9]y", answer.text) and answer.finish_reason == "stop", answer.text
+    assert get_reasoning_parser("glm45").parse(answer.text) == (None, answer.text)
+    thinking = await engine.generate("ebnf:<|user|>", SamplingParams(**greedy))
+    assert len(thinking.token_ids) == 12 and thinking.finish_reason == "length", thinking.text
+
+
 @pytest.mark.parametrize("structured, why", [
     (StructuredOutputs(regex="(a"), "invalid regex: "),
     (StructuredOutputs(grammar='start: ("x" '), "invalid grammar: Lark error at line 1, column 13: expected ')'"),

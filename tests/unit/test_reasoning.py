@@ -146,9 +146,10 @@ def test_thinking_off_is_all_answer_unless_the_prompt_opened_the_thinking() -> N
     plain.validate()  # as the core checks it: no start_after_only_if_opened left without its start_after
 
 
-def test_a_mistral_constraint_waits_only_for_a_reply_that_opens_think() -> None:
+def test_a_mistral_or_glm_constraint_waits_only_for_a_reply_that_opens_think() -> None:
     """Magistral thinks only when its reply's first token is ``[THINK]`` (vLLM's mistral parser reads any other
-    reply as all content): the server's constraint applies from the first token of a reply that does not."""
+    reply as all content): the server's constraint applies from the first token of a reply that does not; GLM's from
+    the first token after leading whitespace (GLM-4.5 writes ``\\n<think>``); DeepSeek-R1's always waits."""
     from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ServerLimits, decode_request
     from asyncllm.integrations.openai_sampling import chat_params
 
@@ -156,7 +157,11 @@ def test_a_mistral_constraint_waits_only_for_a_reply_that_opens_think() -> None:
     req = decode_request(body, ChatCompletionRequest)
     mistral = chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("mistral")).structured
     assert mistral.start_after == "[/THINK]" and mistral.start_after_only_if_reply_opens
-    assert not chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("glm45")).structured \
+    assert not mistral.start_after_opener_after_space
+    glm = chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("glm45")).structured
+    assert glm.start_after_only_if_reply_opens and glm.start_after_opener_after_space
+    assert (glm.start_after, glm.start_after_opener) == ("</think>", "<think>")
+    assert not chat_params(req, ServerLimits(), reasoning=get_reasoning_parser("deepseek_r1")).structured \
         .start_after_only_if_reply_opens
 
 

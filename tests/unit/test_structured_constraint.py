@@ -123,3 +123,27 @@ def test_the_engine_fills_a_one_token_opener_only_with_its_flag() -> None:
     assert Marker.of_structured(filled()).opener == (user,)
     unflagged = msgspec.structs.replace(filled(), start_after_only_if_reply_opens=False)
     assert Marker.of_structured(unflagged).opener == ()
+
+
+def test_a_prompt_that_opened_the_thinking_drops_the_reply_opens_rule() -> None:
+    """GLM-4.7's template opens ``<think>`` in the prompt: its reply thinks without writing it, so the engine drops
+    `start_after_only_if_reply_opens` and `start_after_opener_after_space` and the core waits for start_after (as
+    vLLM's glm45 ``is_reasoning_end`` waits for ``</think>``); a prompt that did not open it keeps both (GLM-4.5's
+    reply opens it itself, after a newline)."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+    from asyncllm.structured.start_after import Marker, with_start_after_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    user = tokenizer.convert_tokens_to_ids("<|user|>")
+    end = tuple(tokenizer.encode("<|/user|>", add_special_tokens=False))
+    glm = SamplingParams(structured=StructuredOutputs(regex="x", start_after="<|/user|>",
+                                                      start_after_only_if_reply_opens=True,
+                                                      start_after_opener_after_space=True))
+    glm.validate()
+    for prompt, marker in [("<|assistant|><|user|>", Marker(end)), ("<|assistant|><|user|>\n", Marker(end)),
+                           ("<|assistant|>", Marker(end, (user,), after_space=True))]:
+        structured = with_start_after_ids(glm, tokenizer.encode(prompt), tokenizer, len(tokenizer)).structured
+        structured.validate()  # as the core checks it
+        assert Marker.of_structured(structured) == marker, prompt

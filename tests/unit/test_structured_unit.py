@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -169,12 +170,7 @@ def test_the_first_token_decides_a_wait_with_an_opener(manager_args, tiny_llama:
         _wait_polled(manager)
 
     def rows(req_id: str, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
-        sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {req_id: 3 + len(drafts)},
-                                             3 + len(drafts), spec_token_ids={req_id: drafts} if drafts else {})
-        grammar = manager.grammar_bitmask(sched_out, requests)
-        assert grammar is not None
-        words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
-        return grammar.positions or [0], unpack_bitmask(words, 512)
+        return _rows(manager, requests, req_id, drafts)
 
     positions, masks = rows("u", [])
     assert positions == [0] and masks[0, 3] and masks[0, yes[0]] and not masks[0, 9]
@@ -185,6 +181,52 @@ def test_the_first_token_decides_a_wait_with_an_opener(manager_args, tiny_llama:
     assert "u" not in manager.waiting and "o" in manager.waiting and not manager.matchers["u"].is_terminated()
     assert manager.grammar_bitmask(protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"o": 3}, 3),
                                    requests) is None  # decided: it waits, no row
+    manager.shutdown()
+
+
+def _rows(manager, requests: dict[str, Request], req_id: str, drafts: list[int]) -> tuple[list[int], torch.Tensor]:
+    """The positions and allowed tokens of `req_id`'s bitmask rows in a step that drafts `drafts` for it."""
+    sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {req_id: 3 + len(drafts)},
+                                         3 + len(drafts), spec_token_ids={req_id: drafts} if drafts else {})
+    grammar = manager.grammar_bitmask(sched_out, requests)
+    assert grammar is not None
+    words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
+    return grammar.positions or [0], unpack_bitmask(words, 512)
+
+
+def test_whitespace_before_the_first_other_token_keeps_the_wait_undecided(manager_args) -> None:
+    """`start_after_opener_after_space` (glm45's: GLM-4.5 writes ``\\n<think>``): the first rows also allow the
+    whitespace tokens, which keep the wait undecided, free and not the grammar's; then the opener waits for
+    start_after, any other token is the grammar's first. Without it (mistral's) the first token decides."""
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    newline, blank, x1y = 204, 325, [93, 22, 94]  # "\n", "\n\n", "x1y" in the tiny tokenizer
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0, max_drafts=8)
+    glm = StructuredOutputs(regex="x[0-9]y", start_after="</t>", start_after_token_ids=[40, 41],
+                            start_after_only_if_reply_opens=True, start_after_opener_after_space=True,
+                            start_after_opener_token_ids=[3])
+    glm.validate()
+    mistral = msgspec.structs.replace(glm, start_after_opener_after_space=False)
+    requests = {"c": _request("c", glm), "o": _request("o", glm), "m": _request("m", mistral)}
+    for request in requests.values():
+        manager.add(request)
+    while manager.pending:
+        _wait_polled(manager)
+    masks = _rows(manager, requests, "c", [])[1]
+    assert masks[0, x1y[0]] and masks[0, 3] and masks[0, newline] and masks[0, blank] and not masks[0, 9]
+    assert not _rows(manager, requests, "m", [])[1][0, newline]
+    assert _rows(manager, requests, "o", [newline, 3, 9, 40, 41] + x1y)[0] == [0, 1, 5, 6, 7, 8]
+    assert _rows(manager, requests, "c", [newline, blank] + x1y)[0] == [0, 1, 2, 3, 4, 5]
+    deltas = [protocol.RequestOutputDelta("c", [newline, blank, x1y[0]]), protocol.RequestOutputDelta("o", [newline])]
+    manager.accept([(b"c", delta) for delta in deltas], lambda ids: None)
+    assert [delta.error for delta in deltas] == [None, None] and "c" not in manager.waiting
+    assert _rows(manager, requests, "o", [])[1][0, 3]  # "\n" alone: still undecided
+    finished: list[list[str]] = []
+    manager.accept([(b"c", protocol.RequestOutputDelta("c", x1y[1:] + [1])),
+                    (b"c", protocol.RequestOutputDelta("o", [3, 9]))], finished.append)
+    assert finished == [["c"]] and "o" in manager.waiting
+    assert manager.grammar_bitmask(protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"o": 3}, 3),
+                                   requests) is None  # the opener decided: it waits, no row
     manager.shutdown()
 
 
