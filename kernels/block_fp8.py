@@ -61,7 +61,7 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, x_stride, q_stride, s_s
         tl.store(s_ptr + row * s_stride + group, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's rows bound a mask only: one compile per BLOCK_M
 def _block_fp8_matmul_kernel(
     a_ptr, a_s_ptr, b_ptr, b_s_ptr, out_ptr,
     M, N, K, a_stride, a_s_stride, b_stride, b_s_stride, out_stride,

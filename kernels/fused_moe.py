@@ -132,7 +132,7 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
     return Alignment(sorted_pairs[:rows], block_experts.to(torch.int32), padded_end[num_experts - 1:])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per step: bounds the row mask only
 def _gate_up_kernel(
     hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr, a_s_ptr, w_s_ptr,
     w_z_ptr, g_idx_ptr,
@@ -213,7 +213,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act, mask=row_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # per step: bounds the row mask only
 def _down_kernel(
     act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
     a_s_ptr, w_s_ptr, w_z_ptr, g_idx_ptr,

@@ -66,7 +66,7 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # per step: one compile serves every batch (docs/kernels.md)
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     attend_limit_ptr, alibi_ptr,

@@ -16,6 +16,7 @@ from asyncllm.models.registry import KVCacheSpec
 from asyncllm.protocol import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, capture_decode_graphs
+from asyncllm.workers.decode_warmup import warm_up_decodes
 from asyncllm.workers.input_batch import InputBatch
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, request_states_reserve
 from asyncllm.workers.sampler import Sampler
@@ -123,6 +124,7 @@ class KVCacheSetup:
         if self.drafter is not None:
             self.drafter.allocate(num_gpu_blocks)
         self.cuda_graphs = capture_decode_graphs(self)  # the graphs bake in the KV cache's addresses
+        warm_up_decodes(self)  # graphs off: the decode batches' Triton compiles happen now, not mid-serving
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"

@@ -1,0 +1,84 @@
+"""One compile serves every step: the serve path's kernels do not specialize on the step's counts.
+
+Triton compiles a kernel again for each new specialization key: every integer argument is keyed on being 1 and on
+divisibility by 16 unless the kernel lists it in ``do_not_specialize``. The key is computed here the way Triton's
+launcher computes it (the binder `create_function_from_signature` builds), for two steps that differ only in such a
+count; a fixed argument (a head dim, a stride) still keys, as the control. The warm-up's batch sizes meet every
+split-KV segment count a decode batch can pick (docs/kernels.md, "Compiles at start").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from asyncllm.attention.triton import split_kv_segments
+from asyncllm.kernels import block_fp8, fused_moe, paged_attention, paged_decode, w4a16
+from asyncllm.workers.decode_warmup import warmup_sizes
+
+_TENSOR = torch.zeros(16)
+
+# (kernel, the arguments that vary from step to step, an argument fixed per model)
+PER_STEP = [
+    (paged_attention._paged_attention_kernel, ("num_reqs",), "head_dim"),
+    (paged_decode._decode_segment_kernel, (), "head_dim"),
+    (paged_decode._decode_combine_kernel, (), "head_dim"),
+    (fused_moe._gate_up_kernel, ("num_pairs",), "H"),
+    (fused_moe._down_kernel, ("num_pairs",), "H"),
+    (block_fp8._block_fp8_matmul_kernel, ("M",), "K"),
+    (w4a16._w4a16_matmul_kernel, ("M",), "K"),
+]
+
+
+def _specialization(kernel, **values: int) -> list:
+    """The kernel's specialization key for a launch with ``values`` (every other integer 48, every pointer one
+    aligned tensor, every constexpr 16), as the launcher computes it."""
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)  # the interpreter's
+    binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+    args = {}
+    for param in jit.params:
+        if param.is_constexpr:
+            args[param.name] = 16
+        elif param.name.endswith("_ptr"):
+            args[param.name] = _TENSOR
+        else:
+            args[param.name] = values.get(param.name, 48)
+    return binder(**args)[1]
+
+
+@pytest.mark.parametrize("kernel, per_step, fixed", PER_STEP, ids=lambda v: getattr(v, "__name__", None))
+def test_a_steps_counts_do_not_change_the_kernels_key(kernel, per_step, fixed) -> None:
+    for name in per_step:
+        keys = [_specialization(kernel, **{name: value}) for value in (1, 16, 37, 4096)]
+        assert all(key == keys[0] for key in keys), (name, keys)
+    assert _specialization(kernel, **{fixed: 1}) != _specialization(kernel, **{fixed: 37})  # the control
+
+
+@pytest.mark.parametrize("num_kv_heads, num_sms", [(8, 132), (4, 132), (1, 132), (2, 78), (8, 16)])
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 48, 256])
+def test_the_warmup_sizes_meet_every_segment_count(num_kv_heads: int, num_sms: int, max_num_seqs: int) -> None:
+    def segments(reqs: int) -> int:
+        return split_kv_segments(reqs, reqs, num_kv_heads, num_sms)
+
+    sizes = warmup_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+    assert {segments(r) for r in sizes} == {segments(r) for r in range(1, max_num_seqs + 1)}
+
+
+def test_the_warmup_runs_only_for_eager_triton_decodes_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from asyncllm.workers import decode_warmup
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(decode_warmup, "attention_backend_name", lambda model: model)
+    eager = dict(device=torch.device("cuda"), cuda_graphs=None, config=SimpleNamespace(pipeline_parallel_size=1),
+                 model="triton", drafter=None)
+    assert decode_warmup.warms_up(SimpleNamespace(**eager))
+    for change in (dict(device=torch.device("cpu")), dict(cuda_graphs=object()), dict(model="torch_sdpa"),
+                   dict(config=SimpleNamespace(pipeline_parallel_size=2))):
+        assert not decode_warmup.warms_up(SimpleNamespace(**{**eager, **change})), change
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not decode_warmup.warms_up(SimpleNamespace(**eager))
