@@ -143,7 +143,8 @@ def mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, GROUP_K: tl.constexpr, 
     mantissa = nibble & 1
     twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << (tl.maximum(exponent, 1) - 1))  # 0 1 2 3 4 6 8 12
     value = twice.to(tl.float32) * 0.5
-    value = tl.where((nibble & 8) != 0, -value, value)
+    # the sign nibble bit or-ed in as float32's sign bit, not negated: Triton 3.6 compiles -x as 0.0 - x (+0.0 for 0.0)
+    value = (value.to(tl.uint32, bitcast=True) | ((nibble & 8).to(tl.uint32) << 28)).to(tl.float32, bitcast=True)
     if GROUP_K % BLOCK_K == 0:
         scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask[None, :], other=0).to(tl.int32)
     else:

@@ -36,7 +36,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.T
     group_size = max(1, min(group_size, k))
     groups = -(-k // group_size)
     grouped = F.pad(x.float(), (0, groups * group_size - k)).view(num_rows, groups, group_size)
-    scale = (grouped.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    amax = grouped.abs().amax(-1, keepdim=True)  # divided by a tensor: CUDA multiplies by a number's reciprocal
+    scale = (amax / amax.new_full((), FP8_E4M3_MAX)).clamp(min=FP8_MIN_SCALE)  # (`models.int8.int8_scale`)
     q = (grouped / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(num_rows, groups * group_size)[:, :k], scale.squeeze(-1)
 

@@ -192,7 +192,8 @@ def assert_paged_logits_match_checkpoint(model: Any, path: str, seq_lens: list[i
 
     spec = kv_cache_spec(load_hf_config(path), 1)
     gen = torch.Generator().manual_seed(seed)
-    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
+    sequences = [torch.randint(6, 512, (n,), generator=gen, device=gen.device).tolist() for n in seq_lens]  # the
+    # generator's device, also under a caller's ``with torch.device('cuda')`` (test_gpt_oss_mxfp4_packed.py)
     run = PagedRun(model, sequences, block_size=4)
     run.new_kv_caches_for(spec, torch.float32)
     for tokens, logits in zip(sequences, run.run(schedule)):

@@ -55,8 +55,11 @@ _INT_MM_MIN_ROWS = 17
 
 # ---------------------------------------------------------------- the math
 def int8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``max|x| / 127.5`` in float32, eps where it is zero."""
-    scale = amax.float() / _HALF_RANGE
+    """``max|x| / 127.5`` in float32, eps where it is zero. The divisor a tensor on ``amax``'s device: CUDA torch takes
+    ``tensor / number`` as ``tensor * (1 / number)`` (one float32 rounding more: an ulp apart for some ``amax``), the
+    CPU divides; a divided scale is the same on both and `kernels/int8_quant.py`'s (``div_rn``)."""
+    amax = amax.float()
+    scale = amax / amax.new_full((), _HALF_RANGE)
     return scale.masked_fill_(scale == 0, _EPS)
 
 

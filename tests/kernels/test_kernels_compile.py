@@ -50,3 +50,17 @@ def _assert_int8_quant_rounds_by_the_magic_constant(ptx: str) -> None:
     back = rf"\b(add(\.rn)?\.f32\s+%r\d+, {rounded[1]}, 0fCB400000|sub(\.rn)?\.f32\s+%r\d+, {rounded[1]}, 0f4B400000);"
     assert re.search(back, ptx), ptx
     assert ptx.count("div.rn.f32") == 2 and not re.search(r"\bdiv\.(approx|full)\.f32|\brcp\.approx", ptx), ptx
+
+
+def test_mxfp4_tile_ptx_sets_the_sign_by_bits() -> None:
+    """`fused_moe_tiles.mxfp4_tile` for sm_90: a nibble's sign bit or-ed in as float32's (``and.b32`` with the sign
+    mask), no float negation. Triton 3.6 compiled the former ``-value`` as ``0.0 - value``, contracted to
+    ``fma.rn.f32 v, twice, -0.5, 0.0``: +0.0 for the nibble 0x8, whose -0.0 the H200 run of 2026-11-30 missed
+    (`test_kernel_tiles_are_the_dequantized_weights`, all 4 cases); 3.9 emits ``neg.f32``, which keeps it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("mxfp4_tile_ptx.py")
+    proc = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ptx = proc.stdout
+    assert re.search(r"\band\.b32\s+%r\d+, %r\d+, -2147483648;", ptx), ptx
+    assert "neg.f32" not in ptx and not re.search(r"\b(add|sub|fma)(\.rn)?\.f32\s.*0f00000000;", ptx), ptx
