@@ -6,32 +6,42 @@ logprobs (the requests of a step run concurrently, and the prefix cache holds
 each beam's prefix, so a step recomputes about one token per beam). The
 candidates (a beam and one of its tokens) are ranked by cumulative logprob
 and the best ``beam_width`` of those not ending in EOS go on; every
-candidate ending in EOS (unless ``ignore_eos``) is complete. At the end the complete and
-the live beams are ranked by ``cumulative_logprob / length ** length_penalty``
-(length: prompt and output tokens, as vLLM) and the best ``beam_width`` are
+candidate ending in EOS (unless ``ignore_eos``) is complete. A beam generates at most ``max_tokens``
+and at most what the prompt leaves of ``max_model_len`` (`beam_max_tokens`, the OpenAI server's rule too),
+then ends with "length". At the end the complete and the live beams are ranked by
+``cumulative_logprob / length ** length_penalty`` (vLLM's ``get_beam_search_score``: length counts the
+prompt and output tokens, less an EOS the beam ends with) and the best ``beam_width`` are
 returned. Logprobs are the model's raw ones (greedy, no temperature, ``raw_logprobs``
-whatever the engine's ``logprobs_mode``, so logits never rank the beams); each
-beam keeps, per output token, the step's whole entry (vLLM's form): the
-``2 * beam_width`` most likely tokens with their logprobs and ranks, the
-chosen one among them.
+whatever the engine's ``logprobs_mode``, so logits never rank the beams). The model's generation config
+rules hold as in generate: a ``suppress_tokens`` id is never a candidate, nor a ``begin_suppress_tokens``
+id at the first step (`SuppressedTokens`); the others keep their raw logprobs, not renormalised, as in
+transformers' beam search, whose processors mask the log-softmax scores (a step's request
+asks for as many more logprobs as it leaves out). Each beam keeps, per output token, the step's whole
+entry (vLLM's form): the ``2 * beam_width`` most likely tokens allowed, with their logprobs and (raw) ranks,
+the chosen one among them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import (
+    EngineDeadError, InvalidRequestError, NotBuiltError, RequestTimeoutError, check_context_length,
+)
+from asyncllm.engine.stream import check_prompt
 from asyncllm.engine.validation import check_untokenized, split_cache_salt
+from asyncllm.generation_config import SuppressedTokens
 from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
-from asyncllm.outputs import Logprob
+from asyncllm.outputs import Logprob, RequestOutput
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
 
-__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search"]
+__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_max_tokens", "beam_search"]
 
 
 @dataclass(frozen=True)
@@ -49,19 +59,35 @@ class BeamSearchParams:
     def validate(self, max_logprobs: int = -1) -> None:
         """`InvalidRequestError` naming the bad field; `max_logprobs`: the engine's, which each step's top
         ``2 * beam_width`` logprobs must not exceed (-1: the vocabulary, more than 128)."""
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= 64:
             raise InvalidRequestError("beam_width", f"must be an int in [1, 64], got {self.beam_width!r}")
         if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:  # vLLM's error names the step's logprobs
             raise InvalidRequestError("beam_width", f"{self.beam_width} needs the top 2 * beam_width = "
                                                     f"{2 * self.beam_width} logprobs a step, more than the engine's "
                                                     f"max_logprobs={max_logprobs}: lower beam_width to "
                                                     f"{max_logprobs // 2} or raise max_logprobs")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise InvalidRequestError("length_penalty", f"must be a finite number, got {penalty!r}")
         if self.temperature != 0.0:
             raise InvalidRequestError("temperature", "beam search ranks the raw logprobs: only 0.0 is built")
         if self.include_stop_str_in_output:
             raise InvalidRequestError("include_stop_str_in_output", "beam search has no stop strings")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def beam_max_tokens(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    """How many tokens a beam search generates at most: `max_tokens` (None: no bound of its own) and no more than
+    the prompt leaves of `max_model_len` (its beams then end with "length", as generate's sample would)."""
+    room = max_model_len - num_prompt_tokens
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 @dataclass
@@ -94,16 +120,26 @@ class BeamSearchOutput:
 
 
 def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
-    """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (as the
-    engine reads them: `plain_prompt`, None or empty media entries are none; its ``cache_salt`` split off first)."""
+    """Token ids of text, of token ids (a list or tuple, as generate's), or of vLLM's ``{"prompt": text}`` /
+    ``{"prompt_token_ids": ids}`` (as the engine reads them: `plain_prompt`, None or empty media entries are none;
+    its ``cache_salt`` split off first). One prompt: a list of prompts (vLLM's ``LLM.beam_search`` takes one) is an
+    `InvalidRequestError` saying so, an encoder-decoder prompt a `NotBuiltError`."""
     if isinstance(prompt, dict):
+        if {"encoder_prompt", "decoder_prompt"} & set(prompt):
+            raise NotBuiltError("prompt", None, "beam search over an encoder-decoder prompt ({'encoder_prompt': ..., "
+                                "'decoder_prompt': ...})", value_repr=f"a dict of {sorted(prompt)}")
         plain = plain_prompt(prompt)
         if plain is None:
             raise _not_plain(prompt)
         prompt = plain
-    if not isinstance(prompt, list) and engine.tokenizer is None:
+    elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict, list, tuple)):
+        raise InvalidRequestError("prompt", f"beam_search takes one prompt per call, got a list of {len(prompt)} "
+                                            "prompts (vLLM's LLM.beam_search takes a list): call it once per prompt "
+                                            "(asyncio.gather runs the searches concurrently)")
+    check_prompt(prompt, chat=False)  # a str or token ids, not empty, as generate's
+    if isinstance(prompt, str) and engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
-    return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
+    return engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
 
 
 _PLAIN_SHAPE = "beam search takes {'prompt': text} or {'prompt_token_ids': ids}, and optionally 'cache_salt'"
@@ -131,8 +167,35 @@ def _not_plain(prompt: dict[str, Any]) -> InvalidRequestError:
     return InvalidRequestError("prompt", _PLAIN_SHAPE)
 
 
-def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
-    return beam.cum_logprob / (len(beam.tokens) ** length_penalty)
+def _score(beam: BeamSearchSequence, length_penalty: float, eos: frozenset[int]) -> float:
+    """vLLM's ``get_beam_search_score``: the length counts prompt and output tokens, less an EOS the beam ends
+    with (any of the engine's EOS ids, ``ignore_eos`` or not, as vLLM's)."""
+    length = len(beam.tokens) - (beam.tokens[-1] in eos)
+    return beam.cum_logprob / (length ** length_penalty)
+
+
+def _step_params(width: int, left_out: int, max_logprobs: int, vocab_size: int) -> SamplingParams:
+    """A step's request: one token, and the top ``2 * width`` raw logprobs plus one per id the step leaves out
+    (`SuppressedTokens`), within the engine's `max_logprobs` and the vocabulary (0, -1: no bound)."""
+    bounds = [bound for bound in (max_logprobs, vocab_size) if bound > 0]
+    logprobs = max(2 * width, min([2 * width + left_out, *bounds]))
+    # raw_logprobs whatever the engine's logprobs_mode: the beams are ranked by log-probabilities, never by logits
+    return SamplingParams(temperature=0.0, max_tokens=1, logprobs=logprobs, ignore_eos=True,
+                          logprobs_mode="raw_logprobs")
+
+
+def _step_entry(out: RequestOutput, left_out: frozenset[int], width: int) -> dict[int, Logprob]:
+    """A step's top ``2 * width`` tokens but those it leaves out, best first. A step that ended without a token
+    ends the search: `RequestTimeoutError` (its ``timeout`` passed), else `EngineDeadError` (aborted: the engine
+    closed)."""
+    sample = out.outputs[0]
+    if not sample.logprobs:
+        if sample.finish_reason == "timeout":
+            raise RequestTimeoutError("a beam search step ended with finish_reason 'timeout' (the timeout option "
+                                      "applies to each step's requests)")
+        raise EngineDeadError(f"a beam search step ended with finish_reason {sample.finish_reason!r} and no token")
+    allowed = [(token, logprob) for token, logprob in sample.logprobs[0].items() if token not in left_out]
+    return dict(sorted(allowed, key=lambda item: item[1].logprob, reverse=True)[:2 * width])
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
@@ -147,21 +210,23 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     if cache_salt is not None:
         options = {**options, "cache_salt": cache_salt}
     prompt_ids = _prompt_ids(engine, prompt)
-    width = params.beam_width
-    # raw_logprobs whatever the engine's logprobs_mode: the beams are ranked by log-probabilities, never by logits
-    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
-                          logprobs_mode="raw_logprobs")
-    eos = set() if params.ignore_eos else set(engine.eos_token_ids)
+    max_model_len, width = engine.config.max_model_len, params.beam_width
+    check_context_length(max_model_len, len(prompt_ids))  # a prompt that leaves no room: generate's error
+    suppressed: SuppressedTokens = engine.suppressed_tokens
+    eos = frozenset(engine.eos_token_ids)
+    ends = frozenset() if params.ignore_eos else eos
     beams, complete = [BeamSearchSequence(list(prompt_ids))], []
-    for _ in range(params.max_tokens):
+    for index in range(beam_max_tokens(max_model_len, len(prompt_ids), params.max_tokens)):
+        left_out = suppressed.always | suppressed.at_start if index == 0 else suppressed.always
+        step = _step_params(width, len(left_out), engine.config.max_logprobs, suppressed.vocab_size)
         outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
         candidates = []
         for beam, out in zip(beams, outs):
-            entry = out.outputs[0].logprobs[0]  # type: ignore[index]
+            entry = _step_entry(out, left_out, width)
             for token, logprob in entry.items():
                 candidate = BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob.logprob,
                                                beam.logprobs + [entry])
-                if token in eos:
+                if token in ends:
                     candidate.finish_reason = "stop"
                     complete.append(candidate)
                 else:
@@ -171,7 +236,7 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
             break
     for beam in beams:
         beam.finish_reason = "length"
-    best = sorted(complete + beams, key=lambda b: _score(b, params.length_penalty), reverse=True)[:width]
+    best = sorted(complete + beams, key=lambda b: _score(b, params.length_penalty, eos), reverse=True)[:width]
     for beam in best if engine.tokenizer is not None else ():  # skip_tokenizer_init: ids only, text ""
         beam.text = engine.tokenizer.decode(beam.tokens[len(prompt_ids):], skip_special_tokens=True)
     return BeamSearchOutput(best)

@@ -23,8 +23,8 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["TimestampRules", "from_model_config", "read_generation_config", "rule_keys_of", "sampling_fields_of",
-           "source_of", "timestamp_rules"]
+__all__ = ["SuppressedTokens", "TimestampRules", "from_model_config", "read_generation_config", "rule_keys_of",
+           "sampling_fields_of", "source_of", "timestamp_rules"]
 
 _NO_BOUND = 2**62
 """An upper bound past any vocabulary."""
@@ -79,6 +79,27 @@ def rule_keys_of(model_config: Any) -> dict[str, Any]:
 
 
 _RULE_KEYS = ("suppress_tokens", "begin_suppress_tokens")
+
+
+@dataclass(frozen=True)
+class SuppressedTokens:
+    """The ids the model's generation config never lets come (``suppress_tokens``) and never first
+    (``begin_suppress_tokens``), those inside the vocabulary, as the host reads them (`of`): beam search, which
+    ranks the raw logprobs on the host, leaves them out as the workers' rules mask them (workers/generation_rules.py,
+    which refuses a malformed list when the model loads)."""
+
+    always: frozenset[int] = frozenset()
+    at_start: frozenset[int] = frozenset()
+    vocab_size: int = 0
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any], vocab_size: int) -> "SuppressedTokens":
+        def ids(key: str) -> frozenset[int]:
+            value = config.get(key)
+            return frozenset(t for t in value if isinstance(t, int) and 0 <= t < vocab_size) \
+                if isinstance(value, list) else frozenset()
+
+        return cls(ids("suppress_tokens"), ids("begin_suppress_tokens"), vocab_size)
 
 
 _MODEL_FOLDER = ("auto", "vllm")

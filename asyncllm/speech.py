@@ -139,9 +139,9 @@ async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe
                      prompt: str | None = None, params: SamplingParams | None = None) -> AsyncIterator[str]:
     """The text of ``audio`` (any audio input: asyncllm/mm/audios.py) as it comes: a long audio's pieces all run at
     once, their texts handed out in order. Leaving the loop aborts every piece still running."""
+    params = _one_sample(params)
     speech, waveform = await _speech_audio(engine, audio, task)
     text = speech.prompt(task, language, prompt)
-    params = params or SamplingParams(temperature=0.0, max_tokens=None)
     streams = [engine.stream(request, params) for request in speech.requests(text, waveform)]
     firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]  # every piece submitted now
     try:
@@ -167,9 +167,9 @@ async def transcribe_segments(engine: AsyncEngine, audio: Any, *, task: str = "t
                               params: SamplingParams | None = None) -> list[Segment]:
     """The timestamped segments of ``audio`` (Whisper's timestamp tokens; times from the start of the whole audio), once
     every piece is done: `transcribe`'s pieces, each prompted without ``<|notimestamps|>``."""
+    params = _one_sample(params)
     speech, waveform = await _speech_audio(engine, audio, task)
     requests = speech.requests(speech.prompt(task, language, prompt, timestamps=True), waveform)
-    params = params or SamplingParams(temperature=0.0, max_tokens=None)
     pieces = [asyncio.ensure_future(engine.generate(request, params)) for request in requests]
     try:
         outs = await asyncio.gather(*pieces)
@@ -194,6 +194,16 @@ async def piece_segments(engine: AsyncEngine, requests: list[dict[str, Any]],
                 for segment in speech.segments(ids, offset, seconds, decode, eos)]
 
     return await anyio.to_thread.run_sync(segments)
+
+
+def _one_sample(params: SamplingParams | None) -> SamplingParams:
+    """``params`` (None: greedy, as long as ``max_model_len`` allows), refused unless they ask for one sample: a
+    transcript is one text (the OpenAI routes take no ``n`` either)."""
+    if params is None:
+        return SamplingParams(temperature=0.0, max_tokens=None)
+    if params.n != 1:
+        raise InvalidRequestError("params.n", f"1 (a transcript is one sample), got {params.n}")
+    return params
 
 
 async def _speech_audio(engine: AsyncEngine, audio: Any, task: str) -> tuple[SpeechToText, np.ndarray]:

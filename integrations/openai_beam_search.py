@@ -7,11 +7,14 @@ The beam width is ``n`` (as vLLM), or completions' ``best_of`` when given
 finish_reason ("stop": it ended with EOS, "length"). ``max_tokens``,
 ``ignore_eos`` and vLLM's ``length_penalty`` go to `BeamSearchParams`.
 Beam search follows the model's raw logprobs: ``temperature`` must be unset
-or 0 (the model's generation config does not apply), and every field that
+or 0 (the generation config's sampling defaults do not apply, its suppressed ids
+do), and every field that
 would change the distribution or the output (penalties, ``logit_bias``,
 ``stop``, structured output, tools, ...) is a 400 naming it, never ignored.
 ``logprobs`` (completions) / ``top_logprobs`` (chat) give each chosen token's
-logprob and up to ``2 * beam_width`` alternatives: the tokens each step ranks.
+logprob and up to ``2 * beam_width`` alternatives: the tokens each step ranks (more
+is a 400 before the search runs). ``max_tokens`` stops at ``max_model_len``
+(`beam_max_tokens`, the engine's rule).
 Streamed, the search runs to its end first (as vLLM's, whose beam search
 yields once) and each choice comes whole in one chunk. Usage: each prompt's
 tokens once, completion tokens summed over the returned beams.
@@ -29,7 +32,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_max_tokens
 from asyncllm.engine.pooling_model import lowered
 from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt, truncation_length
 from asyncllm.errors import InvalidRequestError, check_context_length
@@ -118,6 +121,9 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             raise InvalidRequestError(field, f"is the beam width: at least 1, got {value}")
         if value > server.limits.max_n:
             raise InvalidRequestError(field, f"at most {server.limits.max_n} on this server, got {value}")
+    if top_logprobs is not None and top_logprobs > 2 * width:  # before the search runs
+        raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
+                                  f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
     defaults = await server._sampling_defaults()  # starts the engine
     engine = server.engine
     max_model_len = engine.config.max_model_len
@@ -131,8 +137,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     params = []
     for ids in prompts:
         check_context_length(max_model_len, len(ids), max_tokens if sets_max_tokens(req) else None)  # as sampling
-        room = max_model_len - len(ids)
-        params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
+        params.append(BeamSearchParams(width, beam_max_tokens(max_model_len, len(ids), max_tokens), req.ignore_eos,
                                        length_penalty=req.length_penalty))
         try:
             params[-1].validate(engine.config.max_logprobs)
@@ -142,9 +147,6 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
     log_prompts(server.request_log, req, "chatcmpl" if chat else "cmpl", prompts, params, lora, indexed=not chat)
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
-    if top_logprobs is not None and top_logprobs > 2 * width:
-        raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
-                                  f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
                       token_ids_as_text=server.token_ids_as_text,
                       include_reasoning=not chat or req.include_reasoning,

@@ -1,9 +1,9 @@
 """Completions' ``prompt_embeds`` (vLLM's, with ``--enable-prompt-embeds``): prompts given as embeddings.
 
-Each entry is a base64 string of a ``torch.save``'d ``[tokens, hidden]`` tensor (vLLM's format: the OpenAI client
-sends it in ``extra_body``). It is read with ``torch.load(weights_only=True)`` (tensors only, never arbitrary
-objects) on a worker thread, and becomes the engine prompt ``{"prompt_embeds": tensor}``, which the engine checks
-(asyncllm/engine/prompt_embeds.py).
+Each entry is a base64 string of a ``torch.save``'d ``[tokens, hidden]`` (or ``[1, tokens, hidden]``) tensor
+(vLLM's format: the OpenAI client sends it in ``extra_body``). It is read with ``torch.load(weights_only=True)``
+(tensors only, never arbitrary objects) on a worker thread, and becomes the engine prompt ``{"prompt_embeds":
+tensor}``, whose shape the engine checks, one rule for both (asyncllm/engine/prompt_embeds.py).
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica,
-    start_replicas, stop_all, stop_forgotten, weakly,
+    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all, stop_forgotten, weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
@@ -240,6 +239,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._default_sampling = prepared.default_sampling
         self.tokenizer = prepared.tokenizer
         self.speech_to_text = speech_to_text_of(prepared.mm, prepared.generation_config, prepared.vocab_size)
+        self.suppressed_tokens = prepared.suppressed_tokens  # generation_config's, for beam search (the host ranks)
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True

@@ -17,11 +17,12 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.generation_config import read_generation_config, sampling_fields_of
+from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
 from asyncllm.models.architectures import (
+    AUDIO_ARCHITECTURES,
     CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
@@ -71,6 +72,11 @@ class Prepared:
     labels (asyncllm/engine/pooling_model.py)."""
     embeds_width: int | None = None
     """The rows' width of a prompt given as embeddings (the model's hidden size); None: not enabled."""
+
+    @property
+    def suppressed_tokens(self) -> SuppressedTokens:
+        """`generation_config`'s suppressed ids (beam search leaves them out as the workers' rules do)."""
+        return SuppressedTokens.of(self.generation_config, self.vocab_size)
 
 
 def prepare(config: EngineConfig, resolved: bool = False, decodes_images: bool = True) -> Prepared:
@@ -185,7 +191,8 @@ def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config
     if not config.enable_prompt_embeds:
         return None
     spec = config.scheduler_config.speculative
-    for what, unbuilt in ((f"{arch} with images", multimodal),
+    media = "audio" if arch in AUDIO_ARCHITECTURES else "images"  # Whisper, the audio LLMs: no images
+    for what, unbuilt in ((f"{arch} (it takes {media})", multimodal),
                           ("a draft model, EAGLE head or MTP layer (n-gram drafts work)",
                            spec is not None and spec.method != "ngram"),
                           (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES)):

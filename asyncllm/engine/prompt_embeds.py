@@ -1,7 +1,8 @@
 """Prompts given as embeddings (vLLM's ``enable_prompt_embeds``): ``{"prompt_embeds": tensor}``, the host side.
 
-The tensor (``[tokens, hidden]``, float32 / bfloat16 / float16, what the model's input embedding layer would
-return for a prompt: transformers' ``get_input_embeddings()(ids)``) travels to the workers as raw bytes
+The tensor (``[tokens, hidden]``, or ``[1, tokens, hidden]`` as transformers' ``inputs_embeds``; float32 / bfloat16
+/ float16, what the model's input embedding layer would return for a prompt: transformers'
+``get_input_embeddings()(ids)``; dense, on any device) travels to the workers as raw bytes
 (`protocol.PromptEmbeds`); the scheduler sees one placeholder token (id 0) per row, so chunked prefill,
 preemption and budgets work as for token prompts. Two prompts share prefix-cache blocks only when their
 embeddings are byte-identical: a digest of them salts the first block's hash. What would read the placeholders
@@ -38,10 +39,7 @@ def prompt_embeds_of(prompt: dict[str, Any], hidden_size: int | None, params: Sa
     if set(prompt) != {"prompt_embeds"}:
         raise InvalidRequestError("prompt", f"an embeddings prompt is {{'prompt_embeds': tensor}} alone, got keys "
                                             f"{sorted(prompt)}")
-    embeds = prompt["prompt_embeds"]
-    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != hidden_size:
-        raise InvalidRequestError(_FIELD, f"a torch.Tensor [tokens, {hidden_size}] (the model's hidden size), got "
-                                          f"{_described(embeds)}")
+    embeds = _rows(prompt["prompt_embeds"], hidden_size)
     if str(embeds.dtype).removeprefix("torch.") not in _DTYPES:
         raise InvalidRequestError(_FIELD, f"float32, bfloat16 or float16, got {embeds.dtype}")
     for field, used in (("repetition_penalty", params.repetition_penalty != 1.0),
@@ -67,6 +65,27 @@ def embeds_salt(cache_salt: str | None, embeds: protocol.PromptEmbeds) -> str:
     core tags it (`Request.cache_salt`), so it never keys a token prompt's blocks; no salt and "" differ."""
     digest = hashlib.sha256(embeds.data).hexdigest()[:32]
     return f"{embeds.dtype}:{digest}" + ("" if cache_salt is None else f":{cache_salt}")
+
+
+def _rows(embeds: Any, hidden_size: int) -> Any:
+    """The prompt's tensor as ``[tokens, hidden_size]``: a leading batch of one (``[1, tokens, hidden_size]``,
+    transformers' ``inputs_embeds``) squeezed, as vLLM's; the OpenAI server's tensors are checked here too."""
+    import torch
+
+    expected = f"a torch.Tensor [tokens, {hidden_size}] (the model's hidden size) or [1, tokens, {hidden_size}]"
+    if not isinstance(embeds, torch.Tensor):
+        raise InvalidRequestError(_FIELD, f"{expected}, got {_described(embeds)}")
+    if embeds.layout != torch.strided:
+        raise InvalidRequestError(_FIELD, f"a dense tensor, got a {str(embeds.layout).removeprefix('torch.')} one "
+                                          f"(sparse tensors are not accepted: .to_dense() it)")
+    if embeds.is_meta:
+        raise InvalidRequestError(_FIELD, "a tensor holding its values, got a meta tensor (it has none)")
+    if embeds.dim() == 3 and embeds.shape[0] == 1:
+        embeds = embeds[0]
+    if embeds.dim() != 2 or embeds.shape[1] != hidden_size:
+        batch = " (one prompt per tensor: a batch's prompts are separate prompts)" if embeds.dim() == 3 else ""
+        raise InvalidRequestError(_FIELD, f"{expected}, got {_described(embeds)}{batch}")
+    return embeds
 
 
 def _described(value: Any) -> str:

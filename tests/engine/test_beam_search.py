@@ -6,17 +6,20 @@ import pytest
 import torch
 
 from asyncllm import AsyncEngine, BeamSearchParams, InvalidRequestError
+from asyncllm.generation_config import SuppressedTokens
 from engine_helpers import random_prompts
 from hf_reference import _hf_model
 
 
-def _hf_beams(path: str, prompt: list[int], width: int, max_tokens: int, no_eos: int) -> list[list[int]]:
-    """transformers' beams, best first, with an EOS id that never comes up (so no beam ends early)."""
+def _hf_beams(path: str, prompt: list[int], width: int, max_tokens: int, no_eos: int,
+              **rules: list[int]) -> list[list[int]]:
+    """transformers' beams, best first, with an EOS id that never comes up (so no beam ends early); `rules`:
+    suppress_tokens / begin_suppress_tokens."""
     model = _hf_model(path)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
-                             length_penalty=1.0, eos_token_id=no_eos, pad_token_id=no_eos)
+                             length_penalty=1.0, eos_token_id=no_eos, pad_token_id=no_eos, **rules)
     return [row[len(prompt):].tolist() for row in out]
 
 
@@ -41,11 +44,12 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
                 assert sum(seq.token_logprobs) == pytest.approx(seq.cum_logprob)
         prompt = random_prompts(1, seed=12)[0]
         best = (await engine.beam_search(prompt, params)).sequences[0].tokens[len(prompt):]
+        await _obeys_suppressed_ids_as_transformers(engine, tiny_llama, prompt, best, no_eos)
         engine.eos_token_ids = [best[2]]  # a token the best beam takes: candidates ending in it complete
         out = await engine.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
         stopped = [seq for seq in out.sequences if seq.finish_reason == "stop"]
         assert stopped and all(seq.tokens[-1] == best[2] and seq.num_output_tokens <= max_tokens for seq in stopped)
-        scores = [seq.cum_logprob / len(seq.tokens) for seq in out.sequences]
+        scores = [seq.cum_logprob / (len(seq.tokens) - (seq.finish_reason == "stop")) for seq in out.sequences]
         assert scores == sorted(scores, reverse=True) and len(out.sequences) == width
         text = await engine.beam_search("def add(a, b):", BeamSearchParams(beam_width=2, max_tokens=4))
         assert len(text.sequences) == 2 and all(s.cum_logprob < 0 for s in text.sequences)
@@ -66,3 +70,20 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
                 await engine.beam_search([5, 6, 7], bad)
         with pytest.raises(InvalidRequestError, match="request_id"):
             await engine.beam_search([5, 6, 7], params, request_id="mine")
+
+
+
+async def _obeys_suppressed_ids_as_transformers(engine: AsyncEngine, path: str, prompt: list[int], best: list[int],
+                                                no_eos: int) -> None:
+    """generation_config.json's suppress_tokens (every step) and begin_suppress_tokens (the first step), here ids
+    the unruled best beam takes: left out as transformers' num_beams search leaves them out."""
+    assert engine.suppressed_tokens == SuppressedTokens(vocab_size=engine.suppressed_tokens.vocab_size)  # it has none
+    rules = {"begin_suppress_tokens": [best[0]], "suppress_tokens": [next(t for t in best[1:] if t != best[0])]}
+    engine.suppressed_tokens = SuppressedTokens.of(rules, engine.suppressed_tokens.vocab_size)
+    try:
+        out = await engine.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    finally:
+        engine.suppressed_tokens = SuppressedTokens(vocab_size=engine.suppressed_tokens.vocab_size)
+    got = [seq.tokens[len(prompt):] for seq in out.sequences]
+    assert all(tokens[0] != best[0] and rules["suppress_tokens"][0] not in tokens for tokens in got)
+    assert got == _hf_beams(path, prompt, 2, 4, no_eos, **rules)

@@ -42,13 +42,14 @@ async def test_embeds_prompts_equal_transformers_chunked_and_beside_token_prompt
     ids = list(range(5, 75))
     embeds = [_random_embeds(70, seed=1), hf_input_embeddings(tiny_llama, ids), _random_embeds(9, seed=2)]
     prompts = [{"prompt_embeds": embeds[0]}, {"prompt_embeds": embeds[1].to(torch.bfloat16)}, ids,
-               {"prompt_embeds": embeds[2]}]
+               {"prompt_embeds": embeds[2][None]}]  # [1, tokens, hidden]: transformers' inputs_embeds, squeezed
     outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
     assert outs[0].token_ids == hf_embeds_greedy(tiny_llama, embeds[0], MAX_TOKENS)
     assert outs[2].token_ids == hf_greedy(tiny_llama, ids, MAX_TOKENS, eos_token_id=None)
     assert outs[1].token_ids == hf_embeds_greedy(tiny_llama, embeds[1].to(torch.bfloat16), MAX_TOKENS)
     assert outs[3].token_ids == hf_embeds_greedy(tiny_llama, embeds[2], MAX_TOKENS)
     assert outs[0].prompt_token_ids == [0] * 70 and outs[0].token_ids != outs[3].token_ids
+    assert outs[3].prompt_token_ids == [0] * 9
     exact = await engine.generate({"prompt_embeds": embeds[1]}, GREEDY)  # float32: a token prompt's own rows
     assert exact.token_ids == outs[2].token_ids
     cut = await engine.generate({"prompt_embeds": embeds[0]}, SamplingParams(
@@ -84,9 +85,12 @@ async def test_equal_embeddings_share_cached_blocks_and_other_ones_none(engine: 
     ({"prompt_embeds": torch.zeros(256, 64)}, SamplingParams(), "prompt.prompt_embeds"),
     ({"prompt_embeds": torch.zeros(4, 64), "prompt": "x"}, SamplingParams(), "prompt"),
     ({"prompt_embeds": [[0.0] * 64]}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.zeros(4, 64).to_sparse()}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.empty(4, 64, device="meta")}, SamplingParams(), "prompt.prompt_embeds"),
     ({"prompt_embeds": torch.zeros(4, 64)}, SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
     ({"prompt_embeds": torch.zeros(4, 64)}, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
-], ids=["width", "dtype", "nan", "too-long", "extra-key", "not-a-tensor", "repetition-penalty", "prompt-logprobs"])
+], ids=["width", "dtype", "nan", "too-long", "extra-key", "not-a-tensor", "sparse", "meta", "repetition-penalty",
+        "prompt-logprobs"])
 async def test_what_does_not_fit_is_refused_by_name(engine: AsyncEngine, prompt, params, field: str) -> None:
     with pytest.raises(InvalidRequestError) as raised:
         await engine.generate(prompt, params)
@@ -112,6 +116,18 @@ async def test_rows_past_the_context_are_refused_as_any_prompt_past_it() -> None
     with pytest.raises(InvalidRequestError, match="no rows") as info:
         rows_of(0)
     assert info.value.code is None
+
+
+async def test_a_batch_of_one_is_squeezed_and_other_tensors_are_refused_saying_why() -> None:
+    rows = torch.arange(3 * 64, dtype=torch.float32).reshape(3, 64)
+    squeezed = prompt_embeds_of({"prompt_embeds": rows[None]}, 64, SamplingParams(), 8)
+    assert squeezed == prompt_embeds_of({"prompt_embeds": rows}, 64, SamplingParams(), 8)
+    for tensor, words in ((torch.zeros(2, 3, 64), r"\[1, tokens, 64\], got Tensor of shape \(2, 3, 64\) \(one"),
+                          (rows.to_sparse(), "got a sparse_coo one"),
+                          (torch.empty(3, 64, device="meta"), "meta tensor")):
+        with pytest.raises(InvalidRequestError, match=words) as info:
+            prompt_embeds_of({"prompt_embeds": tensor}, 64, SamplingParams(), 8)
+        assert info.value.field == "prompt.prompt_embeds"
 
 
 async def test_engines_without_the_option_or_with_what_it_is_not_built_with_refuse(tiny_llama: str) -> None:
@@ -150,15 +166,16 @@ async def test_the_openai_server_takes_vllms_base64_prompt_embeds(engine: AsyncE
             return (print, ("ran",))
 
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
-        ok = await client.post("/v1/completions", json={**body, "prompt_embeds": [_b64(embeds), _b64(embeds)]})
+        ok = await client.post("/v1/completions", json={**body, "prompt_embeds": [_b64(embeds), _b64(embeds[None])]})
         refused = [await client.post("/v1/completions", json={**body, **extra}) for extra in (
             {"prompt_embeds": _b64(embeds), "prompt": "x"}, {"prompt_embeds": "not base64!"},
             {"prompt_embeds": _b64({"a": 1})}, {"prompt_embeds": base64.b64encode(pickle.dumps(Evil(), protocol=2)).decode()},
-            {"prompt_embeds": _b64(embeds), "echo": True}, {"prompt_embeds": _b64(torch.zeros(3, 8))}, {})]
+            {"prompt_embeds": _b64(embeds), "echo": True}, {"prompt_embeds": _b64(torch.zeros(3, 8))},
+            {"prompt_embeds": _b64(torch.zeros(2, 3, 64))}, {})]
     choices = ok.json()["choices"]
     assert ok.status_code == 200 and [c["text"] for c in choices] == [expected.text] * 2
     assert ok.json()["usage"]["prompt_tokens"] == 40
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
         (400, "prompt"), (400, "prompt_embeds"), (400, "prompt_embeds"), (400, "prompt_embeds"), (400, "echo"),
-        (400, "prompt.prompt_embeds"), (400, "prompt")]
+        (400, "prompt.prompt_embeds"), (400, "prompt.prompt_embeds"), (400, "prompt")]
 

@@ -120,6 +120,16 @@ async def test_an_audio_of_a_shape_the_encoder_refuses_fails_alone(engine, tiny_
     await _check(engine, tiny_whisper, [PROMPT], [make_audio(1.0, seed=12)])
 
 
+async def test_prompts_given_as_embeddings_are_refused_at_start_as_a_speech_models(tiny_whisper):
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.errors import NotBuiltError
+
+    with pytest.raises(NotBuiltError, match=r"WhisperForConditionalGeneration \(it takes audio\)") as info:
+        prepare(EngineConfig.create(tiny_whisper, enable_prompt_embeds=True))
+    assert "images" not in str(info.value) and info.value.field == "enable_prompt_embeds"
+
+
 async def test_vllm_encoder_decoder_prompts(engine, tiny_whisper):
     """vLLM's explicit ``encoder_prompt`` (the audio) / ``decoder_prompt`` (text, ids or none: the start token
     alone) give the tokens of the one-prompt form; on a decoder-only model they are refused."""

@@ -168,3 +168,16 @@ async def test_server_limits_apply(bundled_engine) -> None:
     assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
     assert capped["usage"]["completion_tokens"] <= 2 * 4 and len(capped["choices"]) == 2
+
+
+async def test_too_many_logprobs_are_refused_before_the_search_runs(app, bundled_engine, monkeypatch) -> None:
+    async def no_search(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(bundled_engine, "beam_search", no_search)
+    async with asgi_client(app) as client:
+        completion = await client.post("/v1/completions", json={**BEAM, "prompt": "x", "n": 2, "logprobs": 5})
+        chat = await client.post("/v1/chat/completions", json={**BEAM, "messages": MESSAGES, "n": 2,
+                                                                "logprobs": True, "top_logprobs": 5})
+    assert completion.status_code == 400 and completion.json()["error"]["param"] == "logprobs", completion.text
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "top_logprobs", chat.text

@@ -11,6 +11,7 @@ import pytest
 
 from asyncllm import BeamSearchParams, InvalidRequestError
 from asyncllm.beam_search import beam_search
+from asyncllm.generation_config import SuppressedTokens
 from asyncllm.outputs import Logprob
 
 PARAMS = BeamSearchParams(beam_width=1, max_tokens=2)
@@ -21,11 +22,12 @@ class _Engine:
 
     tokenizer = None
     eos_token_ids = [2]
+    suppressed_tokens = SuppressedTokens()
 
     def __init__(self, max_logprobs: int = 20) -> None:
         self.options: list[dict[str, Any]] = []
         self.params: list[Any] = []
-        self.config = SimpleNamespace(max_logprobs=max_logprobs)
+        self.config = SimpleNamespace(max_logprobs=max_logprobs, max_model_len=64)
 
     async def start(self) -> None:
         return None
@@ -96,7 +98,7 @@ def test_max_logprobs_is_the_started_engines() -> None:
 
     class _Attached(_Engine):
         async def start(self) -> None:
-            self.config = SimpleNamespace(max_logprobs=40)  # the core's, placeholder 20 before
+            self.config = SimpleNamespace(max_logprobs=40, max_model_len=64)  # the core's, placeholder 20 before
 
     wide = BeamSearchParams(beam_width=16, max_tokens=1)
     out = asyncio.run(beam_search(_Attached(), [1, 3], wide))  # type: ignore[arg-type]

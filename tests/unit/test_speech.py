@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.speech import SpeechToText, speech_to_text_of, split_audio
+from asyncllm.sampling import SamplingParams
+from asyncllm.speech import SpeechToText, speech_to_text_of, split_audio, transcribe, transcribe_segments
 
 RATE = 1000
 
@@ -85,3 +86,18 @@ def test_the_host_decides_timestamps_as_the_workers_rules_do():
     english = speech_to_text_of(mm, {**whisper, "is_multilingual": False, "decoder_start_token_id": 2}, 10)
     assert not english.multilingual and english.timestamp_begin == 6
 
+
+
+async def test_a_transcript_of_more_than_one_sample_is_refused_before_anything_runs():
+    class Untouched:  # any use of the engine (starting it, submitting a piece) fails the test
+        def __getattr__(self, name):
+            raise AssertionError(f"the engine's {name} was used")
+
+    audio = (np.zeros(RATE, dtype=np.float32), RATE)
+    for n in (2, 3):
+        with pytest.raises(InvalidRequestError, match=f"got {n}") as refused:
+            await anext(transcribe(Untouched(), audio, params=SamplingParams(n=n)))
+        assert refused.value.field == "params.n"
+        with pytest.raises(InvalidRequestError) as refused:
+            await transcribe_segments(Untouched(), audio, params=SamplingParams(n=n))
+        assert refused.value.field == "params.n"
