@@ -13,7 +13,7 @@ from pathlib import Path
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["BUNDLED_MODEL_NAME", "bundled_model_path"]
+__all__ = ["BUNDLED_MODEL_NAME", "bundled_model_path", "model_label"]
 
 BUNDLED_MODEL_NAME = "asyncllm-tiny"
 """The name the OpenAI-compatible server gives the bundled model (``/v1/models``)."""
@@ -31,3 +31,12 @@ def bundled_model_path() -> str:
             f"{_FOLDER}`",
         )
     return str(_FOLDER)
+
+
+def model_label(model: str) -> str:
+    """What the metrics, spans and the OpenAI server call `model`: `BUNDLED_MODEL_NAME` for the bundled model's
+    folder (``AsyncEngine()``), else `model` as given (a hub id, not the folder it resolves to)."""
+    try:
+        return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
+    except ConfigError:  # no bundled model in this install
+        return model

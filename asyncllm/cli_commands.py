@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import signal
 import ssl
 import sys
 from typing import Any
@@ -20,7 +22,8 @@ from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
-           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "check_model"]
+           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "log_stats", "log_to_stderr",
+           "check_model"]
 
 def add_serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
@@ -146,21 +149,36 @@ def _json_object(raw: str) -> dict[str, Any]:
 
 def request_logger(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """The server's `RequestLogger` from ``--enable-log-requests`` and ``--max-log-len`` (None: no log). Its lines
-    go to stderr unless logging is configured (this is asyncllm's own process, as the engine core's)."""
-    import logging
-
+    go to stderr unless logging is configured (`log_to_stderr`)."""
     from asyncllm.integrations.openai_request_log import RequestLogger, logger
 
     if args.max_log_len is not None and args.max_log_len < 0:
         parser.error(f"--max-log-len: at least 0, got {args.max_log_len}")
     if not args.enable_log_requests:
         return None
-    if not logger.hasHandlers():
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+    log_to_stderr(logger)
     return RequestLogger(args.max_log_len)
+
+
+def log_stats(config: Any) -> None:
+    """The periodic stats line to stderr, as vLLM's serve prints it (`log_to_stderr`), unless
+    ``--disable-log-stats``."""
+    from asyncllm.engine.stats_log import logger
+
+    if not config.disable_log_stats:
+        log_to_stderr(logger)
+
+
+def log_to_stderr(logger: logging.Logger) -> None:
+    """Send `logger`'s lines at ``ASYNCLLM_LOGGING_LEVEL`` (INFO) and above to stderr: this is asyncllm's own process,
+    as the engine core's. Nothing when logging is configured (a handler on `logger` or above) or with
+    ``ASYNCLLM_CONFIGURE_LOGGING=0``."""
+    if logger.hasHandlers() or not envs.CONFIGURE_LOGGING.get():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(envs.LOGGING_LEVEL.get())
 
 
 def _add_http_args(serve: argparse.ArgumentParser) -> None:
@@ -267,6 +285,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     check_tls_args(args, parser)
     try:
         engine, app = _serve_app(args, parser)
+        log_stats(engine.config)
     except ConfigError as exc:
         parser.error(str(exc))
     with bound_socket(args, parser) as sock:
@@ -367,3 +386,7 @@ def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error(str(exc))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading
         sys.exit(130)
+    # stopped cleanly (workers, hosts, socket): a repeated SIGTERM / Ctrl-C during the interpreter's exit (about a
+    # second of torch's teardown, after Python's own handlers are gone) is ignored rather than turning exit 0 to 143
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)

@@ -208,13 +208,15 @@ def _logging_level(raw: str) -> int:
 
 LOGGING_LEVEL = EnvVar(
     "ASYNCLLM_LOGGING_LEVEL", logging.INFO, _logging_level,
-    "Level of the engine core's and workers' own stderr logging (vLLM's VLLM_LOGGING_LEVEL); unset: the level the "
-    "host set on its `asyncllm` logger, else INFO (docs/observability.md). Read at each core and worker start.",
+    "Level of the engine core's and workers' own stderr logging, and of `asyncllm serve`'s stats and request lines "
+    "(vLLM's VLLM_LOGGING_LEVEL); unset: the level the host set on its `asyncllm` logger, else INFO "
+    "(docs/observability.md). Read at each core and worker start and when `asyncllm serve` starts.",
 )
 CONFIGURE_LOGGING = EnvVar(
     "ASYNCLLM_CONFIGURE_LOGGING", True, _truthy,
-    "0: the engine core and workers add no stderr handler and set no level (vLLM's VLLM_CONFIGURE_LOGGING=0; only "
-    "Python's last-resort WARNING lines remain). Read at each core and worker start.",
+    "0: the engine core and workers add no stderr handler and set no level, nor does `asyncllm serve` to its stats "
+    "and request loggers (vLLM's VLLM_CONFIGURE_LOGGING=0; only Python's last-resort WARNING lines remain). Read at "
+    "each core and worker start and when `asyncllm serve` starts.",
 )
 
 FORKSERVER = EnvVar(

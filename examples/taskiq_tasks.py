@@ -29,14 +29,15 @@ async def stop_engine(state: TaskiqState) -> None:
 
 
 @broker.task
-async def complete(prompt: str, max_tokens: int = 32) -> str:
-    out = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=0))
+async def complete(prompt: str, max_tokens: int = 32, seed: int | None = None) -> str:
+    """`seed`: a task's own, for a reproducible sample (one seed for every task would give them one random stream)."""
+    out = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=seed))
     return out.text
 
 
 async def main() -> None:
     await broker.startup()
-    tasks = [await complete.kiq(f"def task_{i}(") for i in range(4)]
+    tasks = [await complete.kiq(f"def task_{i}(", seed=i) for i in range(4)]
     for task in tasks:
         result = await task.wait_result(timeout=120)
         print(repr(result.return_value))

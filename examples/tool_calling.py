@@ -7,8 +7,8 @@ With a real chat model (Qwen3, Llama 3.1, ...) leave `tool_choice` out ("auto"):
 the model decides to call the tool. The bundled tiny model never would, so this
 example names the function, which constrains the reply to its arguments' schema.
 `--structured-output-disable-any-whitespace` writes that JSON in the compact layout: by default (as vLLM's)
-any JSON whitespace may come between its tokens, and the bundled model's random weights would write
-whitespace until `max_tokens` (a real model closes the JSON; drop the flag with one).
+any JSON whitespace may come between its tokens, and the bundled model (trained on Python source, not on JSON:
+docs/tiny-model.md) would write whitespace until `max_tokens` (a real model closes the JSON; drop the flag with one).
 """
 
 import json

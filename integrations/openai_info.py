@@ -11,7 +11,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_http import error_response, json_response
 
@@ -89,11 +88,8 @@ def _model_permission(created: int) -> dict[str, Any]:
 def served_name(model: str) -> str | None:
     """The bundled model's short name; None for an engine attached to a shared core (its model is known
     once attached); else the model as configured (before the engine resolves it to a folder)."""
-    from asyncllm.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+    from asyncllm.bundled import model_label
 
     if model.startswith(("ipc://", "tcp://")):  # the engine addresses (asyncllm/engine/connect.py)
         return None
-    try:
-        return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
-    except AsyncLLMError:  # no bundled model in this install
-        return model
+    return model_label(model)

@@ -60,13 +60,19 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
             on_ready()
         core.run()
     finally:
-        _restore(previous)
-        for client_id in core.clients:  # attached hosts fail their requests at once instead of hanging
-            io.send(client_id, protocol.EngineFailed("EngineDeadError", "the standalone engine core stopped"))
-        core.shutdown()
-        io.close()
-        if socket_path is not None:
-            remove_file(socket_path)
+        try:  # a second SIGTERM/Ctrl-C while stopping is logged, not fatal: the hosts are told, the socket removed
+            _stop(core, io, socket_path)
+        finally:
+            _restore(previous)
+
+
+def _stop(core: EngineCore, io: CoreIO, socket_path: str | None) -> None:
+    for client_id in core.clients:  # attached hosts fail their requests at once instead of hanging
+        io.send(client_id, protocol.EngineFailed("EngineDeadError", "the standalone engine core stopped"))
+    core.shutdown()
+    io.close()
+    if socket_path is not None:
+        remove_file(socket_path)
 
 
 def _claim_socket(socket_path: str) -> None:
@@ -74,8 +80,17 @@ def _claim_socket(socket_path: str) -> None:
 
 
 def _install_stop_handlers(core: EngineCore) -> dict[int, object]:
+    """SIGTERM and SIGINT end `core.run()`; a repeat is only logged (the core is stopping already)."""
+    received: list[int] = []
+
     def stop(signum: int, frame: FrameType | None) -> None:
-        logger.info("received %s: stopping the engine core", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if received:
+            logger.info("received %s while stopping: the engine core still stops its workers and removes its "
+                        "socket first", name)
+        else:
+            logger.info("received %s: stopping the engine core", name)
+        received.append(signum)
         core.stop()
 
     return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -2,9 +2,10 @@
 
 Logged on the ``asyncllm.engine.stats`` logger only: the host's logging
 configuration decides where it goes (asyncllm never adds a handler to the
-root logger of the host process). Throughputs count this host's requests;
-running, waiting, preemptions, KV usage and the prefix-cache hit rate are
-engine-wide (see docs/observability.md).
+root logger of the host process; ``asyncllm serve``, asyncllm's own process,
+sends it to stderr when nothing is configured: `cli_commands.log_stats`).
+Throughputs count this host's requests; running, waiting, preemptions, KV
+usage and the prefix-cache hit rate are engine-wide (see docs/observability.md).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
+from asyncllm.bundled import model_label
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.prometheus import attach, retire
@@ -54,7 +55,9 @@ class RequestObserver:
     """
 
     def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
-        """`named`: `model_name` is the model (False: an attached host's core address, until `set_model_name`)."""
+        """`named`: `model_name` is the model (False: an attached host's core address, until `set_model_name`);
+        the bundled model's folder is labelled by its name (`model_label`)."""
+        model_name = model_label(model_name)
         self.stats = HostStats(model_name, named)
         self.registry = attach(self.stats, registry)
         """The `CollectorRegistry` the metrics live in (the host's, or a private one)."""
@@ -70,7 +73,7 @@ class RequestObserver:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
         them."""
         if self._served_name is None:
-            self._label(model_name)
+            self._label(model_label(model_name))
 
     def serve_as(self, served_name: str) -> None:
         """Label metrics and spans with the server's model name for good (`AsyncEngine.set_served_model_name`)."""

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 
 asyncllm engine "$@" &                  # loads the model once; listens on the default ipc:// address
 core=$!
-trap 'kill -TERM $core; wait $core' EXIT
+trap 'kill -TERM $core 2>/dev/null || true; wait $core 2>/dev/null || true' EXIT  # Ctrl-C may have ended it
 
 # The workers attach at startup; a worker that starts before the core has bound its socket fails
 # its startup, so wait for the core to answer first.
