@@ -27,8 +27,8 @@ from zmq.utils.monitor import recv_monitor_message
 from asyncllm import protocol
 from asyncllm.auth import derive_keys, secure_client
 
-__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "HOST_HEARTBEAT_IVL_S", "open_dealer", "ConnectionWatch",
-           "HostHeartbeat"]
+__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "HOST_HEARTBEAT_IVL_S", "open_dealer", "unbounded",
+           "ConnectionWatch", "HostHeartbeat"]
 
 HEARTBEAT_IVL_MS = 1000
 """A ZMTP PING every this often (tcp:// only)."""
@@ -50,9 +50,21 @@ _LOST_EVENTS = {
 }
 
 
+def unbounded(socket: zmq.Socket) -> zmq.Socket:
+    """`socket` with no high-water mark either way (vLLM's engine-core sockets too; set before bind/connect). At
+    zmq's default of 1000 messages a ROUTER silently drops what it sends a peer that stopped reading for a while (a
+    paused or starved host, its processor thread in a long job), and a DEALER's or PUSH's send blocks: here a slow
+    reader's messages wait in memory instead; a dead host is detached by the core's liveness checks, which stops
+    its outputs, and a dead core by its host's watch."""
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    return socket
+
+
 def open_dealer(ctx: zmq.Context, address: str, key: str | None, linger_ms: int = 0) -> zmq.Socket:
-    """A DEALER connected to `address`, with heartbeats when it is tcp://, and CURVE when `key` is given (tcp://)."""
-    dealer = ctx.socket(zmq.DEALER)
+    """A DEALER connected to `address` (`unbounded`), with heartbeats when it is tcp://, and CURVE when `key` is
+    given (tcp://)."""
+    dealer = unbounded(ctx.socket(zmq.DEALER))
     dealer.setsockopt(zmq.LINGER, linger_ms)
     if address.startswith("tcp://"):
         dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -112,5 +124,5 @@ class HostHeartbeat:
             self._next = now + self.interval_s
             try:
                 dealer.send(self._frame, zmq.NOBLOCK)
-            except zmq.Again:  # the queue to the core is full: what is queued ahead will be heard
+            except zmq.Again:  # no connection to queue it on (unbounded otherwise): the next one goes
                 pass

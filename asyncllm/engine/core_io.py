@@ -18,6 +18,7 @@ import zmq
 
 from asyncllm import protocol
 from asyncllm.auth import ServerAuth, derive_keys, resolve_key
+from asyncllm.engine.channel import unbounded
 from asyncllm.engine.client_liveness import HeardAt, mark_heard
 from asyncllm import errors
 from asyncllm.errors import ConfigError
@@ -42,9 +43,9 @@ class CoreIO:
         self._ctx = zmq.Context()
         key = resolve_key(address, key)
         self._auth = ServerAuth(self._ctx, derive_keys(key)) if key is not None else None
-        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router = unbounded(self._ctx.socket(zmq.ROUTER))  # a slow host's outputs wait, never dropped
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # one to a gone host is dropped: the core never blocks
         self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
         if self._auth is not None:
             self._auth.secure(self._router)  # CURVE, and only peers holding the hosts' key get through
@@ -57,9 +58,9 @@ class CoreIO:
             self._ctx.term()
             raise ConfigError("address", address, f"an address this process can listen on ({exc})") from exc
         self._outbox_address = f"inproc://asyncllm-core-out-{uuid.uuid4().hex}"
-        self._outbox_pull = self._ctx.socket(zmq.PULL)
+        self._outbox_pull = unbounded(self._ctx.socket(zmq.PULL))
         self._outbox_pull.bind(self._outbox_address)
-        self._outbox_push = self._ctx.socket(zmq.PUSH)
+        self._outbox_push = unbounded(self._ctx.socket(zmq.PUSH))  # the busy loop's send never waits for this thread
         self._outbox_push.connect(self._outbox_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(protocol.HostMessage)

@@ -316,12 +316,10 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if self._doorbell_pull in events:
                 while self._doorbell_pull.poll(0):
                     self._doorbell_pull.recv()
-                if not self._handle_jobs(dealer):
+                if not self._handle_jobs(dealer, heartbeat):
                     return
             if dealer in events:
-                while dealer.poll(0):
-                    self._on_core_message(dealer, dealer.recv())
-                    heartbeat.maybe_send(dealer)  # a host slower than the core stays in this loop: it still beats
+                self._read_core(dealer, heartbeat)
             if self._core_died():
                 return
             if self._watch.socket in events:
@@ -333,7 +331,15 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if self._stats_logger is not None:
                 self._stats_logger.maybe_log()
 
-    def _handle_jobs(self, dealer: zmq.Socket) -> bool:
+    def _read_core(self, dealer: zmq.Socket, heartbeat: HostHeartbeat) -> None:
+        """Handle every core message received so far (zmq's own thread queues them meanwhile, unbounded)."""
+        while dealer.poll(0):
+            self._on_core_message(dealer, dealer.recv())
+            heartbeat.maybe_send(dealer)  # a host slower than the core stays in this loop: it still beats
+
+    def _handle_jobs(self, dealer: zmq.Socket, heartbeat: HostHeartbeat | None = None) -> bool:
+        """The jobs posted so far, in order; with `heartbeat` (the thread's loop), the core's outputs are read after
+        each request added too, so a burst of slow ones (long prompts, images) does not hold back running streams."""
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -343,6 +349,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 self._adding = job
                 self._add_request(dealer, job)
                 self._adding = None
+                if heartbeat is not None:
+                    self._read_core(dealer, heartbeat)
             elif job[0] == "abort":
                 untracked = self._untrack(job[1])
                 if untracked:
