@@ -59,7 +59,17 @@ def renamed_fields(renames: Mapping[str, str], *, uncoded_only: bool = False) ->
         field = exc.field if exc.field in renames else re.split(r"[\[.]", exc.field, maxsplit=1)[0]
         if field not in renames or (uncoded_only and exc.code is not None):
             raise
-        raise InvalidRequestError(renames[field], exc.message, code=exc.code) from None
+        raise InvalidRequestError(renames[field], _renamed_message(exc.message, renames, renames[field]),
+                                  code=exc.code) from None
+
+
+def _renamed_message(message: str, renames: Mapping[str, str], client_field: str) -> str:
+    """`message` with the quoted names it gives `client_field` (``'max_tokens' or 'max_completion_tokens'``) as
+    the client's (``'max_output_tokens'``); as it was where it already quotes the client's name."""
+    if f"'{client_field}'" in message:
+        return message
+    names = "|".join(re.escape(name) for name, to in renames.items() if to == client_field)
+    return re.sub(rf"'(?:{names})'(?: or '(?:{names})')*", f"'{client_field}'", message)
 
 
 def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -63,7 +63,8 @@ from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_structured import constraint_errors, constraint_field
 from asyncllm.integrations.openai_tools import template_tools, tool_mode
-from asyncllm.integrations.responses_api import RESPONSES_FIELDS, ResponseEvents, ResponsesRequest, response_body
+from asyncllm.integrations.responses_api import (RESPONSES_FIELDS, ResponseEvents, ResponsesRequest, response_body,
+                                                 response_identity)
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import first_deltas, merge_streams
@@ -283,6 +284,7 @@ class OpenAIServer:
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""
+        identity = response_identity()  # id and created_at: the request's arrival (vLLM's created_time)
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
@@ -295,13 +297,13 @@ class OpenAIServer:
                     # errors before the first token keep their status code; a client gone while queued: 499
                     firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
                     count_prompts(streams, choices)
-                    events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event
+                    events = ResponseEvents(turn.req, model, identity, turn.keep)  # kept before its last event
                     return EventStream(response_events(request, events, streams, firsts, choices))
                 async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
                     choices.add(prompt_index, delta)
         count_prompts(streams, choices)
         deltas, finish_reason = choices.reply_deltas(0)
-        body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True))
+        body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True), identity)
         return json_response(turn.keep(body))
 
     async def _sampling_defaults(self) -> dict[str, Any]:

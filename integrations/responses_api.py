@@ -19,7 +19,8 @@ a ``message`` (whole: the ``message`` only), and a ``llama3_json`` reply's text 
 store (responses_store.py): `chat_request` runs the items it hands over
 before ``input``. Not built, and refused by name: ``background``,
 ``include``, ``truncation: "auto"``, non-function tools, ``reasoning``
-settings.
+settings, ``top_logprobs`` other than 0, ``max_tool_calls``, ``request_id``
+(``prompt_cache_key`` is accepted and ignored, as vLLM ignores it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionReque
 from asyncllm.integrations.openai_structured import JSON_SCHEMA_KEYS
 from asyncllm.integrations.responses_input import input_items, input_messages
 
-__all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
+__all__ = ["METADATA_LIMITS", "RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body",
+           "response_identity", "ResponseEvents"]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -72,7 +74,27 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     priority: int = 0
     cache_salt: CacheSalt = None
     chat_template_kwargs: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    """Only 0 (vLLM's default): logprobs in the output need ``include``, not built."""
+    max_tool_calls: int | None = None
+    request_id: str | None = None
+    prompt_cache_key: str | None = None
+    """Accepted and ignored, as vLLM ignores it."""
 
+
+METADATA_LIMITS = (16, 64, 512)
+"""OpenAI's bounds of ``metadata``: pairs, characters of a key, of a value."""
+
+_PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt", "chat_template_kwargs",
+                   "user", "stream", "stop", "logit_bias", "ignore_eos", "skip_special_tokens",
+                   "include_stop_str_in_output", "structured_outputs")
+"""The fields a chat completion has under the same name (vLLM's sampling extensions among them)."""
 
 RESPONSES_FIELDS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
                     "max_tokens": "max_output_tokens"}
@@ -86,10 +108,27 @@ def _refused(req: ResponsesRequest) -> None:
         (req.truncation not in (None, "disabled"), "truncation", "only 'disabled' is built"),
         (bool(req.reasoning), "reasoning", "reasoning settings are not built (a reasoning parser splits the reply)"),
         (req.service_tier not in (None, "auto", "default"), "service_tier", "this server has one tier"),
+        (bool(req.top_logprobs), "top_logprobs", "logprobs in the output are not built (only 0)"),
+        (req.max_tool_calls is not None, "max_tool_calls", "limiting tool calls is not built"),
+        (req.request_id is not None, "request_id", "a client's response id is not built"),
     ]
     for failed, field, why in checks:
         if failed:
             raise InvalidRequestError(field, why)
+    _check_metadata(req.metadata or {})
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    """OpenAI's bounds (`METADATA_LIMITS`), which also bound what the response store keeps of it."""
+    pairs, key_chars, value_chars = METADATA_LIMITS
+    if len(metadata) > pairs:
+        raise InvalidRequestError("metadata", f"at most {pairs} pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > key_chars:
+            raise InvalidRequestError("metadata", f"a key has at most {key_chars} characters, got {len(key)}")
+        if len(value) > value_chars:
+            raise InvalidRequestError("metadata", f"the value of {key!r} has at most {value_chars} characters, "
+                                                  f"got {len(value)}")
 
 
 def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None) -> ChatCompletionRequest:
@@ -108,9 +147,7 @@ def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
-        "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
-        "priority": req.priority, "cache_salt": req.cache_salt, "chat_template_kwargs": req.chat_template_kwargs,
-        "user": req.user, "stream": req.stream,
+        **{name: getattr(req, name) for name in _PASSED_THROUGH},
     }
     return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
 
@@ -159,6 +196,11 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def response_identity() -> tuple[str, int]:
+    """A response's id and ``created_at``, taken when its request arrives (vLLM's ``created_time``)."""
+    return _new_id("resp"), int(time.time())
+
+
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     """Responses' usage of a chat's, whose prompt_tokens_details the server asks for with the flag or not
     (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always) and its
@@ -170,7 +212,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": usage["total_tokens"]}
 
 
-def _skeleton(req: ResponsesRequest, response_id: str, model: str, created: int) -> dict[str, Any]:
+def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model, "status": "in_progress",
         "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
@@ -203,10 +245,10 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
 
 
 def response_body(req: ResponsesRequest, model: str, deltas: list[dict[str, Any]], finish_reason: str | None,
-                  usage: dict[str, Any]) -> dict[str, Any]:
+                  usage: dict[str, Any], identity: tuple[str, int] | None = None) -> dict[str, Any]:
     """A whole response from a chat choice's deltas (`Choices.reply_deltas`): the body its stream would end with
     (`ResponseEvents`), so a response has the same output items streamed or not."""
-    events = ResponseEvents(req, model)
+    events = ResponseEvents(req, model, identity)
     events.feed(deltas)
     events.finish(finish_reason, usage)
     return events.body
@@ -219,9 +261,9 @@ class ResponseEvents:
     ``function_call`` per call; a change of kind, or a ``message_start`` delta (a harmony message's,
     `ChatReply`'s ``message_starts``), closes the open text item, so a gpt-oss reply has an item per message."""
 
-    def __init__(self, req: ResponsesRequest, model: str,
+    def __init__(self, req: ResponsesRequest, model: str, identity: tuple[str, int] | None = None,
                  on_finish: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self.body = _skeleton(req, _new_id("resp"), model, int(time.time()))
+        self.body = _skeleton(req, *(identity or response_identity()), model)
         self._on_finish = on_finish
         """Called with the finished body before the last event (the response store keeps it)."""
         self._sequence = 0
@@ -255,8 +297,9 @@ class ResponseEvents:
         return events + [self._event(kind, response=self.body)]
 
     def error(self, error: dict[str, Any]) -> bytes:
-        """An ``error`` event (an engine error after the stream began): OpenAI's message, type, param, code."""
-        return self._event("error", **error)
+        """An ``error`` event (an engine error after the stream began), OpenAI's and vLLM's ``ResponseErrorEvent``:
+        the error body's code, message and param (its own ``type`` is not the event's); the stream ends there."""
+        return self._event("error", code=error["code"], message=error["message"], param=error["param"])
 
     def _text_delta(self, kind: str, text: str) -> list[bytes]:
         events = self._switch(kind)

@@ -1,0 +1,94 @@
+"""The Responses API's request checks and stamps: vLLM's extra fields, ``metadata``'s bounds, the ``error`` event,
+``created_at`` taken at arrival, a 400 worded with the client's field."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from asgi_helpers import asgi_client
+from openai.types.responses import ResponseErrorEvent
+
+import asyncllm.integrations.responses_api as responses_api
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.integrations.errors import error_body, renamed_fields
+from asyncllm.integrations.openai_server import OpenAIServer
+from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request
+
+BASE = {"model": "asyncllm-tiny", "input": "hi", "temperature": 0, "max_output_tokens": 2}
+
+
+def test_vllm_sampling_fields_reach_the_chat() -> None:
+    passed = {"stop": ["\n"], "logit_bias": {"5": 1.0}, "ignore_eos": True, "skip_special_tokens": False,
+              "include_stop_str_in_output": True, "structured_outputs": {"regex": "a+"}}
+    chat = chat_request(ResponsesRequest(input="hi", top_logprobs=0, prompt_cache_key="k", **passed))
+    assert {name: getattr(chat, name) for name in passed} == passed
+
+
+@pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("max_tool_calls", 4), ("request_id", "abc")])
+def test_vllm_fields_not_built_are_refused_by_name(field, value) -> None:
+    with pytest.raises(InvalidRequestError, match="not built") as caught:
+        chat_request(ResponsesRequest(input="hi", **{field: value}))
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}])
+def test_metadata_past_openai_bounds_is_refused(metadata) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        chat_request(ResponsesRequest(input="hi", metadata=metadata))
+    assert caught.value.field == "metadata"
+    at_bounds = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert chat_request(ResponsesRequest(input="hi", metadata=at_bounds)).messages
+
+
+def test_error_event_is_openai_response_error_event() -> None:
+    events = ResponseEvents(ResponsesRequest(input="hi"), "m")
+    events.start()
+    raw = events.error(error_body(EngineDeadError("the engine core died"))[1]["error"])
+    assert raw.startswith(b"event: error\n")
+    payload = json.loads(raw.split(b"data: ", 1)[1])
+    event = ResponseErrorEvent.model_validate(payload)
+    assert (event.type, event.code, event.message, event.sequence_number) == ("error", "engine_dead",
+                                                                             "the engine core died", 2)
+
+
+def test_renamed_max_tokens_message_names_the_client_field() -> None:
+    message = "'max_tokens' or 'max_completion_tokens' is too large: 9."
+    with pytest.raises(InvalidRequestError) as caught, renamed_fields(responses_api.RESPONSES_FIELDS):
+        raise InvalidRequestError("max_tokens", message)
+    assert (caught.value.field, caught.value.message) == ("max_output_tokens", "'max_output_tokens' is too large: 9.")
+    with pytest.raises(InvalidRequestError) as caught, renamed_fields({"max_tokens": "max_completion_tokens"}):
+        raise InvalidRequestError("max_tokens", message)
+    assert caught.value.message == message  # it already names the client's field
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("stream", [False, True])
+async def test_created_at_is_the_request_arrival(app, monkeypatch, stream) -> None:
+    clock = [1000]
+    monkeypatch.setattr(responses_api, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    start_chat = OpenAIServer._start_chat
+
+    def started(*args, **kwargs):
+        clock[0] = 2000  # generation begins after the request arrived
+        return start_chat(*args, **kwargs)
+
+    monkeypatch.setattr(OpenAIServer, "_start_chat", started)
+    async with asgi_client(app) as http:
+        reply = await http.post("/v1/responses", json={**BASE, "stream": stream})
+    assert reply.status_code == 200
+    if stream:
+        bodies = [json.loads(line[6:])["response"] for line in reply.text.split("\n") if '"response"' in line]
+        assert {b["created_at"] for b in bodies} == {1000} and len({b["id"] for b in bodies}) == 1
+    else:
+        assert reply.json()["created_at"] == 1000
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_too_large_max_output_tokens_is_worded_with_it(app) -> None:
+    async with asgi_client(app) as http:
+        reply = await http.post("/v1/responses", json={**BASE, "max_output_tokens": 600})
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"]) == (400, "max_output_tokens")
+    assert error["message"].startswith("'max_output_tokens' is too large: 600.")
