@@ -102,7 +102,8 @@ def _decode_linear_kernel(
 
 def block_sizes(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): about 512 column blocks of 2 to 8 columns, K steps of up to 1024 (the fastest of 90
-    configurations at every Qwen3-0.6B decode product on an H200, docs/kernels.md)."""
+    configurations at every Qwen3-0.6B decode product on an H200, docs/kernels.md); `decode_linear` launches
+    them with 4 warps whatever the sizes."""
     block_n = min(8, max(2, triton.next_power_of_2(-(-n // 512))))
     return block_n, min(1024, triton.next_power_of_2(k))
 

@@ -13,12 +13,12 @@ the profile ran before serving, so the first small decode batches would compile 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from asyncllm import envs
 from asyncllm.workers.cuda_graphs import DecodeBuffers, attention_backend_name, model_graphs_off_reason
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def warmup_sizes(max_num_seqs: int) -> list[int]:
 def warms_up(runner: ModelRunner) -> bool:
     """Whether `warm_up_decodes` runs: a CUDA device (not Triton's interpreter), the triton backend, no captured
     graphs, one pipeline stage, and a model whose forward takes the capture's decode layout."""
-    return (runner.device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (runner.device.type == "cuda" and not envs.TRITON_INTERPRET.get()
             and runner.cuda_graphs is None and runner.config.pipeline_parallel_size == 1
             and attention_backend_name(runner.model) == "triton"
             and model_graphs_off_reason(runner.model, runner.drafter) is None)

@@ -190,7 +190,7 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it): the next norm adds them."""
-        if hidden.shape[0] <= self.fused_decode_rows and residual is not None:
+        if hidden.shape[0] <= self.fused_decode_rows:
             return self.forward_fused_decode(positions, hidden, residual, kv_cache, metadata)
         hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden = self.to_residual(self.self_attn(positions, hidden, kv_cache, metadata))
@@ -206,15 +206,20 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` for a few rows: each norm and the SiLU-and-mul run inside the product after them, and the
-        output projection too unless the attention changes `attend`."""
+        output projection too unless the attention changes `attend`. The first layer (``residual`` None: no add)
+        runs its input norm on its own before a plain QKV product."""
         attn, mlp, norm, decode_linear = self.self_attn, self.mlp, self.input_layernorm, self.decode_linear
-        qkv, residual = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, "add_rms_norm", residual,
-                                      norm.weight, norm.eps)
+        if residual is None:
+            hidden, residual = norm_in(norm, hidden, residual)
+            qkv = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        else:
+            qkv, residual = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, "add_rms_norm",
+                                          residual, norm.weight, norm.eps)
         if type(attn).attend is LlamaAttention.attend:
             values = attn.attention_values(positions, qkv, kv_cache, metadata)
             hidden = self.to_residual(decode_linear(values, attn.o_proj.weight, attn.o_proj.bias))

@@ -73,12 +73,52 @@ def test_the_warmup_runs_only_for_eager_triton_decodes_on_a_gpu(monkeypatch: pyt
     from asyncllm.workers import decode_warmup
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(decode_warmup, "attention_backend_name", lambda model: model)
+    monkeypatch.setattr(decode_warmup, "attention_backend_name", lambda model: model.backend)
     eager = dict(device=torch.device("cuda"), cuda_graphs=None, config=SimpleNamespace(pipeline_parallel_size=1),
-                 model="triton", drafter=None)
+                 model=SimpleNamespace(backend="triton"), drafter=None)
     assert decode_warmup.warms_up(SimpleNamespace(**eager))
-    for change in (dict(device=torch.device("cpu")), dict(cuda_graphs=object()), dict(model="torch_sdpa"),
+    for change in (dict(device=torch.device("cpu")), dict(cuda_graphs=object()),
+                   dict(model=SimpleNamespace(backend="torch_sdpa")),
+                   dict(model=SimpleNamespace(backend="triton", cuda_graphs_off="cross-attention states")),
+                   dict(model=SimpleNamespace(backend="triton", keeps_request_states=True)),
                    dict(config=SimpleNamespace(pipeline_parallel_size=2))):
         assert not decode_warmup.warms_up(SimpleNamespace(**{**eager, **change})), change
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not decode_warmup.warms_up(SimpleNamespace(**eager))
+
+
+def test_the_warmup_runs_each_size_once_and_writes_no_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`warm_up_decodes` on a tiny model on the CPU (torch_sdpa: the driver is under test, not the kernels), the
+    GPU checks patched: one forward per `warmup_sizes` size, each that many one-token requests, and the KV cache
+    as it was (the warm-up layout writes no KV)."""
+    from types import SimpleNamespace
+
+    from asyncllm.config import EngineConfig
+    from asyncllm.models.loader import load_hf_config, load_model
+    from asyncllm.models.registry import kv_cache_spec
+    from asyncllm.tiny import tiny_checkpoint
+    from asyncllm.workers import decode_warmup
+
+    path = tiny_checkpoint("llama")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="torch_sdpa"), hf_config, torch.device("cpu"),
+                       torch.float32)
+    kv_caches = kv_cache_spec(hf_config, 1).allocate(3, 4, torch.float32, torch.device("cpu"))
+    for cache in kv_caches:
+        cache.normal_()
+    before = [cache.clone() for cache in kv_caches]
+    sizes: list[tuple[int, int]] = []
+
+    def spy(input_ids, positions, caches, metadata):
+        sizes.append((input_ids.shape[0], len(metadata.seq_lens_cpu)))
+        assert caches is kv_caches
+        return model(input_ids, positions, caches, metadata)
+
+    monkeypatch.setattr(decode_warmup, "warms_up", lambda runner: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    runner = SimpleNamespace(model=spy, kv_caches=kv_caches, max_num_seqs=5, max_model_len=8, block_size=4,
+                             device=torch.device("cpu"))
+    decode_warmup.warm_up_decodes(runner)
+    assert sizes == [(1, 1), (2, 2), (4, 4), (5, 5)]
+    for cache, kept in zip(kv_caches, before):
+        torch.testing.assert_close(cache, kept, atol=0, rtol=0)

@@ -3,7 +3,7 @@
 Tiny float32 Mistral (sliding window, head dim 24), Qwen3 (per-head q/k
 norms), Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels),
 Phi-3 (partial rotary, LongRoPE), Granite (multipliers around the fused kernels), OLMo 2 (whole-projection
-q/k norms), gpt-oss (attention sinks, experts with biases and a clamped SwiGLU) and DeepSeek-V3 (latent attention
+q/k norms), Hunyuan-dense and Ministral 3 (their own `attend` on the fused decode path), gpt-oss (attention sinks, experts with biases and a clamped SwiGLU) and DeepSeek-V3 (latent attention
 expanded into the cache) run chunked prefills mixed with
 decodes over a paged cache with every op on the Triton kernels; logits must match
 transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
@@ -19,7 +19,9 @@ from asyncllm.attention.selector import get_attention_backend
 from asyncllm.attention.triton import TritonBackend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.kernels import reference
 from asyncllm.kernels.decode_linear import FUSED_ROWS
+from asyncllm.models.llama import LlamaAttention, LlamaDecoderLayer
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
 from kernel_testing import DEVICE
@@ -80,11 +82,13 @@ def test_triton_phi3_logits_match_transformers() -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2"])
-def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch", ["granite", "olmo2", "hunyuan_v1_dense", "ministral3"])
+def test_triton_llama_variants_logits_match_transformers(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Granite's residual multiplier before the fused residual-add + RMSNorm kernel (the 20-row prefill step) and
     before the fused decode products' add (the decode step); OLMo 2's whole-projection q/k norms before the
-    rotary/KV-write kernel, which must not norm per head."""
+    rotary/KV-write kernel, which must not norm per head; Hunyuan-dense's and Ministral 3's attentions change
+    `attend` (q/k norms after the rotary, attention-temperature scaling), so their fused decode step runs it and
+    its own output product instead of the fused one."""
 
     from asyncllm.tiny import tiny_checkpoint
 
@@ -93,8 +97,42 @@ def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypat
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     fused_rows = [getattr(layer, "fused_decode_rows", None) for layer in model.model.layers]
-    assert fused_rows == ([FUSED_ROWS] * 2 if arch == "granite" else [None, None])
-    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+    assert fused_rows == ([None, None] if arch == "olmo2" else [FUSED_ROWS] * 2)
+    overrides = type(model.model.layers[0].self_attn).attend is not LlamaAttention.attend
+    assert overrides == (arch in ("hunyuan_v1_dense", "ministral3"))
+    if overrides:  # which products the fused step runs is under test there, not the kernel (as Granite's): quicker
+        _fused_products_on_the_reference(model)
+    # Ministral 3's attention temperature starts at position 16 (asyncllm/tiny_shapes.py): a decode past it
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config, 18 if arch == "ministral3" else 13)
+
+
+def test_fused_decode_runs_in_every_layer_at_steps_of_at_most_fused_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 1 and `FUSED_ROWS` tokens run `forward_fused_decode` in every layer, the first (no residual yet)
+    too; a step of one token more runs none. docs/kernels.md, configuration.md and architecture.md say 2."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    assert FUSED_ROWS == 2
+    monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "1")
+    path = tiny_checkpoint("llama")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    fused, index = LlamaDecoderLayer.forward_fused_decode, {layer: i for i, layer in enumerate(model.model.layers)}
+    calls: list[tuple[int, int]] = []  # (layer index, rows)
+
+    def spy(layer, positions, hidden, *rest):
+        calls.append((index[layer], hidden.shape[0]))
+        return fused(layer, positions, hidden, *rest)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward_fused_decode", spy)
+    _fused_products_on_the_reference(model)  # the path taken is under test here, not the kernel: quicker
+    run = PagedRun(model, [list(range(40, 44)), list(range(50, 52))], block_size=4)
+    layers = range(len(model.model.layers))
+    with torch.device(DEVICE):
+        run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+        for num_scheduled, fused_rows in ([2, 1], None), ([1, 0], 1), ([1, 1], 2):
+            calls.clear()
+            run.step(num_scheduled)
+            assert calls == ([] if fused_rows is None else [(i, fused_rows) for i in layers]), num_scheduled
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe"])
@@ -213,15 +251,23 @@ def test_decode_linear_switch_refuses_a_bad_value(monkeypatch: pytest.MonkeyPatc
         envs.DECODE_LINEAR.get()
 
 
-def _two_prefills_then_a_decode_match_transformers(model, path: str, hf_config) -> None:
-    """Two sequences prefilled in chunks of 8 and 12 tokens, then one decode step each, on a paged cache."""
+def _fused_products_on_the_reference(model) -> None:
+    """The fused decode path's products as `reference.decode_linear` (torch) instead of the interpreted kernel."""
+    for layer in model.model.layers:
+        if getattr(layer, "fused_decode_rows", 0):
+            layer.decode_linear = reference.decode_linear
+
+
+def _two_prefills_then_a_decode_match_transformers(model, path: str, hf_config, second: int = 13) -> None:
+    """Two sequences of 9 and ``second`` tokens prefilled in chunks of 8 and ``second - 1``, then one decode
+    step each, on a paged cache."""
     from hf_reference import hf_logits as hf_path_logits
 
     spec = kv_cache_spec(hf_config, 1)
-    sequences = [list(range(40, 49)), list(range(300, 313))]
+    sequences = [list(range(40, 49)), list(range(300, 300 + second))]
     run = PagedRun(model, sequences, block_size=4)
     with torch.device(DEVICE):
         run.new_kv_caches_for(spec, torch.float32)
-        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
+        all_logits = [logits.cpu() for logits in run.run([[8, second - 1], [1, 1]])]
     for tokens, logits in zip(sequences, all_logits):
         torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
