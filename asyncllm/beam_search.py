@@ -32,11 +32,15 @@ from asyncllm.errors import (
     EngineDeadError, InvalidRequestError, NotBuiltError, RequestTimeoutError, check_context_length,
 )
 from asyncllm.engine.stream import check_prompt
-from asyncllm.engine.validation import check_untokenized, split_cache_salt
+from asyncllm.engine.pooling_model import lowered
+from asyncllm.engine.validation import (
+    PART_CHARS, check_prompt_chars, check_text, check_untokenized, split_cache_salt, truncation_length,
+)
 from asyncllm.generation_config import SuppressedTokens
 from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
 from asyncllm.outputs import Logprob, RequestOutput
 from asyncllm.sampling import SamplingParams
+from asyncllm.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -119,7 +123,7 @@ class BeamSearchOutput:
     """The best ``beam_width`` beams, best first."""
 
 
-def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
+async def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
     """Token ids of text, of token ids (a list or tuple, as generate's), or of vLLM's ``{"prompt": text}`` /
     ``{"prompt_token_ids": ids}`` (as the engine reads them: `plain_prompt`, None or empty media entries are none;
     its ``cache_salt`` split off first). One prompt: a list of prompts (vLLM's ``LLM.beam_search`` takes one) is an
@@ -137,9 +141,28 @@ def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
                                             "prompts (vLLM's LLM.beam_search takes a list): call it once per prompt "
                                             "(asyncio.gather runs the searches concurrently)")
     check_prompt(prompt, chat=False)  # a str or token ids, not empty, as generate's
-    if isinstance(prompt, str) and engine.tokenizer is None:
+    return await text_prompt_ids(engine, prompt) if isinstance(prompt, str) else list(prompt)
+
+
+async def text_prompt_ids(engine: "AsyncEngine", prompt: str, truncate_prompt_tokens: int | None = None,
+                          add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's token ids as generate's, tokenized off the event loop: valid Unicode (`check_text`), a
+    tokenizer (`check_untokenized`), ``do_lower_case``, a huge text refused by its parts before it is tokenized whole
+    (`check_prompt_chars`), cut on the left to `truncate_prompt_tokens` (BOS kept), BOS and the like added unless
+    not `add_special_tokens` (vLLM's)."""
+    check_text("prompt", prompt)
+    if engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
-    return engine.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+    max_model_len = engine.config.max_model_len
+    keep = truncation_length(truncate_prompt_tokens, max_model_len)
+    text = lowered(engine.pooling_model, prompt)  # do_lower_case, as the engine's text
+
+    def encode() -> list[int]:
+        if keep is None:  # below one part (PART_CHARS) the text is tokenized whole anyway
+            check_prompt_chars(engine.tokenizer, (text,), max_model_len, max(4 * max_model_len, PART_CHARS))
+        return encode_prompt(engine.tokenizer, text, add_special_tokens, max_length=keep)
+
+    return await asyncio.to_thread(encode)
 
 
 _PLAIN_SHAPE = "beam search takes {'prompt': text} or {'prompt_token_ids': ids}, and optionally 'cache_salt'"
@@ -209,7 +232,7 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     prompt, cache_salt = split_cache_salt(prompt, options.get("cache_salt"))  # every step's requests are salted
     if cache_salt is not None:
         options = {**options, "cache_salt": cache_salt}
-    prompt_ids = _prompt_ids(engine, prompt)
+    prompt_ids = await _prompt_ids(engine, prompt)
     max_model_len, width = engine.config.max_model_len, params.beam_width
     check_context_length(max_model_len, len(prompt_ids))  # a prompt that leaves no room: generate's error
     suppressed: SuppressedTokens = engine.suppressed_tokens

@@ -212,8 +212,8 @@ def render_chat(
     `placeholder`: a media part's text under the ``"string"`` format (a multimodal model's, asyncllm/mm/host.py).
 
     Whatever rendering raises is an `InvalidRequestError` on ``messages`` (vLLM's ``apply_hf_chat_template`` makes
-    any exception a 400). The text comes before its tokens so that the processor can refuse one longer than
-    ``max_prompt_chars`` without tokenizing it (asyncllm/engine/prompt_tokens.py): tokenizing is the costly part.
+    any exception a 400). The text comes before its tokens so that the processor can count one longer than
+    ``max_prompt_chars`` by parts and refuse it without tokenizing it whole (asyncllm/engine/prompt_tokens.py).
     """
     from asyncllm.chat_content import content_format_of, formatted_messages
 
@@ -238,11 +238,11 @@ def render_chat(
     return text.lower() if lower else text
 
 
-def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
     """A rendered chat's token ids as transformers' ``apply_chat_template(tokenize=True)`` makes them: the template
-    wrote the special tokens itself (BOS included), so none are added."""
+    wrote the special tokens itself (BOS included), so none are added unless `add_special_tokens` (vLLM's)."""
     try:
-        token_ids = tokenizer(text, add_special_tokens=False).input_ids
+        token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     except Exception as exc:  # noqa: BLE001 - a 400, as vLLM's
         raise InvalidRequestError("messages", f"could not be tokenized ({type(exc).__name__}: {exc})") from exc
     return [int(t) for t in token_ids]

@@ -27,14 +27,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_max_tokens
-from asyncllm.engine.pooling_model import lowered
-from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt, truncation_length
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_max_tokens, text_prompt_ids
+from asyncllm.engine.validation import truncated_prompt
 from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.integrations.openai_http import EventStream
 from asyncllm.integrations.openai_protocol import (
@@ -52,8 +50,6 @@ from asyncllm.integrations.openai_streaming import chunk_usage, usage_mode
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import StreamDelta
-from asyncllm.sampling import SamplingParams
-from asyncllm.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -128,11 +124,15 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     engine = server.engine
     max_model_len = engine.config.max_model_len
     if chat:
+        if req.add_special_tokens:
+            raise InvalidRequestError("add_special_tokens", "only its default (false) is built for beam search over "
+                                                            "a chat")
         prompts = [truncated_prompt(await server._chat_tokens(req), req.truncate_prompt_tokens, max_model_len)]
     else:
         texts = completion_prompts(req.prompt, server.limits)
         server.limits.check_sequences(len(texts), width, "n" if width == req.n else "best_of")
-        prompts = [await _prompt_ids(engine, prompt, req.truncate_prompt_tokens) for prompt in texts]
+        prompts = [await _prompt_ids(engine, prompt, req.truncate_prompt_tokens, req.add_special_tokens is not False)
+                   for prompt in texts]
     max_tokens = _max_tokens(req, server.limits, defaults)
     params = []
     for ids in prompts:
@@ -169,18 +169,13 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None) -> list[int]:
+async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None,
+                      add_special_tokens: bool) -> list[int]:
     """A completion prompt's token ids, as the engine tokenizes and cuts them (text off the event loop): a text's
-    by the tokenizer on the left, BOS kept; token ids' last k."""
-    max_model_len = engine.config.max_model_len
+    by the tokenizer on the left, BOS kept (`add_special_tokens`); token ids' last k."""
     if not isinstance(prompt, str):  # the engine checks the ids at the first step
-        return truncated_prompt(list(prompt), truncate_prompt_tokens, max_model_len)
-    check_text("prompt", prompt)
-    if engine.tokenizer is None:
-        check_untokenized(prompt, False, SamplingParams(), None)
-    keep = truncation_length(truncate_prompt_tokens, max_model_len)
-    text = lowered(engine.pooling_model, prompt)  # do_lower_case, as the engine's text
-    return await anyio.to_thread.run_sync(lambda: encode_prompt(engine.tokenizer, text, max_length=keep))
+        return truncated_prompt(list(prompt), truncate_prompt_tokens, engine.config.max_model_len)
+    return await text_prompt_ids(engine, prompt, truncate_prompt_tokens, add_special_tokens)  # as beam_search's
 
 
 def _max_tokens(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,

@@ -193,15 +193,12 @@ def _check_combinations(req: GenerationRequest) -> None:
 
 
 def check_common(req: GenerationRequest) -> None:
-    """The refusals sampling and beam search share (stream_options, response_format's keys, add_special_tokens, ...)."""
+    """The refusals sampling and beam search share (stream_options, response_format's keys, ...)."""
     # as vLLM's validate_stream_options: refused when they set any field ({} and null pass)
     _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",
             "Stream options can only be defined when stream=True")
     if req.response_format is not None:
         check_response_format_keys(req.response_format)
-    chat = isinstance(req, ChatCompletionRequest)
-    _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
-            f"only its default ({str(not chat).lower()} here) is built")
 
 
 def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:

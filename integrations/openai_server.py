@@ -238,7 +238,8 @@ class OpenAIServer:
         log_prompts(self.request_log, req, "cmpl", prompts, params, lora)
         rank = header_data_parallel_rank(request.headers)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
-                                      check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req)) for prompt in prompts]
+                                      check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req),
+                                      add_special_tokens=req.add_special_tokens) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
                           echo_only=echo_only(req), num_prompt_logprobs=req.prompt_logprobs,
@@ -327,7 +328,8 @@ class OpenAIServer:
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
                                     check_max_tokens=sets_max_tokens(req),
-                                    chat_template_content_format=self.content_format)]
+                                    chat_template_content_format=self.content_format,
+                                    add_special_tokens=req.add_special_tokens)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           token_ids_as_text=self.token_ids_as_text,
                           num_prompt_logprobs=req.prompt_logprobs,

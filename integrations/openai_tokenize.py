@@ -36,7 +36,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             special = req.add_special_tokens is not False
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
-            if req.add_special_tokens:  # as chat completions (openai_sampling.check_common)
+            if req.add_special_tokens:  # not built here (chat completions honour it)
                 raise InvalidRequestError("add_special_tokens", "only its default (false here) is built")
             tokens = await server._chat_tokens(req, req.tools)  # the tools checked there (`template_tools`)
         tokens = [int(t) for t in tokens]

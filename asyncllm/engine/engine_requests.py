@@ -48,16 +48,17 @@ class EngineRequests:
                request_id: str | None = None, timeout: float | None = None,
                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                data_parallel_rank: int | None = None, check_max_tokens: bool = False,
-               echo_only: bool = False) -> RequestStream:
+               echo_only: bool = False, add_special_tokens: bool | None = None) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
         replica (data_parallel_size > 1; default: the least loaded). `check_max_tokens` (the OpenAI server's):
         a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit;
-        `echo_only` (its echo with max_tokens 0, max_tokens 1 here): the prompt may fill max_model_len."""
+        `echo_only` (its echo with max_tokens 0, max_tokens 1 here): the prompt may fill max_model_len.
+        `add_special_tokens` (vLLM's; None: True) whether a text prompt's tokens start with BOS and the like."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
                                  data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens,
-                                 echo_only=echo_only)
+                                 echo_only=echo_only, add_special_tokens=add_special_tokens)
         params = _checked_params(params)
         if echo_only and (params is None or params.max_tokens != 1):
             raise InvalidRequestError("echo_only", "needs params with max_tokens=1 (the token sampled for it is "
@@ -70,7 +71,7 @@ class EngineRequests:
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False,
-             chat_template_content_format: str = "auto") -> RequestStream:
+             chat_template_content_format: str = "auto", add_special_tokens: bool | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -83,12 +84,14 @@ class EngineRequests:
         as for `stream`. `chat_template_content_format` (vLLM's ``LLM.chat`` argument) is how a message's content
         reaches the template: "string" (text parts joined with "\\n"), "openai" (a list of ``{"type": "text",
         "text": ...}`` and media parts) or "auto" (the default: "openai" when the template loops over a message's
-        content; asyncllm/chat_content.py).
+        content; asyncllm/chat_content.py). `add_special_tokens` (vLLM's; None: False, the template writes them)
+        True adds the tokenizer's special tokens to the rendered text's as well.
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request, data_parallel_rank=data_parallel_rank,
                                  mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens,
-                                 chat_template_content_format=chat_template_content_format)
+                                 chat_template_content_format=chat_template_content_format,
+                                 add_special_tokens=add_special_tokens)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

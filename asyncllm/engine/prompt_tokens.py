@@ -16,8 +16,8 @@ import msgspec
 from asyncllm import errors
 from asyncllm.engine.pooling_model import PoolingModel, lowercases, lowered
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
-from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_chars, truncated_prompt,
-                                       truncation_length)
+from asyncllm.engine.validation import (check_prompt_chars, check_text, check_token_ids, max_prompt_chars,
+                                       truncated_prompt, truncation_length)
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
@@ -48,7 +48,8 @@ class PromptTokenizer:
     core_max_model_len: int = 0
     """The core's own (its Ready's): a sequence runs on to it unless max_tokens ends it before."""
     max_prompt_chars: int = 2**62
-    """Characters beyond which a text prompt cannot fit (`max_prompt_chars`): refused before it is tokenized."""
+    """Characters beyond which a text prompt may not fit (`max_prompt_chars`): counted by parts before it is
+    tokenized whole, and refused when they make too many tokens."""
 
     def ready(self, max_model_len: int) -> None:
         self.core_max_model_len = max_model_len
@@ -93,6 +94,9 @@ class PromptTokenizer:
                                               options.chat_template_content_format,
                                               lambda text: self._check_chat_chars(job, text, cuttable=False))
             if job.mm_prompt is not None:  # its length counts the media placeholders
+                if options.add_special_tokens not in (None, not job.chat):
+                    raise errors.InvalidRequestError("add_special_tokens", "only its default is built for a prompt "
+                                                                           "with images, audio or video")
                 errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation,
                                             echo_only=options.echo_only)
                 if job.params.truncate_prompt_tokens is not None:
@@ -104,10 +108,9 @@ class PromptTokenizer:
         if job.chat:
             token_ids = self._truncated(job, self._chat_token_ids(job), chat=True)
         elif isinstance(job.prompt, str):
-            chars = len(job.prompt) + len(options.text_pair or "")
-            if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
-                raise errors.prompt_too_long(self.max_model_len, f"{chars} characters", operation)
             check_text("prompt", job.prompt)
+            if job.params.truncate_prompt_tokens is None:
+                self._refuse_past_chars(job, (job.prompt, options.text_pair or ""))
             token_ids = self._text_token_ids(job)
         else:
             token_ids = self._truncated(job, list(job.prompt))
@@ -122,21 +125,26 @@ class PromptTokenizer:
         return token_ids
 
     def _chat_token_ids(self, job: Submit) -> list[int]:
-        """The chat's ids: rendered as text first, refused unread past ``max_prompt_chars`` as a text prompt is (the
+        """The chat's ids: rendered as text first, counted by parts past ``max_prompt_chars`` as a text prompt is (the
         tokenizing of a huge chat would stall the processor thread for every request), then tokenized."""
         options = job.options
         text = render_chat(self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs,
                            tools=options.tools, chat_template=options.chat_template,
                            content_format=options.chat_template_content_format, lower=lowercases(self.pooling_model))
         self._check_chat_chars(job, text)
-        return chat_token_ids(self.tokenizer, text)
+        return chat_token_ids(self.tokenizer, text, bool(options.add_special_tokens))
 
     def _check_chat_chars(self, job: Submit, text: str, cuttable: bool = True) -> None:
-        """A rendered chat longer than ``max_prompt_chars`` refused unread, unless it may be cut
-        (``truncate_prompt_tokens``; a chat with media parts may not: asyncllm/mm/host.py)."""
-        if len(text) > self.max_prompt_chars and not (cuttable and job.params.truncate_prompt_tokens is not None):
-            raise errors.prompt_too_long(self.max_model_len, f"{len(text)} characters", job.options.pooling_operation,
-                                         field="messages")
+        """A rendered chat longer than ``max_prompt_chars`` refused by parts (`_refuse_past_chars`), unless it may be
+        cut (``truncate_prompt_tokens``; a chat with media parts may not: asyncllm/mm/host.py)."""
+        if not (cuttable and job.params.truncate_prompt_tokens is not None):
+            self._refuse_past_chars(job, (text,), field="messages")
+
+    def _refuse_past_chars(self, job: Submit, texts: tuple[str, ...], field: str = "prompt") -> None:
+        """Texts longer together than ``max_prompt_chars`` refused once their parts make too many tokens
+        (`check_prompt_chars`), before they are tokenized whole on the processor thread every request shares."""
+        check_prompt_chars(self.tokenizer, tuple(lowered(self.pooling_model, text) for text in texts),
+                           self.max_model_len, self.max_prompt_chars, job.options.pooling_operation, field)
 
     def _truncated(self, job: Submit, token_ids: list[int], chat: bool = False) -> list[int]:
         """Token ids cut to ``truncate_prompt_tokens``: the last k (vLLM's cut of token ids), the first k for a
@@ -152,7 +160,7 @@ class PromptTokenizer:
         keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
         prompt = lowered(self.pooling_model, job.prompt)  # vLLM's, before tokenizing
         if job.options.text_pair is None:
-            return encode_prompt(self.tokenizer, prompt, max_length=keep,
+            return encode_prompt(self.tokenizer, prompt, job.options.add_special_tokens is not False, max_length=keep,
                                  truncation_side="right" if pooling else "left")
         text_pair = lowered(self.pooling_model, job.options.text_pair)
         token_ids, type_start = self._encode_pair(prompt, text_pair, keep)

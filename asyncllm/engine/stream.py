@@ -75,6 +75,9 @@ class RequestOptions:
     pooling_api: str | None = None
     """The pooling API that made the request when it is not `pooling`'s task (``"score"``; ``"rerank"``, the
     OpenAI server's): it names the operation in a context-length error (`errors.POOLING_OPERATIONS`)."""
+    add_special_tokens: bool | None = None
+    """vLLM's: whether tokenizing the prompt adds the tokenizer's special tokens (BOS, ...); None: its default,
+    True for a text prompt, False for a chat (its template writes them). A prompt with media takes the default."""
 
     @property
     def pooling_operation(self) -> str | None:
@@ -103,6 +106,8 @@ class RequestOptions:
             raise InvalidRequestError("data_parallel_rank", f"must be a replica index (an int >= 0) or None, got {rank!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
+        if self.add_special_tokens is not None and not isinstance(self.add_special_tokens, bool):
+            raise InvalidRequestError("add_special_tokens", f"must be a bool or None, got {self.add_special_tokens!r}")
         if self.lora_request is not None:
             if not isinstance(self.lora_request, LoRARequest):
                 raise InvalidRequestError("lora_request", f"must be an asyncllm.LoRARequest, got {self.lora_request!r}")

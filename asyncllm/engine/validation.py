@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm import protocol
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
 from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
@@ -29,6 +29,7 @@ __all__ = [
     "check_params_text", "check_params_vocab", "check_request_strings",
     "check_token_ids",
     "max_prompt_chars",
+    "tokens_at_least", "check_prompt_chars", "PART_CHARS",
 ]
 
 MAX_REQUEST_ID_CHARS = 1024
@@ -121,18 +122,58 @@ def check_untokenized(prompt: Any, chat: bool, params: SamplingParams, text_pair
 
 
 def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
-    """Characters beyond which a text prompt certainly has more than max_model_len tokens.
+    """Characters beyond which a text prompt is counted by parts (`tokens_at_least`) before it is tokenized whole.
 
-    No vocabulary entry spells more than its string's length in characters of
-    text, so a prompt longer than ``max_model_len * longest entry`` cannot fit:
-    refusing it before tokenizing keeps a huge string from stalling the
-    processor thread for every other request.
+    Most tokenizers spell every character: as no vocabulary entry spells more than its string's length, a prompt
+    longer than ``max_model_len * longest entry`` cannot fit. Some drop or squash characters (BERT's whitespace and
+    control characters, XLM-R's and T5's runs of spaces) or spell a whole word as one token (WordPiece's [UNK] past
+    100 characters), so that length alone refuses nothing: past it, `tokens_at_least` decides.
     """
     try:
         longest = max(len(token) for token in tokenizer.get_vocab())
     except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
         return 2**62
     return max_model_len * max(longest, 1)
+
+
+PART_CHARS = 1 << 16
+"""Fewest characters per part a long text is counted by (`tokens_at_least`), else 4 per token of
+``max_model_len``: few tokenizer calls for a text whose characters make few tokens."""
+PART_CUT_TOKENS = 2
+"""Tokens a cut between two parts may add (a word split in two, a dummy-prefix "▁"): not counted."""
+
+
+def tokens_at_least(tokenizer: Any, text: str, limit: int, part_chars: int) -> int:
+    """`text`'s token count or less: its parts of at most `part_chars` characters, cut before a space, tokenized one
+    by one without special tokens (``PART_CUT_TOKENS`` taken off per cut), stopped once past `limit`.
+
+    Costs about `limit` tokens' tokenizing however long `text` is (a huge prompt does not hold the processor thread
+    for every request), unless its characters make few tokens: then it is tokenized whole, as it may fit.
+    """
+    found, start = PART_CUT_TOKENS, 0  # the first part has no cut before it
+    while start < len(text) and found <= limit:
+        end = start + part_chars
+        if end < len(text):
+            cut = text.rfind(" ", start + 1, end)
+            end = cut if cut > start else end
+        found += len(tokenizer(text[start:end], add_special_tokens=False).input_ids) - PART_CUT_TOKENS
+        start = end
+    return found
+
+
+def check_prompt_chars(tokenizer: Any, texts: tuple[str, ...], max_model_len: int, past: int,
+                       operation: str | None = None, field: str = "prompt") -> None:
+    """Texts of more than `past` characters together (``max_prompt_chars``) counted by parts (`tokens_at_least`),
+    and refused once those make more than `max_model_len` tokens (`prompt_too_many_chars`: `operation` and
+    `field` as `prompt_too_long`'s), before they are tokenized whole: a huge text's tokenizing would hold its
+    thread. Past ``max(4 * max_model_len, PART_CHARS)`` a text is more than one part: no count is needed below."""
+    chars, found = sum(len(text) for text in texts), 0
+    if chars <= past:
+        return
+    for text in texts:
+        found += tokens_at_least(tokenizer, text, max_model_len - found, max(4 * max_model_len, PART_CHARS))
+        if found > max_model_len:
+            raise prompt_too_many_chars(max_model_len, chars, found, operation, field)
 
 
 def check_token_ids(field: str, token_ids: list[Any], vocab_size: int) -> None:

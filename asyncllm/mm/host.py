@@ -43,7 +43,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     `template_kwargs`, `tools`, `chat_template` and `mm_processor_kwargs` are `AsyncEngine.chat`'s
     (asyncllm.tokenizer.template_arguments), `content_format` vLLM's chat template content format
     (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. `check_chat` sees a chat's
-    rendered text before it is tokenized (``max_prompt_chars``: asyncllm/engine/prompt_tokens.py). Its length
+    rendered text before it is tokenized whole (``max_prompt_chars``: asyncllm/engine/prompt_tokens.py). Its length
     (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):

@@ -160,7 +160,7 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
 async def test_the_server_names_the_route_in_context_length_errors(engine: AsyncEngine, reranker: str) -> None:
     """vLLM's word is the route's, whatever the model (an embedding model's: tests/integrations/test_openai_score.py):
     /score "score", /rerank "embedding generation" on a cross-encoder too, /classify "classification"; so for a
-    pair with more characters than max_model_len tokens can spell, refused before it is tokenized."""
+    pair with more characters than max_model_len tokens can spell, refused before it is tokenized whole."""
     from transformers import AutoTokenizer
 
     from asyncllm.engine.validation import max_prompt_chars
@@ -168,13 +168,14 @@ async def test_the_server_names_the_route_in_context_length_errors(engine: Async
     tokenizer, length = AutoTokenizer.from_pretrained(reranker), engine.config.max_model_len
     long, huge = "a " * length, ("a " * length * 100)[:max_prompt_chars(tokenizer, length)]  # + "b": one too many
     tokens = f"{len(tokenizer(long, 'b').input_ids)} tokens"
+    chars = f"{len(huge) + 1} characters, at least {len(tokenizer(huge, add_special_tokens=False).input_ids)} tokens"
     bodies = [("/score", {"text_1": long, "text_2": "b"}), ("/rerank", {"query": long, "documents": ["b"]}),
               ("/classify", {"input": [5] * (length + 1)}), ("/v1/score", {"text_1": huge, "text_2": "b"}),
               ("/v1/rerank", {"query": huge, "documents": ["b"]})]
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
         errors = [(await client.post(path, json=body)).json()["error"] for path, body in bodies]
     said = [(tokens, "score"), (tokens, "embedding generation"), (f"{length + 1} tokens", "classification"),
-            (f"{len(huge) + 1} characters", "score"), (f"{len(huge) + 1} characters", "embedding generation")]
+            (chars, "score"), (chars, "embedding generation")]
     assert [error["message"] for error in errors] == [
         f"This model's maximum context length is {length} tokens. However, you requested {amount} in the input for "
         f"{operation}. Please reduce the length of the input." for amount, operation in said]

@@ -269,7 +269,7 @@ async def test_truncate_prompt_tokens_keeps_the_end(engine: AsyncEngine, tokeniz
 
 async def test_a_chat_rendered_past_max_prompt_chars_is_refused_untokenized(engine: AsyncEngine, tokenizer,
                                                                             monkeypatch) -> None:
-    """As a text prompt: a rendered chat longer than `max_prompt_chars` cannot fit, so it is never tokenized (the
+    """As a text prompt: a rendered chat longer than `max_prompt_chars` cannot fit, so it is never tokenized whole (the
     costly part, on the processor thread every request shares), and the error names ``messages``."""
     from asyncllm.engine import prompt_tokens
     from asyncllm.engine.validation import max_prompt_chars

@@ -95,7 +95,7 @@ async def test_chat_messages_with_openai_image_parts_match_transformers(engine, 
 
 async def test_a_media_chat_rendered_past_max_prompt_chars_is_refused_untokenized(engine, monkeypatch):
     """As a text chat (asyncllm/engine/prompt_tokens.py): a chat with image parts rendered longer than
-    `max_prompt_chars` is refused before it is tokenized, naming ``messages``, truncate_prompt_tokens or not."""
+    `max_prompt_chars` is refused before it is tokenized whole, naming ``messages``, truncate_prompt_tokens or not."""
     from asyncllm.engine.validation import max_prompt_chars
     from asyncllm.mm import host
 

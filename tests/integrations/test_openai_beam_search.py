@@ -126,9 +126,9 @@ COMPLETION_REFUSALS = [
     ({"echo": True}, "echo"), ({"n": 2, "logprobs": 5}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 11}, "n"),  # 2 * 11 logprobs a step, over max_logprobs=20 ({"n": 2, "best_of": 129}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
-    ({"add_special_tokens": False}, "add_special_tokens"),
 ]
 CHAT_REFUSALS = [
+    ({"add_special_tokens": True}, "add_special_tokens"),
     ({"temperature": 1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format"),

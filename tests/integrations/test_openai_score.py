@@ -88,24 +88,25 @@ async def test_an_unknown_model_is_a_404(app) -> None:
 async def test_context_length_errors_name_the_route_as_vllm(app, bundled_engine, bundled_tokenizer) -> None:
     """vLLM's word is the route's, whatever the model (a cross-encoder's: tests/engine/test_classification.py):
     /score "score", /rerank and /v1/embeddings "embedding generation"; so for a text with more characters than
-    max_model_len tokens can spell, refused before it is tokenized (a generation's in its own words)."""
+    max_model_len tokens can spell, refused before it is tokenized whole (a generation's in its own words)."""
     from asyncllm.engine.validation import max_prompt_chars
 
     length = bundled_engine.config.max_model_len
     long, huge = "a " * length, ("a " * length * 100)[:max_prompt_chars(bundled_tokenizer, length) + 1]
     tokens = f"{len(bundled_tokenizer(long).input_ids)} tokens"
+    count = len(bundled_tokenizer(huge, add_special_tokens=False).input_ids)  # its one part (`tokens_at_least`)
+    chars = f"{len(huge)} characters, at least {count} tokens"
     bodies = [("/score", {"text_1": long, "text_2": "b"}), ("/rerank", {"query": long, "documents": ["b"]}),
               ("/v1/embeddings", {"input": long}), ("/score", {"text_1": "b", "text_2": [huge]}),
               ("/v2/rerank", {"query": "b", "documents": [huge]}), ("/v1/embeddings", {"input": huge}),
               ("/v1/completions", {"prompt": huge})]
     errors = [(await _post(app, path, body, status=400))["error"] for path, body in bodies]
     said = [(f"you requested {tokens}", "score"), (f"you requested {tokens}", "embedding generation"),
-            (f"you requested {tokens}", "embedding generation"), (f"you requested {len(huge)} characters", "score"),
-            (f"you requested {len(huge)} characters", "embedding generation"),
-            (f"you requested {len(huge)} characters", "embedding generation")]
+            (f"you requested {tokens}", "embedding generation"), (f"you requested {chars}", "score"),
+            (f"you requested {chars}", "embedding generation"), (f"you requested {chars}", "embedding generation")]
     want = [f"This model's maximum context length is {length} tokens. However, {amount} in the input for "
             f"{operation}. Please reduce the length of the input." for amount, operation in said]
-    want.append(f"This model's maximum context length is {length} tokens. However, your request has {len(huge)} "
-                "characters. Please reduce the length of the input messages.")
+    want.append(f"This model's maximum context length is {length} tokens. However, your prompt text has {chars}. "
+                "Please reduce the length of the prompt.")
     assert [error["message"] for error in errors] == want
     assert all((error["code"], error["param"]) == ("context_length_exceeded", "prompt") for error in errors), errors

@@ -4,6 +4,7 @@ every other key it cannot use named for what it is."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from asyncllm import BeamSearchParams, InvalidRequestError
 from asyncllm.beam_search import beam_search
+from asyncllm.engine.validation import PART_CHARS
 from asyncllm.generation_config import SuppressedTokens
 from asyncllm.outputs import Logprob
 
@@ -103,3 +105,40 @@ def test_max_logprobs_is_the_started_engines() -> None:
     wide = BeamSearchParams(beam_width=16, max_tokens=1)
     out = asyncio.run(beam_search(_Attached(), [1, 3], wide))  # type: ignore[arg-type]
     assert out.sequences[0].tokens == [1, 3, 5]
+
+
+class _Tokenizer:
+    """A tokenizer that records the length of each text it tokenizes and the thread it does it on."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((len(text), threading.get_ident()))
+        return self.tokenizer(text, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_a_text_prompt_is_checked_and_tokenized_as_generates_off_the_event_loop() -> None:
+    """As generate's: a lone surrogate is an error naming ``prompt`` (not the tokenizer's TypeError), a text is
+    tokenized on a worker thread, not the event loop, and a huge one is refused by its parts (`check_prompt_chars`),
+    never tokenized whole."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    engine = _Engine()
+    engine.tokenizer, engine.pooling_model = _Tokenizer(tokenizer), None  # type: ignore[assignment]
+    with pytest.raises(InvalidRequestError, match="not valid Unicode") as info:
+        asyncio.run(beam_search(engine, "hi\ud800", PARAMS))  # type: ignore[arg-type]
+    assert info.value.field == "prompt" and engine.tokenizer.calls == []
+    out = asyncio.run(beam_search(engine, "hi", PARAMS))  # type: ignore[arg-type]
+    assert out.sequences[0].tokens == tokenizer("hi").input_ids + [5, 5]
+    assert engine.tokenizer.calls and threading.main_thread().ident not in {t for _, t in engine.tokenizer.calls}
+    engine.tokenizer.calls.clear()
+    with pytest.raises(InvalidRequestError, match="characters, at least") as info:
+        asyncio.run(beam_search(engine, "hello " * 100_000, PARAMS))  # type: ignore[arg-type]
+    assert info.value.field == "prompt" and max(n for n, _ in engine.tokenizer.calls) <= PART_CHARS
