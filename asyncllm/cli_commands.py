@@ -193,6 +193,10 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
     serve.add_argument("--root-path", default="", metavar="PREFIX",
                        help="the path prefix a proxy serves the app under (ASGI root_path)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="after SIGINT/SIGTERM, at most this long for open connections to close (the engine's "
+                            "streams end at once, with finish_reason \"abort\"); then they are cut (uvicorn's "
+                            "timeout_graceful_shutdown)")
     serve.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of host:port")
     serve.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="HTTPS: the server's private key")
     serve.add_argument("--ssl-certfile", default=None, metavar="PATH", help="HTTPS: the server's certificate")
@@ -233,7 +237,8 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     where = {"uds": args.uds} if args.uds is not None else {"host": args.host, "port": args.port}
     return {**where, "log_level": args.log_level, "access_log": not args.disable_uvicorn_access_log,
             "root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
-            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
+            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs,
+            "timeout_graceful_shutdown": args.shutdown_timeout}
 
 
 def check_tls_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

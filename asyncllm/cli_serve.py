@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from asyncllm.cli_commands import uvicorn_kwargs
+from asyncllm.engine.heap import freeze_startup_heap
 from asyncllm.errors import AsyncLLMError, ConfigError
 from asyncllm.integrations.openai_lora import start_server
 
@@ -77,10 +78,31 @@ async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.sock
     # handler it found, this one: a SIGTERM's default action would end the process before `bound_socket` removes a
     # --uds socket
     previous = signal.signal(signal.SIGTERM, partial(_remove_then_die, uds))
+    closing = _close_engine_on_exit(server, engine)
     try:
         await server.serve(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if closing:  # its stop of the engine core(s) ends before the loop does
+            await closing[0]
+
+
+def _close_engine_on_exit(server: Any, engine: Any) -> list[asyncio.Task]:
+    """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
+    a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
+    lifespan's close comes only after the last. Returns the list that the close's task is put in."""
+    loop, closing, handle_exit = asyncio.get_running_loop(), [], server.handle_exit
+
+    def close() -> None:
+        if not closing:
+            closing.append(loop.create_task(engine.aclose()))
+
+    def on_exit(sig: int, frame: Any) -> None:  # a signal handler: the loop may be mid-step, so call_soon_threadsafe
+        handle_exit(sig, frame)
+        loop.call_soon_threadsafe(close)
+
+    server.handle_exit = on_exit
+    return closing
 
 
 def _remove_then_die(path: str | None, signum: int, frame: Any = None) -> None:
@@ -111,6 +133,7 @@ async def _start(app: Any, engine: Any) -> None:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
+    freeze_startup_heap()  # the started server's long-lived objects out of the collector's oldest generation
 
 
 def _load_config(config: Any, parser: argparse.ArgumentParser) -> None:

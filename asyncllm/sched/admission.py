@@ -80,21 +80,27 @@ def check_queue_capacity(
 ) -> None:
     """`EngineOverloadedError` if queueing `request` would pass a limit.
 
-    `max_num_queued_requests`: refused while that many requests wait.
-    `max_num_queued_tokens`: refused when the waiting requests' tokens plus
-    this prompt would pass it; an empty queue accepts any prompt, so a long
-    prompt is delayed by load, never refused forever.
+    An n > 1 request is checked once, on its sample 0, for its n samples
+    (`Request.num_samples`; its other samples, 0, are queued with it).
+    `max_num_queued_requests`: refused when the waiting requests plus these
+    samples would pass it. `max_num_queued_tokens`: refused when the waiting
+    requests' tokens plus these samples' prompts would pass it. An empty queue
+    accepts any request, so a long prompt or a large n is delayed by load,
+    never refused forever.
     """
-    if max_num_queued_requests is not None and len(waiting) >= max_num_queued_requests:
+    num_samples = request.num_samples
+    if num_samples == 0 or not waiting:
+        return
+    if max_num_queued_requests is not None and len(waiting) + num_samples > max_num_queued_requests:
+        samples = "" if num_samples == 1 else f" and this request has n={num_samples} samples"
         raise EngineOverloadedError(
-            f"max_num_queued_requests={max_num_queued_requests}: {len(waiting)} requests are already waiting; "
-            "retry later, or raise max_num_queued_requests or the engine's capacity"
+            f"max_num_queued_requests={max_num_queued_requests}: {len(waiting)} requests are already waiting"
+            f"{samples}; retry later, or raise max_num_queued_requests or the engine's capacity"
         )
-    if max_num_queued_tokens is not None and waiting.num_tokens > 0:
-        total = waiting.num_tokens + request.num_prompt_tokens
-        if total > max_num_queued_tokens:
-            raise EngineOverloadedError(
-                f"max_num_queued_tokens={max_num_queued_tokens}: {waiting.num_tokens} tokens are already waiting "
-                f"and this prompt has {request.num_prompt_tokens}; retry later, or raise max_num_queued_tokens "
-                "or the engine's capacity"
-            )
+    num_tokens = request.num_prompt_tokens * num_samples
+    if max_num_queued_tokens is not None and waiting.num_tokens + num_tokens > max_num_queued_tokens:
+        prompts = "this prompt has" if num_samples == 1 else f"this request's n={num_samples} samples have"
+        raise EngineOverloadedError(
+            f"max_num_queued_tokens={max_num_queued_tokens}: {waiting.num_tokens} tokens are already waiting "
+            f"and {prompts} {num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
+        )

@@ -71,7 +71,7 @@ class Request:
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_id", "mm_items", "lora", "lora_int_id", "pooling",
-        "num_lora_skips", "draft_buffer", "prompt_embeds",
+        "num_lora_skips", "draft_buffer", "prompt_embeds", "num_samples",
     )
 
     def __init__(
@@ -142,6 +142,8 @@ class Request:
         None when the request is not drafted."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
+        self.num_samples = 1
+        """`protocol.AddRequest.num_samples`: what the queue's limits count it as when it is added."""
         self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None
         """Whether a step's one new token may travel in `StepOutputs.tokens` (nothing attaches to its deltas)."""
         # copies of the stop settings, read once per generated token
@@ -163,7 +165,7 @@ class Request:
     @classmethod
     def from_add_request(cls, msg: protocol.AddRequest, client_id: bytes) -> "Request":
         """Build a request from the host's `AddRequest` message."""
-        return cls(
+        request = cls(
             request_id=msg.request_id,
             prompt_token_ids=msg.prompt_token_ids,
             params=msg.params,
@@ -178,6 +180,8 @@ class Request:
             pooling=msg.pooling,
             prompt_embeds=msg.prompt_embeds,
         )
+        request.num_samples = msg.num_samples
+        return request
 
     # ------------------------------------------------------------ events
     def record_event(self, event_type: protocol.EngineCoreEventType) -> None:

@@ -158,6 +158,14 @@ async def test_the_core_refuses_past_max_num_queued_tokens(engine: AsyncEngine) 
     await _wait_idle(engine)
 
 
+async def test_an_idle_engine_takes_n_samples_past_max_num_queued_requests(engine: AsyncEngine) -> None:
+    """The host sends sample 0 of an n > 1 request as counting for all n (`AddRequest.num_samples`): an empty queue
+    takes them all, where a check per sample refused the third as if two requests were already waiting."""
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, n=4)
+    assert [len(o.token_ids) for o in (await engine.generate([5, 6, 7], params)).outputs] == [2, 2, 2, 2]
+    await _wait_idle(engine)
+
+
 # ------------------------------------------------------------------ KV sizing
 async def test_max_model_len_larger_than_the_kv_cache_fails_at_start(tiny_llama: str) -> None:
     engine = AsyncEngine(tiny_llama, disable_log_stats=True, num_gpu_blocks_override=4, max_model_len=100)

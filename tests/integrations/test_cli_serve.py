@@ -177,17 +177,18 @@ def test_uvicorn_flags_map_to_uvicorn_config() -> None:
 
     args = _serve_args("--uds", "/tmp/x.sock", "--root-path", "/llm", "--uvicorn-log-level", "debug",
                        "--disable-uvicorn-access-log", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
-                       "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2")
+                       "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2", "--shutdown-timeout", "5")
     kwargs = uvicorn_kwargs(args)
     assert kwargs == {"uds": "/tmp/x.sock", "log_level": "debug", "access_log": False, "root_path": "/llm",
                       "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
-                      "ssl_cert_reqs": ssl.CERT_REQUIRED}
+                      "ssl_cert_reqs": ssl.CERT_REQUIRED, "timeout_graceful_shutdown": 5.0}
     config = uvicorn.Config(None, **kwargs)  # every keyword is one uvicorn takes
     assert (config.uds, config.root_path, config.access_log, config.ssl_cert_reqs) == ("/tmp/x.sock", "/llm",
                                                                                        False, 2)
     assert uvicorn_kwargs(_serve_args("--port", "9", "--log-level", "warning")) == {
         "host": "127.0.0.1", "port": 9, "log_level": "warning", "access_log": True, "root_path": "",
-        "ssl_keyfile": None, "ssl_certfile": None, "ssl_ca_certs": None, "ssl_cert_reqs": ssl.CERT_NONE}
+        "ssl_keyfile": None, "ssl_certfile": None, "ssl_ca_certs": None, "ssl_cert_reqs": ssl.CERT_NONE,
+        "timeout_graceful_shutdown": 30.0}
 
 
 @pytest.mark.parametrize("flags,named", [

@@ -157,6 +157,28 @@ def test_max_num_queued_tokens_counts_waiting_prompts():
     assert (ids(sched.waiting), sched.waiting.num_tokens, sched.get_stats().num_waiting_tokens) == (["b", "d"], 10, 10)
 
 
+def _samples(req_id: str, n: int, prompt: int = 4) -> list[Request]:
+    """An n > 1 request's core requests as the host sends them: sample 0 counts for all n, the others for none."""
+    samples = [request(f"{req_id}-{i}", prompt) for i in range(n)]
+    for i, sample in enumerate(samples):
+        sample.num_samples = 0 if i else n
+    return samples
+
+
+def test_an_n_request_is_checked_once_for_its_samples_and_an_empty_queue_takes_any_n():
+    sched = scheduler(max_num_queued_requests=3, max_num_queued_tokens=10, max_num_seqs=4)
+    for sample in _samples("a", 4):  # n=4 > max_num_queued_requests, 16 tokens > max_num_queued_tokens: queue empty
+        sched.add_request(sample)
+    assert len(sched.waiting) == 4
+    run_step(sched)  # all 4 run
+    sched.add_request(request("b", 2))
+    with pytest.raises(EngineOverloadedError, match="1 requests are already waiting and this request has n=3 sampl"):
+        sched.add_request(_samples("c", 3, prompt=2)[0])
+    for sample in _samples("d", 2, prompt=2):  # 1 + 2 waiting, 2 + 4 tokens: within both limits
+        sched.add_request(sample)
+    assert ids(sched.waiting) == ["b", "d-0", "d-1"]
+
+
 # ------------------------------------------------------------------ timeouts
 def test_deadline_heap_skips_finished_requests():
     heap = DeadlineHeap()
