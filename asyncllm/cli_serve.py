@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -26,6 +27,8 @@ from asyncllm.integrations.openai_lora import start_server
 
 STARTUP_FAILURE = 3
 """uvicorn.run's exit status when the app's lifespan startup failed."""
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["bound_socket", "serve_app", "bind_socket", "listen_url"]
 
@@ -83,8 +86,10 @@ async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.sock
         await server.serve(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if closing:  # its stop of the engine core(s) ends before the loop does
-            await closing[0]
+        if closing:  # its stop of the engine core(s) ends before the loop does; its error never hides serve's
+            for error in await asyncio.gather(closing[0], return_exceptions=True):
+                if isinstance(error, Exception):
+                    logger.warning("closing the engine at shutdown failed: %r", error)
 
 
 def _close_engine_on_exit(server: Any, engine: Any) -> list[asyncio.Task]:

@@ -150,13 +150,14 @@ def tokens_at_least(tokenizer: Any, text: str, limit: int, part_chars: int) -> i
     Costs about `limit` tokens' tokenizing however long `text` is (a huge prompt does not hold the processor thread
     for every request), unless its characters make few tokens: then it is tokenized whole, as it may fit.
     """
-    found, start = PART_CUT_TOKENS, 0  # the first part has no cut before it
+    found, start = 0, 0
     while start < len(text) and found <= limit:
         end = start + part_chars
         if end < len(text):
             cut = text.rfind(" ", start + 1, end)
             end = cut if cut > start else end
-        found += len(tokenizer(text[start:end], add_special_tokens=False).input_ids) - PART_CUT_TOKENS
+        tokens = len(tokenizer(text[start:end], add_special_tokens=False).input_ids)
+        found += tokens if start == 0 else max(0, tokens - PART_CUT_TOKENS)  # the first part has no cut before it
         start = end
     return found
 

@@ -86,3 +86,12 @@ def test_a_huge_text_is_refused_by_its_parts_untokenized_whole() -> None:
         assert said and int(said[1]) >= len(text) and int(said[2]) > 64, info.value
         assert f"Please reduce the length of the {field}." in str(info.value)
         assert spy.lengths and max(spy.lengths) <= PART_CHARS and sum(spy.lengths) <= 2 * PART_CHARS, spy.lengths
+
+
+def test_a_text_one_token_short_of_the_limit_past_the_character_bound_fits() -> None:
+    """Counted by parts, a text with no text pair counts its own tokens only (an empty pair once added 2)."""
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    prompts = _prompts(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]"), 64)
+    text = "hello " * 63  # 378 characters, past the bound of 64 * 5: 63 tokens, max_model_len 64
+    assert _ids(prompts, text) == [1] * 63

@@ -150,7 +150,7 @@ async def test_tokenize_and_beam_search_lowercase_prompts_and_chat_with_do_lower
         prompt = (await client.post("/tokenize", json={"prompt": _CASED})).json()["tokens"]
         chat = (await client.post("/tokenize", json={"messages": _MESSAGES})).json()["tokens"]
     text = _CASED.lower() if lower else _CASED
-    assert prompt == tokenizer(text).input_ids == await _prompt_ids(engine, _CASED, None)
+    assert prompt == tokenizer(text).input_ids == await _prompt_ids(engine, _CASED, None, True)
     assert chat == apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
