@@ -15,7 +15,7 @@ import sys
 
 from asyncllm import envs
 
-__all__ = ["configure_child_logging", "host_logging_env"]
+__all__ = ["configure_child_logging", "host_logging_env", "log_to_stderr"]
 
 
 def host_logging_env() -> dict[str, str]:
@@ -33,11 +33,18 @@ def host_logging_env() -> dict[str, str]:
 def configure_child_logging(tag: str) -> None:
     """Send this process's `asyncllm` records at ``ASYNCLLM_LOGGING_LEVEL`` and above to stderr, each line tagged
     `tag` (``core``, ``worker 0``); nothing with ``ASYNCLLM_CONFIGURE_LOGGING=0``."""
-    if not envs.CONFIGURE_LOGGING.get():
+    log_to_stderr(logging.getLogger("asyncllm"), tag)
+
+
+def log_to_stderr(logger: logging.Logger, tag: str = "", *, unless_configured: bool = False) -> None:
+    """Send `logger`'s records at ``ASYNCLLM_LOGGING_LEVEL`` (INFO) and above to stderr, each line tagged `tag` if
+    given; nothing with ``ASYNCLLM_CONFIGURE_LOGGING=0``. A handler already on `logger` is kept (no second one);
+    `unless_configured`: nothing either when logging is configured (a handler on `logger` or above: the host's)."""
+    if unless_configured and logger.hasHandlers() or not envs.CONFIGURE_LOGGING.get():
         return
-    root = logging.getLogger("asyncllm")
-    if not root.handlers:
+    if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s [{tag}] %(name)s: %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(envs.LOGGING_LEVEL.get())
+        tagged = f"[{tag}] " if tag else ""
+        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s {tagged}%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(envs.LOGGING_LEVEL.get())

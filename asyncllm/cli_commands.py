@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import ssl
 import sys
@@ -16,13 +15,14 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.chat_content import CONTENT_FORMATS
+from asyncllm.child_logging import log_to_stderr
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
-           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "log_stats", "log_to_stderr",
+           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "log_stats",
            "check_model"]
 
 def add_serve_parser(commands: Any) -> None:
@@ -156,7 +156,7 @@ def request_logger(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--max-log-len: at least 0, got {args.max_log_len}")
     if not args.enable_log_requests:
         return None
-    log_to_stderr(logger)
+    log_to_stderr(logger, unless_configured=True)
     return RequestLogger(args.max_log_len)
 
 
@@ -166,19 +166,7 @@ def log_stats(config: Any) -> None:
     from asyncllm.engine.stats_log import logger
 
     if not config.disable_log_stats:
-        log_to_stderr(logger)
-
-
-def log_to_stderr(logger: logging.Logger) -> None:
-    """Send `logger`'s lines at ``ASYNCLLM_LOGGING_LEVEL`` (INFO) and above to stderr: this is asyncllm's own process,
-    as the engine core's. Nothing when logging is configured (a handler on `logger` or above) or with
-    ``ASYNCLLM_CONFIGURE_LOGGING=0``."""
-    if logger.hasHandlers() or not envs.CONFIGURE_LOGGING.get():
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(envs.LOGGING_LEVEL.get())
+        log_to_stderr(logger, unless_configured=True)
 
 
 def _add_http_args(serve: argparse.ArgumentParser) -> None:

@@ -8,7 +8,9 @@ round trip: `AsyncEngine._submit` raises at once, on the event loop.
 
 The host estimates the queue from the latest `SchedulerStats` it received
 (the core sends one every step) plus what this host submitted since that
-snapshot arrived. Approximations, all on the side of letting a request
+snapshot arrived, and applies the core's rule to that estimate
+(`check_queue_limits`: an empty queue accepts any request; an n > 1 request
+counts its n samples). Approximations, all on the side of letting a request
 through (the core then refuses it after tokenization):
 
 - a submission is counted until the next snapshot arrives, even if that
@@ -24,8 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.errors import EngineOverloadedError
 from asyncllm.protocol import SchedulerStats
+from asyncllm.sched.admission import check_queue_limits
 
 __all__ = ["HostAdmission", "estimate_prompt_tokens"]
 
@@ -72,22 +74,8 @@ class HostAdmission:
         if stats is not self._snapshot:
             self._snapshot, self._num_submitted, self._num_submitted_tokens = stats, 0, 0
         num_tokens = estimate_prompt_tokens(prompt, chat) if self.max_num_queued_tokens is not None else 0
-        self._check(stats, num_tokens)
+        check_queue_limits(stats.num_requests_waiting + self._num_submitted,
+                           stats.num_waiting_tokens + self._num_submitted_tokens, num_samples, num_tokens,
+                           self.max_num_queued_requests, self.max_num_queued_tokens, about="about ")
         self._num_submitted += num_samples
         self._num_submitted_tokens += num_tokens * num_samples
-
-    def _check(self, stats: SchedulerStats, num_tokens: int) -> None:
-        limit = self.max_num_queued_requests
-        waiting = stats.num_requests_waiting + self._num_submitted
-        if limit is not None and waiting >= limit:
-            raise EngineOverloadedError(
-                f"max_num_queued_requests={limit}: about {waiting} requests are already waiting; "
-                "retry later, or raise max_num_queued_requests or the engine's capacity"
-            )
-        limit = self.max_num_queued_tokens
-        queued = stats.num_waiting_tokens + self._num_submitted_tokens
-        if limit is not None and queued > 0 and queued + num_tokens > limit:
-            raise EngineOverloadedError(
-                f"max_num_queued_tokens={limit}: about {queued} tokens are already waiting and this prompt "
-                f"has about {num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
-            )

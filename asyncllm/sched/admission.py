@@ -18,7 +18,7 @@ from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.queue import RequestQueue
 from asyncllm.sched.request import Request
 
-__all__ = ["check_request", "check_queue_capacity", "kv_size_fields"]
+__all__ = ["check_request", "check_queue_capacity", "check_queue_limits", "kv_size_fields"]
 
 
 def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
@@ -88,19 +88,30 @@ def check_queue_capacity(
     accepts any request, so a long prompt or a large n is delayed by load,
     never refused forever.
     """
-    num_samples = request.num_samples
-    if num_samples == 0 or not waiting:
+    check_queue_limits(len(waiting), waiting.num_tokens, request.num_samples, request.num_prompt_tokens,
+                       max_num_queued_requests, max_num_queued_tokens)
+
+
+def check_queue_limits(
+    num_waiting: int, num_waiting_tokens: int, num_samples: int, num_prompt_tokens: int,
+    max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "",
+) -> None:
+    """`EngineOverloadedError` if `num_samples` samples of a `num_prompt_tokens` prompt, queued behind `num_waiting`
+    requests of `num_waiting_tokens` tokens, would pass a limit; nothing when the queue is empty. The core's rule
+    (`check_queue_capacity`) and the host's estimate of it (`asyncllm.engine.admission`, `about` "about ": its
+    counts are estimates)."""
+    if num_samples == 0 or num_waiting == 0:
         return
-    if max_num_queued_requests is not None and len(waiting) + num_samples > max_num_queued_requests:
+    if max_num_queued_requests is not None and num_waiting + num_samples > max_num_queued_requests:
         samples = "" if num_samples == 1 else f" and this request has n={num_samples} samples"
         raise EngineOverloadedError(
-            f"max_num_queued_requests={max_num_queued_requests}: {len(waiting)} requests are already waiting"
+            f"max_num_queued_requests={max_num_queued_requests}: {about}{num_waiting} requests are already waiting"
             f"{samples}; retry later, or raise max_num_queued_requests or the engine's capacity"
         )
-    num_tokens = request.num_prompt_tokens * num_samples
-    if max_num_queued_tokens is not None and waiting.num_tokens + num_tokens > max_num_queued_tokens:
+    num_tokens = num_prompt_tokens * num_samples
+    if max_num_queued_tokens is not None and num_waiting_tokens + num_tokens > max_num_queued_tokens:
         prompts = "this prompt has" if num_samples == 1 else f"this request's n={num_samples} samples have"
         raise EngineOverloadedError(
-            f"max_num_queued_tokens={max_num_queued_tokens}: {waiting.num_tokens} tokens are already waiting "
-            f"and {prompts} {num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
+            f"max_num_queued_tokens={max_num_queued_tokens}: {about}{num_waiting_tokens} tokens are already waiting "
+            f"and {prompts} {about}{num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
         )

@@ -47,7 +47,24 @@ def test_n_samples_count_as_n_requests():
 def test_token_limit_accepts_any_prompt_on_an_empty_queue():
     admission = HostAdmission(max_num_queued_requests=None, max_num_queued_tokens=100)
     admission.admit(SchedulerStats(), [1] * 500, chat=False)  # nothing queued: accepted (the core agrees)
-    stats = SchedulerStats(num_waiting_tokens=60)
+    stats = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=60)
     admission.admit(stats, "x" * 160, chat=False)  # 60 + 40 = 100: fits
     with pytest.raises(EngineOverloadedError, match="about 100 tokens are already waiting and this prompt has about 1"):
         admission.admit(stats, "abcd", chat=False)
+
+
+def test_the_core_rule_with_n():
+    """As the core (`check_queue_capacity`): an empty queue accepts any n; else waiting + n may not pass the limit."""
+    admission = HostAdmission(max_num_queued_requests=2, max_num_queued_tokens=None)
+    admission.admit(SchedulerStats(), "a", chat=False, num_samples=4)  # an empty queue: accepted
+    admission = HostAdmission(max_num_queued_requests=3, max_num_queued_tokens=None)
+    with pytest.raises(EngineOverloadedError, match="about 1 requests are already waiting and this request has n=3"):
+        admission.admit(SchedulerStats(num_requests_waiting=1), "b", chat=False, num_samples=3)
+    admission.admit(SchedulerStats(num_requests_waiting=1), "c", chat=False, num_samples=2)  # 1 + 2 = 3: fits
+
+
+def test_token_limit_counts_n_prompts():
+    admission = HostAdmission(max_num_queued_requests=None, max_num_queued_tokens=100)
+    stats = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=60)
+    with pytest.raises(EngineOverloadedError, match="about 60 tokens are already waiting and this request's n=2"):
+        admission.admit(stats, "x" * 84, chat=False, num_samples=2)  # 60 + 2 x 21 > 100
