@@ -32,15 +32,12 @@ from asyncllm.errors import (
     EngineDeadError, InvalidRequestError, NotBuiltError, RequestTimeoutError, check_context_length,
 )
 from asyncllm.engine.stream import check_prompt
-from asyncllm.engine.pooling_model import lowered
-from asyncllm.engine.validation import (
-    PART_CHARS, check_prompt_chars, check_text, check_untokenized, split_cache_salt, truncation_length,
-)
+from asyncllm.engine.prompt_tokens import text_token_ids
+from asyncllm.engine.validation import check_text, check_untokenized, max_prompt_chars, split_cache_salt
 from asyncllm.generation_config import SuppressedTokens
 from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
 from asyncllm.outputs import Logprob, RequestOutput
 from asyncllm.sampling import SamplingParams
-from asyncllm.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -146,21 +143,19 @@ async def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
 
 async def text_prompt_ids(engine: "AsyncEngine", prompt: str, truncate_prompt_tokens: int | None = None,
                           add_special_tokens: bool = True) -> list[int]:
-    """A text prompt's token ids as generate's, tokenized off the event loop: valid Unicode (`check_text`), a
-    tokenizer (`check_untokenized`), ``do_lower_case``, a huge text refused by its parts before it is tokenized whole
-    (`check_prompt_chars`), cut on the left to `truncate_prompt_tokens` (BOS kept), BOS and the like added unless
-    not `add_special_tokens` (vLLM's)."""
+    """A text prompt's token ids as generate's (`text_token_ids`, the engine's), tokenized off the event loop:
+    valid Unicode (`check_text`), a tokenizer (`check_untokenized`), ``do_lower_case``, a huge text refused by its
+    parts past the engine's ``max_prompt_chars`` before it is tokenized whole, cut on the left to
+    `truncate_prompt_tokens` (BOS kept), BOS and the like added unless not `add_special_tokens` (vLLM's)."""
     check_text("prompt", prompt)
     if engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     max_model_len = engine.config.max_model_len
-    keep = truncation_length(truncate_prompt_tokens, max_model_len)
-    text = lowered(engine.pooling_model, prompt)  # do_lower_case, as the engine's text
 
-    def encode() -> list[int]:
-        if keep is None:  # below one part (PART_CHARS) the text is tokenized whole anyway
-            check_prompt_chars(engine.tokenizer, (text,), max_model_len, max(4 * max_model_len, PART_CHARS))
-        return encode_prompt(engine.tokenizer, text, add_special_tokens, max_length=keep)
+    def encode() -> list[int]:  # max_prompt_chars scans the vocabulary: off the loop too
+        past = max_prompt_chars(engine.tokenizer, max_model_len) if truncate_prompt_tokens is None else 0
+        return text_token_ids(engine.tokenizer, prompt, max_model_len, past, engine.pooling_model,
+                              truncate_prompt_tokens=truncate_prompt_tokens, add_special_tokens=add_special_tokens)[0]
 
     return await asyncio.to_thread(encode)
 

@@ -27,7 +27,7 @@ from asyncllm.tokenizer import chat_token_ids, encode_prompt, render_chat, trunc
 if TYPE_CHECKING:
     from asyncllm.engine.processor import Submit
 
-__all__ = ["PromptTokenizer", "length_capped"]
+__all__ = ["PromptTokenizer", "length_capped", "text_token_ids"]
 
 
 @dataclass
@@ -109,8 +109,6 @@ class PromptTokenizer:
             token_ids = self._truncated(job, self._chat_token_ids(job), chat=True)
         elif isinstance(job.prompt, str):
             check_text("prompt", job.prompt)
-            if job.params.truncate_prompt_tokens is None:
-                self._refuse_past_chars(job, (job.prompt, options.text_pair or ""))
             token_ids = self._text_token_ids(job)
         else:
             token_ids = self._truncated(job, list(job.prompt))
@@ -153,30 +151,50 @@ class PromptTokenizer:
                                 pooling=job.options.pooling is not None, chat=chat)
 
     def _text_token_ids(self, job: Submit) -> list[int]:
-        """A text prompt's ids, cut by the tokenizer as vLLM's (``truncation=True, max_length=k``, special tokens
-        kept): a generation's on the left (BOS, then the text's last tokens), a pooling request's (embed,
-        classify, score) on the right, as vLLM's pooling runner and sentence-transformers."""
-        pooling = job.options.pooling is not None
-        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
-        prompt = lowered(self.pooling_model, job.prompt)  # vLLM's, before tokenizing
-        if job.options.text_pair is None:
-            return encode_prompt(self.tokenizer, prompt, job.options.add_special_tokens is not False, max_length=keep,
-                                 truncation_side="right" if pooling else "left")
-        text_pair = lowered(self.pooling_model, job.options.text_pair)
-        token_ids, type_start = self._encode_pair(prompt, text_pair, keep)
-        if type_start is not None and job.options.pooling is not None:  # the second text's token type, to the model
-            pooling_params = msgspec.structs.replace(job.options.pooling, token_type_start=type_start)
-            job.options = dataclasses.replace(job.options, pooling=pooling_params)
+        """A text prompt's ids (`text_token_ids`); a pair's second text's token type start, to the model."""
+        options = job.options
+        token_ids, type_start = text_token_ids(self.tokenizer, job.prompt, self.max_model_len, self.max_prompt_chars,
+                                               self.pooling_model, text_pair=options.text_pair,
+                                               truncate_prompt_tokens=job.params.truncate_prompt_tokens,
+                                               pooling=options.pooling is not None,
+                                               add_special_tokens=options.add_special_tokens is not False,
+                                               operation=options.pooling_operation)
+        if type_start is not None and options.pooling is not None:
+            pooling_params = msgspec.structs.replace(options.pooling, token_type_start=type_start)
+            job.options = dataclasses.replace(options, pooling=pooling_params)
         return token_ids
 
-    def _encode_pair(self, prompt: str, text_pair: str, max_length: int | None) -> tuple[list[int], int | None]:
-        """The pair's one prompt as the classifier encodes it (`score`), and where its token type 1 starts (None:
-        all 0); ``max_length``: cut on the right."""
-        assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
-        if max_length is None:
-            return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
-        with truncating(self.tokenizer, max_length, "right", pair=True) as tokenizer:
-            return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)
+
+def text_token_ids(tokenizer: Any, prompt: str, max_model_len: int, past: int,
+                   pooling_model: PoolingModel | None = None, *, text_pair: str | None = None,
+                   truncate_prompt_tokens: int | None = None, pooling: bool = False, add_special_tokens: bool = True,
+                   operation: str | None = None) -> tuple[list[int], int | None]:
+    """A text prompt's ids (and `text_pair`'s, `score`'s), and where the pair's token type 1 starts (None: all 0):
+    the engine's and beam search's (asyncllm/beam_search.py) text prompts. Lowercased where `pooling_model` does
+    (``do_lower_case``, vLLM's, before tokenizing); longer than `past` characters (``max_prompt_chars``) and not
+    cut: refused once its parts make too many tokens (`check_prompt_chars`), before it is tokenized whole; cut by
+    the tokenizer as vLLM's (``truncation=True, max_length=k``, special tokens kept): a generation's on the left
+    (BOS, then the text's last tokens), a `pooling` request's (embed, classify, score) on the right, as vLLM's
+    pooling runner and sentence-transformers. Call it off the event loop: it tokenizes."""
+    keep = truncation_length(truncate_prompt_tokens, max_model_len, pooling=pooling)
+    texts = (lowered(pooling_model, prompt), lowered(pooling_model, text_pair or ""))
+    if keep is None:
+        check_prompt_chars(tokenizer, texts, max_model_len, past, operation)
+    if text_pair is None:
+        return encode_prompt(tokenizer, texts[0], add_special_tokens, max_length=keep,
+                             truncation_side="right" if pooling else "left"), None
+    return _encode_pair(tokenizer, pooling_model, texts, keep)
+
+
+def _encode_pair(tokenizer: Any, pooling_model: PoolingModel | None, texts: tuple[str, str],
+                 max_length: int | None) -> tuple[list[int], int | None]:
+    """The pair's one prompt as the classifier encodes it (`score`), and where its token type 1 starts (None: all
+    0); ``max_length``: cut on the right."""
+    assert pooling_model is not None, "score sends pairs to a started engine's classifier"
+    if max_length is None:
+        return pooling_model.encode_pair(tokenizer, *texts)
+    with truncating(tokenizer, max_length, "right", pair=True) as cut:
+        return pooling_model.encode_pair(cut, *texts, max_length)
 
 
 def length_capped(params: SamplingParams, room: int) -> SamplingParams:

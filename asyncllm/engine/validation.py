@@ -12,6 +12,7 @@ crash on (token ids outside the vocabulary, non-finite numbers).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,11 +130,29 @@ def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     control characters, XLM-R's and T5's runs of spaces) or spell a whole word as one token (WordPiece's [UNK] past
     100 characters), so that length alone refuses nothing: past it, `tokens_at_least` decides.
     """
-    try:
-        longest = max(len(token) for token in tokenizer.get_vocab())
-    except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
-        return 2**62
+    longest = _LONGEST_ENTRY.get(tokenizer) if _weakly_keyed(tokenizer) else None
+    if longest is None:
+        try:
+            longest = max(len(token) for token in tokenizer.get_vocab())
+        except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
+            return 2**62
+        if _weakly_keyed(tokenizer):
+            _LONGEST_ENTRY[tokenizer] = longest
     return max_model_len * max(longest, 1)
+
+
+_LONGEST_ENTRY: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+"""Each tokenizer's longest vocabulary entry, read once (a 150k vocabulary's listing takes tens of ms; beam search
+asks for each prompt)."""
+
+
+def _weakly_keyed(tokenizer: Any) -> bool:
+    try:
+        weakref.ref(tokenizer)
+        hash(tokenizer)
+    except TypeError:
+        return False
+    return True
 
 
 PART_CHARS = 1 << 16

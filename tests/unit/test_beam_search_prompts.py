@@ -142,3 +142,21 @@ def test_a_text_prompt_is_checked_and_tokenized_as_generates_off_the_event_loop(
     with pytest.raises(InvalidRequestError, match="characters, at least") as info:
         asyncio.run(beam_search(engine, "hello " * 100_000, PARAMS))  # type: ignore[arg-type]
     assert info.value.field == "prompt" and max(n for n, _ in engine.tokenizer.calls) <= PART_CHARS
+
+
+def test_a_text_prompt_is_counted_by_parts_past_the_engines_max_prompt_chars() -> None:
+    """The engine's threshold (`max_prompt_chars`, the longest vocabulary entry per token of max_model_len), not a
+    part's length: a text of a few thousand characters is refused by its count, as generate's, before it is encoded."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+    from asyncllm.engine.validation import max_prompt_chars
+
+    engine = _Engine()
+    engine.tokenizer = _Tokenizer(AutoTokenizer.from_pretrained(bundled_model_path()))  # type: ignore[assignment]
+    engine.pooling_model = None  # type: ignore[attr-defined]
+    text = "hello " * (max_prompt_chars(engine.tokenizer, 64) // 6 + 1)
+    assert len(text) < PART_CHARS
+    with pytest.raises(InvalidRequestError, match="characters, at least"):
+        asyncio.run(beam_search(engine, text, PARAMS))  # type: ignore[arg-type]
+    assert len(engine.tokenizer.calls) == 1  # its one part counted, never encoded

@@ -95,3 +95,19 @@ def test_a_text_one_token_short_of_the_limit_past_the_character_bound_fits() -> 
     prompts = _prompts(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]"), 64)
     text = "hello " * 63  # 378 characters, past the bound of 64 * 5: 63 tokens, max_model_len 64
     assert _ids(prompts, text) == [1] * 63
+
+
+def test_the_longest_vocabulary_entry_is_read_once_per_tokenizer() -> None:
+    """`max_prompt_chars` lists a tokenizer's vocabulary once (beam search asks for every prompt)."""
+    from asyncllm.engine.validation import max_prompt_chars
+
+    class Listing:
+        calls = 0
+
+        def get_vocab(self) -> dict[str, int]:
+            Listing.calls += 1
+            return {"a": 0, "hello": 1}
+
+    tokenizer = Listing()
+    assert max_prompt_chars(tokenizer, 10) == max_prompt_chars(tokenizer, 20) // 2 == 50
+    assert Listing.calls == 1
