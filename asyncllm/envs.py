@@ -130,7 +130,8 @@ def _on_off(raw: str) -> bool:
 DECODE_LINEAR = EnvVar(
     "ASYNCLLM_DECODE_LINEAR", True, _on_off,
     "1 (the default): on the triton backend at tensor_parallel_size 1, steps of at most 2 tokens run each "
-    "Llama-family layer's QKV, output, gate-up and down products as kernels/decode_linear.py, with the norm or "
+    "Llama-family layer's QKV, output (unless its attention overrides attend), gate-up and down products as "
+    "kernels/decode_linear.py, with the norm or "
     "SiLU-and-mul before them fused in (faster than cuBLAS at batch 1 on an H200: docs/kernels.md); 0: the separate "
     "kernels and torch's matmul. Read when a worker builds the model.",
 )

@@ -101,9 +101,9 @@ def _decode_linear_kernel(
 
 
 def block_sizes(n: int, k: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): about 512 column blocks of 2 to 8 columns, K steps of up to 1024 (the fastest of 90
-    configurations at every Qwen3-0.6B decode product on an H200, docs/kernels.md); `decode_linear` launches
-    them with 4 warps whatever the sizes."""
+    """(BLOCK_N, BLOCK_K): about 512 column blocks of 2 to 8 columns, K steps of up to 1024: one rule within 0.7 us
+    of the best of 90 configurations at each Qwen3-0.6B decode product on an H200 (docs/kernels.md; the best per
+    product would save ~0.03 ms a step); `decode_linear` launches them with 4 warps whatever the sizes."""
     block_n = min(8, max(2, triton.next_power_of_2(-(-n // 512))))
     return block_n, min(1024, triton.next_power_of_2(k))
 

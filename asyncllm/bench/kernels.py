@@ -165,7 +165,9 @@ def _decode_linear(
         "o_proj": (None, heads * head_dim, hidden),
         "lm_head": (None, hidden, vocab),
     }
-    for num_rows in (1, 8):
+    from asyncllm.kernels.decode_linear import FUSED_ROWS
+
+    for num_rows in (1, FUSED_ROWS, 2 * FUSED_ROWS):  # the models' cut: fused up to FUSED_ROWS rows
         for name, (prologue, k, n) in products.items():
             fused, unfused = _linear_pair(prologue, num_rows, k, n, dtype, device)
             nbytes = (n * k + num_rows * (k + n)) * size

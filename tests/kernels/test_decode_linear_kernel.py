@@ -104,7 +104,8 @@ def test_the_micro_benchmark_measures_each_product_fused_and_unfused(monkeypatch
     cfg = dict(hidden_size=32, intermediate_size=48, vocab_size=40, num_attention_heads=4, num_key_value_heads=2)
     rows = bench._decode_linear(cfg, torch.float32, 1e12, device=str(randn(1, dtype=torch.float32, seed=0).device))
     assert [r["shape"] for r in rows[:5]] == ["1x32->64", "1x32->96", "1x48->32", "1x32->32", "1x32->40"]
-    assert len(rows) == 10 and all(r["speedup"] == 1.0 for r in rows)
+    assert [r["shape"] for r in rows[5::5]] == ["2x32->64", "4x32->64"]  # 1, FUSED_ROWS and twice it
+    assert len(rows) == 15 and all(r["speedup"] == 1.0 for r in rows)
     for fused, unfused in zip(calls[0::2], calls[1::2]):  # the fused kernel computes what it replaces
         fused = fused[0] if isinstance(fused, tuple) else fused
         assert_close(fused, unfused, LINEAR_TOL[torch.float32])

@@ -94,6 +94,7 @@ def test_a_text_one_token_short_of_the_limit_past_the_character_bound_fits() -> 
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     prompts = _prompts(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]"), 64)
     text = "hello " * 63  # 378 characters, past the bound of 64 * 5: 63 tokens, max_model_len 64
+    assert len(text) > prompts.max_prompt_chars
     assert _ids(prompts, text) == [1] * 63
 
 
