@@ -179,6 +179,7 @@ class GrammarCompilerPool:
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = self._build_compiler()
+                _ = self.space_row  # built here, on a compile thread, not on first use in the core's step
                 self.ready_since = time.monotonic()
             return self._compiler
 
