@@ -84,22 +84,33 @@ _RULE_KEYS = ("suppress_tokens", "begin_suppress_tokens")
 @dataclass(frozen=True)
 class SuppressedTokens:
     """The ids the model's generation config never lets come (``suppress_tokens``) and never first
-    (``begin_suppress_tokens``), those inside the vocabulary, as the host reads them (`of`): beam search, which
-    ranks the raw logprobs on the host, leaves them out as the workers' rules mask them (workers/generation_rules.py,
-    which refuses a malformed list when the model loads)."""
+    (``begin_suppress_tokens``), those inside the vocabulary: the one reading of those keys (`of`), for beam search,
+    which ranks the raw logprobs on the host, and for the workers' rules, which mask them
+    (workers/generation_rules.py)."""
 
     always: frozenset[int] = frozenset()
     at_start: frozenset[int] = frozenset()
     vocab_size: int = 0
 
     @classmethod
-    def of(cls, config: Mapping[str, Any], vocab_size: int) -> "SuppressedTokens":
-        def ids(key: str) -> frozenset[int]:
-            value = config.get(key)
-            return frozenset(t for t in value if isinstance(t, int) and 0 <= t < vocab_size) \
-                if isinstance(value, list) else frozenset()
+    def of(cls, config: Mapping[str, Any], vocab_size: int,
+           source: tuple[str, str] = ("generation_config", "generation_config.json")) -> "SuppressedTokens":
+        """The keys' ids in ``config``. A key unset or null suppresses nothing; a value that is not a list of
+        integers (a string id, a null entry, a number for the list: transformers' processors fail on these when
+        ``generate`` builds them; a float or a bool, no token id) is a `ConfigError` on ``source`` (the field that
+        chose the file and its folder: `source_of`) naming the key. Ids outside the vocabulary, negative ones too,
+        are left out: transformers' masks give them no effect."""
+        return cls(_ids(config, "suppress_tokens", vocab_size, source),
+                   _ids(config, "begin_suppress_tokens", vocab_size, source), vocab_size)
 
-        return cls(ids("suppress_tokens"), ids("begin_suppress_tokens"), vocab_size)
+
+def _ids(config: Mapping[str, Any], key: str, vocab_size: int, source: tuple[str, str]) -> frozenset[int]:
+    value = config.get(key)
+    if value is None:
+        return frozenset()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ConfigError(*source, f"generation_config.json's {key}: a list of token ids (it is {value!r})")
+    return frozenset(t for t in value if 0 <= t < vocab_size)
 
 
 _MODEL_FOLDER = ("auto", "vllm")

@@ -29,8 +29,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from asyncllm.errors import ConfigError
-from asyncllm.generation_config import TimestampRules, read_generation_config, rule_keys_of, source_of, timestamp_rules
+from asyncllm.generation_config import (SuppressedTokens, TimestampRules, read_generation_config, rule_keys_of,
+                                        source_of, timestamp_rules)
 from asyncllm.workers.logits_processors import array_to_device
 
 __all__ = ["GenerationRules", "RulesStep"]
@@ -80,21 +80,15 @@ class GenerationRules:
         """The rules of the generation_config.json that the engine's ``generation_config`` field names for the
         checkpoint at ``model_path`` (asyncllm/generation_config.py: the model folder's for ``vllm`` too; a folder
         without one: `model_config`'s ``suppress_tokens``, read without transformers: `rule_keys_of`; None when it
-        sets none)."""
+        sets none). Its suppressed ids are the host's (`SuppressedTokens.of`: a malformed list is a `ConfigError`)."""
         if vocab_size is None:
             return None
         config = read_generation_config(generation_config, model_path, model_config, fallback=rule_keys_of)
-        suppress, begin = config.get("suppress_tokens") or [], config.get("begin_suppress_tokens") or []
-        for name, ids in (("suppress_tokens", suppress), ("begin_suppress_tokens", begin)):
-            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ConfigError(*source_of(generation_config, model_path),
-                                  f"generation_config.json's {name}: a list of token ids")
-        suppress = [t for t in suppress if t < vocab_size]  # ids past the logits are never sampled (transformers
-        begin = [t for t in begin if t < vocab_size]  # masks them to no effect too)
+        suppressed = SuppressedTokens.of(config, vocab_size, source_of(generation_config, model_path))  # as the host
         timestamps = timestamp_rules(config, vocab_size)
-        if not suppress and not begin and timestamps is None:
+        if not suppressed.always and not suppressed.at_start and timestamps is None:
             return None
-        return cls(suppress, begin, timestamps, device)
+        return cls(sorted(suppressed.always), sorted(suppressed.at_start), timestamps, device)
 
     # ------------------------------------------------------------ rows (host)
     def add(self, row: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:

@@ -17,7 +17,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of
+from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of, source_of
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
@@ -72,11 +72,9 @@ class Prepared:
     labels (asyncllm/engine/pooling_model.py)."""
     embeds_width: int | None = None
     """The rows' width of a prompt given as embeddings (the model's hidden size); None: not enabled."""
-
-    @property
-    def suppressed_tokens(self) -> SuppressedTokens:
-        """`generation_config`'s suppressed ids (beam search leaves them out as the workers' rules do)."""
-        return SuppressedTokens.of(self.generation_config, self.vocab_size)
+    suppressed_tokens: SuppressedTokens = field(default_factory=SuppressedTokens)
+    """`generation_config`'s suppressed ids (beam search leaves them out as the workers' rules do), read here so
+    that a malformed list is refused before the workers start."""
 
 
 def prepare(config: EngineConfig, resolved: bool = False, decodes_images: bool = True) -> Prepared:
@@ -183,7 +181,8 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
                                             config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config,
                                      Matryoshka.of(hf_config, config.model)),
-                    _embeds_width(config, arch, multimodal, text_config))
+                    _embeds_width(config, arch, multimodal, text_config),
+                    SuppressedTokens.of(generation, text_config.vocab_size, source_of(config.generation_config, path)))
 
 
 def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config: Any) -> int | None:
