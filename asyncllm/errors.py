@@ -157,13 +157,11 @@ def prompt_too_long(max_model_len: int, amount: str, operation: str | None,
 def prompt_too_many_chars(max_model_len: int, chars: int, tokens: int, operation: str | None,
                           field: str = "prompt") -> InvalidRequestError:
     """`prompt_too_long` of a text of `chars` characters refused before it was tokenized whole: its parts already
-    made at least `tokens` tokens; a generation's names its `field` ("prompt", a chat's "messages")."""
-    amount = f"{chars} characters, at least {tokens} tokens"
-    if operation is not None:
-        return prompt_too_long(max_model_len, amount, operation, field=field)
-    return InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
-                                      f"your {field} text has {amount}. Please reduce the length of the {field}.",
-                               code=CONTEXT_LENGTH_EXCEEDED)
+    made at least `tokens` tokens. In its words, the amount "C characters, at least P input tokens" (a pooling
+    request's "P tokens"): a generation's reads as any prompt's past `max_model_len`; `field`: "prompt", a chat's
+    "messages"."""
+    unit = "tokens" if operation is not None else "input tokens"
+    return prompt_too_long(max_model_len, f"{chars} characters, at least {tokens} {unit}", operation, field=field)
 
 
 def check_remote_code(exc: Exception, trust_remote_code: bool, path: str, what: str) -> None:

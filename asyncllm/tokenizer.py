@@ -194,10 +194,12 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None, content_format: str = "auto", lower: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """``messages`` rendered (`render_chat`, same arguments) and tokenized (`chat_token_ids`)."""
+    """``messages`` rendered (`render_chat`, same arguments) and tokenized (`chat_token_ids`, `add_special_tokens`
+    as the engine's chat takes it)."""
     return chat_token_ids(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, template_kwargs, tools,
-                                                 chat_template, content_format, lower))
+                                                 chat_template, content_format, lower), add_special_tokens)
 
 
 def render_chat(

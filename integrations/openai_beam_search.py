@@ -123,16 +123,14 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     defaults = await server._sampling_defaults()  # starts the engine
     engine = server.engine
     max_model_len = engine.config.max_model_len
-    if chat:
-        if req.add_special_tokens:
-            raise InvalidRequestError("add_special_tokens", "only its default (false) is built for beam search over "
-                                                            "a chat")
-        prompts = [truncated_prompt(await server._chat_tokens(req), req.truncate_prompt_tokens, max_model_len)]
+    if chat:  # as the engine's chat: special tokens only with add_special_tokens true (the template writes BOS)
+        chat_ids = await server._chat_tokens(req, add_special_tokens=bool(req.add_special_tokens))
+        prompts = [truncated_prompt(chat_ids, req.truncate_prompt_tokens, max_model_len)]
     else:
         texts = completion_prompts(req.prompt, server.limits)
         server.limits.check_sequences(len(texts), width, "n" if width == req.n else "best_of")
-        prompts = [await _prompt_ids(engine, prompt, req.truncate_prompt_tokens, req.add_special_tokens is not False)
-                   for prompt in texts]
+        prompts = [await _completion_prompt_ids(engine, prompt, req.truncate_prompt_tokens,
+                                                req.add_special_tokens is not False) for prompt in texts]
     max_tokens = _max_tokens(req, server.limits, defaults)
     params = []
     for ids in prompts:
@@ -169,8 +167,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None,
-                      add_special_tokens: bool) -> list[int]:
+async def _completion_prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None,
+                                 add_special_tokens: bool) -> list[int]:
     """A completion prompt's token ids, as the engine tokenizes and cuts them (text off the event loop): a text's
     by the tokenizer on the left, BOS kept (`add_special_tokens`); token ids' last k."""
     if not isinstance(prompt, str):  # the engine checks the ids at the first step

@@ -233,7 +233,7 @@ class TokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     tools: list[Any] | None = None
     """For messages: function tools for the chat template, as chat completions take them."""
     add_special_tokens: bool | None = None
-    """For a prompt: the tokenizer's special tokens (BOS), default true; for messages only false is built."""
+    """The tokenizer's special tokens (BOS): default true for a prompt, false for messages (their template's BOS)."""
     add_generation_prompt: bool = True
     """For messages: end with the assistant's turn opening, as chat completions do."""
     continue_final_message: bool = False

@@ -354,14 +354,14 @@ class OpenAIServer:
         return self._reasoning_end
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
-                           tools: list[Any] | None = None) -> list[int]:
-        """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted)
-        and tokenized, on a worker thread: the ids the engine's chat would run (`tools` as vLLM dumps them)."""
+                           tools: list[Any] | None = None, add_special_tokens: bool = False) -> list[int]:
+        """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted) and
+        tokenized on a worker thread as the engine's chat (`tools` as vLLM dumps them, `add_special_tokens` its)."""
         tokenizer = await self._tokenizer()
         render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
-                                   template_kwargs=self.templates.kwargs(req), tools=template_tools(tools),
-                                   chat_template=self.templates.pick(req.chat_template),
-                                   content_format=self.content_format, lower=lowercases(self.engine.pooling_model))
+                                   template_kwargs=self.templates.kwargs(req), content_format=self.content_format,
+                                   tools=template_tools(tools), chat_template=self.templates.pick(req.chat_template),
+                                   lower=lowercases(self.engine.pooling_model), add_special_tokens=add_special_tokens)
         return await anyio.to_thread.run_sync(render)
 
     async def _tokenizer(self) -> Any:

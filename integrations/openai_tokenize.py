@@ -35,10 +35,8 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             prompt = lowered(server.engine.pooling_model, req.prompt)
             special = req.add_special_tokens is not False
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
-        else:
-            if req.add_special_tokens:  # not built here (chat completions honour it)
-                raise InvalidRequestError("add_special_tokens", "only its default (false here) is built")
-            tokens = await server._chat_tokens(req, req.tools)  # the tools checked there (`template_tools`)
+        else:  # as a chat completion's: the tools checked there (`template_tools`), special tokens default false
+            tokens = await server._chat_tokens(req, req.tools, add_special_tokens=bool(req.add_special_tokens))
         tokens = [int(t) for t in tokens]
         log_under(server.request_log, route_id("tokn", request.headers),  # as vLLM's, once tokenized
                   [{"prompt": req.prompt, "prompt_token_ids": tokens}], None, lora, indexed=False)

@@ -1,5 +1,6 @@
-"""vLLM's ``add_special_tokens``: /v1/completions (default true) and /v1/chat/completions (default false, the
-template writes them) tokenize the prompt with the value sent, as the engine's generate / chat option does."""
+"""vLLM's ``add_special_tokens``: /v1/completions (default true), /v1/chat/completions and /tokenize's messages (default
+false, the template writes them), beam search too, tokenize the prompt with the value sent, as the engine's generate /
+chat option does."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ async def test_the_prompt_is_tokenized_with_the_requests_add_special_tokens(app,
             assert beam.status_code == 200 and beam.json()["usage"]["prompt_tokens"] == len(want[value]), beam.text
             chat = await client.post("/v1/chat/completions", json={**GREEDY, "messages": MESSAGES, **extra})
             assert chat.json()["prompt_token_ids"] == chat_want[value], chat.text
+            tokenized = await client.post("/tokenize", json={"messages": MESSAGES, **extra})  # as vLLM's
+            assert tokenized.status_code == 200 and tokenized.json()["tokens"] == chat_want[value], tokenized.text
+            beam_chat = await client.post("/v1/chat/completions", json={
+                **GREEDY, "messages": MESSAGES, "use_beam_search": True, "return_token_ids": None, **extra})
+            assert beam_chat.status_code == 200, beam_chat.text
+            assert beam_chat.json()["usage"]["prompt_tokens"] == len(chat_want[value]), beam_chat.text
 
 
 async def test_the_engine_option_adds_or_leaves_out_special_tokens(bundled_engine, bundled_tokenizer) -> None:

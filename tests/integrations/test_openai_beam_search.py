@@ -128,7 +128,6 @@ COMPLETION_REFUSALS = [
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
 ]
 CHAT_REFUSALS = [
-    ({"add_special_tokens": True}, "add_special_tokens"),
     ({"temperature": 1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format"),

@@ -88,7 +88,7 @@ async def test_an_unknown_model_is_a_404(app) -> None:
 async def test_context_length_errors_name_the_route_as_vllm(app, bundled_engine, bundled_tokenizer) -> None:
     """vLLM's word is the route's, whatever the model (a cross-encoder's: tests/engine/test_classification.py):
     /score "score", /rerank and /v1/embeddings "embedding generation"; so for a text with more characters than
-    max_model_len tokens can spell, refused before it is tokenized whole (a generation's in its own words)."""
+    max_model_len tokens can spell, refused before it is tokenized whole (a generation's as any long prompt's)."""
     from asyncllm.engine.validation import max_prompt_chars
 
     length = bundled_engine.config.max_model_len
@@ -106,7 +106,7 @@ async def test_context_length_errors_name_the_route_as_vllm(app, bundled_engine,
             (f"you requested {chars}", "embedding generation"), (f"you requested {chars}", "embedding generation")]
     want = [f"This model's maximum context length is {length} tokens. However, {amount} in the input for "
             f"{operation}. Please reduce the length of the input." for amount, operation in said]
-    want.append(f"This model's maximum context length is {length} tokens. However, your prompt text has {chars}. "
-                "Please reduce the length of the prompt.")
+    want.append(f"This model's maximum context length is {length} tokens. However, your request has {len(huge)} "
+                f"characters, at least {count} input tokens. Please reduce the length of the input messages.")
     assert [error["message"] for error in errors] == want
     assert all((error["code"], error["param"]) == ("context_length_exceeded", "prompt") for error in errors), errors

@@ -137,7 +137,7 @@ async def test_tokenize_and_beam_search_lowercase_prompts_and_chat_with_do_lower
     """/tokenize gives the ids the engine runs: vLLM's lowercased prompt and rendered chat (a beam search's prompt,
     tokenized by the server, too)."""
     from asyncllm.config import EngineConfig
-    from asyncllm.integrations.openai_beam_search import _prompt_ids
+    from asyncllm.integrations.openai_beam_search import _completion_prompt_ids
     from asyncllm.integrations.openai_server import create_app
     from asyncllm.tokenizer import apply_chat_template
     from asgi_helpers import asgi_client
@@ -150,7 +150,7 @@ async def test_tokenize_and_beam_search_lowercase_prompts_and_chat_with_do_lower
         prompt = (await client.post("/tokenize", json={"prompt": _CASED})).json()["tokens"]
         chat = (await client.post("/tokenize", json={"messages": _MESSAGES})).json()["tokens"]
     text = _CASED.lower() if lower else _CASED
-    assert prompt == tokenizer(text).input_ids == await _prompt_ids(engine, _CASED, None, True)
+    assert prompt == tokenizer(text).input_ids == await _completion_prompt_ids(engine, _CASED, None, True)
     assert chat == apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 
 
