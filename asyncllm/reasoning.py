@@ -20,9 +20,10 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   token of a reply that does not open ``[THINK]`` with it (`ReasoningParser.opened_first`).
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): reasoning only when the reply opens
   ``<think>``, the whitespace before it free (GLM-4.5 writes ``\\n<think>``); a constraint applies from the first
-  other token of a reply that does not, unless the prompt's end opened it (GLM-4.7's template): then after
-  ``</think>`` (`ReasoningParser.opened_after_space`); ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
-  (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
+  other token of a reply that does not, unless the prompt's end opened it (GLM-4.7's template): then the reply
+  is reasoning up to ``</think>`` and the constraint applies after it, as ``deepseek_r1`` (current vLLM's glm45)
+  (`ReasoningParser.opened_after_space`, `ReasoningParser.stream`'s ``opened``); ``minimax_m2`` (MiniMax-M2): as
+  ``deepseek_r1``; ``seed_oss`` (Seed-OSS): as ``deepseek_r1`` with ``<seed:think>`` and ``</seed:think>``;
   ``hunyuan_a13b`` (Hunyuan-A13B): as ``glm45`` with vLLM's markers
   ``<think>\\n`` and ``\\n</think>\\n<answer>\\n``, the answer up to ``\\n</answer>``.
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
@@ -170,16 +171,19 @@ class ReasoningParser:
         """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
         return self.thinking_switch is not None and template_kwargs.get(self.thinking_switch) is False
 
-    def stream(self, answering: bool = False, apart: bool = False) -> ReasoningStream | HarmonyReasoningStream:
+    def stream(self, answering: bool = False, apart: bool = False,
+               opened: bool = False) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
         thinking off), or its request turned the thinking off and its prompt did not open it (`Marker.starts_answer`),
-        so all of it is content, as vLLM reads it (``is_reasoning_end`` on the prompt). `apart` (the Responses API's):
-        its ``feed_parts`` keep a harmony reply's messages apart; a tag parser's reply is one message either way."""
-        return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
+        so all of it is content, as vLLM reads it (``is_reasoning_end`` on the prompt). `opened`: its prompt's end
+        opened the thinking (`Marker.opened_by`, the constraint's rule), so it thinks until `end_tag` whatever
+        `opened_by_prompt` says (glm45 with GLM-4.7's template). `apart` (the Responses API's): its ``feed_parts`` keep
+        a harmony reply's messages apart; a tag parser's reply is one message either way."""
+        return ReasoningStream(self.opened_by_prompt or opened, self.start_tag, self.end_tag, answering)
 
-    def parse(self, text: str, answering: bool = False) -> tuple[str | None, str | None]:
+    def parse(self, text: str, answering: bool = False, opened: bool = False) -> tuple[str | None, str | None]:
         """A whole reply's reasoning and content (None where there is none)."""
-        stream = self.stream(answering)
+        stream = self.stream(answering, opened=opened)
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return reasoning + more_reasoning or None, content + more_content or None
@@ -216,8 +220,8 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     thinking_switch = "enable_thinking"
 
-    def stream(self, answering: bool = False, apart: bool = False) -> Qwen3ReasoningStream:
-        return Qwen3ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
+    def stream(self, answering: bool = False, apart: bool = False, opened: bool = False) -> Qwen3ReasoningStream:
+        return Qwen3ReasoningStream(self.opened_by_prompt or opened, self.start_tag, self.end_tag, answering)
 
 
 class MistralReasoningStream(ReasoningStream):
@@ -234,7 +238,7 @@ class MistralReasoningStream(ReasoningStream):
         self._closed_alone = False  # a [/THINK] without [THINK] was dropped
 
     def feed(self, text: str) -> tuple[str, str]:
-        if self._thinking is not None:  # opened (reasoning up to the end tag) or answering
+        if self._thinking is not None or self._opened_by_prompt:  # opened (up to the end tag) or answering
             return super().feed(text)
         self._buffer += text
         content = self._drop_lone_close()
@@ -269,8 +273,8 @@ class MistralReasoningParser(ReasoningParser):
     opened_first = True
     needs_special_tokens = True
 
-    def stream(self, answering: bool = False, apart: bool = False) -> MistralReasoningStream:
-        return MistralReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
+    def stream(self, answering: bool = False, apart: bool = False, opened: bool = False) -> MistralReasoningStream:
+        return MistralReasoningStream(self.opened_by_prompt or opened, self.start_tag, self.end_tag, answering)
 
 
 class GptOssReasoningParser(ReasoningParser):
@@ -285,7 +289,7 @@ class GptOssReasoningParser(ReasoningParser):
     prompt_ends_thinking = False
     opened_by_prompt = False  # nothing opens the analysis channel: the Responses API counts 0 reasoning tokens
 
-    def stream(self, answering: bool = False, apart: bool = False) -> HarmonyReasoningStream:
+    def stream(self, answering: bool = False, apart: bool = False, opened: bool = False) -> HarmonyReasoningStream:
         return HarmonyReasoningStream(apart)
 
 
@@ -343,14 +347,15 @@ class HunyuanA13BReasoningParser(ReasoningParser):
     of its sequences (the marker's first newline may be merged into the thought's last token, as in ``\\n\\n``)."""
     opened_by_prompt = False
 
-    def stream(self, answering: bool = False, apart: bool = False) -> WrappedAnswerStream:
-        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, "\n" + self.end_tag, answering)
+    def stream(self, answering: bool = False, apart: bool = False, opened: bool = False) -> WrappedAnswerStream:
+        return WrappedAnswerStream(self.opened_by_prompt or opened, self.start_tag, "\n" + self.end_tag, answering)
 
 
 class Glm45ReasoningParser(ReasoningParser):
     """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` (one special token) itself when it thinks, after a newline
     (GLM-4.5's ``\\n<think>``); GLM-4.7's template opens it in the prompt, whose reply the constraint then reads as
-    thinking until ``</think>`` (`Marker.opened_by`), as vLLM's ``is_reasoning_end`` waits for it there."""
+    thinking until ``</think>`` (`Marker.opened_by`), as vLLM's ``is_reasoning_end`` waits for it there, and so does the
+    server's parser (`stream`'s ``opened``): reasoning up to ``</think>``, as current vLLM's glm45 (deepseek_r1's)."""
 
     opened_by_prompt = False
     opened_first = True

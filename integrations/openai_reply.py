@@ -38,11 +38,13 @@ class ChatReply:
     """One choice's reply: text deltas in, OpenAI chat deltas out."""
 
     def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, stream_arguments: bool = True,
-                 prompt_ended_thinking: bool = False, message_starts: bool = False) -> None:
+                 prompt_ended_thinking: bool = False, message_starts: bool = False,
+                 prompt_opened_thinking: bool = False) -> None:
         """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
         (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode.
         `prompt_ended_thinking`: the prompt's end closed the thinking (`Marker.starts_answer`): all of the reply
-        is the answer, and a constraint applies from its start.
+        is the answer, and a constraint applies from its start. `prompt_opened_thinking`: the prompt's end opened it
+        (`Marker.opened_by`): the reply thinks until the parser's end tag, as its constraint waits for it.
 
         `stream_arguments` (a streamed reply): an ``auto`` call's arguments come
         in pieces as they are generated; a call that breaks after its first
@@ -54,7 +56,8 @@ class ChatReply:
         ``{"message_start": True}`` delta and without the newline that joins a chat message's.
         """
         self.mode = mode
-        self._reasoning = reasoning.stream(prompt_ended_thinking, message_starts) if reasoning is not None else None
+        self._reasoning = reasoning.stream(prompt_ended_thinking, message_starts, prompt_opened_thinking) \
+            if reasoning is not None else None
         self._calls_stream: ToolCallDeltaStream | None = (
             mode.parser.delta_stream(stream_arguments) if mode.parser is not None else None)
         self._text: list[str] = []

@@ -100,13 +100,17 @@ class Choices:
         self.prompt_ended_thinking = [thinking_off] * num_prompts
         """Each prompt's replies are all answer (`Marker.starts_answer`: its end wrote `reasoning_end`, or the
         request turned the thinking off and its end did not open it); without `reasoning_end`, `thinking_off`."""
+        self.prompt_opened_thinking = [False] * num_prompts
+        """Each prompt's end opened the thinking (`Marker.opened_by`): its replies think until the end tag."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
 
     def ended_thinking(self, prompt_index: int, prompt_ids: list[int]) -> None:
-        """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer."""
+        """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer; or opened
+        it: they think until the end tag."""
         if self.reasoning_end is not None:
             self.prompt_ended_thinking[prompt_index] = self.reasoning_end.starts_answer(prompt_ids, self.thinking_off)
+            self.prompt_opened_thinking[prompt_index] = self.reasoning_end.opened_by(prompt_ids)
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -150,7 +154,8 @@ class Choices:
         choice = self._choices[index]
         if choice.reply is None:
             choice.reply = ChatReply(self.tool_mode, self.reasoning, message_starts=self.message_starts,
-                                     prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
+                                     prompt_ended_thinking=self.prompt_ended_thinking[index // self.n],
+                                     prompt_opened_thinking=self.prompt_opened_thinking[index // self.n])
         deltas = choice.reply.feed(text)
         if finish_reason is not None:
             more, finish_reason = choice.reply.finish(finish_reason)
@@ -196,8 +201,10 @@ class Choices:
         API's ``reasoning_tokens``); 0 without a tag parser (harmony's channels are not counted)."""
         if self.reasoning is None or not self.counts_reasoning:
             return 0
-        return sum(self.reasoning_end.spanned(choice.output_token_ids, self.reasoning.opened_by_prompt)
-                   for index, choice in enumerate(self._choices) if not self.prompt_ended_thinking[index // self.n])
+        opened, ended = self.prompt_opened_thinking, self.prompt_ended_thinking
+        return sum(self.reasoning_end.spanned(choice.output_token_ids,
+                                              self.reasoning.opened_by_prompt or opened[index // self.n])
+                   for index, choice in enumerate(self._choices) if not ended[index // self.n])
 
     def choice_usage(self, index: int) -> dict[str, int]:
         """vLLM's ``continuous_usage_stats`` on a chunk of choice `index`: its prompt's tokens, its own so far."""
@@ -223,7 +230,8 @@ class Choices:
         chat's message (`merge_deltas`), the Responses API's output items (`response_body`)."""
         choice = self._choices[index]
         reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False, message_starts=self.message_starts,
-                          prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
+                          prompt_ended_thinking=self.prompt_ended_thinking[index // self.n],
+                          prompt_opened_thinking=self.prompt_opened_thinking[index // self.n])
         deltas = reply.feed("".join(choice.text))
         more, finish_reason = reply.finish(choice.finish_reason)
         return self._shown(deltas + more), finish_reason

@@ -96,9 +96,10 @@ _PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "
                    "include_stop_str_in_output", "structured_outputs")
 """The fields a chat completion has under the same name (vLLM's sampling extensions among them)."""
 
-RESPONSES_FIELDS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
-                    "max_tokens": "max_output_tokens"}
-"""The chat request's fields (`chat_request`) that errors name -> the Responses API's (`renamed_fields`)."""
+RESPONSES_FIELDS = {"messages": "input", "prompt": "input", "response_format": "text",
+                    "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+"""The chat request's fields (`chat_request`) that errors name -> the Responses API's (`renamed_fields`): ``prompt``,
+the engine's name of the rendered messages (a prompt over the context, `check_context_length`), is the input too."""
 
 
 def _refused(req: ResponsesRequest) -> None:
