@@ -85,7 +85,7 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     num_samples: int = 1
     """The core requests the queue's limits count this one as (`check_queue_capacity`): an n > 1 request's n on its
     sample 0, which is checked once for all its samples; 0 on its other samples, queued with sample 0 (when sample 0
-    is refused, the host aborts them)."""
+    is refused, the core refuses them too: asyncllm/engine/sample_groups.py)."""
     lora: LoRARequest | None = None
     """The request's adapter, checked by the host (``lora_path`` a local folder); None: the base model."""
     pooling: PoolingParams | None = None

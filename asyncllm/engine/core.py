@@ -31,6 +31,7 @@ from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.kv_budget import served_config, swap_blocks
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
+from asyncllm.engine.sample_groups import SampleGroups
 from asyncllm.engine.validation import check_add_request, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies, ignore_group_signals, report_crashes
@@ -96,6 +97,8 @@ class EngineCore:
         """Live weight updates (`UpdateWeights`, docs/weight-updates.md) and the weights version."""
         self.sleep = SleepController(self)
         """Sleep mode (`Sleep` / `WakeUp`, docs/sleep-mode.md): while it holds steps, requests only queue."""
+        self.samples = SampleGroups(self)
+        """An n > 1 request's samples refused together (asyncllm/engine/sample_groups.py)."""
         self._next_health_check = 0.0
         overlapped = config.async_scheduling and config.scheduler_config.speculative_config is None
         if config.async_scheduling and not overlapped:
@@ -234,12 +237,7 @@ class EngineCore:
         if isinstance(message, protocol.AddRequest):
             self._add_request(client_id, message)
         elif isinstance(message, protocol.AbortRequests):  # a host can name, so abort, its own requests only
-            keys = request_keys(client_id, message.request_ids)
-            aborted = self.scheduler.abort_requests(keys)
-            if aborted and self.structured.matchers:
-                self.structured.drop(r.request_id for r in aborted)
-            if self.structured.pending:
-                self.structured.abort(keys, client_id)
+            self.abort(client_id, request_keys(client_id, message.request_ids))
         elif isinstance(message, protocol.Hello):
             mismatch = protocol.wire_protocol_mismatch(message.wire_protocol, protocol.wire_protocol())
             if mismatch is not None:  # told, never registered: its AddRequests would be misread (protocol.py)
@@ -272,10 +270,20 @@ class EngineCore:
                 self._running = False
         return not isinstance(message, protocol.Heartbeat)  # heard by the I/O thread already (`CoreIO.last_heard`)
 
+    def abort(self, client_id: bytes, keys: list[str]) -> None:
+        """End `client_id`'s requests of these keys: queued, running, waiting for a grammar or still to come."""
+        aborted = self.scheduler.abort_requests(keys)
+        if aborted and self.structured.matchers:
+            self.structured.drop(r.request_id for r in aborted)
+        if self.structured.pending:
+            self.structured.abort(keys, client_id)
+        self.samples.forget(keys)
+
     def _remove_client(self, client_id: bytes) -> None:
         """A host left (`Goodbye`) or died: abort its requests, unmap its ring, hand its metrics export on."""
         self.structured.drop(r.request_id for r in self.scheduler.abort_client(client_id))
         self.structured.abort_client(client_id)
+        self.samples.forget_client(client_id)
         self.clients.discard(client_id)
         self.liveness.forget(client_id)
         self.mm_cache.detach(client_id)
@@ -295,6 +303,7 @@ class EngineCore:
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         request_id = message.request_id  # the host's: the core keys the request by `request_key` (ids are per host)
         try:
+            self.samples.check(request_key(client_id, request_id))
             # the host checked too; other peers may not have
             check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds,
                               self.config.max_logprobs, self.tasks)
@@ -317,19 +326,20 @@ class EngineCore:
                 self.scheduler.add_request(request)
             self.lora_ids.record(client_id, host_lora_id, message.lora)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
-            delta = protocol.RequestOutputDelta(request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)
-            self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
+            refused = self.samples.refuse(client_id, request_key(client_id, request_id), message.num_samples, exc)
+            self.io.send(client_id, protocol.Outputs(host_outputs(client_id, refused, [])[0], None, time.time()))
 
     def _admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """Queue the requests whose grammar is ready; error deltas for those that failed or timed out."""
         ready, failed = self.structured.poll()
         for request in ready:
             try:
+                self.samples.check(request.request_id)
                 self.scheduler.add_request(request)
             except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
                 self.structured.matchers.pop(request.request_id, None)
-                failed.append((request.client_id, protocol.RequestOutputDelta(
-                    request.request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)))
+                refused = self.samples.refuse(request.client_id, request.request_id, request.num_samples, exc)
+                failed += [(request.client_id, delta) for delta in refused]
         return failed
 
     def _ready(self) -> protocol.Ready:

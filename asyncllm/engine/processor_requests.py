@@ -21,6 +21,7 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.processor_outputs import Deliver, TrackedRequest
 from asyncllm.engine.prompt_embeds import embeds_salt
 from asyncllm.engine.prompt_tokens import PromptTokenizer
+from asyncllm.engine.sample_groups import sample_ids
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.validation import (
     check_allowed_tokens,
@@ -163,6 +164,5 @@ def sample_request_ids(request_id: str, n: int, submission: int) -> list[str]:
     """Core request ids of a request's samples: ``<id>#<submission>`` when n == 1, else ``<id>#<submission>-<i>``.
     `submission` numbers the host's submissions: an id used again right after its request was aborted names a new
     core request, so the old one's outputs still in flight are dropped, never given to the new one."""
-    base = f"{request_id}#{submission}"
-    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
+    return sample_ids(f"{request_id}#{submission}", n)  # the core finds sample 0's siblings by them
 

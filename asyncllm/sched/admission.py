@@ -81,7 +81,8 @@ def check_queue_capacity(
     """`EngineOverloadedError` if queueing `request` would pass a limit.
 
     An n > 1 request is checked once, on its sample 0, for its n samples
-    (`Request.num_samples`; its other samples, 0, are queued with it).
+    (`Request.num_samples`; its other samples, 0, are queued with it, or refused with it:
+    asyncllm/engine/sample_groups.py).
     `max_num_queued_requests`: refused when the waiting requests plus these
     samples would pass it. `max_num_queued_tokens`: refused when the waiting
     requests' tokens plus these samples' prompts would pass it. An empty queue

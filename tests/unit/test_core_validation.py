@@ -19,6 +19,7 @@ from asyncllm.engine.client_liveness import ClientLiveness
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import request_key
+from asyncllm.engine.sample_groups import SampleGroups
 from asyncllm.engine.validation import check_add_request, served_tasks
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
@@ -111,6 +112,7 @@ def _core(monkeypatch: pytest.MonkeyPatch, now: list[float],
     core.scheduler = Scheduler(core.config, 64, 256, clock=lambda: now[0])
     core.structured = StructuredOutputManager("unused", VOCAB, 30.0)
     core.structured._compilers = _ManualPool()  # type: ignore[assignment]
+    core.samples = SampleGroups(core)
     return core, sent
 
 

@@ -1,0 +1,103 @@
+"""The engine core refuses an n > 1 request's samples together (asyncllm/engine/sample_groups.py): when sample 0 is
+refused, no other sample is queued or scheduled, each gets the same typed error, nothing is left behind, and the
+other requests are served. Driven through `EngineCore._handle` without workers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncllm import SamplingParams, StructuredOutputs, protocol
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.request_keys import request_key
+from asyncllm.engine.sample_groups import sibling_ids
+from asyncllm.mm.cache import MultiModalCacheMiss
+from test_core_validation import _core
+from test_scheduler import run_step
+
+SAMPLES = [f"g#1-{i}" for i in range(3)]
+"""The host's core ids of an n=3 request (`sample_request_ids`)."""
+
+
+def _send(core: EngineCore, req_id: str, num_samples: int = 1, structured: StructuredOutputs | None = None) -> None:
+    core._handle(b"h", protocol.AddRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=2, structured=structured),
+                                           [2], time.time(), num_samples=num_samples))
+
+
+def _send_samples(core: EngineCore, order: list[int], structured: StructuredOutputs | None = None) -> None:
+    for i in order:
+        _send(core, SAMPLES[i], 0 if i else len(SAMPLES), structured)
+
+
+def _busy_core(monkeypatch: pytest.MonkeyPatch):
+    """A core whose one seat runs "busy" and whose queue (max 2) holds "w": an n=3 request is refused."""
+    core, sent = _core(monkeypatch, [0.0], max_num_queued_requests=2, max_num_seqs=1)
+    _send(core, "busy")
+    run_step(core.scheduler)
+    _send(core, "w")
+    return core, sent
+
+
+def _run_to_idle(core: EngineCore) -> set[str]:
+    """Step until every request finished; the keys of those scheduled."""
+    scheduled: set[str] = set()
+    for _ in range(20):
+        if not core.scheduler.has_unfinished_requests():
+            return scheduled
+        out, _ = run_step(core.scheduler)
+        scheduled.update(out.num_scheduled_tokens)
+    raise AssertionError(f"not idle: {list(core.scheduler.requests)}")
+
+
+def _refusals(deltas: list[protocol.RequestOutputDelta]) -> dict[str, str]:
+    return {delta.request_id: delta.error_type for delta in deltas if delta.error is not None}
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [1, 0, 2], [1, 2, 0]])  # sample 0 resent after a cache miss: later
+def test_a_refused_sample_0_refuses_its_siblings_wherever_they_are(monkeypatch: pytest.MonkeyPatch,
+                                                                    order: list[int]) -> None:
+    core, sent = _busy_core(monkeypatch)
+    _send_samples(core, order)
+    assert _refusals(sent) == dict.fromkeys(SAMPLES, "EngineOverloadedError")
+    assert len({delta.error for delta in sent}) == 1 and "n=3" in sent[0].error  # sample 0's error, for each
+    assert [r.request_id for r in core.scheduler.waiting] == [request_key(b"h", "w")]
+    core._handle(b"h", protocol.AbortRequests(SAMPLES[1:]))  # the host's abort, after sample 0's error
+    assert core.samples._refused == {}
+    _send(core, "after")  # served as before
+    assert _run_to_idle(core) == {request_key(b"h", r) for r in ("busy", "w", "after")}
+    stats = core.scheduler.get_stats()
+    assert core.scheduler.requests == {} and stats.num_used_blocks == 0 and stats.num_requests_waiting == 0
+
+
+def test_grammar_samples_admitted_together_are_refused_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, sent = _busy_core(monkeypatch)
+    _send_samples(core, [1, 0, 2], StructuredOutputs(choice=["x"]))  # parked until their grammar compiles
+    assert sent == [] and len(core.structured.pending) == 3
+    failed = core._admit_compiled()
+    assert _refusals([delta for _, delta in failed]) == {request_key(b"h", s): "EngineOverloadedError" for s in SAMPLES}
+    assert not core.structured.pending and not core.structured.matchers and core.samples._refused == {}
+    assert [r.request_id for r in core.scheduler.waiting] == [request_key(b"h", "w")]
+
+
+def test_the_siblings_still_to_come_are_forgotten_with_their_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, sent = _busy_core(monkeypatch)
+    _send(core, SAMPLES[0], 3)
+    assert set(core.samples._refused) == {request_key(b"h", s) for s in SAMPLES[1:]}
+    core._handle(b"h", protocol.Goodbye())
+    assert core.samples._refused == {} and core.scheduler.requests == {}
+
+
+def test_a_cache_miss_or_an_id_in_use_refuses_the_sample_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A miss is no refusal (the host resends the sample with its data); an id in use names another request's
+    samples, which must run on."""
+    core, sent = _core(monkeypatch, [0.0])
+    key = request_key(b"h", SAMPLES[0])
+    miss = core.samples.refuse(b"h", key, 3, MultiModalCacheMiss("mm_items[0]", "not cached"))
+    assert [delta.request_id for delta in miss] == [key] and core.samples._refused == {}
+    _send_samples(core, [0, 1, 2])
+    _send_samples(core, [0])  # the same id again: refused alone
+    assert _refusals(sent) == {SAMPLES[0]: "InvalidRequestError"}
+    assert set(core.scheduler.requests) == {request_key(b"h", s) for s in SAMPLES} and core.samples._refused == {}
+    assert sibling_ids("x#2-0", 3) == ["x#2-1", "x#2-2"] and sibling_ids("x#2-1", 0) == sibling_ids("x#2", 1) == []
+
