@@ -181,10 +181,10 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
     serve.add_argument("--root-path", default="", metavar="PREFIX",
                        help="the path prefix a proxy serves the app under (ASGI root_path)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                       help="after SIGINT/SIGTERM, at most this long for open connections to close (the engine's "
-                            "streams end at once, with finish_reason \"abort\"); then they are cut (uvicorn's "
-                            "timeout_graceful_shutdown)")
+    serve.add_argument("--shutdown-timeout", type=_seconds, default=0.0, metavar="SECONDS",
+                       help="vLLM's: after SIGINT/SIGTERM, 0 (the default) aborts the requests in flight at once "
+                            "(finish_reason \"abort\"); N drains: new requests are refused, those in flight run on "
+                            "for up to N seconds, then the rest are aborted")
     serve.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of host:port")
     serve.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="HTTPS: the server's private key")
     serve.add_argument("--ssl-certfile", default=None, metavar="PATH", help="HTTPS: the server's certificate")
@@ -192,6 +192,13 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
                        help="HTTPS: CA certificates that clients' certificates are checked against")
     serve.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2], metavar="N",
                        help="HTTPS: whether clients need a certificate (0 none, 1 optional, 2 required; ssl's CERT_*)")
+
+
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds >= 0: {raw!r}")
+    return value
 
 
 def _json_list(raw: str) -> list[str]:
@@ -220,13 +227,19 @@ def warn_open_cors(cors: Any, api_keys: list[str]) -> None:
               "included, can call it and read the replies; set --api-key or --allowed-origins", file=sys.stderr)
 
 
+CLOSE_GRACE_S = 30.0
+"""After a shutdown's drain (``--shutdown-timeout``) the engine aborts what is left: how long uvicorn then waits for
+open connections to close (a client that does not read) before it cuts them (its ``timeout_graceful_shutdown`` is the
+drain plus this)."""
+
+
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`uvicorn.run`'s keywords from the serve flags: a Unix socket (`--uds`) replaces host and port."""
     where = {"uds": args.uds} if args.uds is not None else {"host": args.host, "port": args.port}
     return {**where, "log_level": args.log_level, "access_log": not args.disable_uvicorn_access_log,
             "root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
             "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs,
-            "timeout_graceful_shutdown": args.shutdown_timeout}
+            "timeout_graceful_shutdown": args.shutdown_timeout + CLOSE_GRACE_S}
 
 
 def check_tls_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

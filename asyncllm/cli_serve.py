@@ -17,7 +17,6 @@ import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 from asyncllm.cli_commands import uvicorn_kwargs
@@ -61,7 +60,7 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
     print(f"[asyncllm] starting: serving on {listen_url(args, sock)} once the model is loaded", file=sys.stderr)
     server = uvicorn.Server(config)
     try:
-        asyncio.run(_start_and_serve(app, engine, server, sock, args.uds))
+        asyncio.run(_start_and_serve(app, engine, server, sock, args.uds, args.shutdown_timeout))
     except ConfigError as exc:
         parser.error(str(exc))
     except AsyncLLMError as exc:
@@ -75,32 +74,38 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
         sys.exit(STARTUP_FAILURE)
 
 
-async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket, uds: str | None) -> None:
+async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket, uds: str | None,
+                           drain: float = 0.0) -> None:
     await _start(app, engine)
     # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully, then it re-raises the signal to the
-    # handler it found, this one: a SIGTERM's default action would end the process before `bound_socket` removes a
-    # --uds socket
-    previous = signal.signal(signal.SIGTERM, partial(_remove_then_die, uds))
-    closing = _close_engine_on_exit(server, engine)
+    # handler it found, this one, which notes a SIGTERM: the process ends by it only once the engine's close ended
+    # (the lifespan's close waits for the same one), the --uds socket removed first
+    terms: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+    closing = _close_engine_on_exit(server, engine, drain)
     try:
         await server.serve(sockets=[sock])
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if closing:  # its stop of the engine core(s) ends before the loop does; its error never hides serve's
+        if closing:  # its stop of the engine core(s) ends before the process does; its error never hides serve's
             for error in await asyncio.gather(closing[0], return_exceptions=True):
                 if isinstance(error, Exception):
                     logger.warning("closing the engine at shutdown failed: %r", error)
+        if terms:
+            _remove_then_die(uds, signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _close_engine_on_exit(server: Any, engine: Any) -> list[asyncio.Task]:
+def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0) -> list[asyncio.Task]:
     """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
     a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
-    lifespan's close comes only after the last. Returns the list that the close's task is put in."""
+    lifespan's close comes only after the last. With `drain` seconds (``--shutdown-timeout``, vLLM's drain shutdown)
+    the close drains first (`AsyncEngine.aclose`'s ``drain``): new requests are refused, those in flight run on for up
+    to `drain` seconds, the rest are then aborted. Returns the list that the close's task is put in."""
     loop, closing, handle_exit = asyncio.get_running_loop(), [], server.handle_exit
 
     def close() -> None:
         if not closing:
-            closing.append(loop.create_task(engine.aclose()))
+            closing.append(loop.create_task(engine.aclose(drain=True, timeout=drain) if drain else engine.aclose()))
 
     def on_exit(sig: int, frame: Any) -> None:  # a signal handler: the loop may be mid-step, so call_soon_threadsafe
         handle_exit(sig, frame)

@@ -31,6 +31,7 @@ from asyncllm.errors import AsyncLLMError, EngineDeadError
 from asyncllm.procutil import (at_orphan_exit, describe_exit, first_exited, private_ipc_dir, remove_dir, spawn_module,
                                stop_process)
 from asyncllm.workers.shm_broadcast import BroadcastWriter
+from asyncllm.workers.trace_summary import wait_for_exit
 
 __all__ = ["Executor"]
 
@@ -39,7 +40,8 @@ _POLL_S = 0.1
 _LAST_WORDS_S = 0.2
 """After a worker died: how long to wait for the WorkerError it may have sent first."""
 _SHUTDOWN_GRACE_S = 5.0
-"""How long workers get to leave on ShutdownWorker before they are stopped."""
+"""How long workers get to leave on ShutdownWorker before they are stopped (one writing its step trace: until it
+wrote it, `wait_for_exit`)."""
 
 _Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.WeightsUpdated,
                  protocol.SleepModeDone)
@@ -383,11 +385,8 @@ class Executor:
             except TimeoutError:
                 pass  # a reader is gone or stuck: the stop below handles it
         deadline = time.monotonic() + _SHUTDOWN_GRACE_S
-        for proc in alive:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        for proc in alive:  # and on past the grace while it writes its step trace (workers/step_trace.py)
+            wait_for_exit(proc, deadline - time.monotonic(), proc.pid)
         for proc in self._procs:
             if not polite:  # a hung or stopped rank ignores stdin EOF and SIGTERM: nothing of it is worth waiting for
                 proc.kill()

@@ -7,12 +7,13 @@ step START (0-based, every `SchedulerOutput` the worker ran counts) the
 profiler starts (CPU activity, and CUDA's on a GPU) and the phases of a
 step are wrapped in ``asyncllm::`` spans (``launch``, ``update``,
 ``prepare``, ``forward``, ``logits``, ``sample``, ``finish``, ``send``:
-asyncllm/bench/worker_trace.py); at the start of step START + COUNT (or at
+workers/trace_summary.py); at the start of step START + COUNT (or at
 the worker's shutdown, if that comes first) the device is synchronized, the
 profiler stops, the wrappers are removed and the rank's summary is written
 to ``ASYNCLLM_WORKER_TRACE_DIR`` as ``worker-trace-rank{R}-{pid}.json``,
 with ``ASYNCLLM_WORKER_TRACE_CHROME=1`` the whole trace beside it
-(``.chrome.json.gz``). Writing it pauses that step (the export and the
+(``.chrome.json.gz``); a shutdown meanwhile waits until it is written
+(``wait_for_exit``, workers/trace_summary.py). Writing it pauses that step (the export and the
 summary), and on a GPU the first traced step may carry the profiler's
 start (CUPTI's); the traced steps run slower than untraced ones, by the
 profiler's own cost per operator and launch.
@@ -25,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -34,15 +34,11 @@ import torch
 from asyncllm import envs
 from asyncllm.protocol import ModelRunnerOutput, SchedulerOutput
 from asyncllm.workers.step_pipeline import StepPipeline
+from asyncllm.workers.trace_summary import END_MARK, summarize, trace_dir, writing_marker
 
-__all__ = ["TracedPipeline", "trace_dir"]
+__all__ = ["TracedPipeline"]
 
 logger = logging.getLogger(__name__)
-
-
-def trace_dir() -> str:
-    """``ASYNCLLM_WORKER_TRACE_DIR``, else asyncllm-worker-trace in the system temp dir."""
-    return envs.WORKER_TRACE_DIR.get() or os.path.join(tempfile.gettempdir(), "asyncllm-worker-trace")
 
 
 class TracedPipeline(StepPipeline):
@@ -86,16 +82,24 @@ class TracedPipeline(StepPipeline):
         self.profiler.__enter__()
 
     def _stop(self) -> None:
-        from asyncllm.bench.worker_trace import END_MARK, summarize
+        """Stop the profiler and write the trace, its `writing_marker` there meanwhile: the executor's shutdown (and
+        the host's wait for the core) waits on past its grace for it (`wait_for_exit`)."""
+        folder = trace_dir()
+        os.makedirs(folder, exist_ok=True)
+        marker = writing_marker(os.getpid())
+        open(marker, "w").close()
+        try:
+            self._stop_and_write(folder)
+        finally:
+            os.remove(marker)
 
+    def _stop_and_write(self, folder: str) -> None:
         with torch.profiler.record_function(END_MARK):
             pass
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)  # on CUDA it synchronizes first: the last kernels end inside the trace
         self._unwrap_phases()
         self._done = True
-        folder = trace_dir()
-        os.makedirs(folder, exist_ok=True)
         raw = os.path.join(folder, f"{self._name()}.chrome.json")
         profiler.export_chrome_trace(raw)
         with open(raw) as f:

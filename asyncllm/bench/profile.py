@@ -29,34 +29,12 @@ import torch
 from asyncllm.bench import common
 from asyncllm.bench.report import print_summary
 from asyncllm.errors import ConfigError
+from asyncllm.workers.trace_summary import kernel_kind
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
 
-__all__ = ["add_args", "run", "kernel_kind", "KERNEL_KINDS"]
-
-KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # first match wins: our Triton kernels by name, then the vendor libraries' and aten's names
-    ("attention", ("paged_attention", "decode_segment", "decode_combine", "flash", "attention", "sdpa", "fmha")),
-    ("rotary", ("rotary",)),
-    ("norm", ("rms_norm", "layer_norm", "norm")),
-    ("activation", ("silu", "gelu", "act_and_mul")),
-    ("matmul", ("gemm", "matmul", "cutlass", "cublas", "nvjet", "xmma", "aten::mm", "aten::addmm", "aten::linear",
-                "aten::bmm")),
-    ("sampling", ("argmax", "softmax", "exponential", "sort", "topk", "cumsum", "multinomial")),
-    ("copy", ("memcpy", "memset", "copy", "index", "cat", "fill", "gather", "scatter")),
-)
-"""Kernel kinds and the (lower-case) name fragments that mark them."""
-
-
-def kernel_kind(name: str) -> str:
-    """The kind of a kernel or operator, from its name; ``other`` when nothing matches."""
-    lowered = name.lower()
-    for kind, fragments in KERNEL_KINDS:
-        if any(fragment in lowered for fragment in fragments):
-            return kind
-    return "other"
-
+__all__ = ["add_args", "run"]
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=common.positive_int, default=1, help="requests decoding together")

@@ -35,7 +35,6 @@ from asyncllm.engine.replica import (
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
-from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.errors import EngineDeadError, EventLoopError, running_asyncio_loop
 from asyncllm.outputs import EngineStats
@@ -119,6 +118,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._started = False
         self._closed = False
         self._draining = False
+        self._stopping: asyncio.Task[None] | None = None  # `_close`'s stop of the core(s), which any aclose awaits
         self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
         """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
         self._default_sampling: dict[str, Any] | None = None
@@ -300,11 +300,10 @@ class AsyncEngine(EngineRequests, EngineControl):
         if self._started:
             self._started = False
             self._forgotten.detach()
-            await stop_all(self._replicas.replicas)
-            for replica in self._replicas:
-                replica.observer.on_closed()
-            if multiprocess.multiprocess_dir() is not None:  # their last counts, once, with no file IO on the loop
-                await finish_in_thread(multiprocess.sync)
+            self._stopping = asyncio.ensure_future(stop_all(self._replicas.replicas, retire=True))
+            await self._stopping
+        elif self._stopping is not None and not (self._stopping.done() or self._stopping.get_loop().is_closed()):
+            await asyncio.wait([self._stopping])  # another aclose's stop: return once it ended (never stop twice)
 
     async def _wait_drained(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):

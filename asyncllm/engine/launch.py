@@ -11,6 +11,7 @@ import msgspec
 from asyncllm import errors, procutil
 from asyncllm.child_logging import host_logging_env
 from asyncllm.config import EngineConfig
+from asyncllm.workers.trace_summary import wait_for_exit
 
 _LOGS = "the core and its workers log to this process's stderr, tracebacks included"
 
@@ -39,8 +40,11 @@ class CoreProcess:
     def stop(self, timeout: float = 10.0, told: bool = True) -> None:
         """After Goodbye(shutdown=True) (`told`) the core shuts its workers down and exits: wait for that before
         cutting its lifeline. A core not told (closed while it started, before it reads messages) is cut at once:
-        its stdin's EOF ends it, and its workers with it."""
-        procutil.stop_process(self.proc, timeout, grace=timeout if told else 0.0)
+        its stdin's EOF ends it, and its workers with it. A worker writing its step trace is waited for past
+        `timeout` (`wait_for_exit`: the core waits for it too)."""
+        if told:
+            wait_for_exit(self.proc, timeout)
+        procutil.stop_process(self.proc, timeout)
         procutil.remove_dir(self.ipc_dir)
 
 

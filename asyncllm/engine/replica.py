@@ -322,10 +322,10 @@ async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: La
     return prepared
 
 
-async def stop_all(replicas: list[Replica]) -> None:
-    """Stop every replica (`stop_replicas`, to the end however often the caller is cancelled); none is left
-    holding its processor or core."""
-    await finish_in_thread(stop_replicas, replicas)
+async def stop_all(replicas: list[Replica], retire: bool = False) -> None:
+    """Stop every replica (`stop_replicas`, to the end however often the caller is cancelled; `retire`: then their
+    counters retired, `_stop_and_retire`); none is left holding its processor or core."""
+    await finish_in_thread(_stop_and_retire if retire else stop_replicas, replicas)
     for replica in replicas:
         replica.processor = replica.core = None
 

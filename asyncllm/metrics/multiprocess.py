@@ -287,14 +287,15 @@ def _start_thread(writer: _Writer) -> None:
 def _warn_if_stale(folder: str) -> None:
     """vLLM's warning, for files of processes no longer running (the live workers' files are expected)."""
     stale = sorted(name for name in os.listdir(folder)
-                   if (match := _STALE_FILE.search(name)) is not None and not _running(int(match.group(1))))
+                   if (match := _STALE_FILE.search(name)) is not None and not pid_running(int(match.group(1))))
     if stale:
         logger.warning("asyncllm: PROMETHEUS_MULTIPROC_DIR=%s holds the files of processes no longer running "
                        "(%s): their counts are added into every scrape; empty the folder before the host "
                        "processes start", folder, ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""))
 
 
-def _running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` runs (another user's too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -321,7 +322,7 @@ def _sync_forever(writer: _Writer) -> None:
     while writer.thread_pid == os.getpid():
         time.sleep(SYNC_INTERVAL_S)
         try:
-            reap_dead(writer.folder, _running)
+            reap_dead(writer.folder, pid_running)
             writer.sync()
         except Exception:  # noqa: BLE001 - the folder went away or filled up, or a bug: the thread carries on
             if not logged:

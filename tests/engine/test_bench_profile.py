@@ -8,7 +8,7 @@ import pytest
 from test_bench import TINY, _run
 
 from asyncllm.bench.cli import main
-from asyncllm.bench.profile import kernel_kind
+from asyncllm.workers.trace_summary import kernel_kind
 
 
 def test_profile_reports_phases_and_kernels_by_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -173,7 +173,7 @@ def _serve_args(*flags: str) -> argparse.Namespace:
 def test_uvicorn_flags_map_to_uvicorn_config() -> None:
     import uvicorn
 
-    from asyncllm.cli_commands import uvicorn_kwargs
+    from asyncllm.cli_commands import CLOSE_GRACE_S, uvicorn_kwargs
 
     args = _serve_args("--uds", "/tmp/x.sock", "--root-path", "/llm", "--uvicorn-log-level", "debug",
                        "--disable-uvicorn-access-log", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
@@ -181,7 +181,7 @@ def test_uvicorn_flags_map_to_uvicorn_config() -> None:
     kwargs = uvicorn_kwargs(args)
     assert kwargs == {"uds": "/tmp/x.sock", "log_level": "debug", "access_log": False, "root_path": "/llm",
                       "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem", "ssl_ca_certs": "ca.pem",
-                      "ssl_cert_reqs": ssl.CERT_REQUIRED, "timeout_graceful_shutdown": 5.0}
+                      "ssl_cert_reqs": ssl.CERT_REQUIRED, "timeout_graceful_shutdown": 5.0 + CLOSE_GRACE_S}
     config = uvicorn.Config(None, **kwargs)  # every keyword is one uvicorn takes
     assert (config.uds, config.root_path, config.access_log, config.ssl_cert_reqs) == ("/tmp/x.sock", "/llm",
                                                                                        False, 2)

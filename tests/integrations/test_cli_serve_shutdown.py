@@ -17,15 +17,22 @@ class _Engine:
 
     def __init__(self) -> None:
         self.closed = asyncio.Event()
+        self.idle = asyncio.Event()  # its streams ended by themselves
+        self.closes: list[tuple[bool, float | None]] = []
 
     async def start(self) -> None:
         pass
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
+        """As `AsyncEngine.aclose`: with `drain`, what is in flight runs on for up to `timeout` seconds first."""
+        self.closes.append((drain, timeout))
+        if drain:
+            await asyncio.wait([asyncio.ensure_future(self.idle.wait())], timeout=timeout)
         self.closed.set()
 
 
-def _app(engine: _Engine, streaming: asyncio.Event):
+def _app(engine: _Engine, streaming: asyncio.Event, ends_in: float | None = None):
+    """A stream that ends when the engine closes ("abort"), or by itself after `ends_in` seconds ("done")."""
     async def app(scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
@@ -36,22 +43,26 @@ def _app(engine: _Engine, streaming: asyncio.Event):
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
         streaming.set()
-        await engine.closed.wait()
-        await send({"type": "http.response.body", "body": b"data: abort\n\n"})
+        closed = asyncio.ensure_future(engine.closed.wait())
+        await asyncio.wait([closed], timeout=ends_in)
+        engine.idle.set()
+        await send({"type": "http.response.body", "body": b"data: abort\n\n" if closed.done() else b"data: done\n\n"})
     return app
 
 
-def test_a_signal_closes_the_engine_so_open_streams_end() -> None:
+@pytest.mark.parametrize(("drain", "ends"), [(0.0, b"data: abort"), (5.0, b"data: done")])
+def test_a_signal_closes_the_engine_so_open_streams_end(drain: float, ends: bytes) -> None:
+    """``--shutdown-timeout`` as vLLM's: 0 aborts the streams in flight at once, N drains (they run on, up to N s)."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
 
-    async def main() -> bytes:
+    async def main() -> tuple[bytes, _Engine]:
         engine, streaming = _Engine(), asyncio.Event()
-        server = uvicorn.Server(uvicorn.Config(_app(engine, streaming), log_level="warning"))
-        serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None))
+        server = uvicorn.Server(uvicorn.Config(_app(engine, streaming, ends_in=0.3), log_level="warning"))
+        serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None, drain))
         while not server.started:
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -61,10 +72,11 @@ def test_a_signal_closes_the_engine_so_open_streams_end() -> None:
         await asyncio.wait_for(serving, 10)  # without the close: uvicorn waits for the stream with no limit
         body = await reader.read()
         writer.close()
-        return body
+        return body, engine
 
     try:
-        assert b"data: abort" in asyncio.run(main())
+        body, engine = asyncio.run(main())
+        assert ends in body and engine.closes[0] == ((True, drain) if drain else (False, None)), (body, engine.closes)
     finally:
         sock.close()
 

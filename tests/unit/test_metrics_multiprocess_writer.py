@@ -17,7 +17,7 @@ from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from asyncllm import AsyncEngine
-from asyncllm.engine import async_engine
+from asyncllm.engine import replica as replica_module
 from asyncllm.errors import ConfigError
 from asyncllm.metrics import multiprocess, multiprocess_files, prometheus
 from asyncllm.metrics.host_stats import HostStats
@@ -255,10 +255,7 @@ async def test_aclose_writes_once_for_all_replicas_off_the_event_loop(folder, mo
     engine._started, engine._forgotten = True, weakref.finalize(engine, lambda: None)
     engine._loop, engine._owner_pid = asyncio.get_running_loop(), os.getpid()
 
-    async def stopped(replicas) -> None:
-        pass
-
-    monkeypatch.setattr(async_engine, "stop_all", stopped)
+    monkeypatch.setattr(replica_module, "stop_replicas", lambda replicas: None)  # `stop_all`'s, with no process to stop
     threads: list[threading.Thread] = []
     monkeypatch.setattr(multiprocess, "sync", lambda: threads.append(threading.current_thread()))
     await engine.aclose()

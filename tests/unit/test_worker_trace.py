@@ -1,4 +1,4 @@
-"""The opt-in worker step trace (ASYNCLLM_WORKER_TRACE_STEPS; workers/step_trace.py, asyncllm/bench/worker_trace.py):
+"""The opt-in worker step trace (ASYNCLLM_WORKER_TRACE_STEPS; workers/step_trace.py, workers/trace_summary.py):
 the summary's numbers from a known timeline, a worker's command loop with the trace on (the file, its range) and off
 (no profiler at all)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from asyncllm import ConfigError, envs, protocol
-from asyncllm.bench.worker_trace import summarize
+from asyncllm.workers.trace_summary import summarize, writing_marker
 from asyncllm.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from asyncllm.workers import step_trace, worker
 from asyncllm.workers.token_feedback import InFlightStep
@@ -152,6 +153,22 @@ def test_a_worker_writes_its_trace(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         assert 0 < step["host_ms"]["launch"] < step["wall_ms"] and step["host_ms"]["send"] >= 0
         assert step["kernels"] >= 4 and 0 < step["device_busy_ms"] < step["wall_ms"]
     assert {"matmul", "sampling"} <= set(trace["kinds_ms_per_step"])
+
+
+def test_the_trace_is_written_under_its_writing_marker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The marker the shutdown waits on (workers/trace_summary.py `wait_for_exit`) is there while the trace is
+    written, and gone after."""
+    monkeypatch.setenv(envs.WORKER_TRACE_STEPS.name, "1:2")
+    monkeypatch.setenv(envs.WORKER_TRACE_DIR.name, str(tmp_path))
+    marker, seen, write = Path(writing_marker(os.getpid())), [], step_trace.TracedPipeline._stop_and_write
+
+    def watched(self: Any, folder: str) -> None:
+        seen.append(marker.exists())
+        write(self, folder)
+
+    monkeypatch.setattr(step_trace.TracedPipeline, "_stop_and_write", watched)
+    _run_worker(4)
+    assert seen == [True] and not marker.exists() and _trace(tmp_path)["num_steps"] == 2
 
 
 def test_a_pipelined_worker_s_trace_has_its_finish_phase(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,0 +1,82 @@
+"""One close at shutdown: concurrent `AsyncEngine.aclose` calls share one stop of the core(s), each returning once it
+ended; `asyncllm serve` ends by a SIGTERM only once the engine's close ended (asyncllm/cli_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import uvicorn
+
+from asyncllm.cli import _parser
+from asyncllm.engine import async_engine
+from asyncllm.engine.async_engine import AsyncEngine
+
+
+def test_concurrent_acloses_stop_the_engine_once_and_each_returns_once_it_stopped(monkeypatch, tiny_llama) -> None:
+    stops: list[str] = []
+
+    async def stop_all(replicas, retire=False) -> None:
+        stops.append("begins")
+        await asyncio.sleep(0.05)
+        stops.append("ends")
+
+    monkeypatch.setattr(async_engine, "stop_all", stop_all)
+    engine = AsyncEngine(tiny_llama)
+
+    async def main() -> list[list[str]]:
+        engine._started, engine._forgotten = True, lambda: None  # a started engine, as far as `_close` reads
+        engine._forgotten.detach = lambda: None
+        seen: list[list[str]] = []
+
+        async def close() -> None:
+            await engine.aclose()
+            seen.append(list(stops))  # what was stopped when this aclose returned
+
+        await asyncio.gather(close(), close(), close())
+        return seen
+
+    assert asyncio.run(main()) == [["begins", "ends"]] * 3
+
+
+class _Engine:
+    """An engine whose close takes a while."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.events.append("close begins")
+        await asyncio.sleep(0.05)
+        self.events.append("closed")
+
+
+async def _app(scope, receive, send) -> None:
+    raise AssertionError("nothing is served")
+
+
+def test_sigterm_ends_serve_only_once_the_engines_close_ended(monkeypatch, tmp_path) -> None:
+    events: list[str] = []
+
+    async def serve(self, sockets=None) -> None:  # uvicorn's: a SIGTERM stops it, then it re-raises the signal
+        self.started = True
+        self.handle_exit(signal.SIGTERM, None)  # serve's wrapper: uvicorn's stop, and the engine's close
+        await asyncio.sleep(0.01)  # the close began
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    monkeypatch.setattr(uvicorn.Server, "serve", serve)
+    monkeypatch.setattr(signal, "raise_signal", lambda signum: events.append(f"ends by {signum!r}"))
+    from asyncllm import cli_serve
+
+    parser, path = _parser(), str(tmp_path / "s.sock")
+    args = parser.parse_args(["serve", "--uds", path])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with cli_serve.bound_socket(args, parser) as sock:
+            cli_serve.serve_app(_app, _Engine(events), sock, args, parser)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert events == ["close begins", "closed", f"ends by {signal.SIGTERM!r}"]
