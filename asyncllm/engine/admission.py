@@ -13,8 +13,12 @@ snapshot arrived, and applies the core's rule to that estimate
 counts its n samples). Approximations, all on the side of letting a request
 through (the core then refuses it after tokenization):
 
-- a submission is counted until the next snapshot arrives, even if that
-  snapshot was taken before the core received it;
+- a submission is counted until the next snapshot arrives (even if that
+  snapshot was taken before the core received it) or until it fails,
+  whichever comes first: one failing before a new snapshot arrived was
+  refused (by this host's processor thread, or by the core, which sends a
+  snapshot after every request it queues), so it never entered the queue and
+  is un-counted at once (`Admitted.retract`);
 - other hosts sharing the core are seen only through the snapshots;
 - a text prompt's tokens are estimated as ``len(text) // 4`` (about four
   characters per token of English text; code and most other scripts have
@@ -29,7 +33,7 @@ from typing import Any
 from asyncllm.protocol import SchedulerStats
 from asyncllm.sched.admission import check_queue_limits
 
-__all__ = ["HostAdmission", "estimate_prompt_tokens"]
+__all__ = ["Admitted", "HostAdmission", "estimate_prompt_tokens"]
 
 CHARS_PER_TOKEN = 4
 
@@ -62,15 +66,16 @@ class HostAdmission:
     def enabled(self) -> bool:
         return self.max_num_queued_requests is not None or self.max_num_queued_tokens is not None
 
-    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> None:
+    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> Admitted | None:
         """Count the request as submitted, or raise `EngineOverloadedError` if the queue looks full.
 
         `stats` is the latest snapshot from the core; a new object means a new
         snapshot, which already counts what was submitted before it. A request
         of `num_samples` (SamplingParams.n) samples is that many core requests.
+        Returns what was counted (None: no limit is set, nothing was).
         """
         if not self.enabled:
-            return
+            return None
         if stats is not self._snapshot:
             self._snapshot, self._num_submitted, self._num_submitted_tokens = stats, 0, 0
         num_tokens = estimate_prompt_tokens(prompt, chat) if self.max_num_queued_tokens is not None else 0
@@ -79,3 +84,24 @@ class HostAdmission:
                            self.max_num_queued_requests, self.max_num_queued_tokens, about="about ")
         self._num_submitted += num_samples
         self._num_submitted_tokens += num_tokens * num_samples
+        return Admitted(self, stats, num_samples, num_tokens * num_samples)
+
+
+class Admitted:
+    """A request counted by `HostAdmission.admit`: its samples and tokens, and the snapshot they count on."""
+
+    __slots__ = ("admission", "snapshot", "num_requests", "num_tokens")
+
+    def __init__(self, admission: HostAdmission, snapshot: SchedulerStats, num_requests: int, num_tokens: int) -> None:
+        self.admission = admission
+        self.snapshot: SchedulerStats | None = snapshot
+        self.num_requests, self.num_tokens = num_requests, num_tokens
+
+    def retract(self) -> None:
+        """The request failed (`RequestCollector.put_error`): un-count it, at most once, unless the count restarted
+        since (a new snapshot arrived: it counts the request if the core queued it)."""
+        admission = self.admission
+        if admission._snapshot is self.snapshot:
+            admission._num_submitted -= self.num_requests
+            admission._num_submitted_tokens -= self.num_tokens
+            self.snapshot = None

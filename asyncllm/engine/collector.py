@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncllm.engine.admission import Admitted
 from asyncllm.outputs import PromptLogprobs, RequestMetrics, StreamDelta
 from asyncllm.sampling import RequestOutputKind
 
@@ -104,8 +105,11 @@ class RequestCollector:
     """
 
     def __init__(self, request_id: str, arrival_time: float, n: int = 1,
-                 output_kind: RequestOutputKind = RequestOutputKind.DELTA, logprobs: bool = False) -> None:
+                 output_kind: RequestOutputKind = RequestOutputKind.DELTA, logprobs: bool = False,
+                 admitted: Admitted | None = None) -> None:
         self.request_id = request_id
+        self.admitted = admitted
+        """Its count in the host's admission estimate (asyncllm/engine/admission.py), retracted if it fails."""
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_token_ids: list[int] = []
         self.prompt_logprobs: PromptLogprobs | None = None
@@ -159,6 +163,8 @@ class RequestCollector:
     def put_error(self, error: BaseException) -> None:
         if self.finished:
             return
+        if self.admitted is not None:  # un-counted at once unless a snapshot came since it was admitted
+            self.admitted.retract()
         self.finished = True
         self._error = error
         self._ready.set()

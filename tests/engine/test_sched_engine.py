@@ -166,6 +166,17 @@ async def test_an_idle_engine_takes_n_samples_past_max_num_queued_requests(engin
     await _wait_idle(engine)
 
 
+async def test_requests_the_host_refuses_leave_an_idle_engine_admitting(engine: AsyncEngine) -> None:
+    """Refused on the processor thread, they never reached the core, so no snapshot follows them: each is un-counted
+    from the host's estimate when it fails, not when the next snapshot comes (an idle core sends none)."""
+    await _wait_idle(engine)
+    for bad in ([5] * 3000, [10**6], [5] * 3000):  # past max_model_len (and max_num_queued_tokens), out of vocab
+        with pytest.raises(InvalidRequestError):  # never EngineOverloadedError: the queue is empty
+            await engine.generate(bad, GREEDY)
+    assert len((await engine.generate([5, 6], GREEDY)).token_ids) == 8
+    await _wait_idle(engine)
+
+
 # ------------------------------------------------------------------ KV sizing
 async def test_max_model_len_larger_than_the_kv_cache_fails_at_start(tiny_llama: str) -> None:
     engine = AsyncEngine(tiny_llama, disable_log_stats=True, num_gpu_blocks_override=4, max_model_len=100)

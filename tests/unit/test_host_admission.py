@@ -68,3 +68,26 @@ def test_token_limit_counts_n_prompts():
     stats = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=60)
     with pytest.raises(EngineOverloadedError, match="about 60 tokens are already waiting and this request's n=2"):
         admission.admit(stats, "x" * 84, chat=False, num_samples=2)  # 60 + 2 x 21 > 100
+
+
+def test_a_failed_request_is_uncounted_until_a_new_snapshot():
+    """`Admitted.retract`: a request failing before the next snapshot (refused, never queued) stops counting at once,
+    and once only; after a new snapshot it is a no-op (the count restarted from that snapshot)."""
+    admission = HostAdmission(max_num_queued_requests=2, max_num_queued_tokens=10)
+    stats = SchedulerStats()
+    refused = admission.admit(stats, [1] * 40, chat=False, num_samples=2)
+    assert refused is not None
+    refused.retract()
+    refused.retract()
+    admission.admit(stats, [1] * 5, chat=False)  # 0 waiting: as if the refused one had never come
+    admission.admit(stats, [1] * 5, chat=False)  # 5 + 5 <= 10 tokens, 1 + 1 <= 2 requests
+    with pytest.raises(EngineOverloadedError):
+        admission.admit(stats, [1], chat=False)
+    counted = admission.admit(SchedulerStats(num_requests_waiting=1), [1], chat=False)
+    assert counted is not None
+    new = SchedulerStats(num_requests_waiting=1)
+    admission.admit(new, [1], chat=False)  # a new snapshot: counts 1 waiting + this one
+    counted.retract()  # counted on the old snapshot: changes nothing
+    with pytest.raises(EngineOverloadedError):
+        admission.admit(new, [1], chat=False)
+    assert HostAdmission(None, None).admit(stats, "x", chat=False) is None
