@@ -118,8 +118,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """False: the outputs carry token ids only (empty text, logprobs without ``decoded_token``), and the host
     spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""
     logprobs_mode: str | None = None
-    """What this request's ``logprobs`` and ``prompt_logprobs`` hold, one of the engine's ``logprobs_mode`` values
-    (None: the engine's): beam search asks for ``raw_logprobs`` whatever the engine's mode, to rank by them."""
+    """What this request's ``logprobs`` hold, one of the engine's ``logprobs_mode`` values (None: the engine's;
+    ``prompt_logprobs`` are log-softmaxed under every mode, as vLLM's): beam search asks for ``raw_logprobs`` whatever the engine's mode, to rank by them."""
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"

@@ -55,8 +55,7 @@ def completion_params(req: CompletionRequest, limits: ServerLimits,
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
     prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:
-        _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
+    if req.echo and req.logprobs is not None:  # every choice's logprobs start with the prompt's (vLLM's, n > 1 too)
         prompt_logprobs = -1 if -1 in (req.logprobs, prompt_logprobs) else max(req.logprobs, prompt_logprobs or 0)
     if echo_only(req) and req.min_tokens:  # named by what the client sent, not the one token run for it
         raise InvalidRequestError("min_tokens", f"{req.min_tokens} exceeds max_tokens=0")

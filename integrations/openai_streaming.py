@@ -11,7 +11,7 @@ here too.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,7 +25,7 @@ from asyncllm.integrations.openai_protocol import ChatCompletionRequest, Complet
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.responses_api import ResponseEvents
 from asyncllm.integrations.starlette import wait_disconnect
-from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, gather_until, merge_streams
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -50,8 +50,10 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
         count_prompts(streams, choices)
+        held = await _hold_for_prompt_logprobs(streams, firsts, choices, lambda: wait_disconnect(request)) if (
+            echo is not None) else []
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
-        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed)
+        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed, held)
         return EventStream(events)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
@@ -119,10 +121,38 @@ async def _echo(choices: Choices, streams: list[RequestStream], prompts: list[st
     return out
 
 
+async def _hold_for_prompt_logprobs(streams: list[RequestStream], firsts: list[Any], choices: Choices,
+                                    until: Callable[[], Awaitable[object]]) -> list[tuple[int, Any]]:
+    """Streaming echo with logprobs and n > 1: every choice's echo starts with its prompt's logprobs, which come
+    with sample 0's first delta, and a sibling's may come first. Take such a stream's deltas until they come; the
+    ``(stream index, delta)`` taken are sent after the echo, in order (`merge_streams`' ``held``)."""
+    held: list[tuple[int, Any]] = []
+
+    async def take(index: int) -> None:
+        async for delta in streams[index]:
+            held.append((index, delta))
+            if delta.prompt_logprobs is not None:
+                choices.prompt_logprobs[index] = delta.prompt_logprobs
+                return
+
+    waiting = [i for i, first in enumerate(firsts) if first.prompt_logprobs is None]
+    if choices.top_logprobs is None or not waiting:
+        return held
+    try:
+        await gather_until([take(i) for i in waiting], until)
+    except BaseException:  # an error or a client gone before the response starts: abort them all
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return held
+
+
 async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
-               meta: dict[str, Any], usage: str, echoed: Echoed) -> AsyncIterator[bytes]:
+               meta: dict[str, Any], usage: str, echoed: Echoed,
+               held: list[tuple[int, Any]] = ()) -> AsyncIterator[bytes]:
     """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
-    (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's)."""
+    (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's);
+    `held`: deltas taken after `firsts` (`_hold_for_prompt_logprobs`)."""
 
     def chunk(choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
         return sse_event({**meta, **(top or {}), "choices": [choice], **chunk_usage(choices, choice["index"], usage)})
@@ -134,7 +164,8 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
         for index, logprobs, text in echoed:
             yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
                          "stop_reason": None, **choices.stream_token_ids(index, [])})
-        async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+        async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request),
+                                                       held=held):
             index, logprobs = choices.add(prompt_index, delta)
             if choices.chat:
                 for choice in chat_stream_choices(choices, index, delta, logprobs):

@@ -45,13 +45,15 @@ async def first_deltas(streams: Sequence[RequestStream], *,
 
 async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[StreamDelta] = (), *,
                         until: Callable[[], Awaitable[object]] | None = None,
+                        held: Sequence[tuple[int, StreamDelta]] = (),
                         ) -> AsyncIterator[tuple[int, StreamDelta]]:
-    """Yield ``(stream index, delta)`` from all streams as deltas arrive, after `firsts` (from `first_deltas`).
+    """Yield ``(stream index, delta)`` from all streams as deltas arrive, after `firsts` (from `first_deltas`) and
+    `held` (``(stream index, delta)`` taken from the streams after their firsts, in order).
 
     `until` returns an awaitable that completes when the client disconnects:
     then every request is aborted and `ClientDisconnected` is raised.
     """
-    for index, delta in enumerate(firsts):
+    for index, delta in [*enumerate(firsts), *held]:
         yield index, delta
     pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
     watcher = asyncio.ensure_future(until()) if until is not None else None

@@ -247,7 +247,7 @@ class InputBatch:
             if state.req_id in self.prompt_logprobs_req_ids:
                 job = plan_prompt_logprobs(
                     state.req_id, state.token_ids, state.num_prompt_tokens, int(computed[i]), int(num_scheduled[i]),
-                    int(query_start_loc[i]), state.params.prompt_logprobs or 0, state.params.logprobs_mode,
+                    int(query_start_loc[i]), state.params.prompt_logprobs or 0,
                 )
                 if job is not None:
                     jobs.append(job)

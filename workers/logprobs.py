@@ -136,31 +136,25 @@ class PromptLogprobsJob:
     start: int
     """Prompt index of the first target token."""
     num_logprobs: int
-    as_logits: bool | None = None
-    """The request's ``logprobs_mode`` is a ``*_logits`` one (None: it sets none, the engine's applies)."""
 
 
 def plan_prompt_logprobs(
     req_id: str, token_ids: list[int], num_prompt_tokens: int, num_computed: int, num_scheduled: int,
-    flat_start: int, num_logprobs: int, mode: str | None = None,
+    flat_start: int, num_logprobs: int,
 ) -> PromptLogprobsJob | None:
-    """The job of a request whose step covers positions [num_computed, num_computed + num_scheduled); `mode`: its
-    ``logprobs_mode`` (None: the engine's)."""
+    """The job of a request whose step covers positions [num_computed, num_computed + num_scheduled)."""
     end = min(num_computed + num_scheduled, num_prompt_tokens - 1)
     if end <= num_computed:
         return None
     targets = token_ids[num_computed + 1 : end + 1]
-    return PromptLogprobsJob(req_id, flat_start, targets, num_computed + 1, num_logprobs,
-                             None if mode is None else mode.endswith("logits"))
+    return PromptLogprobsJob(req_id, flat_start, targets, num_computed + 1, num_logprobs)
 
 
 def compute_prompt_logprobs(
     hidden: torch.Tensor, jobs: Sequence[PromptLogprobsJob], compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    as_logits: bool = False,
 ) -> dict[str, LogprobsArrays]:
-    """Run each job over the step's hidden states [T, H], ``PROMPT_LOGITS_SLICE`` positions at a time; with
-    ``as_logits`` (``logprobs_mode`` ``*_logits``; a job's own mode first) the rows hold the logits (no processor
-    applies to prompt positions, so raw and processed are the same)."""
+    """Run each job over the step's hidden states [T, H], ``PROMPT_LOGITS_SLICE`` positions at a time. The rows
+    are always the log-softmax of the logits, whatever ``logprobs_mode`` (vLLM's ``_get_prompt_logprobs_dict``)."""
     out: dict[str, LogprobsArrays] = {}
     for job in jobs:
         pieces = []
@@ -168,7 +162,7 @@ def compute_prompt_logprobs(
             end = min(begin + PROMPT_LOGITS_SLICE, len(job.target_token_ids))
             states = hidden[job.flat_start + begin : job.flat_start + end]
             logits = compute_logits(states)
-            logprobs = logits if (as_logits if job.as_logits is None else job.as_logits) else logits.log_softmax(dim=-1)
+            logprobs = logits.log_softmax(dim=-1)
             targets = torch.tensor(job.target_token_ids[begin:end], dtype=torch.int64, device=logprobs.device)
             pieces.append([t.cpu().numpy() for t in token_logprobs(logprobs, targets, job.num_logprobs)])
         ids, values, ranks = (np.concatenate([p[k] for p in pieces]) for k in range(3))

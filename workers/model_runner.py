@@ -205,8 +205,7 @@ class ModelRunner(KVCacheSetup):
             self.pooler.observe(inputs.req_ids, inputs.attn_metadata.query_start_loc_cpu, hidden)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:
-            prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits,
-                                                      self.sampler.logprobs_mode.endswith("logits"))
+            prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
         sampled: list[int] = []
         sampler_out = None
         embeddings: dict[str, bytes] = {}

@@ -38,7 +38,8 @@ class LogprobsDecoder:
 
     def decode(self, arrays: LogprobsArrays, with_text: bool = True) -> SampleLogprobs:
         """One dict per row: the row's own token with its rank, then the top-N with ranks 1..N (``decoded_token``
-        None without ``with_text``: a request with detokenize=False)."""
+        None without ``with_text``: a request with detokenize=False). An own token that is also in the top-N keeps
+        its place first but takes its top-N rank, as vLLM's dict comprehension gives it (they differ on ties)."""
         width = arrays.width
         ids = np.frombuffer(arrays.token_ids, "<i4").reshape(-1, width).tolist()
         values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, width).tolist()
@@ -48,9 +49,7 @@ class LogprobsDecoder:
         for row_ids, row_values, rank in zip(ids, values, ranks):
             entry = {row_ids[0]: Logprob(row_values[0], rank, text(row_ids[0]))}
             for k in range(1, width):
-                token_id = row_ids[k]
-                if token_id not in entry:
-                    entry[token_id] = Logprob(row_values[k], k, text(token_id))
+                entry[row_ids[k]] = Logprob(row_values[k], k, text(row_ids[k]))
             out.append(entry)
         return out
 

@@ -92,7 +92,6 @@ async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
         tokens = await client.post("/v1/completions", json={**GREEDY, "prompt": [5, 6, 7], "echo": True})
         two = await client.post("/v1/completions", json={**GREEDY, "prompt": PROMPT, "echo": True, "n": 2,
                                                          "temperature": 1.0})
-        refused = await client.post("/v1/completions", json={**body, "echo": True, "n": 2, "temperature": 1.0})
     assert echoed["text"] == PROMPT + plain["text"]
     generated = len(plain["logprobs"]["tokens"])
     assert echoed["logprobs"]["token_logprobs"][-generated:] == plain["logprobs"]["token_logprobs"]
@@ -102,7 +101,26 @@ async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["text"]
     assert tokens.json()["choices"][0]["text"].startswith(app.state.openai_server.engine.tokenizer.decode([5, 6, 7]))
     assert all(c["text"].startswith(PROMPT) for c in two.json()["choices"])
-    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "echo")
+
+
+async def test_echo_with_logprobs_and_n_puts_the_prompt_logprobs_on_every_choice(app, bundled_tokenizer) -> None:
+    """vLLM's: each choice's logprobs are the prompt's then its own, streamed or not (sample 0 computes them)."""
+    body = {"prompt": PROMPT, "logprobs": 1, "echo": True, "n": 2, "temperature": 1.0, "max_tokens": 3, "seed": 1}
+    num_prompt = len(bundled_tokenizer(PROMPT).input_ids)
+    async with _client(app) as client:
+        whole = await client.post("/v1/completions", json=body)
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+    assert whole.status_code == 200, whole.text
+    choices = [c["logprobs"] for c in whole.json()["choices"]]
+    chunks = [json.loads(line[6:]) for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+    firsts = {}
+    for chunk in chunks:
+        firsts.setdefault(chunk["choices"][0]["index"], chunk["choices"][0]["logprobs"])
+    prompt_lps = choices[0]["token_logprobs"][:num_prompt]
+    assert prompt_lps[0] is None and None not in prompt_lps[1:]
+    for logprobs in [*choices, *(firsts[i] for i in (0, 1))]:
+        assert logprobs["token_logprobs"][:num_prompt] == pytest.approx(prompt_lps, abs=1e-5)
+    assert all(len(logprobs["tokens"]) == num_prompt + 3 for logprobs in choices)
 
 
 async def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(bundled_engine, bundled_tokenizer) -> None:

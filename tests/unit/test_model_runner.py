@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,6 +333,25 @@ def test_the_sampler_takes_the_engine_s_logprobs_mode(tmp_path: Path) -> None:
     assert runner.sampler.logprobs_mode == "processed_logits"
     config = EngineConfig.from_dict(make_config(tmp_path, logprobs_mode="raw_logits").to_dict(wire=True))
     assert config.logprobs_mode == "raw_logits"  # as the workers read it
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits"])
+def test_prompt_logprobs_are_log_softmax_whatever_the_logprobs_mode(tmp_path: Path, mode: str) -> None:
+    """vLLM's ``_get_prompt_logprobs_dict`` log-softmaxes prompt positions under every mode, a request's own too."""
+    runner = ModelRunner(make_config(tmp_path, logprobs_mode=mode), rank=0, tp_size=1, device=CPU)
+    runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
+    runner.init_cache(80)
+    prompt = PROMPTS["a"]
+    new = [NewRequestData(req_id, prompt, 7, SamplingParams(temperature=0.0, prompt_logprobs=1, logprobs_mode=own),
+                          blocks, 0) for req_id, own, blocks in (("a", None, [0, 1]), ("b", mode, [2, 3]))]
+    out = runner.execute_model(SchedulerOutput(0, new, CachedRequestData(), {"a": 7, "b": 7}, 14))
+    model = FakeModel()
+    hidden = model.features(torch.tensor(prompt), torch.arange(7)).cumsum(0)[:-1]
+    expected = model.compute_logits(hidden).log_softmax(-1)[range(6), prompt[1:]]
+    for req_id in "ab":
+        arrays = out.prompt_logprobs[req_id]
+        values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, arrays.width)[:, 0]
+        np.testing.assert_allclose(values, expected.numpy(), atol=1e-5)
 
 
 # ------------------------------------------------------------------ speculative decoding

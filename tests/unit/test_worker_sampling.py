@@ -148,16 +148,3 @@ def test_penalties_and_min_tokens_survive_preemption(runner: ModelRunner) -> Non
     outputs = driver.tokens[len(PROMPT):]
     assert outputs == expected[len(PROMPT):]
     assert EOS[0] not in outputs[:6] and outputs[6] == EOS[0]
-
-
-def test_a_requests_own_logprobs_mode_applies_to_its_prompt_logprobs() -> None:
-    """A request's logprobs_mode comes before the engine's: log-softmax rows for one, logits for the other."""
-    from asyncllm.workers.logprobs import compute_prompt_logprobs, plan_prompt_logprobs
-
-    hidden = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
-    jobs = [plan_prompt_logprobs("own", [1, 2, 3, 4], 4, 0, 4, 0, 0, mode="raw_logprobs"),
-            plan_prompt_logprobs("engine's", [5, 4, 3, 2], 4, 0, 4, 4, 0)]
-    out = compute_prompt_logprobs(hidden, [job for job in jobs if job is not None], lambda states: states, True)
-    for req_id, rows, targets in (("own", hidden[:3].log_softmax(-1), [2, 3, 4]), ("engine's", hidden[4:7], [4, 3, 2])):
-        values = np.frombuffer(out[req_id].logprobs, "<f4").reshape(-1, out[req_id].width)[:, 0]
-        np.testing.assert_allclose(values, rows[range(3), targets].numpy(), atol=1e-6)
