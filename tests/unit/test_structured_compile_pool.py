@@ -74,3 +74,15 @@ def test_at_the_thread_cap_an_abandoned_compile_keeps_its_thread(pool, monkeypat
     _wait(lambda: pool._num_threads == 2)  # only the replaced thread goes
     time.sleep(0.05)
     assert pool._num_threads == 2 and not pool._abandoned
+
+
+def test_the_whitespace_row_is_built_on_the_compile_thread(tiny_llama: str) -> None:
+    """`space_row` (`Marker.after_space`) scans the vocabulary: the first compile job builds it, not the core's step."""
+    pytest.importorskip("xgrammar")
+    pool = GrammarCompilerPool(tiny_llama, 512)
+    pool.submit(StructuredOutputs(regex="a+")).result(timeout=60)
+    pool.shutdown()
+    assert "space_row" in vars(pool) and "space_tokens" in vars(pool)
+    texts = pool._tokenizer_info.decoded_vocab
+    assert pool.space_tokens == {i for i, text in enumerate(texts) if text and text.isspace()} != set()
+

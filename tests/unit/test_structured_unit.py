@@ -333,18 +333,6 @@ def test_lark_grammar_compiles_through_xgrammars_lark_path(manager_args) -> None
     assert not xgr.GrammarMatcher(compiled).accept_string("SELECT b")
 
 
-def test_the_whitespace_row_is_built_on_the_compile_thread(manager_args) -> None:
-    """`space_row` (`Marker.after_space`) scans the vocabulary: the first compile job builds it, not the core's step."""
-    from asyncllm.structured.compiler import GrammarCompilerPool
-
-    pool = GrammarCompilerPool(*manager_args)
-    pool.submit(StructuredOutputs(regex="a+")).result(timeout=60)
-    pool.shutdown()
-    assert "space_row" in vars(pool) and "space_tokens" in vars(pool)
-    texts = pool._tokenizer_info.decoded_vocab
-    assert pool.space_tokens == {i for i, text in enumerate(texts) if text and text.isspace()} != set()
-
-
 def test_lark_without_xgrammars_lark_support_names_it() -> None:
     """pyproject allows an xgrammar from before its Lark support: the request's error says what is missing."""
     import importlib.metadata
