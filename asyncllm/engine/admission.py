@@ -19,6 +19,9 @@ through (the core then refuses it after tokenization):
   refused (by this host's processor thread, or by the core, which sends a
   snapshot after every request it queues), so it never entered the queue and
   is un-counted at once (`Admitted.retract`);
+- the same count (`num_waiting`) is the data-parallel balancer's waiting count
+  (`data_parallel.load_score`), so it is kept with or without a limit: one
+  rule for both, a burst of refused requests steers neither;
 - other hosts sharing the core are seen only through the snapshots;
 - a text prompt's tokens are estimated as ``len(text) // 4`` (about four
   characters per token of English text; code and most other scripts have
@@ -48,7 +51,8 @@ def estimate_prompt_tokens(prompt: Any, chat: bool) -> int:
 
 
 class HostAdmission:
-    """Estimates the core's waiting queue; runs on the event loop only."""
+    """Estimates the core's waiting queue (for admission and for the data-parallel balancer); runs on the event loop
+    only."""
 
     def __init__(self, max_num_queued_requests: int | None, max_num_queued_tokens: int | None) -> None:
         self.max_num_queued_requests = max_num_queued_requests
@@ -66,22 +70,28 @@ class HostAdmission:
     def enabled(self) -> bool:
         return self.max_num_queued_requests is not None or self.max_num_queued_tokens is not None
 
-    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> Admitted | None:
-        """Count the request as submitted, or raise `EngineOverloadedError` if the queue looks full.
-
-        `stats` is the latest snapshot from the core; a new object means a new
-        snapshot, which already counts what was submitted before it. A request
-        of `num_samples` (SamplingParams.n) samples is that many core requests.
-        Returns what was counted (None: no limit is set, nothing was).
-        """
-        if not self.enabled:
-            return None
+    def _since(self, stats: SchedulerStats) -> None:
+        """`stats` is the latest snapshot from the core; a new object means a new snapshot, which already counts
+        what was submitted before it: the count restarts."""
         if stats is not self._snapshot:
             self._snapshot, self._num_submitted, self._num_submitted_tokens = stats, 0, 0
+
+    def num_waiting(self, stats: SchedulerStats) -> int:
+        """The core's waiting requests as estimated here: `stats`' plus those submitted since it arrived and not
+        failed (the data-parallel balancer's count)."""
+        self._since(stats)
+        return stats.num_requests_waiting + self._num_submitted
+
+    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> Admitted:
+        """Count the request as submitted, or raise `EngineOverloadedError` if a limit is set and the queue looks
+        full. A request of `num_samples` (SamplingParams.n) samples is that many core requests. Returns what was
+        counted (`Admitted.retract` un-counts it)."""
+        self._since(stats)
         num_tokens = estimate_prompt_tokens(prompt, chat) if self.max_num_queued_tokens is not None else 0
-        check_queue_limits(stats.num_requests_waiting + self._num_submitted,
-                           stats.num_waiting_tokens + self._num_submitted_tokens, num_samples, num_tokens,
-                           self.max_num_queued_requests, self.max_num_queued_tokens, about="about ")
+        if self.enabled:
+            check_queue_limits(stats.num_requests_waiting + self._num_submitted,
+                               stats.num_waiting_tokens + self._num_submitted_tokens, num_samples, num_tokens,
+                               self.max_num_queued_requests, self.max_num_queued_tokens, about="about ")
         self._num_submitted += num_samples
         self._num_submitted_tokens += num_tokens * num_samples
         return Admitted(self, stats, num_samples, num_tokens * num_samples)

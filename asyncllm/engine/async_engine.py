@@ -367,10 +367,10 @@ class AsyncEngine(EngineRequests, EngineControl):
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
-        admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # refuses here
+        admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
                                      logprobs=params.logprobs is not None, admitted=admitted)
-        self._replicas.placed(replica, collector, params.n)
+        self._replicas.placed(replica, collector)
         self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))
         return collector

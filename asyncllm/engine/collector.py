@@ -109,7 +109,8 @@ class RequestCollector:
                  admitted: Admitted | None = None) -> None:
         self.request_id = request_id
         self.admitted = admitted
-        """Its count in the host's admission estimate (asyncllm/engine/admission.py), retracted if it fails."""
+        """Its count in the host's queue estimate (admission and the data-parallel balancer;
+        asyncllm/engine/admission.py), retracted if it fails."""
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_token_ids: list[int] = []
         self.prompt_logprobs: PromptLogprobs | None = None

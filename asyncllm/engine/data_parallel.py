@@ -21,7 +21,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["ReplicaLoad", "WAITING_WEIGHT", "combined_stats", "replica_devices", "replica_env", "served_max_model_len",
+__all__ = ["WAITING_WEIGHT", "combined_stats", "load_score", "replica_devices", "replica_env", "served_max_model_len",
            "visible_cuda_devices"]
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
@@ -74,24 +74,11 @@ def replica_env(devices: list[list[str]] | None, index: int) -> dict[str, str] |
     return None if devices is None else {CUDA_VISIBLE_DEVICES: ",".join(devices[index])}
 
 
-class ReplicaLoad:
-    """The host's estimate of one replica's queue, on the event loop: its core's latest `SchedulerStats` plus the
-    core requests sent to it since that snapshot arrived (a new snapshot already counts them, mostly)."""
-
-    __slots__ = ("_snapshot", "_num_sent")
-
-    def __init__(self) -> None:
-        self._snapshot: SchedulerStats | None = None
-        self._num_sent = 0
-
-    def score(self, stats: SchedulerStats) -> int:
-        """``4 x waiting + running`` (vLLM's DP load balancer), counting what was sent since `stats` as waiting."""
-        if stats is not self._snapshot:
-            self._snapshot, self._num_sent = stats, 0
-        return WAITING_WEIGHT * (stats.num_requests_waiting + self._num_sent) + stats.num_requests_running
-
-    def sent(self, num_requests: int) -> None:
-        self._num_sent += num_requests
+def load_score(stats: SchedulerStats, num_waiting: int) -> int:
+    """``4 x waiting + running`` (vLLM's DP load balancer): `stats` is the replica's core's latest snapshot,
+    `num_waiting` the host's estimate of its waiting requests (`HostAdmission.num_waiting`: the snapshot's plus the
+    core requests sent since it arrived, less those that failed since: refused, they never queued)."""
+    return WAITING_WEIGHT * num_waiting + stats.num_requests_running
 
 
 _NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas", "weights_version", "is_sleeping",

@@ -4,7 +4,7 @@ An `AsyncEngine` holds `data_parallel_size` replicas (one unless data
 parallelism is on). Each has its own processor thread (DEALER socket,
 tokenizer, detokenizers), its own `RequestObserver` (so each processor thread
 is the only writer of its counters, and Prometheus sums them), its own
-admission estimate, load estimate and core supervisor: a dead core fails and
+queue estimate (for admission and the balancer) and core supervisor: a dead core fails and
 restarts only its replica's requests (docs/parallelism.md).
 """
 
@@ -24,7 +24,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env, served_max_model_len
+from asyncllm.engine.data_parallel import combined_stats, load_score, replica_env, served_max_model_len
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.prepare import Prepared, prepare
@@ -53,7 +53,6 @@ class Replica:
     observer: RequestObserver
     admission: HostAdmission
     supervisor: CoreSupervisor
-    load: ReplicaLoad = field(default_factory=ReplicaLoad)
     processor: Processor | None = None
     core: CoreProcess | None = None
     max_model_len: int = 0
@@ -66,8 +65,9 @@ class Replica:
         return self.processor is not None and self.processor.dead is None
 
     def score(self) -> int:
-        """Its load for the balancer (see `ReplicaLoad.score`)."""
-        return self.load.score(self.observer.stats.scheduler)
+        """Its load for the balancer (`data_parallel.load_score`)."""
+        stats = self.observer.stats.scheduler
+        return load_score(stats, self.admission.num_waiting(stats))
 
     def snapshot(self) -> EngineStats:
         return self.observer.stats.snapshot(engine_alive=self.alive)
@@ -134,9 +134,9 @@ class ReplicaSet:
             raise self.dead_error() if not self.any_alive else EngineDeadError(f"replica {rank} is dead")
         return replica
 
-    def placed(self, replica: Replica, collector: RequestCollector, num_samples: int) -> None:
-        """`collector`'s request goes to `replica`: count it there and remember where (for its abort)."""
-        replica.load.sent(num_samples)
+    def placed(self, replica: Replica, collector: RequestCollector) -> None:
+        """`collector`'s request goes to `replica` (counted there by its `admission`): remember where (for its
+        abort)."""
         collector.replica = replica.index
         if len(self.replicas) > 1:
             self._placed[collector.request_id] = collector

@@ -136,6 +136,21 @@ async def test_data_parallel_rank_pins_a_request_to_its_replica(engine: AsyncEng
     assert engine.stats().replicas[0].prompt_tokens_total == before[0]
 
 
+async def test_refused_requests_do_not_steer_the_balancer(engine: AsyncEngine) -> None:
+    """Refused on the processor thread, they never reach the core (no snapshot follows): each stops counting on its
+    replica when it fails, so after a burst of them an idle engine still sends the next request to replica 0."""
+    from asyncllm import InvalidRequestError
+
+    await _until(lambda: all(r.num_requests_running + r.num_requests_waiting == 0 for r in engine.stats().replicas))
+    for bad in ([5] * 600, [10**6], [5] * 600):  # past max_model_len, out of vocab
+        stream = engine.stream(bad, GREEDY)
+        with pytest.raises(InvalidRequestError):
+            await stream.__anext__()
+        assert stream.collector.replica == 0
+    stream = engine.stream([5, 6], GREEDY)
+    assert len([t async for delta in stream for t in delta.token_ids]) == MAX_TOKENS and stream.collector.replica == 0
+
+
 async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_llama: str) -> None:
     """docs/weight-updates.md: every replica loads the new weights before `update_weights` returns."""
     from asyncllm.tiny import tiny_checkpoint

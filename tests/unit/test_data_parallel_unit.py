@@ -8,7 +8,9 @@ import weakref
 import pytest
 
 from asyncllm import AsyncEngine, ConfigError, EngineConfig
-from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_devices, replica_env
+from asyncllm.engine.admission import HostAdmission
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.data_parallel import combined_stats, load_score, replica_devices, replica_env
 from asyncllm.engine.replica import weakly
 from asyncllm.errors import NotBuiltError
 from asyncllm.outputs import EngineStats
@@ -59,12 +61,44 @@ def test_too_few_devices_is_a_config_error(monkeypatch) -> None:
 
 
 def test_the_score_counts_waiting_four_times_and_what_was_sent_since_the_snapshot() -> None:
-    load = ReplicaLoad()
+    admission = HostAdmission(None, None)  # no queue limit: it still counts for the balancer
+
+    def score(stats: SchedulerStats) -> int:
+        return load_score(stats, admission.num_waiting(stats))
+
     snapshot = SchedulerStats(num_requests_running=3, num_requests_waiting=1)
-    assert load.score(snapshot) == 4 * 1 + 3
-    load.sent(2)
-    assert load.score(snapshot) == 4 * 3 + 3
-    assert load.score(SchedulerStats(num_requests_running=5)) == 5  # a new snapshot counts them itself
+    assert score(snapshot) == 4 * 1 + 3
+    admission.admit(snapshot, "x", chat=False, num_samples=2)
+    assert score(snapshot) == 4 * 3 + 3
+    assert score(SchedulerStats(num_requests_running=5)) == 5  # a new snapshot counts them itself
+
+
+def test_requests_failing_before_a_new_snapshot_stop_steering_the_balancer() -> None:
+    """Refused requests (by the processor thread or the core) never queued: `RequestCollector.put_error` un-counts
+    them from their replica's estimate at once, so a burst of invalid requests does not make idle replica 0 look
+    busy; one still in flight keeps counting."""
+    from types import SimpleNamespace
+
+    from asyncllm.engine.replica import Replica, ReplicaSet, pick_replica
+    from asyncllm.errors import InvalidRequestError
+
+    snapshot = SchedulerStats()  # both idle, and no new snapshot comes (the core never saw the refused requests)
+    replicas = ReplicaSet([Replica(i, SimpleNamespace(stats=SimpleNamespace(scheduler=snapshot)),  # type: ignore
+                                   HostAdmission(None, None), None, processor=SimpleNamespace(dead=None))  # type: ignore
+                           for i in range(2)])
+
+    def submit(request_id: str) -> RequestCollector:  # as `AsyncEngine._submit`
+        replica = pick_replica(replicas.replicas)
+        assert replica is not None
+        collector = RequestCollector(request_id, 0.0, admitted=replica.admission.admit(snapshot, [1, 2], chat=False))
+        replicas.placed(replica, collector)
+        return collector
+
+    for i in range(3):
+        refused = submit(f"bad{i}")
+        assert refused.replica == 0
+        refused.put_error(InvalidRequestError("prompt", "too long"))
+    assert [submit("ok").replica, submit("next").replica] == [0, 1]  # "ok" is in flight: it counts on replica 0
 
 
 def test_combined_stats_add_up_and_keep_each_replica() -> None:
