@@ -235,7 +235,10 @@ REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE
             WORKER_TRACE_STEPS)
 PARENT_PID_NAME = "ASYNCLLM_PARENT_PID"
 """Set by `procutil.spawn_module` in a child's environment, read (and removed) by `procutil.exit_when_parent_dies`."""
-_SET_BY_ASYNCLLM = frozenset({PARENT_PID_NAME})
+CORE_PID_NAME = "ASYNCLLM_CORE_PID"
+"""Set by the executor in its workers' environment: the engine core's pid, in the name of a worker's marker while it
+writes its step trace (workers/trace_summary.py `writing_marker`), so a host waits for its own core's workers only."""
+_SET_BY_ASYNCLLM = frozenset({PARENT_PID_NAME, CORE_PID_NAME})
 """Variables asyncllm sets for its own children (asyncllm/procutil.py), never read from the user."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,22 +96,36 @@ class SuppressedTokens:
     @classmethod
     def of(cls, config: Mapping[str, Any], vocab_size: int,
            source: tuple[str, str] = ("generation_config", "generation_config.json")) -> "SuppressedTokens":
-        """The keys' ids in ``config``. A key unset or null suppresses nothing; a value that is not a list of
-        integers (a string id, a null entry, a number for the list: transformers' processors fail on these when
-        ``generate`` builds them; a float or a bool, no token id) is a `ConfigError` on ``source`` (the field that
-        chose the file and its folder: `source_of`) naming the key. Ids outside the vocabulary, negative ones too,
-        are left out: transformers' masks give them no effect."""
+        """The keys' ids in ``config``, read as transformers' processors read them (a tensor of the list): an
+        entry that is a whole number is an id, an integral float or a bool too (``1.0`` and ``true`` are id 1). A
+        key unset, null or ``""`` suppresses nothing (transformers' processors read ``""`` as no ids); any other
+        value that is not a list of such entries (a string, a null, a fraction or a nested list in it; a bare
+        number: transformers' `GenerationConfig` refuses it, its processors fail on the others or, a fraction,
+        ignore it) is a `ConfigError` on ``source`` (the field that chose the file and its folder: `source_of`)
+        naming the key. Ids outside the vocabulary, negative ones too, are left out: transformers' masks give them
+        no effect."""
         return cls(_ids(config, "suppress_tokens", vocab_size, source),
                    _ids(config, "begin_suppress_tokens", vocab_size, source), vocab_size)
 
 
 def _ids(config: Mapping[str, Any], key: str, vocab_size: int, source: tuple[str, str]) -> frozenset[int]:
     value = config.get(key)
-    if value is None:
+    if value is None or value == "":
         return frozenset()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ConfigError(*source, f"generation_config.json's {key}: a list of token ids (it is {value!r})")
-    return frozenset(t for t in value if 0 <= t < vocab_size)
+    ids = [_id(entry) for entry in value] if isinstance(value, (list, tuple)) else [None]
+    if None in ids:
+        bad = f", whose entry {ids.index(None)} is {reprlib.repr(value[ids.index(None)])}" if len(ids) > 1 else ""
+        raise ConfigError(*source, f"generation_config.json's {key}: a list of token ids (whole numbers; it is "
+                                   f"{reprlib.repr(value)}{bad})")
+    return frozenset(t for t in ids if 0 <= t < vocab_size)
+
+
+def _id(entry: Any) -> int | None:
+    """The token id a list entry is, as torch reads it: an int, a bool (true: 1) or an integral float; None: not
+    one."""
+    if isinstance(entry, int) or (isinstance(entry, float) and entry.is_integer()):
+        return int(entry)
+    return None
 
 
 _MODEL_FOLDER = ("auto", "vllm")

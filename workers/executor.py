@@ -16,6 +16,7 @@ After a failure the executor is dead: every later call raises the same `EngineDe
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections import deque
@@ -41,7 +42,7 @@ _LAST_WORDS_S = 0.2
 """After a worker died: how long to wait for the WorkerError it may have sent first."""
 _SHUTDOWN_GRACE_S = 5.0
 """How long workers get to leave on ShutdownWorker before they are stopped (one writing its step trace: until it
-wrote it, `wait_for_exit`)."""
+wrote it, `TRACE_WRITE_WAIT_S` more at most, `wait_for_exit`)."""
 
 _Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.WeightsUpdated,
                  protocol.SleepModeDone)
@@ -276,7 +277,8 @@ class Executor:
         if self._hf_config_json is not None:
             common += ["--hf-config-json", self._hf_config_json]
         for rank in range(self._world_size):
-            self._procs.append(spawn_module("asyncllm.workers.worker", ["--rank", str(rank), *common]))
+            self._procs.append(spawn_module("asyncllm.workers.worker", ["--rank", str(rank), *common],
+                                            {envs.CORE_PID_NAME: str(os.getpid())}))  # (its trace's marker)
 
     def _await_ring_readers(self, deadline: float) -> None:
         """Every worker attached to the ring (which then unlinks its name: nothing can leak)."""

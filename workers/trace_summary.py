@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import logging
 import os
 import statistics
 import subprocess
@@ -35,8 +36,10 @@ from typing import Any
 
 from asyncllm import envs
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["PHASE_PREFIX", "STEP_SPAN", "END_MARK", "KERNEL_KINDS", "kernel_kind", "summarize", "trace_dir",
-           "writing_marker", "wait_for_exit"]
+           "writing_marker", "wait_for_exit", "TRACE_WRITE_WAIT_S"]
 
 PHASE_PREFIX = "asyncllm::"
 STEP_SPAN = PHASE_PREFIX + "step"
@@ -193,33 +196,46 @@ def trace_dir() -> str:
 
 # ------------------------------------------------------------ the shutdown's wait for a trace being written
 _WRITING = "worker-trace-writing-"
+TRACE_WRITE_WAIT_S = 300.0
+"""The longest a shutdown waits past its grace for a worker writing its step trace: a worker hung there (the
+profiler's stop synchronizes the device, a GPU hang hangs it) is then stopped as any other."""
 
 
-def writing_marker(pid: int) -> str:
-    """The file there while worker `pid` stops its profiler and writes its trace (`TracedPipeline`)."""
-    return os.path.join(trace_dir(), f"{_WRITING}{pid}")
+def writing_marker(pid: int | str, core: int | None = None) -> str:
+    """The file there while worker `pid` of engine core `core` stops its profiler and writes its trace
+    (`TracedPipeline`); `core` None: the core that started this process (its executor sets `envs.CORE_PID_NAME`)."""
+    owner = os.environ.get(envs.CORE_PID_NAME, "0") if core is None else core
+    return os.path.join(trace_dir(), f"{_WRITING}{owner}-{pid}")
 
 
-def _writing(pid: int | None) -> bool:
-    """Whether worker `pid` (None: any live worker) writes its trace now; False at once unless workers trace."""
+def _writing(proc: subprocess.Popen, pid: int | None) -> bool:
+    """Whether our worker `pid` (None: any live worker of the core `proc`, for its host) writes its trace now;
+    False at once unless workers trace."""
     if envs.WORKER_TRACE_STEPS.get() is None:
         return False
     if pid is not None:
-        return os.path.exists(writing_marker(pid))
+        return os.path.exists(writing_marker(pid, os.getpid()))
     from asyncllm.metrics.multiprocess import pid_running  # (a marker left by a killed worker is not waited for)
 
-    return any(pid_running(int(path.rsplit("-", 1)[1])) for path in glob.glob(os.path.join(trace_dir(), _WRITING + "*")))
+    markers = glob.glob(os.path.join(glob.escape(trace_dir()), f"{_WRITING}{proc.pid}-*"))
+    return any(pid_running(int(path.rsplit("-", 1)[1])) for path in markers)
 
 
 def wait_for_exit(proc: subprocess.Popen, grace: float, pid: int | None = None) -> None:
-    """Wait up to `grace` seconds for `proc` to exit, and on past them while worker `pid` (None: any live worker, the
-    core's host) writes its step trace: a shutdown never cuts one."""
+    """Wait up to `grace` seconds for `proc` to exit, and on past them while our worker `pid` (None: a worker of
+    the core `proc`, for its host) writes its step trace, for `TRACE_WRITE_WAIT_S` at most: a shutdown never cuts
+    one, nor waits forever for a hung one."""
     deadline = time.monotonic() + grace
+    last = deadline + TRACE_WRITE_WAIT_S
     while True:
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             return
         except subprocess.TimeoutExpired:
-            if not _writing(pid):
+            if not _writing(proc, pid):
+                return
+            if time.monotonic() >= last:
+                logger.warning("%s still writes its step trace %g s past the shutdown's grace: stopped",
+                               f"worker {pid}" if pid else f"a worker of engine core {proc.pid}", TRACE_WRITE_WAIT_S)
                 return
         deadline = time.monotonic() + 0.05

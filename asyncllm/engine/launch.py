@@ -40,8 +40,8 @@ class CoreProcess:
     def stop(self, timeout: float = 10.0, told: bool = True) -> None:
         """After Goodbye(shutdown=True) (`told`) the core shuts its workers down and exits: wait for that before
         cutting its lifeline. A core not told (closed while it started, before it reads messages) is cut at once:
-        its stdin's EOF ends it, and its workers with it. A worker writing its step trace is waited for past
-        `timeout` (`wait_for_exit`: the core waits for it too)."""
+        its stdin's EOF ends it, and its workers with it. A worker of this core writing its step trace is waited
+        for past `timeout`, a few minutes at most (`wait_for_exit`: the core waits for it too)."""
         if told:
             wait_for_exit(self.proc, timeout)
         procutil.stop_process(self.proc, timeout)

@@ -39,6 +39,32 @@ def test_concurrent_acloses_stop_the_engine_once_and_each_returns_once_it_stoppe
     assert asyncio.run(main()) == [["begins", "ends"]] * 3
 
 
+def test_a_closed_loops_unfinished_stop_leaves_a_later_aclose_to_return(monkeypatch, tiny_llama) -> None:
+    """An aclose whose loop closed mid-stop (its stop task never ends there) is no stop a later loop's aclose can
+    wait for: that aclose returns at once, raising nothing."""
+    begun: list[str] = []
+
+    async def stop_all(replicas, retire=False) -> None:
+        begun.append("stop")
+        await asyncio.get_running_loop().create_future()  # never ends
+
+    monkeypatch.setattr(async_engine, "stop_all", stop_all)
+    engine = AsyncEngine(tiny_llama)
+    engine._started, engine._forgotten = True, lambda: None  # a started engine, as far as `_close` reads
+    engine._forgotten.detach = lambda: None
+    first = asyncio.new_event_loop()
+    closing = first.create_task(engine.aclose())
+    first.run_until_complete(asyncio.sleep(0.01))  # the stop began, and waits on
+    first.close()
+    assert begun == ["stop"] and not (closing.done() or engine._stopping.done())
+
+    async def later() -> None:
+        await asyncio.wait_for(engine.aclose(), 5)
+
+    asyncio.run(later())
+    assert begun == ["stop"]  # never stopped twice
+
+
 class _Engine:
     """An engine whose close takes a while."""
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from asyncllm import ConfigError, EngineConfig
+from asyncllm.generation_config import SuppressedTokens
 from asyncllm.workers.generation_rules import GenerationRules
 
 
@@ -68,7 +69,8 @@ def test_host_workers_and_transformers_suppress_the_same_ids(tiny_llama: str, tm
 
 
 @pytest.mark.parametrize("keys", [{"suppress_tokens": [3, "x"]}, {"begin_suppress_tokens": 5},
-                                  {"suppress_tokens": [None]}, {"begin_suppress_tokens": [True, 3]}])
+                                  {"suppress_tokens": [None]}, {"begin_suppress_tokens": [3, 1.5]},
+                                  {"suppress_tokens": [[1, 2]]}, {"suppress_tokens": 0}])
 def test_host_and_workers_refuse_a_malformed_list_alike(tiny_llama: str, tmp_path, keys: dict) -> None:
     model = tmp_path / "model"
     model.mkdir()
@@ -84,3 +86,18 @@ def test_host_and_workers_refuse_a_malformed_list_alike(tiny_llama: str, tmp_pat
     assert str(host.value) == str(workers.value)
     assert (host.value.field, host.value.value) == ("model", str(model))
     assert f"generation_config.json's {key}: a list of token ids" in str(host.value)
+
+
+@pytest.mark.parametrize("suppress", [[1.0], [True, 3], [2.0, 7, False], ""])
+def test_integral_floats_and_bools_are_ids_as_in_transformers(suppress) -> None:
+    """transformers' processors make a tensor of the list: ``1.0`` and ``true`` are id 1 there, ``""`` no ids."""
+    always = SuppressedTokens.of({"suppress_tokens": suppress}, 10).always
+    assert always == _transformers_masked(suppress, [], 10, first=False) and always == {int(t) for t in suppress}
+
+
+def test_a_long_malformed_list_is_shortened_in_the_error_naming_its_bad_entry() -> None:
+    with pytest.raises(ConfigError) as error:
+        SuppressedTokens.of({"begin_suppress_tokens": [*range(1000), 0.5]}, 10)
+    message = str(error.value)
+    assert "begin_suppress_tokens: a list of token ids" in message and "whose entry 1000 is 0.5" in message
+    assert "999" not in message and len(message) < 300
