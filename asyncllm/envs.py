@@ -195,7 +195,8 @@ PP_LAYER_PARTITION = EnvVar(
     "ASYNCLLM_PP_LAYER_PARTITION", "", str,
     "With pipeline_parallel_size > 1: the decoder layers of each stage, as comma-separated counts (vLLM's "
     "VLLM_PP_LAYER_PARTITION, e.g. '3,5'); unset: vLLM's even split, the remainder to the stages before the last "
-    "(docs/parallelism.md). Read on the host at start and by every worker.",
+    "(docs/parallelism.md); checked with pipeline_parallel_size=1 too (as vLLM). Read on the host at start and by "
+    "every worker.",
 )
 
 def _logging_level(raw: str) -> int:

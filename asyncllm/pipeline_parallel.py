@@ -90,7 +90,7 @@ def layer_partition(num_layers: int, pp_size: int, partition: str | None = None)
             raise ConfigError(envs.PP_LAYER_PARTITION.name, partition, "comma-separated layer counts") from None
         if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
             raise ConfigError(envs.PP_LAYER_PARTITION.name, partition,
-                              f"{pp_size} positive layer counts (one per stage) adding up to the model's "
+                              f"one positive layer count per stage ({_FIELD}={pp_size}) adding up to the model's "
                               f"{num_layers} layers")
         return counts
     counts = [num_layers // pp_size] * pp_size
@@ -123,11 +123,14 @@ def check_pipeline_config(config: EngineConfig) -> None:
 
 def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any) -> None:
     """The host's checks once the checkpoint is known: an architecture that runs in stages, no more stages than
-    layers, a valid ASYNCLLM_PP_LAYER_PARTITION. Pre-quantized checkpoints (fp8, AWQ / GPTQ, compressed-tensors,
-    GGUF) all run in stages, each stage making, loading and finishing the quantized parameters of its own layers
-    only (tests/unit/test_pipeline_parallel_quantized.py)."""
+    layers, a valid ASYNCLLM_PP_LAYER_PARTITION (with one stage too, as vLLM: unset or the model's layer count).
+    Pre-quantized checkpoints (fp8, AWQ / GPTQ, compressed-tensors, GGUF) all run in stages, each stage making,
+    loading and finishing the quantized parameters of its own layers only
+    (tests/unit/test_pipeline_parallel_quantized.py)."""
     pp = config.pipeline_parallel_size
     if pp == 1:
+        if envs.PP_LAYER_PARTITION.get():  # never silently ignored
+            layer_partition(getattr(hf_config, "num_hidden_layers", 0), 1, envs.PP_LAYER_PARTITION.get())
         return
     if architecture not in PIPELINE_ARCHITECTURES:
         raise NotBuiltError(_FIELD, pp, f"pipeline parallelism for {architecture} (built for "

@@ -269,6 +269,5 @@ class MaskedRun(PagedRun):
 
     def step(self, num_scheduled: list[int]) -> None:
         token_slots = torch.tensor([s for s, n in zip(self.slots, num_scheduled) for _ in range(n)])
-        self.context.mask = (token_slots[:, None] == torch.arange(self.num_slots)[None, :]).float()
-        self.context.experts = True
+        self.context.set_step((token_slots[:, None] == torch.arange(self.num_slots)[None, :]).float(), experts=True)
         super().step(num_scheduled)

@@ -59,6 +59,7 @@ class LoRARunner:
             layer.release()
         self.slots.clear()
         self.expert_slots.clear()
+        self.context.set_step(None)  # the wake-up's graph capture runs without the last step's adapters
 
     def reallocate_slots(self) -> None:
         for layer in self.layers.values():
@@ -75,9 +76,9 @@ class LoRARunner:
         adapter this step, and the core ends them with the error and drops their
         tokens; the other requests are not affected.
         """
+        self.context.set_step(None)  # first: a step without adapters, or one that raises, keeps nothing older
         adapters = [self.requests.get(req_id) for req_id in req_ids] if self.requests else []
         if not any(adapters):
-            self.context.mask = None
             return {}
         needed = {adapter.lora_int_id: adapter for adapter in adapters if adapter is not None}
         assert len(needed) <= self.num_slots, f"{len(needed)} adapters in one step, max_loras={self.num_slots}"
@@ -99,10 +100,9 @@ class LoRARunner:
         counts = torch.tensor([num_scheduled_tokens[req_id] for req_id in req_ids])
         token_slots = torch.repeat_interleave(token_slots, counts)
         mask = token_slots[:, None] == torch.arange(self.num_slots)[None, :]
-        self.context.mask = mask.to(device=self.device, dtype=self.dtype) if bool(mask.any()) else None
-        self.context.experts = self.context.mask is not None and any(
-            self.slots[a.lora_int_id] in self.expert_slots for a in adapters if a is not None and a.lora_int_id
-            not in errors)
+        experts = any(self.slots[a.lora_int_id] in self.expert_slots for a in adapters
+                      if a is not None and a.lora_int_id not in errors)
+        self.context.set_step(mask.to(device=self.device, dtype=self.dtype) if bool(mask.any()) else None, experts)
         return failed
 
     def _ensure_slot(self, adapter: LoRARequest, needed: dict[int, LoRARequest]) -> None:

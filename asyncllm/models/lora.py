@@ -43,12 +43,20 @@ __all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tenso
 
 
 class LoRAContext:
-    """The step's adapter mask, shared by every `LoRALayer` of a model."""
+    """The step's adapter mask, shared by every `LoRALayer` of a model.
+
+    The runner writes its fields only through `set_step`, all of them at once (a step without adapters
+    too): no field of an earlier step outlives it (asyncllm/models/whisper_lora.py swaps the mask within a step).
+    """
 
     def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None
+        self.set_step(None)
+
+    def set_step(self, mask: torch.Tensor | None, experts: bool = False) -> None:
+        """The step's fields; ``set_step(None)``: a step without adapters (the layers add nothing)."""
+        self.mask: torch.Tensor | None = mask
         """``[tokens, slots]`` in the model's dtype: 1 where the token's request uses the slot's adapter."""
-        self.experts = False
+        self.experts = experts and mask is not None
         """Whether a request of the step runs an adapter of the experts (asyncllm/models/lora_experts.py)."""
 
 

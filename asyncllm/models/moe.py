@@ -76,9 +76,9 @@ def moe_parallel_problems(spec: MoESpec, tp_size: int, expert_parallel: bool) ->
     """What of ``spec`` does not split over ``tp_size`` ranks (phrases for `check_tensor_parallel`)."""
     problems = []
     if expert_parallel and spec.num_experts % tp_size:
-        problems.append(f"the number of experts ({spec.num_experts}, with enable_expert_parallel)")
+        problems.append(f"num_experts={spec.num_experts} (with enable_expert_parallel)")
     if not expert_parallel and spec.intermediate_size % tp_size:
-        problems.append(f"the experts' intermediate size ({spec.intermediate_size})")
+        problems.append(f"experts' intermediate_size={spec.intermediate_size} (without enable_expert_parallel)")
     if spec.shared_expert_size % tp_size:
         problems.append(f"shared_expert_intermediate_size={spec.shared_expert_size}")
     return problems

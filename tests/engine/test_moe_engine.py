@@ -141,6 +141,24 @@ async def test_lora_adapters_on_moe_experts_and_attention_equal_peft(expert_para
         assert outs[i].token_ids != hf_greedy(path, prompts[i], MAX_TOKENS, eos_token_id=None)
 
 
+async def test_a_step_without_adapters_after_an_expert_adapters_step(tmp_path) -> None:
+    """An expert adapter's request, then a plain one, in turn: the plain steps take the experts' own kernel (the
+    last adapter's step leaves nothing behind; a worker failure ends this engine); each request PEFT's / HF's tokens."""
+    from asyncllm import LoRARequest
+    from lora_utils import make_expert_adapter, peft_greedy
+
+    path, prompt = tiny_checkpoint("qwen3_moe"), [7, 8, 9, 10, 11, 300]
+    adapter = make_expert_adapter(path, str(tmp_path / "experts"), seed=3, targets=["q_proj"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected = [peft_greedy(path, adapter, prompt, 4, eos_token_id=None), hf_greedy(path, prompt, 4, eos_token_id=None)]
+    assert expected[0] != expected[1]
+    async with AsyncEngine(path, enable_lora=True, max_lora_rank=8, max_model_len=128, max_worker_restarts=0,
+                           disable_log_stats=True) as engine:
+        for lora in [LoRARequest("experts", 1, adapter), None] * 2:
+            out = await engine.generate(prompt, params, lora_request=lora)
+            assert out.token_ids == expected[lora is None]
+
+
 @pytest.mark.parametrize("expert_parallel, desc_act", [(False, False), (True, False), (False, True)])
 async def test_gptq_experts_over_two_ranks(tmp_path, expert_parallel: bool, desc_act: bool) -> None:
     """A GPTQ Qwen3-MoE over two ranks: each expert's staged gate and up split by columns and down by rows (or whole

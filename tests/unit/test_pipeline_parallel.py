@@ -73,6 +73,17 @@ def test_host_refuses_a_partition_that_does_not_add_up(monkeypatch: pytest.Monke
         check_pipeline_model(config, "LlamaForCausalLM", SimpleNamespace(num_hidden_layers=4))
 
 
+def test_one_stage_checks_the_partition_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As vLLM: with pipeline_parallel_size=1 a partition is checked, never ignored (the layer count itself passes)."""
+    config, hf_config = EngineConfig.create("m"), SimpleNamespace(num_hidden_layers=4)
+    monkeypatch.setenv("ASYNCLLM_PP_LAYER_PARTITION", "4")
+    check_pipeline_model(config, "LlamaForCausalLM", hf_config)
+    monkeypatch.setenv("ASYNCLLM_PP_LAYER_PARTITION", "2,2")
+    with pytest.raises(ConfigError, match=r"one positive layer count per stage \(pipeline_parallel_size=1\)") as info:
+        check_pipeline_model(config, "LlamaForCausalLM", hf_config)
+    assert info.value.field == "ASYNCLLM_PP_LAYER_PARTITION"
+
+
 def test_more_stages_than_layers_is_a_config_error_at_start() -> None:
     """Through the host's `prepare`, before anything is spawned: the message names both numbers."""
     with pytest.raises(ConfigError, match=r"num_hidden_layers \(2\): 3 stages") as info:
