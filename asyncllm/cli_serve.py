@@ -23,6 +23,7 @@ from asyncllm.cli_commands import uvicorn_kwargs
 from asyncllm.engine.heap import freeze_startup_heap
 from asyncllm.errors import AsyncLLMError, ConfigError
 from asyncllm.integrations.openai_lora import start_server
+from asyncllm.serve_drain import RequestGate
 
 STARTUP_FAILURE = 3
 """uvicorn.run's exit status when the app's lifespan startup failed."""
@@ -55,12 +56,13 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
     `uvicorn.run`)."""
     import uvicorn
 
-    config = uvicorn.Config(app, **uvicorn_kwargs(args))
+    gate = RequestGate(app)  # the --shutdown-timeout drain counts and refuses HTTP requests (serve_drain.py)
+    config = uvicorn.Config(gate, **uvicorn_kwargs(args))
     _load_config(config, parser)
     print(f"[asyncllm] starting: serving on {listen_url(args, sock)} once the model is loaded", file=sys.stderr)
     server = uvicorn.Server(config)
     try:
-        asyncio.run(_start_and_serve(app, engine, server, sock, args.uds, args.shutdown_timeout))
+        asyncio.run(_start_and_serve(app, engine, server, sock, args.uds, args.shutdown_timeout, gate))
     except ConfigError as exc:
         parser.error(str(exc))
     except AsyncLLMError as exc:
@@ -75,37 +77,49 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
 
 
 async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket, uds: str | None,
-                           drain: float = 0.0) -> None:
+                           drain: float = 0.0, gate: RequestGate | None = None) -> None:
     await _start(app, engine)
     # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully, then it re-raises the signal to the
     # handler it found, this one, which notes a SIGTERM: the process ends by it only once the engine's close ended
     # (the lifespan's close waits for the same one), the --uds socket removed first
     terms: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
-    closing = _close_engine_on_exit(server, engine, drain)
+    closing = _close_engine_on_exit(server, engine, drain, gate)
     try:
         await server.serve(sockets=[sock])
     finally:
-        if closing:  # its stop of the engine core(s) ends before the process does; its error never hides serve's
-            for error in await asyncio.gather(closing[0], return_exceptions=True):
-                if isinstance(error, Exception):
-                    logger.warning("closing the engine at shutdown failed: %r", error)
+        try:  # Ctrl-C cancels the wait below: the previous handler is put back all the same
+            if closing:  # its stop of the engine core(s) ends before the process does; its error never hides serve's
+                for error in await asyncio.gather(closing[0], return_exceptions=True):
+                    if isinstance(error, Exception):
+                        logger.warning("closing the engine at shutdown failed: %r", error)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if terms:
             _remove_then_die(uds, signal.SIGTERM)
-        signal.signal(signal.SIGTERM, previous)
 
 
-def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0) -> list[asyncio.Task]:
+def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0,
+                          gate: RequestGate | None = None) -> list[asyncio.Task]:
     """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
     a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
     lifespan's close comes only after the last. With `drain` seconds (``--shutdown-timeout``, vLLM's drain shutdown)
-    the close drains first (`AsyncEngine.aclose`'s ``drain``): new requests are refused, those in flight run on for up
-    to `drain` seconds, the rest are then aborted. Returns the list that the close's task is put in."""
+    the close drains first: `gate` refuses new HTTP requests (503) and waits up to `drain` seconds for those it
+    accepted before (the engine takes their calls meanwhile: a beam search's next step, a body still being read);
+    the close then aborts what is left. With no gate the engine's own drain (`AsyncEngine.aclose`'s ``drain``).
+    Returns the list that the close's task is put in."""
     loop, closing, handle_exit = asyncio.get_running_loop(), [], server.handle_exit
+
+    async def drain_then_close() -> None:
+        if gate is None:
+            await engine.aclose(drain=True, timeout=drain)
+            return
+        await gate.drain(drain)
+        await engine.aclose()
 
     def close() -> None:
         if not closing:
-            closing.append(loop.create_task(engine.aclose(drain=True, timeout=drain) if drain else engine.aclose()))
+            closing.append(loop.create_task(drain_then_close() if drain else engine.aclose()))
 
     def on_exit(sig: int, frame: Any) -> None:  # a signal handler: the loop may be mid-step, so call_soon_threadsafe
         handle_exit(sig, frame)

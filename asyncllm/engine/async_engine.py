@@ -22,6 +22,7 @@ from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
+from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.engine_control import EngineControl
 from asyncllm.engine.engine_requests import EngineRequests
 from asyncllm.engine.engine_weights import EngineWeights
@@ -117,7 +118,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         """One per data-parallel replica: its core, processor thread, observer, supervisor (asyncllm/engine/replica.py)."""
         self._started = False
         self._closed = False
-        self._draining = False
+        self._drain = EngineDrain()  # aclose(drain=True)'s requests in flight, from their calls' entry
         self._stopping: asyncio.Task[None] | None = None  # `_close`'s stop of the core(s), which any aclose awaits
         self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
         """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
@@ -270,8 +271,9 @@ class AsyncEngine(EngineRequests, EngineControl):
 
         ``drain=False`` aborts what is in flight (open streams end with
         finish_reason "abort"). ``drain=True`` first refuses new requests
-        (`EngineDeadError`) and waits until every submitted request finished,
-        at most `timeout` seconds (None: no limit); the rest is then aborted.
+        (`EngineDeadError`) and waits until every request in flight finished (from its call's entry; a beam
+        search's next steps are taken: engine/drain.py), at most `timeout` seconds (None: no limit); the rest is
+        then aborted.
         """
         if forked(self._owner_pid):  # a forked child's: its parent's engine, serving on there, is only dropped
             self._closed = True
@@ -280,9 +282,9 @@ class AsyncEngine(EngineRequests, EngineControl):
             return
         self._check_loop()
         if drain and not self._closed and self._started:
-            self._draining = True
             try:
-                await self._wait_drained(timeout)
+                await self._drain.wait(lambda: any(not c.finished for c in list(self._in_flight)),
+                                       lambda: self._replicas.any_alive, timeout)
             except asyncio.CancelledError:  # the host's shutdown deadline: abort what is left and stop, as on timeout
                 await self._close()
                 raise
@@ -304,13 +306,6 @@ class AsyncEngine(EngineRequests, EngineControl):
             await self._stopping
         elif self._stopping is not None and not (self._stopping.done() or self._stopping.get_loop().is_closed()):
             await asyncio.wait([self._stopping])  # another aclose's stop: return once it ended (never stop twice)
-
-    async def _wait_drained(self, timeout: float | None) -> None:
-        with anyio.move_on_after(timeout):
-            while any(not collector.finished for collector in list(self._in_flight)):
-                if not self._replicas.any_alive:
-                    return  # nothing more will finish
-                await asyncio.sleep(0.01)
 
     async def _restart_replica(self, index: int) -> None:
         """A replica's supervisor's restart: stop its dead processor thread and core, start new ones."""
@@ -351,6 +346,11 @@ class AsyncEngine(EngineRequests, EngineControl):
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
                       chat: bool, trace_context: Any) -> RequestCollector:
+        with self._drain.request():  # in flight for a drain from here (refused once it began: `EngineDrain`)
+            return await self._submit_accepted(prompt, params, options, chat, trace_context)
+
+    async def _submit_accepted(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
+                               chat: bool, trace_context: Any) -> RequestCollector:
         check_prompt(prompt, chat)
         if params is None:
             await self.start()
@@ -359,8 +359,6 @@ class AsyncEngine(EngineRequests, EngineControl):
         options.validate()
         prompt, options = options.salted(prompt)
         check_request_strings(params, options.request_id, options.cache_salt)
-        if self._draining:
-            raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")
         await self.start()
         if self._closed:
             raise EngineDeadError("the engine was closed")

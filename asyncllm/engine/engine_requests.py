@@ -11,6 +11,7 @@ import msgspec
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.stream import RequestOptions, RequestStream
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.lora import LoRARequest
@@ -28,6 +29,7 @@ class EngineRequests:
 
     if TYPE_CHECKING:
         _default_sampling: dict[str, Any] | None
+        _drain: EngineDrain
 
         async def start(self) -> None: ...
 
@@ -206,7 +208,8 @@ class EngineRequests:
         (asyncllm/beam_search.py). `options` (priority, lora_request, ...) apply to every step's requests."""
         from asyncllm.beam_search import beam_search
 
-        return await beam_search(self, prompt, params, **options)
+        with self._drain.request():  # in flight for aclose(drain=True) between its steps too; they are taken
+            return await beam_search(self, prompt, params, **options)
 
 
 def _prompt_text(prompt: Any) -> str | None:

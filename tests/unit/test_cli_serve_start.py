@@ -107,7 +107,7 @@ def test_the_engine_starts_then_the_server_serves_on_the_bound_socket(monkeypatc
 
 def test_a_bad_lora_module_is_one_line_before_the_server_starts_and_is_checked_once(monkeypatch, capsys) -> None:
     async def serve(self, sockets=None) -> None:
-        await start_server(self.config.app.state.openai_server)  # the lifespan's run: finds the modules checked
+        await start_server(self.config.app.app.state.openai_server)  # the lifespan's run (the app in its RequestGate)
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "serve", serve)

@@ -1,0 +1,73 @@
+"""``asyncllm serve --shutdown-timeout N``'s drain at the HTTP layer (vLLM's): a request is in flight from when the
+server accepts it (its body still being read, its template rendered, its media fetched, its prompt tokenized, its
+beam search between steps) to its response's end. The drain refuses new requests (503) and waits for those in
+flight, up to N s; the engine takes their calls all along, and its close then aborts what is left (cli_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+__all__ = ["RequestGate"]
+
+UNCOUNTED = frozenset({"/health", "/ping", "/metrics"})
+"""Probes and scrapes: served during a drain as before, never holding it (vLLM's /metrics reads on while it drains)."""
+
+REFUSAL = "the server is shutting down (--shutdown-timeout drain); it takes no new requests"
+
+
+class RequestGate:
+    """ASGI middleware over the served app (any ASGI app): counts the HTTP requests in flight; once `drain` began, a
+    new one is refused with 503 (an OpenAI-style error body)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.in_flight = 0
+        self.draining = False
+        self._idle: asyncio.Event | None = None  # made by `drain`, on the serving loop
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or _route_path(scope) in UNCOUNTED:
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            await _refuse(send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight and self._idle is not None:
+                self._idle.set()
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; return once none is in flight, or after `timeout` seconds."""
+        self.draining = True
+        self._idle = asyncio.Event()
+        if self.in_flight:
+            idle = asyncio.ensure_future(self._idle.wait())
+            try:
+                await asyncio.wait([idle], timeout=timeout)
+            finally:
+                idle.cancel()
+
+
+def _route_path(scope: dict) -> str:
+    """The path the app's routes see: a --root-path prefix that the server left on it removed."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+async def _refuse(send: Any) -> None:
+    """503 with the body and ``Retry-After`` of the engine's own refusal while closing (`EngineDeadError`)."""
+    from asyncllm.errors import EngineDeadError
+    from asyncllm.integrations.errors import error_body
+
+    status, body, headers = error_body(EngineDeadError(REFUSAL))
+    raw = json.dumps(body).encode()
+    fields = {"content-type": "application/json", "content-length": str(len(raw)), **headers}
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(name.lower().encode(), value.encode()) for name, value in fields.items()]})
+    await send({"type": "http.response.body", "body": raw})
