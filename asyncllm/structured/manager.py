@@ -11,7 +11,8 @@
    back after); it rides to the workers on the `SchedulerOutput`, where
    `apply_grammar_bitmask` masks the logits.
 3. `accept` advances each matcher with the sampled tokens and finishes a
-   request with finish_reason "stop" when its grammar has ended.
+   request with finish_reason "stop" when its grammar has ended (or may end
+   where allowed_token_ids or bad_words forbade EOS: `narrowing.stop_before`).
 
 A constraint with `start_after_token_ids` (a reasoning model's ``</think>``)
 waits: no bitmask row and no matcher step until the output has written them
@@ -40,6 +41,7 @@ from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sched.request import Request
 from asyncllm.structured.compiler import GrammarCompilerPool, check_xgrammar_installed
+from asyncllm.structured.narrowing import may_end, narrowing, rejection, stop_before
 from asyncllm.structured.start_after import Marker
 
 __all__ = ["StructuredOutputManager"]
@@ -78,8 +80,8 @@ class StructuredOutputManager:
         self.waiting: dict[str, tuple[Marker, list[int]]] = {}
         """Requests whose constraint starts later: (its start_after marker, the output's last tokens)."""
         self.narrowed: dict[str, tuple[str, ...]] = {}
-        """The fields of a structured request that forbid tokens whatever its grammar allows (`_narrowing`), named
-        when together they leave the grammar no token (`_rejection`)."""
+        """The fields of a structured request that forbid tokens whatever its grammar allows (`narrowing`), named
+        when together they leave the grammar no token (asyncllm/structured/narrowing.py)."""
         self._bitmask: Any = None
 
     @property
@@ -185,9 +187,9 @@ class StructuredOutputManager:
         self.matchers[request.request_id] = xgr.GrammarMatcher(
             entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None, **rollback
         )
-        narrowing = _narrowing(request)
-        if narrowing:
-            self.narrowed[request.request_id] = narrowing
+        narrowed = narrowing(request)
+        if narrowed:
+            self.narrowed[request.request_id] = narrowed
         else:
             self.narrowed.pop(request.request_id, None)
         start_after = Marker.of_structured(request.params.structured)  # type: ignore[arg-type]
@@ -303,38 +305,37 @@ class StructuredOutputManager:
 
     def accept(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]],
                finish: Callable[[list[str]], None]) -> None:
-        """Advance the matchers with this step's tokens; `finish` the requests whose grammar ended ("stop")."""
+        """Advance the matchers with this step's tokens; `finish` the requests whose grammar ended ("stop"). A token
+        the grammar refuses ends its request before it ("stop") where the grammar may end and the request's
+        `narrowed` fields forbade its end, else fails it (asyncllm/structured/narrowing.py)."""
         ended: list[str] = []
-        for _, delta in outputs:
-            matcher = self.matchers.get(delta.request_id)
+        endings: list[tuple[bytes, protocol.RequestOutputDelta]] = []
+        for client_id, delta in outputs:
+            req_id = delta.request_id
+            matcher = self.matchers.get(req_id)
             if matcher is None:
                 continue
-            for token in self._grammar_tokens(delta.request_id, delta.new_token_ids):
-                if not matcher.accept_token(token):
-                    delta.error = self._rejection(delta.request_id, token)
-                    break
+            tokens = self._grammar_tokens(req_id, delta.new_token_ids)
+            refused = next((k for k, token in enumerate(tokens) if not matcher.accept_token(token)), None)
+            if refused is not None and req_id in self.narrowed and may_end(matcher, self._bitmask_rows(1)):
+                if delta.finish_reason is None:
+                    ended.append(req_id)
+                endings += stop_before(client_id, delta, len(tokens) - refused)
+                self._forget(req_id)
+                continue
+            if refused is not None:
+                delta.error = rejection(self.narrowed.get(req_id, ()), tokens[refused])
             if delta.finish_reason is not None:
-                self._forget(delta.request_id)
-            elif delta.request_id in self.waiting:
+                self._forget(req_id)
+            elif req_id in self.waiting:
                 continue
             elif matcher.is_terminated() or delta.error is not None:
                 delta.finish_reason = "stop" if delta.error is None else "abort"
-                self._forget(delta.request_id)
-                ended.append(delta.request_id)
+                self._forget(req_id)
+                ended.append(req_id)
+        outputs += endings
         if ended:
             finish(ended)
-
-    def _rejection(self, req_id: str, token: int) -> str:
-        """The error of a sampled token the grammar refuses: the bitmask let through only tokens the grammar allows,
-        so the request's `narrowed` fields (bad_words, allowed_token_ids) forbade all of them (the workers then
-        sample token 0) and are named, with the grammar; without them, the grammar alone."""
-        fields = self.narrowed.get(req_id)
-        if not fields:
-            return f"structured: token {token} is not allowed by the grammar"
-        together = f" (with {' and '.join(fields[1:])})" if fields[1:] else ""
-        return (f"{fields[0]}: forbids every token the grammar (structured output) allows next{together}, so nothing "
-                f"can be generated (token {token} was sampled): allow some of the grammar's tokens, or drop "
-                f"{' and '.join(fields)}")
 
     def _grammar_tokens(self, req_id: str, tokens: list[int]) -> list[int]:
         """The tokens the grammar reads: all of them, or for a waiting request those after its start_after ids."""
@@ -376,13 +377,6 @@ def _allow(bitmask: Any, row: int, token: int) -> None:
     """Set `token`'s bit in the int32 bitmask's `row` (bit 31 as the word's sign)."""
     bit = 1 << (token % 32)
     bitmask[row, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
-
-
-def _narrowing(request: Request) -> tuple[str, ...]:
-    """The request's fields that forbid tokens whatever the grammar allows: allowed_token_ids, bad_words."""
-    params = request.params
-    return tuple(name for name, value in (("allowed_token_ids", params.allowed_token_ids),
-                                          ("bad_words", params.bad_words_token_ids)) if value)
 
 
 @functools.lru_cache(maxsize=1)

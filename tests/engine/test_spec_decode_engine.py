@@ -209,3 +209,15 @@ async def test_a_draft_row_with_no_allowed_token_fails_the_request_once_reached(
         with pytest.raises(InvalidRequestError) as failure:
             await engine.generate({"prompt_token_ids": [42] * 24}, params)
         assert failure.value.field == "allowed_token_ids"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_drafts_of_a_complete_grammar_whose_eos_is_forbidden_end_it_stop(bundled_engines) -> None:
+    """Drafted 'c's past the grammar's end (allowed_token_ids without EOS leave that row empty): the request ends
+    "stop" with the grammar's three, as without drafts, the refused token left out."""
+    c = bundled_engines[0].tokenizer.convert_tokens_to_ids("c")
+    params = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[c],
+                            structured=StructuredOutputs(regex="[a-c]{1,3}"))
+    for engine in bundled_engines:
+        out = await engine.generate({"prompt_token_ids": [c] * 24}, params)
+        assert (out.text, out.token_ids, out.finish_reason) == ("ccc", [c] * 3, "stop")

@@ -171,3 +171,17 @@ async def test_abort_while_compiling_frees_the_request(engine: AsyncEngine) -> N
     await _wait_stats(engine, 0, 0)  # the core forgot it at once, without waiting for the compile
     out = await engine.generate("after", SamplingParams(max_tokens=10, seed=0, structured=StructuredOutputs(choice=["ok"])))
     assert out.text == "ok"
+
+
+async def test_a_complete_grammar_ends_stop_where_allowed_token_ids_forbid_eos(engine: AsyncEngine) -> None:
+    """allowed_token_ids of the grammar's tokens without EOS: once the grammar is complete its row is empty (token 0
+    sampled, refused), and the request ends "stop" without that token (with ignore_eos too)."""
+    a, b, c = (engine.tokenizer.convert_tokens_to_ids(t) for t in "abc")
+    cases = [(StructuredOutputs(choice=["a", "b"]), [a, b], {"temperature": 0.0}, r"[ab]"),
+             (StructuredOutputs(choice=["a", "b"]), [a, b], {"seed": 1, "ignore_eos": True}, r"[ab]"),
+             (StructuredOutputs(regex="[a-c]{1,3}"), [a, b, c], {"seed": 2}, r"[a-c]{1,3}")]
+    for structured, allowed, params, pattern in cases:
+        out = await engine.generate("x", SamplingParams(max_tokens=8, structured=structured, allowed_token_ids=allowed,
+                                                        **params))
+        assert re.fullmatch(pattern, out.text) and out.finish_reason == "stop", out.text
+        assert set(out.token_ids) <= set(allowed)
