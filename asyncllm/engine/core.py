@@ -319,11 +319,7 @@ class EngineCore:
             self.structured.drop([key])
             host_lora_id = message.lora.lora_int_id if message.lora is not None else 0
             message.lora = self.lora_ids.core_lora(client_id, message.lora)  # each host's adapter ids are its own
-            request = Request.from_add_request(message, client_id)
-            if message.params.structured is not None:
-                self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)
-            else:
-                self.scheduler.add_request(request)
+            self.samples.queue(Request.from_add_request(message, client_id))  # parked for a grammar, or queued
             self.lora_ids.record(client_id, host_lora_id, message.lora)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
             refused = self.samples.refuse(client_id, request_key(client_id, request_id), message.num_samples, exc)
@@ -331,16 +327,7 @@ class EngineCore:
 
     def _admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """Queue the requests whose grammar is ready; error deltas for those that failed or timed out."""
-        ready, failed = self.structured.poll()
-        for request in ready:
-            try:
-                self.samples.check(request.request_id)
-                self.scheduler.add_request(request)
-            except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
-                self.structured.matchers.pop(request.request_id, None)
-                refused = self.samples.refuse(request.client_id, request.request_id, request.num_samples, exc)
-                failed += [(request.client_id, delta) for delta in refused]
-        return failed
+        return self.samples.admit_compiled()
 
     def _ready(self) -> protocol.Ready:
         config = self.config

@@ -267,6 +267,9 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embe
     if not math.isfinite(message.arrival_time):
         raise InvalidRequestError("arrival_time", f"must be a finite time, got {message.arrival_time}")
     check_priority(message.priority)
+    if not 0 <= message.num_samples <= MAX_N:  # sample 0 counts for its n samples (engine/sample_groups.py)
+        raise InvalidRequestError("num_samples", f"must be from 0 to {MAX_N} (the samples of a request), "
+                                                 f"got {message.num_samples}")
     timeout = message.timeout
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")

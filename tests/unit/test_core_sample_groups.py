@@ -12,6 +12,7 @@ from asyncllm import SamplingParams, StructuredOutputs, protocol
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.request_keys import request_key
 from asyncllm.engine.sample_groups import sibling_ids
+from asyncllm.engine.validation import MAX_N
 from asyncllm.mm.cache import MultiModalCacheMiss
 from test_core_validation import _core
 from test_scheduler import run_step
@@ -101,3 +102,72 @@ def test_a_cache_miss_or_an_id_in_use_refuses_the_sample_alone(monkeypatch: pyte
     assert set(core.scheduler.requests) == {request_key(b"h", s) for s in SAMPLES} and core.samples._refused == {}
     assert sibling_ids("x#2-0", 3) == ["x#2-1", "x#2-2"] and sibling_ids("x#2-1", 0) == sibling_ids("x#2", 1) == []
 
+
+
+def test_the_hosts_abort_forgets_the_siblings_not_yet_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, sent = _busy_core(monkeypatch)
+    _send(core, SAMPLES[0], 3)
+    assert _refusals(sent) == {SAMPLES[0]: "EngineOverloadedError"} and len(core.samples._refused) == 2
+    core._handle(b"h", protocol.AbortRequests(SAMPLES[1:]))  # before they come
+    assert core.samples._refused == {}
+    _send_samples(core, [1, 2])  # a late sample after its abort: not refused by a stale entry
+    assert set(_refusals(sent)) == {SAMPLES[0]}
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_resent_sample_0_remembers_no_sibling(monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
+    """Sample 0 missed the processor cache; its siblings came after it and finished; its host resends it. Refused,
+    it leaves nothing for siblings that will never come again (the host's abort names no finished one)."""
+    core, sent = _core(monkeypatch, [0.0], max_num_queued_requests=2, max_num_seqs=1)
+    key = request_key(b"h", SAMPLES[0])
+    core.samples.refuse(b"h", key, 3, MultiModalCacheMiss("mm_items[0]", "not cached"))
+    _send_samples(core, [1, 2])
+    assert _run_to_idle(core) == {request_key(b"h", s) for s in SAMPLES[1:]}
+    if refused:
+        _send(core, "busy")
+        run_step(core.scheduler)
+        _send(core, "w")
+    _send_samples(core, [0])  # resent
+    assert _refusals(sent) == ({SAMPLES[0]: "EngineOverloadedError"} if refused else {})
+    assert core.samples._refused == {} and core.samples._missed == core.samples._resent == set()
+
+
+@pytest.mark.parametrize("num_samples", [-1, MAX_N + 1, 2**40])
+def test_a_num_samples_out_of_bounds_is_refused_and_never_expanded(monkeypatch: pytest.MonkeyPatch,
+                                                                    num_samples: int) -> None:
+    """Another host is an untrusted peer: a sample 0 claiming 2**40 samples must neither hang the core nor fill it,
+    refused for that field or another (arrival_time)."""
+    core, sent = _core(monkeypatch, [0.0])
+    _send(core, SAMPLES[0], num_samples)
+    core._handle(b"h", protocol.AddRequest("x#1-0", [1, 2, 3], SamplingParams(max_tokens=2), [2], float("nan"),
+                                           num_samples=num_samples))
+    assert _refusals(sent) == {SAMPLES[0]: "InvalidRequestError", "x#1-0": "InvalidRequestError"}
+    assert sent[0].error.startswith("num_samples: ") and f"{MAX_N}" in sent[0].error
+    assert core.scheduler.requests == {} and core.samples._refused == {}
+
+
+def test_sample_0_of_max_n_refuses_its_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    core, sent = _busy_core(monkeypatch)
+    _send(core, "m#1-0", MAX_N)
+    assert len(core.samples._refused) == MAX_N - 1 and sibling_ids("m#1-0", MAX_N + 1) == []
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_resent_sample_0_parked_for_its_grammar_remembers_no_sibling(monkeypatch: pytest.MonkeyPatch,
+                                                                       refused: bool) -> None:
+    core, sent = _core(monkeypatch, [0.0], max_num_queued_requests=2, max_num_seqs=1)
+    grammar = StructuredOutputs(choice=["x"])
+    core.samples.refuse(b"h", request_key(b"h", SAMPLES[0]), 3, MultiModalCacheMiss("mm_items[0]", "not cached"))
+    _send_samples(core, [1, 2], grammar)
+    assert core._admit_compiled() == []
+    _run_to_idle(core)
+    if refused:
+        _send(core, "busy")
+        run_step(core.scheduler)
+        _send(core, "w")
+    _send_samples(core, [0], grammar)  # resent, parked
+    assert core.samples._resent == {request_key(b"h", SAMPLES[0])}
+    failed = core._admit_compiled()
+    expected = {request_key(b"h", SAMPLES[0]): "EngineOverloadedError"} if refused else {}
+    assert _refusals([delta for _, delta in failed]) == expected
+    assert core.samples._refused == {} and core.samples._missed == core.samples._resent == set()
