@@ -123,14 +123,16 @@ def check_pipeline_config(config: EngineConfig) -> None:
 
 def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any) -> None:
     """The host's checks once the checkpoint is known: an architecture that runs in stages, no more stages than
-    layers, a valid ASYNCLLM_PP_LAYER_PARTITION (with one stage too, as vLLM: unset or the model's layer count).
+    layers, a valid ASYNCLLM_PP_LAYER_PARTITION (with one stage too, as vLLM: unset or the model's layer count, where
+    the config names one: a config without num_hidden_layers runs in one stage whatever it says).
     Pre-quantized checkpoints (fp8, AWQ / GPTQ, compressed-tensors, GGUF) all run in stages, each stage making,
     loading and finishing the quantized parameters of its own layers only
     (tests/unit/test_pipeline_parallel_quantized.py)."""
     pp = config.pipeline_parallel_size
     if pp == 1:
-        if envs.PP_LAYER_PARTITION.get():  # never silently ignored
-            layer_partition(getattr(hf_config, "num_hidden_layers", 0), 1, envs.PP_LAYER_PARTITION.get())
+        num_layers = getattr(hf_config, "num_hidden_layers", None)
+        if envs.PP_LAYER_PARTITION.get() and num_layers is not None:  # never silently ignored where it can be checked
+            layer_partition(num_layers, 1, envs.PP_LAYER_PARTITION.get())
         return
     if architecture not in PIPELINE_ARCHITECTURES:
         raise NotBuiltError(_FIELD, pp, f"pipeline parallelism for {architecture} (built for "

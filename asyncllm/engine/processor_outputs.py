@@ -196,10 +196,10 @@ class ProcessorOutputs:
             if not finished:
                 aborts.append(out.request_id)
         delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
-        if out.logprobs is not None:
-            entries = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)
-            if tracked.held_logprobs:
-                entries = tracked.held_logprobs + entries
+        if out.logprobs is not None or tracked.held_logprobs:  # held rows go out with their tokens (an empty delta's)
+            entries = tracked.held_logprobs or []
+            if out.logprobs is not None:
+                entries = entries + self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)
             delta.logprobs, tracked.held_logprobs = entries[: len(token_ids)], entries[len(token_ids):]
             tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + sum(
                 entry[token].logprob for token, entry in zip(token_ids, delta.logprobs))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from asyncllm import protocol
 from asyncllm.sched.request import Request
 
@@ -47,13 +49,24 @@ def rejection(fields: tuple[str, ...], token: int) -> str:
 
 def stop_before(client_id: bytes, delta: protocol.RequestOutputDelta,
                 num_dropped: int) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
-    """End `delta`'s request with "stop" without its last `num_dropped` tokens (the refused one and any after it):
+    """End `delta`'s request with "stop" without its last `num_dropped` tokens (the refused one and any after it, and
+    their logprobs rows):
     on `delta` itself when no token is left, else on an empty delta to send after it, as the host reads the last
     token of a "stop" delta as the EOS that ended it (its text left out)."""
     delta.new_token_ids = delta.new_token_ids[: len(delta.new_token_ids) - num_dropped]
+    delta.logprobs = _first_rows(delta.logprobs, len(delta.new_token_ids))
     delta.stop_reason = None
     if not delta.new_token_ids:
         delta.finish_reason = "stop"
         return []
     delta.finish_reason = None
     return [(client_id, protocol.RequestOutputDelta(delta.request_id, [], "stop"))]
+
+
+def _first_rows(arrays: protocol.LogprobsArrays | None, num_rows: int) -> protocol.LogprobsArrays | None:
+    """`arrays`' first `num_rows` rows (one per token a delta keeps); None for none."""
+    if arrays is None or num_rows == 0:
+        return None
+    row_bytes = arrays.width * 4  # int32 ids and float32 logprobs per row; one int32 rank
+    return msgspec.structs.replace(arrays, token_ids=arrays.token_ids[: num_rows * row_bytes],
+                                   logprobs=arrays.logprobs[: num_rows * row_bytes], ranks=arrays.ranks[: num_rows * 4])

@@ -88,3 +88,18 @@ def test_ids_and_logprobs_wait_while_a_stop_string_may_drop_them(cleaning: Any, 
     else:  # token 5 never goes out
         assert delivered == [[i] for i in ids[:4]] + [[], []]
         assert deltas[-1].cumulative_logprob == -10.0 and deltas[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("finish_reason", ["stop", "abort"])
+def test_held_logprobs_go_out_on_an_empty_final_delta(cleaning: Any, finish_reason: str) -> None:
+    """A request ended by a delta without tokens (narrowing's "stop" after its trimmed tokens, a timeout): the tokens
+    the flush releases take the logprobs held for them."""
+    ids = _words(cleaning)[:5]
+    outputs = _outputs(cleaning)
+    tracked = outputs._tracked["r"] = TrackedRequest(
+        RequestCollector("r", 0.0), IncrementalDetokenizer(cleaning, [], SamplingParams(stop=["zz"], logprobs=0)))
+    deltas = [outputs._process_output(tracked, _delta(token_id, -k - 1.0), 0.0, []) for k, token_id in enumerate(ids)]
+    assert deltas[-1].token_ids == [] and deltas[-1].cumulative_logprob == -10.0  # token 5 held with its logprob
+    last = outputs._process_output(tracked, protocol.RequestOutputDelta("r", [], finish_reason), 0.0, [])
+    assert last.token_ids == [ids[4]] and [next(iter(entry)) for entry in last.logprobs] == [ids[4]]
+    assert last.cumulative_logprob == -15.0 and not tracked.held_logprobs

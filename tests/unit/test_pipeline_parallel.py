@@ -82,6 +82,7 @@ def test_one_stage_checks_the_partition_too(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError, match=r"one positive layer count per stage \(pipeline_parallel_size=1\)") as info:
         check_pipeline_model(config, "LlamaForCausalLM", hf_config)
     assert info.value.field == "ASYNCLLM_PP_LAYER_PARTITION"
+    check_pipeline_model(config, "WhisperForConditionalGeneration", SimpleNamespace())  # no layer count: unchecked
 
 
 def test_more_stages_than_layers_is_a_config_error_at_start() -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from asyncllm import SamplingParams, StructuredOutputs, protocol
 from asyncllm.sched.request import Request
+from asyncllm.structured.narrowing import stop_before
 
 A, B, C, EOS = 70, 71, 72, 1  # 'a', 'b', 'c', </s> of the tiny tokenizer
 pytest.importorskip("xgrammar")
@@ -80,3 +82,19 @@ def test_a_grammar_that_cannot_end_there_still_fails_the_request(manager, struct
     [(_, new_tokens, finish_reason, error)] = outputs
     assert (new_tokens, finish_reason, finished) == (tokens + [0], "abort", [["f"]])
     assert error.startswith("allowed_token_ids: forbids every token the grammar (structured output) allows next")
+
+
+@pytest.mark.parametrize("tokens, dropped", [([A, B, C, 0], 1), ([A, 0, B], 2), ([0, A], 2)])
+def test_the_trimmed_delta_keeps_one_logprobs_row_per_token(tokens, dropped) -> None:
+    width, kept = 2, len(tokens) - dropped
+    ids = np.int32([[token, token + 1] for token in tokens])
+    arrays = protocol.LogprobsArrays(width, ids.tobytes(), (-ids).astype("<f4").tobytes(),
+                                     np.int32(range(1, len(tokens) + 1)).tobytes())
+    delta = protocol.RequestOutputDelta("t", list(tokens), logprobs=arrays)
+    stop_before(b"c", delta, dropped)
+    if not kept:
+        assert delta.logprobs is None and delta.finish_reason == "stop"
+        return
+    assert np.frombuffer(delta.logprobs.token_ids, "<i4").reshape(-1, width).tolist() == ids[:kept].tolist()
+    assert np.frombuffer(delta.logprobs.logprobs, "<f4").tolist() == (-ids[:kept]).ravel().tolist()
+    assert np.frombuffer(delta.logprobs.ranks, "<i4").tolist() == list(range(1, kept + 1))
