@@ -104,7 +104,8 @@ def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0,
     """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
     a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
     lifespan's close comes only after the last. With `drain` seconds (``--shutdown-timeout``, vLLM's drain shutdown)
-    the close drains first: `gate` refuses new HTTP requests (503) and waits up to `drain` seconds for those it
+    the close drains first (uvicorn's `handle_exit` already closed the listening socket: new connections are refused):
+    `gate` refuses new HTTP requests on connections still open (503) and waits up to `drain` seconds for those it
     accepted before (the engine takes their calls meanwhile: a beam search's next step, a body still being read);
     the close then aborts what is left. With no gate the engine's own drain (`AsyncEngine.aclose`'s ``drain``).
     Returns the list that the close's task is put in."""
@@ -114,8 +115,10 @@ def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0,
         if gate is None:
             await engine.aclose(drain=True, timeout=drain)
             return
-        await gate.drain(drain)
-        await engine.aclose()
+        try:
+            await gate.drain(drain)
+        finally:  # cancelled during the drain: the engine is closed all the same
+            await engine.aclose()
 
     def close() -> None:
         if not closing:

@@ -1,7 +1,9 @@
 """``asyncllm serve --shutdown-timeout N``'s drain at the HTTP layer (vLLM's): a request is in flight from when the
 server accepts it (its body still being read, its template rendered, its media fetched, its prompt tokenized, its
-beam search between steps) to its response's end. The drain refuses new requests (503) and waits for those in
-flight, up to N s; the engine takes their calls all along, and its close then aborts what is left (cli_serve.py)."""
+beam search between steps) to its response's end. The drain waits for those in flight, up to N s; the engine takes
+their calls all along, and its close then aborts what is left (cli_serve.py). New connections are refused from the
+signal on (uvicorn closes its listening socket and idle keep-alive connections); a request that arrives during the
+drain on a connection still open is refused with 503."""
 
 from __future__ import annotations
 
@@ -12,14 +14,15 @@ from typing import Any
 __all__ = ["RequestGate"]
 
 UNCOUNTED = frozenset({"/health", "/ping", "/metrics"})
-"""Probes and scrapes: served during a drain as before, never holding it (vLLM's /metrics reads on while it drains)."""
+"""Probes and scrapes: answered during a drain on a connection still open (new connections are refused), never
+holding it (vLLM's /metrics reads on while it drains)."""
 
 REFUSAL = "the server is shutting down (--shutdown-timeout drain); it takes no new requests"
 
 
 class RequestGate:
     """ASGI middleware over the served app (any ASGI app): counts the HTTP requests in flight; once `drain` began, a
-    new one is refused with 503 (an OpenAI-style error body)."""
+    new one (on a connection still open) is refused with 503 (an OpenAI-style error body)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

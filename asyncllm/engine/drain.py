@@ -19,7 +19,7 @@ from asyncllm.errors import EngineDeadError
 __all__ = ["EngineDrain"]
 
 _ACCEPTED: ContextVar["EngineDrain | None"] = ContextVar("asyncllm_accepted_request", default=None)
-"""The drain whose request the running call belongs to (its beam search's step tasks inherit it)."""
+"""The drain whose beam search the running call is a step of (set by `EngineDrain.steps`; its step tasks inherit it)."""
 
 
 class EngineDrain:
@@ -30,20 +30,28 @@ class EngineDrain:
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
-        """One request's call: counted while it runs; refused once the drain began, unless it belongs to a call
-        accepted before (a beam search's step)."""
+        """One request's call, counted while it runs; refused once the drain began, unless it is a step of a beam
+        search accepted before (run in its `steps` scope)."""
         if _ACCEPTED.get() is self:
             yield
             return
         if self.draining:
             raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")
         self.entered += 1
+        try:
+            yield
+        finally:
+            self.entered -= 1
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """A beam search's steps, inside its `request`: their requests (made here and in the tasks begun here) are
+        taken while the engine drains."""
         token = _ACCEPTED.set(self)
         try:
             yield
         finally:
             _ACCEPTED.reset(token)
-            self.entered -= 1
 
     async def wait(self, busy: Callable[[], bool], alive: Callable[[], bool], timeout: float | None) -> None:
         """Refuse new requests; return once no call is open and the submitted ones are not `busy` (or no core is

@@ -209,7 +209,9 @@ class EngineRequests:
         from asyncllm.beam_search import beam_search
 
         with self._drain.request():  # in flight for aclose(drain=True) between its steps too; they are taken
-            return await beam_search(self, prompt, params, **options)
+            await self.start()  # not in `steps`: the tasks the start begins are no step of it
+            with self._drain.steps():
+                return await beam_search(self, prompt, params, **options)
 
 
 def _prompt_text(prompt: Any) -> str | None:

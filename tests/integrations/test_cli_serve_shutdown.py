@@ -117,7 +117,7 @@ def _slow_body_app(engine: _Engine, reading: asyncio.Event):
         if scope["type"] == "lifespan":
             await _lifespan(engine, receive, send)
             return
-        if scope["path"] == "/health":
+        if scope["path"].endswith("/health"):  # (under a root path too)
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
             return
@@ -135,44 +135,57 @@ def _slow_body_app(engine: _Engine, reading: asyncio.Event):
 
 def test_a_drain_waits_for_requests_accepted_before_it_and_refuses_new_ones() -> None:
     """``--shutdown-timeout N`` counts a request from its acceptance (serve_drain.py): one still sending its body
-    when the signal comes is answered, the engine's close waits for it; a new request during the drain is 503,
-    /health is not (nor does it hold the drain)."""
-    import uvicorn
-
-    from asyncllm.serve_drain import RequestGate
-
+    when the signal comes is answered, the engine's close waits for it and no longer; a new request during the drain
+    (on a connection still open: uvicorn closed its listening socket) is 503, /health is not, under a root path too
+    (nor does it hold the drain)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
 
-    async def main() -> tuple[bytes, list[int], _Engine]:
+    async def main() -> tuple[bytes, list[int], float, _Engine]:
         engine, reading = _Engine(), asyncio.Event()
-        gate = RequestGate(_slow_body_app(engine, reading))
-        server = uvicorn.Server(uvicorn.Config(gate, log_level="warning"))
-        serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None, 5.0, gate))
-        while not server.started:
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
+        request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello"
+        app = _slow_body_app(engine, reading)
+        gate, serving, (reader, writer) = await _serve_gated(app, engine, sock, 5.0, request)
         await reading.wait()
         signal.raise_signal(signal.SIGINT)  # the drain begins while the body is still coming
         await asyncio.sleep(0.05)
-        statuses = [await _status(gate, path) for path in ("/v1/chat/completions", "/health")]
+        statuses = [await _status(gate, path, root) for path, root in
+                    (("/v1/chat/completions", ""), ("/health", ""), ("/api/health", "/api"))]
         writer.write(b"world")
+        answered = asyncio.get_running_loop().time()
         await asyncio.wait_for(serving, 10)
+        took = asyncio.get_running_loop().time() - answered  # the drain ends with its last request, not at 5 s
         body = await reader.read()
         writer.close()
-        return body, statuses, engine
+        return body, statuses, took, engine
 
     try:
-        body, statuses, engine = asyncio.run(main())
+        body, statuses, took, engine = asyncio.run(main())
         assert body.startswith(b"HTTP/1.1 200") and b"helloworld" in body, body
-        assert statuses == [503, 200] and engine.closes == [(False, None)] * 2, (statuses, engine.closes)
+        assert statuses == [503, 200, 200] and engine.closes == [(False, None)] * 2, (statuses, engine.closes)
+        assert took < 1.5, took
     finally:
         sock.close()
 
 
-async def _status(app, path: str) -> int:
+async def _serve_gated(app, engine: _Engine, sock: socket.socket, drain: float, request: bytes) -> tuple:
+    """`asyncllm serve` of `app` in a `RequestGate` on `sock` with ``--shutdown-timeout drain``, once uvicorn started
+    sent `request` on a new connection: the gate, the serving task and the connection's (reader, writer)."""
+    import uvicorn
+
+    from asyncllm.serve_drain import RequestGate
+
+    gate = RequestGate(app)
+    server = uvicorn.Server(uvicorn.Config(gate, log_level="warning"))
+    serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None, drain, gate))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    reader, writer = await asyncio.open_connection(*sock.getsockname())
+    writer.write(request)
+    return gate, serving, (reader, writer)
+
+
+async def _status(app, path: str, root_path: str = "") -> int:
     """The status `app` answers a GET of `path` with (an ASGI call, as the server makes one)."""
     sent: list[dict] = []
 
@@ -182,8 +195,57 @@ async def _status(app, path: str) -> int:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    await app({"type": "http", "method": "GET", "path": path, "root_path": "", "headers": []}, receive, send)
+    await app({"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": []}, receive, send)
     return sent[0]["status"]
+
+
+def test_a_drain_ends_at_its_timeout_and_the_close_aborts_what_is_left() -> None:
+    """A request that outlives ``--shutdown-timeout N`` (0.3 s here): the drain ends after N s, the engine's close
+    ends its stream ("abort")."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+
+    async def main() -> tuple[bytes, float, _Engine]:
+        engine, streaming = _Engine(), asyncio.Event()
+        _, serving, (reader, writer) = await _serve_gated(_app(engine, streaming), engine, sock, 0.3,
+                                                          b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await streaming.wait()
+        signalled = asyncio.get_running_loop().time()
+        signal.raise_signal(signal.SIGINT)
+        await asyncio.wait_for(serving, 10)
+        took = asyncio.get_running_loop().time() - signalled
+        body = await reader.read()
+        writer.close()
+        return body, took, engine
+
+    try:
+        body, took, engine = asyncio.run(main())
+        assert b"data: abort" in body and 0.3 <= took < 2 and engine.closes[0] == (False, None), (body, took)
+    finally:
+        sock.close()
+
+
+def test_a_drain_cancelled_still_closes_the_engine() -> None:
+    """The close's task cancelled during the gate's drain (its request never ends): the engine is closed all the
+    same."""
+    from types import SimpleNamespace
+
+    from asyncllm.cli_serve import _close_engine_on_exit
+    from asyncllm.serve_drain import RequestGate
+
+    async def main() -> _Engine:
+        engine = _Engine()
+        gate = RequestGate(_app(engine, asyncio.Event()))
+        gate.in_flight = 1  # a request that does not end
+        server = SimpleNamespace(handle_exit=lambda sig, frame: None)
+        closing = _close_engine_on_exit(server, engine, 5.0, gate)
+        server.handle_exit(signal.SIGTERM, None)
+        await asyncio.sleep(0.05)
+        closing[0].cancel()
+        await asyncio.gather(closing[0], return_exceptions=True)
+        return engine
+
+    assert asyncio.run(main()).closed.is_set()
 
 
 def test_a_close_cut_by_ctrl_c_still_puts_back_the_sigterm_handler() -> None:
