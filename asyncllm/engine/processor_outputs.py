@@ -143,7 +143,8 @@ class ProcessorOutputs:
 
     def _on_delta(self, dealer: zmq.Socket, out: protocol.RequestOutputDelta, now: float, batch: Delivery,
                   aborts: list[str]) -> None:
-        """One request's output: into `batch` for the loop (and its id into `aborts` when a stop string ended it)."""
+        """One request's output: into `batch` for the loop (and its id into `aborts` when a stop string ended it or
+        its resend after a processor-cache miss failed)."""
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             return
@@ -155,6 +156,7 @@ class ProcessorOutputs:
                     return
                 except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
                     out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
+                    aborts.append(out.request_id)  # the core keeps an n > 1 sample 0's miss until it is aborted
         is_prefilling, tracked.is_prefilling = tracked.is_prefilling, tracked.is_prefilling and not out.new_token_ids
         item = self._process_output(tracked, out, now, aborts)
         if item is None:

@@ -10,7 +10,8 @@ sample 0's error and names every sample still on its way, forgets the rest. None
 A sample 0 that missed the processor cache is resent by its host after its error, so after all its siblings: when
 the resent one is refused, no sibling is still to come (those here end; those finished are not remembered, since
 the host's abort would not name them). The core keeps such a sample 0's key from its miss until it comes again,
-and then until it is queued, refused, failed or aborted.
+and then until it is queued, refused, failed or aborted; a host that cannot resend it (an image it cannot read
+again) fails the request and aborts it with its siblings (processor_outputs.py).
 """
 from __future__ import annotations
 
