@@ -216,12 +216,17 @@ def _step_entry(out: RequestOutput, left_out: frozenset[int], width: int) -> dic
     return dict(sorted(allowed, key=lambda item: item[1].logprob, reverse=True)[:2 * width])
 
 
-async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
-    """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts (whose ``cache_salt``
-    salts every step's requests)."""
+def check_beam_request(params: BeamSearchParams, options: dict[str, Any]) -> None:
+    """The checks that need no engine (run before it starts): the parameters, and no caller's ``request_id``."""
     params.validate()
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
+
+
+async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
+    """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts (whose ``cache_salt``
+    salts every step's requests)."""
+    check_beam_request(params, options)
     await engine.start()
     params.validate(engine.config.max_logprobs)  # once started: an attached host's config is then the core's
     prompt, cache_salt = split_cache_salt(prompt, options.get("cache_salt"))  # every step's requests are salted

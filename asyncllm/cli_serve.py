@@ -104,7 +104,7 @@ def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0,
     """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
     a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
     lifespan's close comes only after the last. With `drain` seconds (``--shutdown-timeout``, vLLM's drain shutdown)
-    the close drains first (uvicorn's `handle_exit` already closed the listening socket: new connections are refused):
+    the close drains first (uvicorn's `handle_exit` has it close the listening socket at its next tick, within 0.1 s: new connections are then refused):
     `gate` refuses new HTTP requests on connections still open (503) and waits up to `drain` seconds for those it
     accepted before (the engine takes their calls meanwhile: a beam search's next step, a body still being read);
     the close then aborts what is left. With no gate the engine's own drain (`AsyncEngine.aclose`'s ``drain``).

@@ -1,8 +1,9 @@
 """``asyncllm serve --shutdown-timeout N``'s drain at the HTTP layer (vLLM's): a request is in flight from when the
 server accepts it (its body still being read, its template rendered, its media fetched, its prompt tokenized, its
 beam search between steps) to its response's end. The drain waits for those in flight, up to N s; the engine takes
-their calls all along, and its close then aborts what is left (cli_serve.py). New connections are refused from the
-signal on (uvicorn closes its listening socket and idle keep-alive connections); a request that arrives during the
+their calls all along, and its close then aborts what is left (cli_serve.py). New connections are refused from
+uvicorn's next tick after the signal on (within 0.1 s it closes its listening socket and idle keep-alive
+connections); a request that arrives during the
 drain on a connection still open is refused with 503."""
 
 from __future__ import annotations

@@ -206,8 +206,9 @@ class EngineRequests:
     async def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
         """Beam search (vLLM's ``LLM.beam_search``): the `params.beam_width` most likely continuations, best first
         (asyncllm/beam_search.py). `options` (priority, lora_request, ...) apply to every step's requests."""
-        from asyncllm.beam_search import beam_search
+        from asyncllm.beam_search import beam_search, check_beam_request
 
+        check_beam_request(params, options)  # refused before the engine starts, as any request
         with self._drain.request():  # in flight for aclose(drain=True) between its steps too; they are taken
             await self.start()  # not in `steps`: the tasks the start begins are no step of it
             with self._drain.steps():

@@ -87,3 +87,16 @@ async def _obeys_suppressed_ids_as_transformers(engine: AsyncEngine, path: str, 
     got = [seq.tokens[len(prompt):] for seq in out.sequences]
     assert all(tokens[0] != best[0] and rules["suppress_tokens"][0] not in tokens for tokens in got)
     assert got == _hf_beams(path, prompt, 2, 4, no_eos, **rules)
+
+
+async def test_an_invalid_beam_search_is_refused_before_the_engine_starts(tiny_llama: str) -> None:
+    """Its parameters and a caller's request_id are checked first, as any request's: no model load, no core."""
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True)
+    try:
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await engine.beam_search([5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=4), request_id="mine")
+        with pytest.raises(InvalidRequestError):
+            await engine.beam_search([5, 6, 7], BeamSearchParams(beam_width=0, max_tokens=4))
+        assert not engine.started
+    finally:
+        await engine.aclose()
