@@ -77,7 +77,7 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
 
 
 async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket, uds: str | None,
-                           drain: float = 0.0, gate: RequestGate | None = None) -> None:
+                           drain: float, gate: RequestGate) -> None:
     await _start(app, engine)
     # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully, then it re-raises the signal to the
     # handler it found, this one, which notes a SIGTERM: the process ends by it only once the engine's close ended
@@ -99,22 +99,18 @@ async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.sock
             _remove_then_die(uds, signal.SIGTERM)
 
 
-def _close_engine_on_exit(server: Any, engine: Any, drain: float = 0.0,
-                          gate: RequestGate | None = None) -> list[asyncio.Task]:
+def _close_engine_on_exit(server: Any, engine: Any, drain: float, gate: RequestGate) -> list[asyncio.Task]:
     """Make uvicorn's first SIGINT/SIGTERM also start `engine.aclose()` (open streams end with finish_reason "abort",
     a queued one too), so that uvicorn's wait for open connections ends; else it waits for every stream, and the
     lifespan's close comes only after the last. With `drain` seconds (``--shutdown-timeout``, vLLM's drain shutdown)
-    the close drains first (uvicorn's `handle_exit` has it close the listening socket at its next tick, within 0.1 s: new connections are then refused):
-    `gate` refuses new HTTP requests on connections still open (503) and waits up to `drain` seconds for those it
-    accepted before (the engine takes their calls meanwhile: a beam search's next step, a body still being read);
-    the close then aborts what is left. With no gate the engine's own drain (`AsyncEngine.aclose`'s ``drain``).
+    the close drains first (uvicorn's `handle_exit` has it close the listening socket at its next tick, within
+    0.1 s: new connections are then refused): `gate` refuses new HTTP requests on connections still open (503) and
+    waits up to `drain` seconds for those it accepted before (the engine takes their calls meanwhile: a beam
+    search's next step, a body still being read); the close then aborts what is left.
     Returns the list that the close's task is put in."""
     loop, closing, handle_exit = asyncio.get_running_loop(), [], server.handle_exit
 
     async def drain_then_close() -> None:
-        if gate is None:
-            await engine.aclose(drain=True, timeout=drain)
-            return
         try:
             await gate.drain(drain)
         finally:  # cancelled during the drain: the engine is closed all the same

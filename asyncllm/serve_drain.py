@@ -9,8 +9,9 @@ drain on a connection still open is refused with 503."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
+
+import anyio
 
 __all__ = ["RequestGate"]
 
@@ -29,33 +30,30 @@ class RequestGate:
         self.app = app
         self.in_flight = 0
         self.draining = False
-        self._idle: asyncio.Event | None = None  # made by `drain`, on the serving loop
+        self._idle = asyncio.Event()  # (bound to the loop that first waits on it: the serving one)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or _route_path(scope) in UNCOUNTED:
             await self.app(scope, receive, send)
             return
         if self.draining:
-            await _refuse(send)
+            await _refuse(scope, receive, send)
             return
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-            if not self.in_flight and self._idle is not None:
+            if not self.in_flight:
                 self._idle.set()
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests from now on; return once none is in flight, or after `timeout` seconds."""
         self.draining = True
-        self._idle = asyncio.Event()
         if self.in_flight:
-            idle = asyncio.ensure_future(self._idle.wait())
-            try:
-                await asyncio.wait([idle], timeout=timeout)
-            finally:
-                idle.cancel()
+            self._idle.clear()
+            with anyio.move_on_after(timeout):
+                await self._idle.wait()
 
 
 def _route_path(scope: dict) -> str:
@@ -64,14 +62,9 @@ def _route_path(scope: dict) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
-async def _refuse(send: Any) -> None:
+async def _refuse(scope: dict, receive: Any, send: Any) -> None:
     """503 with the body and ``Retry-After`` of the engine's own refusal while closing (`EngineDeadError`)."""
     from asyncllm.errors import EngineDeadError
-    from asyncllm.integrations.errors import error_body
+    from asyncllm.integrations.openai_http import error_response
 
-    status, body, headers = error_body(EngineDeadError(REFUSAL))
-    raw = json.dumps(body).encode()
-    fields = {"content-type": "application/json", "content-length": str(len(raw)), **headers}
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(name.lower().encode(), value.encode()) for name, value in fields.items()]})
-    await send({"type": "http.response.body", "body": raw})
+    await error_response(EngineDeadError(REFUSAL))(scope, receive, send)

@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from asyncllm.cli_serve import _start_and_serve
+from asyncllm.serve_drain import RequestGate
 
 
 class _Engine:
@@ -66,8 +67,9 @@ def test_a_signal_closes_the_engine_so_open_streams_end(drain: float, ends: byte
 
     async def main() -> tuple[bytes, _Engine]:
         engine, streaming = _Engine(), asyncio.Event()
-        server = uvicorn.Server(uvicorn.Config(_app(engine, streaming, ends_in=0.3), log_level="warning"))
-        serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None, drain))
+        gate = RequestGate(_app(engine, streaming, ends_in=0.3))
+        server = uvicorn.Server(uvicorn.Config(gate, log_level="warning"))
+        serving = asyncio.create_task(_start_and_serve(None, engine, server, sock, None, drain, gate))
         while not server.started:
             await asyncio.sleep(0.01)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -81,7 +83,7 @@ def test_a_signal_closes_the_engine_so_open_streams_end(drain: float, ends: byte
 
     try:
         body, engine = asyncio.run(main())
-        assert ends in body and engine.closes[0] == ((True, drain) if drain else (False, None)), (body, engine.closes)
+        assert ends in body and engine.closes[0] == (False, None), (body, engine.closes)  # (the gate drained)
     finally:
         sock.close()
 
@@ -173,7 +175,6 @@ async def _serve_gated(app, engine: _Engine, sock: socket.socket, drain: float, 
     sent `request` on a new connection: the gate, the serving task and the connection's (reader, writer)."""
     import uvicorn
 
-    from asyncllm.serve_drain import RequestGate
 
     gate = RequestGate(app)
     server = uvicorn.Server(uvicorn.Config(gate, log_level="warning"))
@@ -231,7 +232,6 @@ def test_a_drain_cancelled_still_closes_the_engine() -> None:
     from types import SimpleNamespace
 
     from asyncllm.cli_serve import _close_engine_on_exit
-    from asyncllm.serve_drain import RequestGate
 
     async def main() -> _Engine:
         engine = _Engine()
@@ -262,8 +262,9 @@ def test_a_close_cut_by_ctrl_c_still_puts_back_the_sigterm_handler() -> None:
             await asyncio.Event().wait()  # a close that does not end
 
     async def main() -> None:
-        server = uvicorn.Server(uvicorn.Config(_app(_Hanging(), asyncio.Event()), log_level="warning", lifespan="off"))
-        serving = asyncio.create_task(_start_and_serve(None, _Hanging(), server, sock, None))
+        gate = RequestGate(_app(_Hanging(), asyncio.Event()))
+        server = uvicorn.Server(uvicorn.Config(gate, log_level="warning", lifespan="off"))
+        serving = asyncio.create_task(_start_and_serve(None, _Hanging(), server, sock, None, 0.0, gate))
         while not server.started:
             await asyncio.sleep(0.01)
         signal.raise_signal(signal.SIGINT)
