@@ -119,7 +119,7 @@ class EngineCore:
             changed |= self._drop_dead_clients()  # one clock comparison between checks
             expired = self._finish_expired()  # one comparison when none is due
             if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
-                expired += self._admit_compiled()
+                expired += self.samples.admit_compiled()
             if self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps:
                 self._step(expired, changed)
             elif in_flight:  # everything left was aborted or timed out while a step ran
@@ -302,12 +302,13 @@ class EngineCore:
 
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         request_id = message.request_id  # the host's: the core keys the request by `request_key` (ids are per host)
+        key = request_key(client_id, request_id)
         try:
-            self.samples.check(request_key(client_id, request_id))
+            self.samples.check(key)
             # the host checked too; other peers may not have
             check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds,
                               self.config.max_logprobs, self.tasks)
-            message.request_id = key = request_key(client_id, request_id)
+            message.request_id = key
             if message.mm_items:
                 self.mm_cache.fill(client_id, message)
             # after the fill (the host's mirror of the processor cache counts it), as the scheduler's checks; a parked
@@ -322,12 +323,8 @@ class EngineCore:
             self.samples.queue(Request.from_add_request(message, client_id))  # parked for a grammar, or queued
             self.lora_ids.record(client_id, host_lora_id, message.lora)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
-            refused = self.samples.refuse(client_id, request_key(client_id, request_id), message.num_samples, exc)
+            refused = self.samples.refuse(client_id, key, message.num_samples, exc)
             self.io.send(client_id, protocol.Outputs(host_outputs(client_id, refused, [])[0], None, time.time()))
-
-    def _admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
-        """Queue the requests whose grammar is ready; error deltas for those that failed or timed out."""
-        return self.samples.admit_compiled()
 
     def _ready(self) -> protocol.Ready:
         config = self.config

@@ -43,7 +43,6 @@ def sibling_ids(sample0: str, num_samples: int) -> list[str]:
     return sample_ids(base, num_samples)[1:] if 1 < num_samples <= MAX_N and dash and index == "0" else []
 
 
-
 def refusal(request_id: str, exc: Refusal) -> protocol.RequestOutputDelta:
     """The delta that tells a host its request was refused: its typed error."""
     return protocol.RequestOutputDelta(request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)

@@ -75,7 +75,7 @@ def test_grammar_samples_admitted_together_are_refused_together(monkeypatch: pyt
     core, sent = _busy_core(monkeypatch)
     _send_samples(core, [1, 0, 2], StructuredOutputs(choice=["x"]))  # parked until their grammar compiles
     assert sent == [] and len(core.structured.pending) == 3
-    failed = core._admit_compiled()
+    failed = core.samples.admit_compiled()
     assert _refusals([delta for _, delta in failed]) == {request_key(b"h", s): "EngineOverloadedError" for s in SAMPLES}
     assert not core.structured.pending and not core.structured.matchers and core.samples._refused == {}
     assert [r.request_id for r in core.scheduler.waiting] == [request_key(b"h", "w")]
@@ -159,7 +159,7 @@ def test_a_resent_sample_0_parked_for_its_grammar_remembers_no_sibling(monkeypat
     grammar = StructuredOutputs(choice=["x"])
     core.samples.refuse(b"h", request_key(b"h", SAMPLES[0]), 3, MultiModalCacheMiss("mm_items[0]", "not cached"))
     _send_samples(core, [1, 2], grammar)
-    assert core._admit_compiled() == []
+    assert core.samples.admit_compiled() == []
     _run_to_idle(core)
     if refused:
         _send(core, "busy")
@@ -167,7 +167,7 @@ def test_a_resent_sample_0_parked_for_its_grammar_remembers_no_sibling(monkeypat
         _send(core, "w")
     _send_samples(core, [0], grammar)  # resent, parked
     assert core.samples._resent == {request_key(b"h", SAMPLES[0])}
-    failed = core._admit_compiled()
+    failed = core.samples.admit_compiled()
     expected = {request_key(b"h", SAMPLES[0]): "EngineOverloadedError"} if refused else {}
     assert _refusals([delta for _, delta in failed]) == expected
     assert core.samples._refused == {} and core.samples._missed == core.samples._resent == set()

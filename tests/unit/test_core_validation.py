@@ -121,7 +121,7 @@ def _add(core: EngineCore, req_id: str, structured: StructuredOutputs | None = N
                                   time.time(), **fields)
     core._handle(b"h", message)
     if structured is not None:
-        core._admit_compiled()
+        core.samples.admit_compiled()
 
 
 @pytest.mark.parametrize("ended_by", ["abort", "timeout", "failed", "goodbye"])
