@@ -86,6 +86,14 @@ class LogprobsArrays(msgspec.Struct, array_like=True, omit_defaults=True):
     start: int = 0
     """Prompt logprobs: the index of the prompt token of the first row (prompt token 0 has none)."""
 
+    def first_rows(self, num_rows: int) -> "LogprobsArrays | None":
+        """The first `num_rows` rows (those of the tokens a delta keeps); None for none."""
+        if num_rows == 0:
+            return None
+        row_bytes = self.width * 4  # int32 ids and float32 logprobs per row; one int32 rank
+        return msgspec.structs.replace(self, token_ids=self.token_ids[: num_rows * row_bytes],
+                                       logprobs=self.logprobs[: num_rows * row_bytes], ranks=self.ranks[: num_rows * 4])
+
 
 # ------------------------------------------------------------- core -> workers
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

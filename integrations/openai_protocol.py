@@ -172,8 +172,8 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     spaces_between_special_tokens: bool = True
     """vLLM's: false (with skip_special_tokens false) joins adjacent added tokens without the decoder's space."""
     add_special_tokens: bool | None = None
-    """vLLM's: tokenize the prompt with the tokenizer's special tokens (BOS); only its default is built: true for
-    completions, false for chat (whose template writes them)."""
+    """vLLM's: tokenize the prompt with the tokenizer's special tokens (BOS); default true for completions, false
+    for chat (whose template writes them); a prompt with media takes only the default."""
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):

@@ -1,7 +1,8 @@
 """Passing the workers' logprobs (and embeddings) through the core to the hosts.
 
 The core never looks inside `protocol.LogprobsArrays` or an embedding: it
-attaches each request's arrays to that request's `RequestOutputDelta`. Prompt logprobs of a
+attaches each request's arrays to that request's `RequestOutputDelta` (it only
+cuts the rows of tokens it drops: `LogprobsArrays.first_rows`, structured/narrowing.py). Prompt logprobs of a
 prefill chunk that samples nothing get a delta of their own (no tokens), so
 the host can assemble them as the prompt is computed.
 """

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from asyncllm import protocol
 from asyncllm.sched.request import Request
 
@@ -54,7 +52,7 @@ def stop_before(client_id: bytes, delta: protocol.RequestOutputDelta,
     on `delta` itself when no token is left, else on an empty delta to send after it, as the host reads the last
     token of a "stop" delta as the EOS that ended it (its text left out)."""
     delta.new_token_ids = delta.new_token_ids[: len(delta.new_token_ids) - num_dropped]
-    delta.logprobs = _first_rows(delta.logprobs, len(delta.new_token_ids))
+    delta.logprobs = delta.logprobs and delta.logprobs.first_rows(len(delta.new_token_ids))
     delta.stop_reason = None
     if not delta.new_token_ids:
         delta.finish_reason = "stop"
@@ -62,11 +60,3 @@ def stop_before(client_id: bytes, delta: protocol.RequestOutputDelta,
     delta.finish_reason = None
     return [(client_id, protocol.RequestOutputDelta(delta.request_id, [], "stop"))]
 
-
-def _first_rows(arrays: protocol.LogprobsArrays | None, num_rows: int) -> protocol.LogprobsArrays | None:
-    """`arrays`' first `num_rows` rows (one per token a delta keeps); None for none."""
-    if arrays is None or num_rows == 0:
-        return None
-    row_bytes = arrays.width * 4  # int32 ids and float32 logprobs per row; one int32 rank
-    return msgspec.structs.replace(arrays, token_ids=arrays.token_ids[: num_rows * row_bytes],
-                                   logprobs=arrays.logprobs[: num_rows * row_bytes], ranks=arrays.ranks[: num_rows * 4])
