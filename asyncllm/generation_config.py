@@ -94,8 +94,7 @@ class SuppressedTokens:
     vocab_size: int = 0
 
     @classmethod
-    def of(cls, config: Mapping[str, Any], vocab_size: int,
-           source: tuple[str, str] = ("generation_config", "generation_config.json")) -> "SuppressedTokens":
+    def of(cls, config: Mapping[str, Any], vocab_size: int, source: tuple[str, str]) -> "SuppressedTokens":
         """The keys' ids in ``config``, read as transformers' processors read them (a tensor of the list): an
         entry that is a whole number is an id, an integral float or a bool too (``1.0`` and ``true`` are id 1). A
         key unset, null or ``""`` suppresses nothing (transformers' processors read ``""`` as no ids); any other

@@ -10,6 +10,8 @@ from asyncllm.generation_config import SuppressedTokens
 from engine_helpers import random_prompts
 from hf_reference import _hf_model
 
+SOURCE = ("generation_config", "generation_config.json")  # the field a ConfigError names, and its file
+
 
 def _hf_beams(path: str, prompt: list[int], width: int, max_tokens: int, no_eos: int,
               **rules: list[int]) -> list[list[int]]:
@@ -79,7 +81,7 @@ async def _obeys_suppressed_ids_as_transformers(engine: AsyncEngine, path: str, 
     the unruled best beam takes: left out as transformers' num_beams search leaves them out."""
     assert engine.suppressed_tokens == SuppressedTokens(vocab_size=engine.suppressed_tokens.vocab_size)  # it has none
     rules = {"begin_suppress_tokens": [best[0]], "suppress_tokens": [next(t for t in best[1:] if t != best[0])]}
-    engine.suppressed_tokens = SuppressedTokens.of(rules, engine.suppressed_tokens.vocab_size)
+    engine.suppressed_tokens = SuppressedTokens.of(rules, engine.suppressed_tokens.vocab_size, SOURCE)
     try:
         out = await engine.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
     finally:

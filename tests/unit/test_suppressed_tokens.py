@@ -16,6 +16,8 @@ from asyncllm import ConfigError, EngineConfig
 from asyncllm.generation_config import SuppressedTokens
 from asyncllm.workers.generation_rules import GenerationRules
 
+SOURCE = ("generation_config", "generation_config.json")  # the field a ConfigError names, and its file
+
 
 @dataclass
 class _Row:
@@ -91,13 +93,13 @@ def test_host_and_workers_refuse_a_malformed_list_alike(tiny_llama: str, tmp_pat
 @pytest.mark.parametrize("suppress", [[1.0], [True, 3], [2.0, 7, False], ""])
 def test_integral_floats_and_bools_are_ids_as_in_transformers(suppress) -> None:
     """transformers' processors make a tensor of the list: ``1.0`` and ``true`` are id 1 there, ``""`` no ids."""
-    always = SuppressedTokens.of({"suppress_tokens": suppress}, 10).always
+    always = SuppressedTokens.of({"suppress_tokens": suppress}, 10, SOURCE).always
     assert always == _transformers_masked(suppress, [], 10, first=False) and always == {int(t) for t in suppress}
 
 
 def test_a_long_malformed_list_is_shortened_in_the_error_naming_its_bad_entry() -> None:
     with pytest.raises(ConfigError) as error:
-        SuppressedTokens.of({"begin_suppress_tokens": [*range(1000), 0.5]}, 10)
+        SuppressedTokens.of({"begin_suppress_tokens": [*range(1000), 0.5]}, 10, SOURCE)
     message = str(error.value)
     assert "begin_suppress_tokens: a list of token ids" in message and "whose entry 1000 is 0.5" in message
     assert "999" not in message and len(message) < 300
