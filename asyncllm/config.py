@@ -114,7 +114,8 @@ class SchedulerConfig:
     """Most requests in one step; None: 256, at most max_num_batched_tokens (vLLM's default). At most
     max_num_batched_tokens when both are set (vLLM's rule: every running request takes a token a step)."""
     max_num_batched_tokens: int | None = None
-    """Most tokens in one step; defaults to 8192 with chunked prefill, else max_model_len."""
+    """Most tokens in one step; defaults to max(8192, max_num_seqs) with chunked prefill, else max(max_model_len,
+    max_num_seqs) (vLLM's)."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so that decodes keep running."""
     long_prefill_token_threshold: int = 0

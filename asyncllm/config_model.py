@@ -45,9 +45,9 @@ class ModelConfig:
     """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
     mistral (mistral_common) and custom are not built."""
     trust_remote_code: bool = False
-    """vLLM's: let transformers run the checkpoint's own Python code for its config, tokenizer and image processor
-    (``auto_map``; only from checkpoints you trust). The model itself is always asyncllm's class of its
-    architecture; off, such a checkpoint is a ConfigError naming this field."""
+    """vLLM's: let transformers run the checkpoint's own Python code for its config and tokenizer (``auto_map``;
+    only from checkpoints you trust; an image processor's own code is not run). The model itself is always
+    asyncllm's class of its architecture; off, such a checkpoint is a ConfigError naming this field."""
     enable_prompt_embeds: bool = False
     """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
     model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text or
@@ -90,8 +90,8 @@ class ModelConfig:
     checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; an AWQ or GPTQ one
     (int4 weights, GPTQ int8 too) with None or its method's name (awq / gptq; vLLM's awq_marlin / gptq_marlin read
     the same checkpoints); a compressed-tensors one (fp8 W8A8 per tensor, row or block, int8 W8A8, int4 / int8
-    W4A16 / W8A16) with None or compressed-tensors; a GGUF file (the model given as a local .gguf) with None or gguf.
-    Other methods are not built yet."""
+    W4A16 / W8A16) with None or compressed-tensors; a GGUF file (the model given as a local .gguf) with None or gguf;
+    a gpt-oss mxfp4 one with None or mxfp4. Other methods are not built yet."""
     enforce_eager: bool = False
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None
@@ -153,7 +153,8 @@ class ModelConfig:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             if not isinstance(self.quantization, str):
-                raise ConfigError("quantization", self.quantization, "None or 'fp8'")
+                raise ConfigError("quantization", self.quantization,
+                                  f"None or one of {', '.join(map(repr, QUANTIZATIONS))}")
             raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
                                 "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' / "
                                 "'compressed-tensors' / 'mxfp4' checkpoints and 'gguf' files)")
@@ -210,8 +211,9 @@ class MultiModalConfig:
     """lru: key-replicated (keys on the host, data in the core); shm: data in a shared-memory ring the host writes
     and the core reads, keys in the host (docs/multimodal.md)."""
     mm_encoder_tp_mode: str = "weights"
-    """weights: the decoder sharded, the (small) vision tower replicated, every rank encodes every image; data: each
-    rank encodes a share of a step's images and the features are all-gathered."""
+    """weights: the vision tower and projector sharded like the decoder, every rank encodes every image with its
+    shard; data: the encoder replicated, each rank encodes a share of a step's images and the features are
+    all-gathered."""
     mm_max_image_pixels: int = 16_777_216
     """Largest image accepted (width x height, read from its header before decoding); at most PIL's limit, 2 x
     `PIL.Image.MAX_IMAGE_PIXELS` in the host process (checked when it prepares a multimodal model)."""

@@ -212,13 +212,15 @@ LOGGING_LEVEL = EnvVar(
     "ASYNCLLM_LOGGING_LEVEL", logging.INFO, _logging_level,
     "Level of the engine core's and workers' own stderr logging, and of `asyncllm serve`'s stats and request lines "
     "(vLLM's VLLM_LOGGING_LEVEL); unset: the level the host set on its `asyncllm` logger, else INFO "
-    "(docs/observability.md). Read at each core and worker start and when `asyncllm serve` starts.",
+    "(docs/observability.md). Read on the host at start (`check_at_start`), at each core and worker start and "
+    "when `asyncllm serve` starts.",
 )
 CONFIGURE_LOGGING = EnvVar(
-    "ASYNCLLM_CONFIGURE_LOGGING", True, _truthy,
+    "ASYNCLLM_CONFIGURE_LOGGING", True, _on_off,
     "0: the engine core and workers add no stderr handler and set no level, nor does `asyncllm serve` to its stats "
-    "and request loggers (vLLM's VLLM_CONFIGURE_LOGGING=0; only Python's last-resort WARNING lines remain). Read at "
-    "each core and worker start and when `asyncllm serve` starts.",
+    "and request loggers (vLLM's VLLM_CONFIGURE_LOGGING=0; only Python's last-resort WARNING lines remain); 1 (the "
+    "default): they do. Read on the host at start (`check_at_start`), at each core and worker start and when "
+    "`asyncllm serve` starts.",
 )
 
 FORKSERVER = EnvVar(
@@ -260,6 +262,8 @@ def check_at_start() -> None:
     ENGINE_STARTUP_TIMEOUT_S.get()
     WORKER_TRACE_STEPS.get()
     WORKER_TRACE_CHROME.get()
+    LOGGING_LEVEL.get()
+    CONFIGURE_LOGGING.get()
 
 
 def warn_unknown() -> None:

@@ -60,7 +60,18 @@ def test_a_float_variable_that_is_not_finite_and_positive_is_refused_naming_it(m
     assert var.get() == 0.5
 
 
-@pytest.mark.parametrize("name", [envs.CPU_KVCACHE_SPACE_GB.name, envs.ENGINE_STARTUP_TIMEOUT_S.name])
+def test_configure_logging_is_an_on_off_switch(monkeypatch) -> None:
+    """vLLM reads int(VLLM_CONFIGURE_LOGGING): 1 or 0; a value that is neither was read as off without a word."""
+    for raw, on in (("0", False), ("off", False), ("1", True), ("YES", True)):
+        monkeypatch.setenv(envs.CONFIGURE_LOGGING.name, raw)
+        assert envs.CONFIGURE_LOGGING.get() is on
+    monkeypatch.setenv(envs.CONFIGURE_LOGGING.name, "2")
+    with pytest.raises(ConfigError, match="ASYNCLLM_CONFIGURE_LOGGING='2' is not allowed"):
+        envs.CONFIGURE_LOGGING.get()
+
+
+@pytest.mark.parametrize("name", [envs.CPU_KVCACHE_SPACE_GB.name, envs.ENGINE_STARTUP_TIMEOUT_S.name,
+                                  envs.CONFIGURE_LOGGING.name, envs.LOGGING_LEVEL.name])
 async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, tmp_path, name: str) -> None:
     monkeypatch.setenv(name, "nan")
     engine = AsyncEngine(str(tmp_path / "model"))

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.cli_args import _field_docs
 from asyncllm.config import EngineConfig
+from asyncllm.config_model import QUANTIZATIONS
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import checkpoint_quantization
 from asyncllm.models.layers import TensorParallel
@@ -273,9 +275,11 @@ def test_quantization_values() -> None:
     for method in ("bitsandbytes", "fp4", "FP8"):
         with pytest.raises(NotBuiltError, match=f"'{method}' weight quantization"):
             EngineConfig.create("m", quantization=method)
-    with pytest.raises(ConfigError, match="None or 'fp8'") as info:
+    with pytest.raises(ConfigError, match="None or one of 'fp8', ") as info:
         EngineConfig.create("m", quantization=8)
     assert not isinstance(info.value, NotBuiltError)
+    documented = _field_docs()["quantization"]  # --help and docs/cli.md
+    assert [m for m in QUANTIZATIONS if f"'{m}'" not in str(info.value) or m not in documented] == []
 
 
 @pytest.mark.parametrize("section", [  # fp8: test_fp8_checkpoint.py, AWQ / GPTQ: test_int4_checkpoint.py,
