@@ -93,7 +93,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_t
     if max_length is None:
         token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     else:
-        with truncating(tokenizer, max_length, truncation_side) as cutting:
+        with truncating(tokenizer, max_length, truncation_side, add_special_tokens=add_special_tokens) as cutting:
             token_ids = list(cutting(prompt, add_special_tokens=add_special_tokens, truncation=True,
                                      max_length=max_length).input_ids)
     if not token_ids:
@@ -102,15 +102,16 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_t
 
 
 @contextlib.contextmanager
-def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, side: str, pair: bool = False
-               ) -> Iterator[PreTrainedTokenizerBase]:
+def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, side: str, pair: bool = False,
+               add_special_tokens: bool = True) -> Iterator[PreTrainedTokenizerBase]:
     """The tokenizer to encode with ``truncation=True, max_length=max_length`` cutting on `side`, as vLLM sets it:
     "left" for a generation (its special tokens, BOS, then the text's last tokens), "right" for pooling (a
     text's start, [CLS] included, as sentence-transformers). A copy with its own backend, held under its own lock
     while the caller encodes: a fast tokenizer's truncation setting lives in its backend, and setting the shared
     one would race other threads' encodes. A `max_length` of just the special tokens keeps only them, as HF's
-    (and vLLM's) tokenizer; a smaller one is an `InvalidRequestError` (HF's would not cut at all)."""
-    special = tokenizer.num_special_tokens_to_add(pair=pair)
+    (and vLLM's) tokenizer; a smaller one is an `InvalidRequestError` (HF's would not cut at all). With
+    ``add_special_tokens=False`` none are added, so any `max_length` keeps that many of the text's tokens."""
+    special = tokenizer.num_special_tokens_to_add(pair=pair) if add_special_tokens else 0
     if max_length < special:
         raise InvalidRequestError("truncate_prompt_tokens", f"is {max_length}, but the tokenizer adds {special} "
                                                             f"special tokens, which it never cuts: keep at least "

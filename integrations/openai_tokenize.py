@@ -45,16 +45,19 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
                       "tokens": tokens, "token_strs": token_strs})
 
     async def detokenize(request: Request) -> Response:
-        """The text of token ids (special tokens included)."""
+        """The text of token ids (special tokens included). Any id the model may generate is taken: one past the
+        tokenizer's (a model vocabulary padded beyond it) has no text, as in a completion's, and vLLM's decode."""
         req = decode_request(await server._body(request), DetokenizeRequest)
         _, lora = server._model(req.model)
         log_under(server.request_log, route_id("tokn", request.headers), [{"prompt_token_ids": req.tokens}], None, lora,
                   indexed=False)
         tokenizer = await server._tokenizer()
-        bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
+        known, bound = len(tokenizer), max(len(tokenizer), server.engine.vocab_size)
+        bad = [t for t in req.tokens if not 0 <= t < bound]
         if bad:
-            raise InvalidRequestError("tokens", f"ids must be in [0, {len(tokenizer)}), got {bad[:5]}")
-        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)})
+            raise InvalidRequestError("tokens", f"ids must be in [0, {bound}), got {bad[:5]}")
+        ids = [t for t in req.tokens if t < known]
+        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, ids)})
 
     return [Route("/tokenize", server._guarded(tokenize), methods=["POST"]),
             Route("/detokenize", server._guarded(detokenize), methods=["POST"])]

@@ -239,6 +239,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
         self.tokenizer = prepared.tokenizer
+        self.vocab_size: int = prepared.vocab_size
+        """The model's vocabulary size: it generates ids in [0, vocab_size), some maybe past the tokenizer's."""
         self.speech_to_text = speech_to_text_of(prepared.mm, prepared.generation_config, prepared.vocab_size)
         self.suppressed_tokens = prepared.suppressed_tokens  # generation_config's, for beam search (the host ranks)
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)

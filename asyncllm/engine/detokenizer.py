@@ -9,7 +9,8 @@ ids into the text that is safe to show now, in three stages, token by token
    tokenizers). Text is held back while it ends in an incomplete UTF-8
    sequence (U+FFFD), and released as soon as the character completes (a
    byte-fallback ``<0x0A>`` is a newline at once, so ``stop=["\n"]`` ends
-   the request on that token) or the request finishes.
+   the request on that token) or the request finishes: then as U+FFFD that
+   stop strings never match.
    With ``spaces_between_special_tokens=False`` (and special tokens kept), an
    added token right after another is emitted as its bare content (vLLM's
    rule, `_AddedTokensJoined`).
@@ -162,8 +163,11 @@ class IncrementalDetokenizer:
                 return self._emit(pieces)
         last = len(self.token_ids)
         self.token_ids += silent
-        if finished and not self._push(last, self._stream.flush(), pieces, flush=True) and self._stops is not None:
-            pieces.append(self._stops.flush())
+        if finished:  # the U+FFFD run the flush ends in, a character the request ended inside, matches no stop
+            text = self._stream.flush()  # string (vLLM's stream never shows it): it goes after the held-back text
+            kept = text.rstrip(_REPLACEMENT_CHAR)
+            if not self._push(last, kept, pieces, flush=True):
+                pieces += [self._stops.flush() if self._stops is not None else "", text[len(kept):]]
         return self._emit(pieces)
 
     def _push(self, owner: int, text: str, pieces: list[str], flush: bool = False) -> bool:

@@ -213,6 +213,20 @@ async def test_vllm_tokenize_detokenize_and_version(app, bundled_tokenizer) -> N
     assert version.status_code == 200 and version.json()["version"]
 
 
+async def test_detokenize_takes_the_ids_the_model_generates(app, bundled_engine, bundled_tokenizer,
+                                                            monkeypatch) -> None:
+    """A model vocabulary padded past the tokenizer's: the engine generates those ids as no text, and /detokenize
+    takes them the same way (vLLM's decode skips them); ids past the model's are refused."""
+    known = len(bundled_tokenizer)
+    assert bundled_engine.vocab_size == known  # the bundled model pads nothing: pretend it does
+    monkeypatch.setattr(bundled_engine, "vocab_size", known + 8)
+    async with asgi_client(app) as client:
+        padded = await client.post("/detokenize", json={"tokens": [5, known + 7, 6]})
+        past = await client.post("/detokenize", json={"tokens": [known + 8]})
+    assert padded.json() == {"prompt": bundled_tokenizer.decode([5, 6])}
+    assert past.status_code == 400 and f"[0, {known + 8})" in past.json()["error"]["message"]
+
+
 async def test_chat_template_variables(app) -> None:
     chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}]}
     async with asgi_client(app) as client:

@@ -148,6 +148,20 @@ def test_incomplete_character_is_flushed_at_finish(byte_level: Any) -> None:
     assert detok.output_text == byte_level.decode(ids) == "a\ufffd"
 
 
+@pytest.mark.parametrize("name", ["byte_level", "llama2", "slow_view"])
+@pytest.mark.parametrize("stop", ["\ufffd", "a\ufffd"])
+def test_a_character_cut_at_finish_matches_no_stop_string(tokenizers: dict[str, Any], name: str, stop: str) -> None:
+    """The U+FFFD of a character the request ended inside (max_tokens) is no stop string's match: the text is as
+    without stop strings, the "a" held back for "a\ufffd" released before it."""
+    tokenizer = tokenizers[name]
+    fast = tokenizer._fast if name == "slow_view" else tokenizer
+    ids = fast("a🙂", add_special_tokens=False).input_ids[:-1]
+    updates, detok = stream(tokenizer, ids, stop=[stop])
+    assert detok.output_text == fast.decode(ids) == stream(tokenizer, ids)[1].output_text
+    assert detok.output_text.startswith("a\ufffd") and detok.token_ids == ids
+    assert detok.stop_string is None and all(u.stop_string is None for u in updates)
+
+
 @settings(max_examples=150, deadline=None)
 @given(ids=st.lists(st.integers(0, 511), max_size=40), seed=st.integers(0, 2**16), skip=st.booleans())
 def test_random_ids_byte_level_match_decode(byte_level: Any, ids: list[int], seed: int, skip: bool) -> None:

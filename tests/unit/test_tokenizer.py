@@ -206,6 +206,22 @@ def test_a_cut_text_is_the_tokenizers_own_as_vllm_sets_its_side(tokenizer: Any, 
             text, truncation=True, max_length=1).input_ids == ids[:1]
 
 
+def test_a_cut_without_special_tokens_reserves_no_room_for_them() -> None:
+    """``add_special_tokens=False``: no [CLS] / [SEP] to keep, so k = 1 keeps the text's last token, as HF's (and
+    vLLM's); with them, a k below the 2 they take stays an error."""
+    from tokenizers import processors
+
+    backend = Tokenizer(models.WordLevel({"[CLS]": 0, "[SEP]": 1, "a": 2, "b": 3, "c": 4}, unk_token="[CLS]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                           special_tokens=[("[CLS]", 0), ("[SEP]", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, cls_token="[CLS]", sep_token="[SEP]")
+    assert encode_prompt(tokenizer, "a b c", add_special_tokens=False, max_length=1) == [4]
+    assert encode_prompt(tokenizer, "a b c", add_special_tokens=False, max_length=2, truncation_side="right") == [2, 3]
+    with pytest.raises(InvalidRequestError, match="keep at least 2"):
+        encode_prompt(tokenizer, "a b c", max_length=1)
+
+
 def test_truncating_copies_lock_apart(tokenizer: Any) -> None:
     """Each side's copy has its own lock, held while its caller encodes; the global one only while finding it, so
     an encode on the other side runs meanwhile (the whole encode under one lock serialised every thread)."""
