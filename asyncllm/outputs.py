@@ -18,7 +18,9 @@ class Logprob:
     rank: int | None = None
     """1 for the most likely token; ties share the larger rank (the count of tokens at least as likely)."""
     decoded_token: str | None = None
-    """The token alone, decoded with special tokens kept."""
+    """The token decoded alone with special tokens kept, as vLLM V1's: a SentencePiece piece keeps the leading spaces
+    of its ``▁`` marks, and a byte token of a split character is what it adds after the tokens before it ("" until
+    the character's last byte, which names it: docs/sampling.md)."""
 
 
 SampleLogprobs = list[dict[int, Logprob]]

@@ -16,7 +16,7 @@ import zmq
 from asyncllm import errors, protocol
 from asyncllm.engine.collector import RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
-from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
+from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer, text_context
 from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.weight_update import PendingWeightUpdates
@@ -188,6 +188,7 @@ class ProcessorOutputs:
         metrics.num_generated_tokens += len(out.new_token_ids)
         finished = out.finish_reason is not None
         detokenizer = tracked.detokenizer
+        preceding = text_context(detokenizer.token_ids)  # the tokens before this delta's: its logprobs' text needs
         # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
         update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
         token_ids = detokenizer.token_ids[tracked.num_delivered:detokenizer.num_final]
@@ -201,7 +202,7 @@ class ProcessorOutputs:
         if out.logprobs is not None or tracked.held_logprobs:  # held rows go out with their tokens (an empty delta's)
             entries = tracked.held_logprobs or []
             if out.logprobs is not None:
-                entries = entries + self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)
+                entries = entries + self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes, preceding)
             delta.logprobs, tracked.held_logprobs = entries[: len(token_ids)], entries[len(token_ids):]
             tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + sum(
                 entry[token].logprob for token, entry in zip(token_ids, delta.logprobs))

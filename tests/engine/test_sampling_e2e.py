@@ -18,7 +18,7 @@ from hf_reference import hf_greedy, hf_logits
 from transformers import AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from asyncllm import AsyncEngine, InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm import AsyncEngine, InvalidRequestError, RequestOutputKind, SamplingParams, StructuredOutputs
 from asyncllm.tokenizer import bad_words_token_ids
 from engine_helpers import wait_idle as _wait_idle
 
@@ -96,6 +96,23 @@ async def test_prompt_logprobs_match_transformers_across_chunks(engine: AsyncEng
     assert again.prompt_logprobs == entries and again.token_ids == first.token_ids
     stream = [d async for d in engine.stream(LONG_PROMPT, params)]
     assert stream[0].prompt_logprobs == entries and all(d.prompt_logprobs is None for d in stream[1:])
+
+
+
+async def test_byte_tokens_name_their_character_on_its_last_byte(engine: AsyncEngine, tokenizer) -> None:
+    """vLLM V1's decoded_token for a character of byte tokens: "" until its last byte, which names it; in the
+    prompt across the first prefill chunk's end (64 tokens), and in a sample streamed a token a delta ("€€")."""
+    euro = tokenizer.encode("\u20ac", add_special_tokens=False)
+    assert [tokenizer.decode([t]) for t in euro] == ["\ufffd"] * 3  # three byte tokens alone
+    prompt = tokenizer(LONG_PROMPT).input_ids[:62] + euro
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, prompt_logprobs=0,
+                            structured=StructuredOutputs(regex="\u20ac\u20ac"))
+    deltas = [d async for d in engine.stream(prompt, params)]
+    assert [t for d in deltas for t in d.token_ids] == euro * 2
+    names = [entry[t].decoded_token for d in deltas for t, entry in zip(d.token_ids, d.logprobs)]
+    assert names == ["", "", "\u20ac"] * 2
+    assert [entry[t].decoded_token for t, entry in zip(prompt[-4:], deltas[0].prompt_logprobs[-4:])] == [
+        tokenizer.decode(prompt[-4:-3]), "", "", "\u20ac"]
 
 
 # ------------------------------------------------------------------ penalties, logit_bias, min_tokens

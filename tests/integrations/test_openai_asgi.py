@@ -111,9 +111,14 @@ async def test_stop_string_truncates(app) -> None:
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_completion_logprobs(app) -> None:
+async def test_completion_logprobs(app, bundled_tokenizer) -> None:
+    ids = bundled_tokenizer('x = "\u20ac"').input_ids
+    euro = {**GREEDY, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1}
     async with asgi_client(app) as client:
         body = (await client.post("/v1/completions", json={**GREEDY, "prompt": "x = ", "logprobs": 3})).json()
+        echoed = (await client.post("/v1/completions", json=euro)).json()["choices"][0]["logprobs"]
+    # vLLM's: the byte tokens of '€' are '', '', '€' (the tokens join into the text), as top_logprobs keys too
+    assert echoed["tokens"][1:] == ["x", " =", ' "', "", "", "\u20ac", '"'] and "\u20ac" in echoed["top_logprobs"][-2]
     choice = body["choices"][0]
     logprobs = choice["logprobs"]
     assert "".join(logprobs["tokens"]) == choice["text"]
