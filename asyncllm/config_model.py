@@ -74,7 +74,9 @@ class ModelConfig:
     generators take."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings, times its rope scaling
-    factor (YaRN: original_max_position_embeddings times it), as vLLM derives it. -1 (the CLI's ``auto``, vLLM's):
+    factor (YaRN: original_max_position_embeddings times it), as vLLM derives it; a LongRoPE model's (Phi-3-128k,
+    Phi-3.5, Phi-4-mini) to its original_max_position_embeddings, as vLLM's (its short factors, transformers'
+    outputs; a longer value takes the long factors: docs/phi3.md). -1 (the CLI's ``auto``, vLLM's):
     that default, lowered once the KV cache is sized to the most tokens its blocks hold (blocks x block_size: one
     sequence fills the whole cache), and logged; ``engine.config`` and the server show the resolved value."""
     disable_sliding_window: bool = False

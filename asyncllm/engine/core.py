@@ -75,7 +75,7 @@ class EngineCore:
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
         self.tasks = served_tasks(self.executor.served_architectures)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
-        self.config = config = served_config(config, self.num_gpu_blocks, auto_fit, hf_config_json,  # vLLM's -1
+        self.config = config = served_config(config, self.num_gpu_blocks, auto_fit,  # vLLM's -1
                                                    self.executor.kv_budget_field)
         num_offload_blocks = self.executor.num_offload_blocks
         num_swap_blocks = swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)

@@ -33,6 +33,7 @@ from asyncllm.models.architectures import (
     serves_text_only,
 )
 from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
+from asyncllm.models.rope_config import longrope_original
 from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.models.st_dense import embedding_width
 from asyncllm.spec.draft_model import prepare_draft_model
@@ -376,7 +377,8 @@ def _max_model_len(config: EngineConfig, hf_config: Any, path: str | None = None
     if isinstance(seq_length, int) and seq_length > 0 and (limit is None or seq_length < limit):  # vLLM's
         limit, what = seq_length, "the sentence-transformers config's max_seq_length"  # (encoder_config)
     if config.max_model_len in (None, AUTO_MAX_MODEL_LEN):  # auto: the core lowers it to the KV cache's capacity
-        return limit or 2048
+        original = longrope_original(hf_config)  # vLLM's LongRoPE default: the short factors (transformers' outputs)
+        return min(original, limit or original) if original is not None else limit or 2048
     if limit is not None and config.max_model_len > limit:
         raise ConfigError("max_model_len", config.max_model_len, f"at most {what} ({limit})")
     return config.max_model_len

@@ -91,7 +91,23 @@ def markdown() -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| `{arch}` | {kind} | {pp} | {lora} | [{doc}]({doc}) |" for arch, kind, pp, lora, doc in rows()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _PARTIAL_ROTARY) + "\n"
+
+
+_PARTIAL_ROTARY = [
+    "",
+    "## The rotated fraction of each head (`partial_rotary_factor`)",
+    "",
+    "Each family rotates what transformers' model for it rotates. Phi, Phi-3, StableLM, GPT-NeoX (`rotary_pct`),",
+    "GLM, Nemotron, MiniMax-M2, Qwen3-Next and Qwen3.5 rotate the first `partial_rotary_factor` of each head",
+    "(their transformers rotary reads it from `rope_parameters`). Llama, Mistral, Mixtral, Qwen2 / Qwen3 (and",
+    "their VL and Omni decoders), Gemma 1-4, Granite, OLMo, Cohere, DeepSeek and the other families in",
+    "`asyncllm/models/rope_config.py`'s `WHOLE_HEAD_MODEL_TYPES` rotate the whole head under the default rope",
+    "whatever it says (transformers' `compute_default_rope_parameters` for them never reads it; vLLM's Llama would",
+    "rotate the fraction): the served config drops such a value, with a warning naming it, and an `hf_overrides`",
+    "giving one there is a `ConfigError`. Scaled ropes (YaRN and the rest) and Gemma 4's proportional one read it",
+    "in every family, as transformers' `ROPE_INIT_FUNCTIONS` do. GPT-J's rotary dims come from `rotary_dim`.",
+]
 
 
 if __name__ == "__main__":

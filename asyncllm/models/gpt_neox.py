@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.models.layers import LoadedWeight, head_dim_of, num_kv_heads_of
+from asyncllm.models.layers import LoadedWeight, head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.parallel_residual import ParallelResidualLayer
 from asyncllm.models.phi import renamed
@@ -72,11 +72,17 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
         return GatelessMLP(b)
 
+    @classmethod
+    def kv_cache_shapes(cls, hf_config: Any) -> list[tuple[int, int]]:
+        """One KV head per attention head: GPT-NeoX has no grouped KV heads, and transformers' ignores a
+        ``num_key_value_heads`` in its config, as the model and its cache do here."""
+        return [(hf_config.num_attention_heads, head_dim_of(hf_config))] * hf_config.num_hidden_layers
+
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "GPT-NeoX")  # the fused q/k/v is cut at load
         hf_config = copy.copy(hf_config)
         hf_config.rms_norm_eps = hf_config.layer_norm_eps  # every norm's eps, as the shared layers build them
-        hf_config.num_key_value_heads = num_kv_heads_of(hf_config)
+        hf_config.num_key_value_heads = hf_config.num_attention_heads  # `kv_cache_shapes`
         super().__init__(hf_config, **kwargs)
         self.head_dim = head_dim_of(hf_config)
         rows = hf_config.num_attention_heads * self.head_dim

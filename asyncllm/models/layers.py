@@ -157,8 +157,8 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 def num_kv_heads_of(hf_config: Any) -> int:
-    """The KV head count: ``num_key_value_heads``, or one per attention head where the config names none (GPT-NeoX,
-    Nemotron's default)."""
+    """The KV head count: ``num_key_value_heads``, or one per attention head where the config names none
+    (Nemotron's default)."""
     return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
 
 

@@ -73,7 +73,7 @@ class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
         return dataclasses.replace(super().decoder_flags(hf_config), residual_multiplier=residual_scale(hf_config))
 
     def __init__(self, hf_config: Any, *, max_position: int, max_model_len: int | None = None, **kwargs: Any) -> None:
-        """``max_model_len`` None: ``max_position`` (the engine's default, max_position_embeddings)."""
+        """``max_model_len`` None (a direct build; the engine passes its own): ``max_position``."""
         hf_config = fix_longrope_factors(hf_config, max_model_len or max_position)
         super().__init__(hf_config, max_position=max_position, **kwargs)
         self.logits_scaling = logits_scaling(hf_config)

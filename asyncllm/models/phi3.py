@@ -96,7 +96,7 @@ class Phi3ForCausalLM(FusedCheckpointLoading, LlamaForCausalLM):
     """The loader passes ``max_model_len``: it chooses LongRoPE's factors."""
 
     def __init__(self, hf_config: Any, *, max_position: int, max_model_len: int | None = None, **kwargs: Any) -> None:
-        """``max_model_len`` None: ``max_position`` (the engine's default, max_position_embeddings)."""
+        """``max_model_len`` None (a direct build; the engine passes its own): ``max_position``."""
         check_phi3(hf_config)
         hf_config = fix_longrope_factors(hf_config, max_model_len or max_position)
         super().__init__(hf_config, max_position=max_position, **kwargs)

@@ -25,6 +25,7 @@ from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaModel
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import MoESpec, SparseMoeBlock
 from asyncllm.models.phi import renamed
+from asyncllm.models.rope_config import longrope_original
 from asyncllm.models.rotary import RotaryEmbedding, fix_longrope_factors, rope_parameters
 from asyncllm.models.starcoder2 import BiasLayerNorm, Starcoder2DecoderLayer
 
@@ -108,9 +109,7 @@ class PhimoeForCausalLM(MixtralForCausalLM):
 
 
 def _original_length(hf_config: Any) -> int:
-    params = rope_parameters(hf_config)
-    return int(params.get("original_max_position_embeddings")
-               or getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings)
+    return longrope_original(hf_config) or int(hf_config.max_position_embeddings)
 
 
 def _mscaled_rotary(hf_config: Any, params: dict[str, Any], max_position: int) -> RotaryEmbedding:

@@ -23,7 +23,7 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import pretrained_config
-from asyncllm.models.rope_config import UNBUILT_ROPE_TYPES, is_longrope
+from asyncllm.models.rope_config import UNBUILT_ROPE_TYPES, is_longrope, longrope_original
 from asyncllm.kernels import reference
 
 __all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding", "identity_rotary"]
@@ -72,13 +72,14 @@ def _length_dependent(params: dict[str, Any]) -> bool:
 
 def fix_longrope_factors(hf_config: Any, max_model_len: int) -> Any:
     """``hf_config`` itself, or, for a LongRoPE rope, a copy that rotates every position with one set of factors:
-    the short ones when ``max_model_len <= original_max_position_embeddings`` (what transformers uses for every
-    sequence that fits there: outputs equal its), the long ones otherwise (vLLM's choice; transformers switches
-    to them only for a sequence longer than that). ``attention_factor`` stays as transformers computes it."""
+    the short ones when ``max_model_len <= original_max_position_embeddings`` (the engine's default max_model_len
+    for LongRoPE, as vLLM's: what transformers uses for every sequence that fits there, outputs equal its), the
+    long ones for an explicit longer max_model_len (as vLLM's; transformers switches to them only for a sequence
+    longer than that). ``attention_factor`` stays as transformers computes it."""
     params = rope_parameters(hf_config)
     if not is_longrope(params):
         return hf_config
-    original = params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+    original = longrope_original(hf_config)
     factors = list(params["long_factor"] if max_model_len > original else params["short_factor"])
     fixed = copy.copy(hf_config)
     fixed.rope_parameters = {**params, "original_max_position_embeddings": original, "short_factor": factors,

@@ -1,8 +1,9 @@
 """Phi-3 through the whole engine: greedy output equals transformers', token for token.
 
 One engine on the tiny Phi-3 (asyncllm.tiny "phi3": rotary on 12 of 16 head dims, LongRoPE pretrained on 64
-positions) with an 8-token sliding window, served with max_model_len=64 (so LongRoPE's short factors, as
-transformers uses for every sequence that fits there), 16-token chunked prefill and a prefix-cache hit.
+positions) with an 8-token sliding window, served with max_model_len unset: 64, the original length (vLLM's default
+for LongRoPE, so its short factors, as transformers uses for every sequence that fits there), with 16-token
+chunked prefill and a prefix-cache hit.
 Logits per position, the long factors, and the fused weights' tensor-parallel split:
 tests/unit/test_phi3_models.py.
 """
@@ -32,11 +33,12 @@ def path() -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(path: str):
-    async with AsyncEngine(path, max_model_len=64, max_num_batched_tokens=16, disable_log_stats=True) as engine:
+    async with AsyncEngine(path, max_num_batched_tokens=16, disable_log_stats=True) as engine:
         yield engine
 
 
 async def test_phi3_greedy_equals_transformers(engine: AsyncEngine, path: str) -> None:
+    assert engine.config.max_model_len == 64  # not max_position_embeddings (2048: the long factors)
     rng = random.Random(3)
     prompts = [[rng.randrange(6, 512) for _ in range(n)] for n in (37, 21, 12)]
     outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))

@@ -202,5 +202,5 @@ def test_a_kv_cache_too_small_advises_raising_what_sized_it(fields, sized_by: st
 
     config = EngineConfig.create("m", max_model_len=2048, block_size=16, **fields)
     with pytest.raises(ConfigError) as info:
-        served_config(config, 10, False, None, sized_by)
+        served_config(config, 10, False, sized_by)
     assert str(info.value).endswith(f"or raise {advice}")

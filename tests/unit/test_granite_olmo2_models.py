@@ -105,6 +105,7 @@ def test_logits_match_transformers(arch: str) -> None:
 
 @pytest.mark.parametrize("arch, overrides", [("stablelm", {"use_parallel_residual": True}),
                                              ("gpt_neox", {"use_parallel_residual": False}),
+                                             ("gpt_neox", {"num_key_value_heads": 2}),  # stray: no GQA
                                              ("gpt_bigcode", {"multi_query": False}),
                                              ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
                                              ("falcon", {"new_decoder_architecture": False, "multi_query": True}),
@@ -113,7 +114,8 @@ def test_logits_match_transformers(arch: str) -> None:
                                              ("falcon", {"new_decoder_architecture": False, "multi_query": False,
                                                          "num_kv_heads": 4, "parallel_attn": False})])
 def test_the_other_residual_layout_matches_transformers(arch: str, overrides: dict) -> None:
-    """StableLM's parallel layers, with its per-head q/k LayerNorms (stablelm-2-12b's layout), GPT-NeoX's sequential ones, GPTBigCode with a KV head
+    """StableLM's parallel layers, with its per-head q/k LayerNorms (stablelm-2-12b's layout), GPT-NeoX's sequential
+    ones and a stray num_key_value_heads it ignores (as transformers' GPT-NeoX does), GPTBigCode with a KV head
     per head (each head's q, k, v together in c_attn), OPT after opt-350m (post-norm layers, a narrower embedding
     projected in and out), Falcon-7B's multi-query parallel layers and the sequential Falcon layers, Command R+'s
     per-head q/k LayerNorms (their columns reordered with the interleaved rotary's rows)."""

@@ -149,21 +149,27 @@ def test_an_attached_host_restarts_with_its_cores_length_not_auto(monkeypatch) -
     assert engine.config.max_model_len == 96
 
 
-def test_a_longrope_fit_within_the_original_length_warns(caplog) -> None:
-    """The workers keep the long factors of the model's maximum: a fit of at most `original` tokens, where
-    transformers would use the short ones, is warned about with the explicit max_model_len to set."""
-    import json
-    import logging
+def test_a_longrope_model_defaults_to_its_original_length() -> None:
+    """vLLM's default for LongRoPE (max_model_len None or -1): original_max_position_embeddings, in the rope
+    parameters (any layer type's) or the config, so its workers take the short factors transformers uses there;
+    -1 then only lowers it. An explicit longer value keeps the long factors; other ropes keep the model's maximum."""
+    from types import SimpleNamespace
 
     from asyncllm import EngineConfig
     from asyncllm.engine.kv_budget import served_config
+    from asyncllm.engine.prepare import _max_model_len
 
     rope = {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0],
             "long_factor": [2.0]}
-    config = EngineConfig.create("m", max_model_len=2048, block_size=16)
-    for blocks, rope_parameters, warned in ((4, rope, True), (5, rope, False), (4, {"rope_type": "default"}, False)):
-        caplog.clear()
-        hf_config_json = json.dumps({"max_position_embeddings": 2048, "rope_parameters": rope_parameters})
-        with caplog.at_level(logging.WARNING, logger="asyncllm.engine.core"):
-            assert served_config(config, blocks, True, hf_config_json).max_model_len == blocks * 16
-        assert any("set max_model_len to at most 64" in r.getMessage() for r in caplog.records) == warned
+    legacy = {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}
+    configs = [SimpleNamespace(max_position_embeddings=2048, rope_parameters=rope),
+               SimpleNamespace(max_position_embeddings=2048, rope_parameters={"full_attention": rope}),
+               SimpleNamespace(max_position_embeddings=2048, rope_scaling=legacy, original_max_position_embeddings=64)]
+    for hf_config in configs:
+        for given in (None, -1):
+            assert _max_model_len(EngineConfig.create("m", max_model_len=given), hf_config) == 64
+        assert _max_model_len(EngineConfig.create("m", max_model_len=1000), hf_config) == 1000
+    default = SimpleNamespace(max_position_embeddings=2048, rope_parameters={"rope_type": "default"})
+    assert _max_model_len(EngineConfig.create("m"), default) == 2048
+    fitted = EngineConfig.create("m", max_model_len=64, block_size=16)  # -1 as the host resolved it
+    assert served_config(fitted, 3, True).max_model_len == 48 and served_config(fitted, 8, True).max_model_len == 64

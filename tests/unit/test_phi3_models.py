@@ -91,16 +91,13 @@ def test_prequantized_checkpoint_is_not_built() -> None:
 
 
 def test_legacy_su_rope_is_longrope_in_every_config() -> None:
-    """The max_model_len fit's warning (`longrope_original`), the workers' factors (`fix_longrope_factors`) and
+    """The engine's default max_model_len (`longrope_original`), the workers' factors (`fix_longrope_factors`) and
     frequencies (`compute_inv_freq`) read the legacy ``su`` as ``longrope`` in any config, as vLLM's
     ``patch_rope_parameters`` renames it: Phi-3's config (which transformers renames too) and a remote-code one
     (phi3_v's) alike."""
-    import json
-
     from transformers import Phi3Config, PretrainedConfig
 
-    from asyncllm.engine.kv_budget import longrope_original
-    from asyncllm.models.checkpoint import hf_config_json
+    from asyncllm.models.rope_config import longrope_original
     from asyncllm.models.rotary import compute_inv_freq, fix_longrope_factors, rope_parameters
 
     su = {"type": "su", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
@@ -109,8 +106,9 @@ def test_legacy_su_rope_is_longrope_in_every_config() -> None:
     remote = PretrainedConfig.from_dict({**sizes, "rope_scaling": dict(su), "rope_theta": 1e4})
     assert remote.rope_parameters["rope_type"] == "su"  # what transformers leaves a config it does not know
     for config in (phi3, remote):
-        assert longrope_original(hf_config_json(config)) == 64 and rope_parameters(config)["rope_type"] == "longrope"
+        assert longrope_original(config) == 64 and rope_parameters(config)["rope_type"] == "longrope"
         fixed = fix_longrope_factors(config, 64)
         assert fixed is not config and fixed.rope_parameters["long_factor"] == [1.0] * 8
         assert compute_inv_freq(fixed, 16)[0].shape == (8,)
-    assert longrope_original(json.dumps({"rope_scaling": {**su, "type": "linear"}})) is None
+    linear = PretrainedConfig.from_dict({**sizes, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert longrope_original(linear) is None
