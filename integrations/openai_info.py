@@ -1,5 +1,5 @@
-"""The OpenAI server's read-only routes: ``GET /v1/models``, ``/version``, ``/health`` (and SageMaker's ``/ping``)
-and ``/metrics`` (Prometheus text)."""
+"""The OpenAI server's read-only routes: ``GET /v1/models`` (and ``/v1/models/{model}``), ``/version``, ``/health``
+(and SageMaker's ``/ping``) and ``/metrics`` (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ __all__ = ["info_routes", "served_name"]
 
 
 def info_routes(server: OpenAIServer) -> list[Route]:
-    """The routes; /v1/models behind the server's API-key check, the probes and /metrics open."""
+    """The routes; /v1/models (and one model's card) behind the server's API-key check, the probes and /metrics
+    open."""
     handlers = _Handlers(server)
     return [
         Route("/v1/models", server._guarded(handlers.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", server._guarded(handlers.model), methods=["GET"]),
         Route("/version", handlers.version, methods=["GET"]),
         Route("/health", handlers.health, methods=["GET"]),
         Route("/ping", handlers.health, methods=["GET", "POST"]),
@@ -37,13 +39,25 @@ class _Handlers:
         self.server = server
 
     async def models(self, request: Request) -> Response:
+        return json_response({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{model}`` (``client.models.retrieve``): the card the list has for that name
+        (a name with a slash too); an unknown one a 404 ``model_not_found``, as OpenAI answers it."""
+        name = request.path_params["model"]
+        card = next((card for card in self._model_cards() if card["id"] == name), None)
+        if card is None:
+            raise ApiError(404, f"The model '{name}' does not exist", "not_found_error", param="model",
+                           code="model_not_found")
+        return json_response(card)
+
+    def _model_cards(self) -> list[dict[str, Any]]:
         """The served names, then each LoRA module with its path as ``root`` and its base model as ``parent``; each
         card with vLLM's ``permission`` list."""
         server = self.server
         cards = [self._model_card(name, server.engine.config.model) for name in server.model_names]
-        cards += [self._model_card(name, served.request.lora_path, served.parent or server.model_name)
-                  for name, served in list(server.loras.loras.items())]
-        return json_response({"object": "list", "data": cards})
+        return cards + [self._model_card(name, served.request.lora_path, served.parent or server.model_name)
+                        for name, served in list(server.loras.loras.items())]
 
     def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
         created = self.server.created

@@ -1,9 +1,10 @@
 """OpenAI request bodies as msgspec Structs, and the request-level helpers the handlers share.
 
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a client never believes an option took
-effect when asyncllm does not build it. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
-``prompt_logprobs``, ``priority``, ``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects, and
+effect when asyncllm does not build it (OpenAI's ``stream_options`` and hosted service's fields: openai_standard.py).
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``, ``prompt_logprobs``, ``priority``, ``cache_salt``,
+``chat_template``, ...) are accepted, as a vLLM user expects, and
 so are vLLM's ``use_beam_search`` (openai_beam_search.py runs it) and structured output: OpenAI's
 ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``). Tool calling (``tools``, ``tool_choice``) is read in openai_tools.py.
@@ -22,11 +23,11 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
-from msgspec import UNSET, UnsetType
 
 from asyncllm.config_checks import check_int
 from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.integrations.openai_standard import Metadata, StreamOptions, Verbosity
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
@@ -65,27 +66,6 @@ class ServerLimits:
         most = max(self.max_prompts, self.max_n)
         if prompts * n > most:
             raise InvalidRequestError(field, f"{prompts} prompts x {n} = {prompts * n} sequences (at most {most})")
-
-
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """vLLM's (``include_usage: bool | None = True``): ``{}`` asks for the usage chunk, null reads as false (vLLM's
-    ``bool(include_usage)``). A field left out is UNSET, so that `check_common` refuses, as vLLM, stream options
-    that set anything on a request without ``stream``."""
-
-    include_usage: bool | None | UnsetType = UNSET
-    """Send one last chunk with the request's token usage (and no choices); left out: true (`usage`)."""
-    continuous_usage_stats: bool | None | UnsetType = UNSET
-    """vLLM's: with include_usage, every chunk carries the usage so far (instead of null); left out: false."""
-
-    @property
-    def usage(self) -> bool:
-        """Whether the stream ends with the usage chunk."""
-        return self.include_usage is UNSET or bool(self.include_usage)
-
-    @property
-    def continuous(self) -> bool:
-        """Whether every chunk carries the usage so far (only with `usage`, as vLLM's ``should_include_usage``)."""
-        return self.usage and bool(self.continuous_usage_stats)
 
 
 T = TypeVar("T")
@@ -222,6 +202,16 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     echo: bool = False
     """vLLM's: the reply's content starts with the last message's when that message's role is the reply's
     (`chat_echo`); streamed, in a chunk of its own after the role."""
+    # OpenAI's hosted service's fields, the first four the Responses API's too: accepted where a no-op, else a 400
+    metadata: Metadata = None  # (openai_standard.py: `check_chat_service_fields`)
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    modalities: list[str] | None = None
+    verbosity: Verbosity = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, ServerLimits, StreamOptions, is_int,
-)
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, ServerLimits, is_int
+from asyncllm.integrations.openai_standard import check_chat_service_fields, check_stream_options
 from asyncllm.integrations.openai_structured import (
     check_response_format_keys, constraint_errors, structured_output,
 )
@@ -192,10 +191,11 @@ def _check_combinations(req: GenerationRequest) -> None:
 
 
 def check_common(req: GenerationRequest) -> None:
-    """The refusals sampling and beam search share (stream_options, response_format's keys, ...)."""
-    # as vLLM's validate_stream_options: refused when they set any field ({} and null pass)
-    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",
-            "Stream options can only be defined when stream=True")
+    """The refusals sampling and beam search share (stream_options, response_format's keys, chat's hosted service's
+    fields, ...)."""
+    check_stream_options(req.stream_options, req.stream)
+    if isinstance(req, ChatCompletionRequest):
+        check_chat_service_fields(req)
     if req.response_format is not None:
         check_response_format_keys(req.response_format)
 

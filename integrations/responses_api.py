@@ -17,10 +17,12 @@ a ``message`` (whole: the ``message`` only), and a ``llama3_json`` reply's text 
 
 ``store`` and ``previous_response_id`` are resolved by the server's response
 store (responses_store.py): `chat_request` runs the items it hands over
-before ``input``. Not built, and refused by name: ``background``,
+before ``input``. Not built, and refused by name (`check_request`): ``background``,
 ``include``, ``truncation: "auto"``, non-function tools, ``reasoning``
-settings, ``top_logprobs`` other than 0, ``max_tool_calls``, ``request_id``
-(``prompt_cache_key`` is accepted and ignored, as vLLM ignores it).
+settings, ``top_logprobs`` other than 0, ``max_tool_calls``, ``request_id``,
+``prompt`` (stored prompt templates), ``conversation`` (conversation objects);
+the hosted service's fields are chat's (openai_standard.py: ``prompt_cache_key``
+is accepted and ignored, as vLLM ignores it).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionRequest
+from asyncllm.integrations.openai_standard import (
+    BaseStreamOptions, Metadata, check_service_fields, check_stream_options, refuse_failed,
+)
 from asyncllm.integrations.openai_structured import JSON_SCHEMA_KEYS
 from asyncllm.integrations.responses_input import input_items, input_messages
 
-__all__ = ["METADATA_LIMITS", "RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body",
+__all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "check_request", "chat_request", "input_items", "response_body",
            "response_identity", "ResponseEvents"]
 
 
@@ -51,6 +56,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    stream_options: BaseStreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -59,7 +65,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     store: bool | None = None
     """Keep the response (default: yes, as OpenAI) when the server's store is on (responses_store.py); else
     accepted and answered ``false``."""
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     user: str | None = None
     previous_response_id: str | None = None
     background: bool | None = None
@@ -85,11 +91,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_tool_calls: int | None = None
     request_id: str | None = None
     prompt_cache_key: str | None = None
-    """Accepted and ignored, as vLLM ignores it."""
+    """Accepted and ignored, as vLLM ignores it (and ``safety_identifier``, as ``user``: openai_standard.py)."""
+    safety_identifier: str | None = None
+    prompt: dict[str, Any] | None = None
+    """OpenAI's stored prompt template (``{"id", "version", "variables"}``): not built."""
+    conversation: str | dict[str, Any] | None = None
+    """OpenAI's conversation object: not built (``previous_response_id`` continues a response)."""
 
-
-METADATA_LIMITS = (16, 64, 512)
-"""OpenAI's bounds of ``metadata``: pairs, characters of a key, of a value."""
 
 _PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt", "chat_template_kwargs",
                    "user", "stream", "stop", "logit_bias", "ignore_eos", "skip_special_tokens",
@@ -102,44 +110,33 @@ RESPONSES_FIELDS = {"messages": "input", "prompt": "input", "response_format": "
 the engine's name of the rendered messages (a prompt over the context, `check_context_length`), is the input too."""
 
 
-def _refused(req: ResponsesRequest) -> None:
-    checks = [
+def check_request(req: ResponsesRequest) -> None:
+    """The fields not built (a 400 naming each), checked before the request is looked up or run
+    (`ResponseStore.begin`), so that errors name the Responses API's fields as sent (``prompt`` is not ``input``)."""
+    refuse_failed([
         (bool(req.background), "background", "background responses are not built"),
         (bool(req.include), "include", "extra output data is not built"),
         (req.truncation not in (None, "disabled"), "truncation", "only 'disabled' is built"),
         (bool(req.reasoning), "reasoning", "reasoning settings are not built (a reasoning parser splits the reply)"),
-        (req.service_tier not in (None, "auto", "default"), "service_tier", "this server has one tier"),
         (bool(req.top_logprobs), "top_logprobs", "logprobs in the output are not built (only 0)"),
         (req.max_tool_calls is not None, "max_tool_calls", "limiting tool calls is not built"),
         (req.request_id is not None, "request_id", "a client's response id is not built"),
-    ]
-    for failed, field, why in checks:
-        if failed:
-            raise InvalidRequestError(field, why)
-    _check_metadata(req.metadata or {})
-
-
-def _check_metadata(metadata: dict[str, str]) -> None:
-    """OpenAI's bounds (`METADATA_LIMITS`), which also bound what the response store keeps of it."""
-    pairs, key_chars, value_chars = METADATA_LIMITS
-    if len(metadata) > pairs:
-        raise InvalidRequestError("metadata", f"at most {pairs} pairs, got {len(metadata)}")
-    for key, value in metadata.items():
-        if len(key) > key_chars:
-            raise InvalidRequestError("metadata", f"a key has at most {key_chars} characters, got {len(key)}")
-        if len(value) > value_chars:
-            raise InvalidRequestError("metadata", f"the value of {key!r} has at most {value_chars} characters, "
-                                                  f"got {len(value)}")
+        (req.prompt is not None, "prompt", "stored prompt templates are not built (send the input)"),
+        (req.conversation is not None, "conversation",
+         "conversation objects are not built (continue a response with previous_response_id)"),
+    ])
+    check_stream_options(req.stream_options, req.stream)
+    check_service_fields(req)
 
 
 def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None) -> ChatCompletionRequest:
-    """The chat completion that runs this response (every check of chat completions applies).
+    """The chat completion that runs this response (every check of chat completions applies; the Responses API's
+    own are `check_request`'s).
 
     `history`: the conversation before ``input`` that ``previous_response_id``
     names (input items, as the response store hands them over); without it a
     ``previous_response_id`` is refused.
     """
-    _refused(req)
     if req.previous_response_id is not None and history is None:
         raise InvalidRequestError("previous_response_id", "continuing a response needs the server's response store")
     items = [*history, *input_items(req.input)] if history else req.input
@@ -205,9 +202,12 @@ def response_identity() -> tuple[str, int]:
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     """Responses' usage of a chat's, whose prompt_tokens_details the server asks for with the flag or not
     (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always) and its
-    completion_tokens_details (`Choices.reasoning_tokens`); 0 where a usage has none."""
-    details = usage.get("prompt_tokens_details") or {"cached_tokens": 0}
+    completion_tokens_details (`Choices.reasoning_tokens`); 0 where a usage has none. ``cache_write_tokens`` (openai's
+    ``InputTokensDetails``) is 0: OpenAI counts the writes of explicit cache breakpoints, and the prefix cache here is
+    implicit (as OpenAI's default caching, which reports none)."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    details = {"cached_tokens": cached, "cache_write_tokens": 0}  # the prefix cache is implicit: no paid writes
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": details,
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage["total_tokens"]}

@@ -44,7 +44,7 @@ from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest
-from asyncllm.integrations.responses_api import ResponsesRequest, chat_request, input_items
+from asyncllm.integrations.responses_api import ResponsesRequest, chat_request, check_request, input_items
 
 __all__ = ["ResponseStore", "StoredResponse", "Turn", "DEFAULT_MAX_ENTRIES"]
 
@@ -138,8 +138,9 @@ class ResponseStore:
             raise self._not_found(response_id, "response_id")
 
     def begin(self, req: ResponsesRequest) -> Turn:
-        """A request's turn: ``store`` resolved (on unless ``false``, and only with the store enabled) and its
-        ``previous_response_id`` looked up (404 when unknown)."""
+        """A request's turn: the fields not built refused (`check_request`), ``store`` resolved (on unless ``false``,
+        and only with the store enabled) and its ``previous_response_id`` looked up (404 when unknown)."""
+        check_request(req)
         if req.previous_response_id is not None and not req.previous_response_id:
             raise InvalidRequestError("previous_response_id", "must be the id of a stored response, got ''")
         history = () if req.previous_response_id is None else self.get(req.previous_response_id,

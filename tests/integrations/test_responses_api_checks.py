@@ -14,7 +14,7 @@ import asyncllm.integrations.responses_api as responses_api
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.integrations.errors import error_body, renamed_fields
 from asyncllm.integrations.openai_server import OpenAIServer
-from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request
+from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request, check_request
 
 BASE = {"model": "asyncllm-tiny", "input": "hi", "temperature": 0, "max_output_tokens": 2}
 
@@ -26,20 +26,21 @@ def test_vllm_sampling_fields_reach_the_chat() -> None:
     assert {name: getattr(chat, name) for name in passed} == passed
 
 
-@pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("max_tool_calls", 4), ("request_id", "abc")])
-def test_vllm_fields_not_built_are_refused_by_name(field, value) -> None:
+@pytest.mark.parametrize("field, value", [("top_logprobs", 2), ("max_tool_calls", 4), ("request_id", "abc"),
+                                          ("prompt", {"id": "pmpt_1"}), ("conversation", "conv_1")])
+def test_fields_not_built_are_refused_by_name(field, value) -> None:
     with pytest.raises(InvalidRequestError, match="not built") as caught:
-        chat_request(ResponsesRequest(input="hi", **{field: value}))
+        check_request(ResponsesRequest(input="hi", **{field: value}))
     assert caught.value.field == field
 
 
 @pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}])
 def test_metadata_past_openai_bounds_is_refused(metadata) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        chat_request(ResponsesRequest(input="hi", metadata=metadata))
+        check_request(ResponsesRequest(input="hi", metadata=metadata))
     assert caught.value.field == "metadata"
     at_bounds = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
-    assert chat_request(ResponsesRequest(input="hi", metadata=at_bounds)).messages
+    check_request(ResponsesRequest(input="hi", metadata=at_bounds))
 
 
 def test_error_event_is_openai_response_error_event() -> None:
