@@ -10,8 +10,10 @@ no setting: the bundled tiny model) and starts with its first request::
         return stream_response(get_engine().stream(request.GET["prompt"], SamplingParams(max_tokens=64)))
 
 Serve the project with an ASGI server (uvicorn, daphne, granian): under WSGI
-Django runs each async view on a fresh event loop, and an engine belongs to
-the loop it started on, so `get_engine` refuses a second loop with a clear error.
+Django runs each async view on a fresh event loop, closed after it; the engine
+moves to the next loop once the one before closed (the test Client, one request
+at a time), but `get_engine` refuses a second loop while the first is still
+open (concurrent WSGI requests) with a clear error.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def get_engine() -> AsyncEngine:
         if _engine is None:
             _engine = _make_engine()
         if loop is not None:
-            if _loop is None or not _engine.started:
-                _loop = loop  # the loop the engine will start on
+            if _loop is None or not _engine.started or _loop.is_closed():
+                _loop = loop  # the loop the engine (re)starts on, or takes it over on (the one before closed)
             elif loop is not _loop:
                 raise ImproperlyConfigured(
                     "asyncllm's engine was started on another event loop: serve Django with ASGI "

@@ -2,12 +2,12 @@
 
 Here its construction, lifecycle (start, aclose, a replica's restart) and the request internals (`_submit`, the
 processor threads' deliveries); its request methods are `EngineRequests` (asyncllm/engine/engine_requests.py), its
-weight, LoRA, prefix-cache and sleep controls `EngineControl` (asyncllm/engine/engine_control.py)."""
+weight, LoRA, prefix-cache and sleep controls `EngineControl` (asyncllm/engine/engine_control.py), the event loop it
+serves `EngineLoop` (asyncllm/engine/engine_loop.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 import uuid
@@ -24,29 +24,31 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.engine_control import EngineControl
+from asyncllm.engine.engine_loop import EngineLoop
 from asyncllm.engine.engine_requests import EngineRequests
 from asyncllm.engine.engine_weights import EngineWeights
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
+from asyncllm.engine.off_loop import finish_in_thread
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all, stop_forgotten, weakly,
+    LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_all, stop_forgotten, weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_request_strings
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.errors import EngineDeadError, EventLoopError, running_asyncio_loop
+from asyncllm.errors import EngineDeadError, EventLoopError
 from asyncllm.outputs import EngineStats
-from asyncllm.procutil import check_not_forked, forked
+from asyncllm.procutil import forked
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
 
 __all__ = ["AsyncEngine"]
 
 
-class AsyncEngine(EngineRequests, EngineControl):
+class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
     """An LLM engine embedded in the host's asyncio event loop.
 
     Constructing it is cheap and starts nothing; ``async with engine``,
@@ -180,41 +182,6 @@ class AsyncEngine(EngineRequests, EngineControl):
             if not self._started:
                 await self._start()
 
-    def _loop_start_lock(self) -> asyncio.Lock:
-        """The calling loop's start lock: an asyncio.Lock belongs to the loop that first waited on it, so a loop that
-        takes the engine over (or retries a failed start) gets its own; starts of one loop wait for each other."""
-        loop = asyncio.get_running_loop()
-        if self._start_lock is None or self._start_lock_loop is not loop:
-            self._start_lock, self._start_lock_loop = asyncio.Lock(), loop
-        return self._start_lock
-
-    def _check_loop(self) -> None:
-        """Requests and lifecycle calls come from the loop the engine started in: outputs are delivered there, so a
-        request from another loop would wait forever. Once that loop is closed (``asyncio.run`` returned, a
-        per-test loop ended) the engine moves to the calling loop (`_rebind`)."""
-        check_not_forked(self._owner_pid, "AsyncEngine")
-        loop = running_asyncio_loop()  # trio (anyio's trio backend): an EventLoopError saying asyncllm needs asyncio
-        bound = self._loop
-        if bound is None or bound is loop:
-            return
-        if not bound.is_closed():
-            raise EventLoopError(
-                "this AsyncEngine started in another event loop, which is still open, and delivers its outputs "
-                "there: use it from that loop only (one engine per event loop), use SyncEngine "
-                "(asyncllm.integrations.sync) from other threads, or start and aclose() it within each loop")
-        self._rebind(loop)
-
-    def _rebind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve `loop` from now on; the closed loop's requests are aborted (their tasks were cancelled with it) and
-        their collectors ended (a stream of that loop raises `EventLoopError` here: `RequestStream._check_loop`)."""
-        for collector in list(self._in_flight):
-            if not collector.finished:
-                self._abort(collector.request_id)
-                with contextlib.suppress(RuntimeError):  # a waiter of a loop closed with its tasks still pending
-                    collector.put_error(EventLoopError("its event loop closed; the engine moved to another loop"))
-        self._in_flight = weakref.WeakSet()
-        self._loop = loop
-
     def _launch_spec(self) -> LaunchSpec:
         return LaunchSpec(weakly(self._deliver_threadsafe), self._connect_address, self._engine_key,
                           replica_devices(self.config), self._host_fields)
@@ -222,13 +189,14 @@ class AsyncEngine(EngineRequests, EngineControl):
     async def _start(self) -> None:
         if self._starting is not None:  # another loop's start, begun before this loop's lock was taken
             raise EventLoopError("this AsyncEngine is starting in another event loop: start it from one loop")
-        self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
+        loop = self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
         self._owner_pid = os.getpid()
         envs.check_at_start()  # a mistyped ASYNCLLM_* name would be ignored silently, a bad value fail late
         try:
             prepared = await self._start_replicas()
         except BaseException:
-            self._loop = self._owner_pid = None  # nothing runs: the engine belongs to no loop (nor process)
+            if self._loop is loop:  # (else another loop took the engine over)
+                self._loop = self._owner_pid = None  # nothing runs: the engine belongs to no loop (nor process)
             raise
         if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
             await stop_all(self._replicas.replicas)
@@ -262,7 +230,8 @@ class AsyncEngine(EngineRequests, EngineControl):
             await asyncio.wait([starting])
             raise
         finally:
-            self._starting = None
+            if self._starting is starting:  # (else another loop took the engine over, dropping it)
+                self._starting = None
         if starting.cancelled():
             why = "aclose() during start()" if self._closed else "its start task was cancelled"
             raise EngineDeadError(f"the engine was closed while starting ({why})")
@@ -316,17 +285,13 @@ class AsyncEngine(EngineRequests, EngineControl):
         if self._closed or processor is None:
             return
         await finish_in_thread(replica.stop)
-        replica.processor = replica.core = None
+        replica.core = None  # the dead processor stays until a new one serves: stats() and new requests say dead
         replica.max_model_len = 0  # its next core's fit (a dead one's no longer holds the others down)
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
         if self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum
             config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)  # (owned only: connect refuses max_model_len)
-        try:
-            prepared = await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
-        except BaseException:
-            replica.processor = processor  # still dead: stats() and new requests say so
-            raise
+        prepared = await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         config = self.config if owned else prepared.config  # a shared core's: its memory, timeouts, ... may be new
         self.config = served_max_model_len(self._replicas.replicas, config)  # the restarted core's fit counts
         replica.admission.follow(self.config.max_num_queued_requests, self.config.max_num_queued_tokens)
@@ -337,7 +302,9 @@ class AsyncEngine(EngineRequests, EngineControl):
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request). With
         data_parallel_size > 1 the replicas' numbers added up, each replica's own in `replicas`."""
-        return self._replicas.stats()
+        stats = self._replicas.stats()
+        stats.engine_alive = stats.engine_alive and not forked(self._owner_pid)  # a forked child cannot use it
+        return stats
 
     def set_served_model_name(self, name: str) -> None:
         """Label the Prometheus series (``model_name``) and request spans `name`, the name a server serves the model

@@ -11,13 +11,13 @@ restarts only its replica's requests (docs/parallelism.md).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import logging
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
@@ -27,22 +27,21 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import combined_stats, load_score, replica_env, served_max_model_len
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.engine.launch import CoreProcess, launch_core
+from asyncllm.engine.launched import Launched, stop_launched
+from asyncllm.engine.off_loop import finish_in_thread, in_thread
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.engine.processor import Deliver, Processor
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.procutil import forked
+from asyncllm.procutil import forked, remove_dir
 from asyncllm.outputs import EngineStats
 
-__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
-           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly",
-           "abandon"]
+__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "pick_replica", "start_replica", "start_replicas", "stop_all",
+           "stop_forgotten", "stop_replicas", "weakly", "abandon"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -59,6 +58,8 @@ class Replica:
     """What its core serves (its `Ready`'s; ``auto``: fitted to its KV cache), known once it started."""
     _seen_dead: Processor | None = None
     """The dead processor whose core's gauges were zeroed already (`check_dead`)."""
+    launching: Launched | None = None
+    """What its start or core restart in progress launched so far (`start_replica`)."""
 
     @property
     def alive(self) -> bool:
@@ -87,7 +88,22 @@ class Replica:
         """Say goodbye (shutting an owned core down), stop the thread and the core (blocking: off the loop)."""
         processor, core = self.processor, self.core
         if processor is not None:
-            _stop(processor, core)
+            stop_launched(processor, core)
+
+    def drop_orphaned(self, started: bool) -> None:
+        """A takeover, after the loop of its start or restart in progress closed with it pending (asyncllm/engine/
+        launched.py): stop what that launched, in a thread; an engine not `started` yet also drops what its start
+        gave the replica already (a restart leaves the dead processor in place: its supervisor tries again)."""
+        self.supervisor.drop_orphaned()
+        launching, self.launching = self.launching, None
+        launched = [launching.drop()] if launching is not None else []
+        if not started:
+            launched.append((self.processor, self.core))
+            self.processor = self.core = None
+        for processor, core in launched:
+            if processor is not None or core is not None:
+                threading.Thread(target=stop_launched, args=(processor, core), name="asyncllm-stop-orphaned",
+                                 daemon=True).start()
 
 
 class ReplicaSet:
@@ -211,7 +227,17 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
     returns once the core serves, `Replica.max_model_len` holding the core's (``auto``: fitted to its KV cache;
     `data_parallel.served_max_model_len` puts the replicas' least into the config). On failure nothing of it is
     left running. `closed` (a supervisor's restart): a shared core being restarted is waited for, up to the
-    startup timeout or until `closed()` (`prepare_attached`)."""
+    startup timeout or until `closed()` (`prepare_attached`). What it launched is in `Replica.launching` meanwhile."""
+    launched = replica.launching = Launched()
+    try:
+        return await _start_replica(replica, config, spec, closed, launched)
+    finally:
+        if replica.launching is launched:  # (else a takeover dropped it)
+            replica.launching = None
+
+
+async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec, closed: Callable[[], bool] | None,
+                         launched: Launched) -> Prepared:
     timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
     core: CoreProcess | None = None
     if spec.connect_address is not None:
@@ -222,69 +248,21 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         replica.observer.set_model_name(prepared.config.model)
     else:
         prepared = await in_thread(prepare, config, closed is not None)  # a restart's config: prepared before
-        core = await in_thread(launch_core, prepared.config, prepared.hf_config_json,
+        core = await in_thread(launched.core, launch_core, prepared.config, prepared.hf_config_json,
                                replica_env(spec.devices, replica.index), config.max_model_len == AUTO_MAX_MODEL_LEN,
-                               abandoned=_stop_untold)
+                               abandoned=functools.partial(stop_launched, None))  # never told Goodbye: cut at once
     replica.observer.stats.owns_core = core is not None  # before its first snapshot: its counters end with it
     processor = _processor(replica, prepared, core, spec, timeout_s)
+    launched.processor(processor)
     try:
         ready = await asyncio.wrap_future(processor.start())
     except BaseException:
-        await finish_in_thread(_stop, processor, core)
+        await finish_in_thread(stop_launched, processor, core)
         raise
+    if core is not None:  # connected ipc:// sockets outlive their path: no exit of the host leaves the folder
+        remove_dir(core.ipc_dir)
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
-
-
-async def in_thread(func: Callable[..., T], *args: Any, abandoned: Callable[[T], None] | None = None) -> T:
-    """``func(*args)`` in a thread of its own. Cancelled (a plain asyncio cancel too: ``asyncio.wait_for``,
-    ``asyncio.run`` shutting down, which anyio's shield does not hold off), it returns at once and the thread runs
-    on: `abandoned` then gets what `func` returns (a core to stop), in a thread (`_hand_over`)."""
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        if not done.set_running_or_notify_cancel():
-            return  # cancelled before it began
-        try:
-            done.set_result(func(*args))
-        except BaseException as exc:  # noqa: BLE001 - raised by the await below
-            done.set_exception(exc)
-
-    threading.Thread(target=run, name=f"asyncllm-{getattr(func, '__name__', 'start')}", daemon=True).start()
-    try:
-        return await asyncio.wrap_future(done)
-    except asyncio.CancelledError:
-        if abandoned is not None:
-            done.add_done_callback(lambda f: _hand_over(f, abandoned))
-        raise
-
-
-def _hand_over(done: concurrent.futures.Future[T], abandoned: Callable[[T], None]) -> None:
-    """Called in the thread that finished `done`, or on the loop when it finished before the cancel: `abandoned`
-    (stopping a core waits) always runs in a thread of its own."""
-    if not done.cancelled() and done.exception() is None:
-        threading.Thread(target=abandoned, args=(done.result(),), name="asyncllm-abandoned", daemon=True).start()
-
-
-async def finish_in_thread(func: Callable[..., Any], *args: Any) -> None:
-    """``func(*args)`` in a worker thread, awaited to its end even when the caller is cancelled, as often as it is
-    (cleanup that must finish: stopping processes; anyio's shield does not hold off a plain asyncio cancel); the
-    cancel is raised afterwards."""
-    future = asyncio.ensure_future(asyncio.to_thread(func, *args))
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled = True
-    future.result()
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-def _stop_untold(core: CoreProcess) -> None:
-    """A core launched for a start that was cancelled meanwhile: never told Goodbye, cut at once."""
-    core.stop(told=False)
 
 
 def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, spec: LaunchSpec,
@@ -382,9 +360,3 @@ def _stop_and_retire(replicas: list[Replica]) -> None:
         for replica in replicas:
             replica.observer.on_closed()
         multiprocess.sync()
-
-
-def _stop(processor: Processor, core: CoreProcess | None) -> None:
-    processor.close(shutdown_core=core is not None)
-    if core is not None:
-        core.stop(told=processor.said_goodbye)

@@ -11,7 +11,11 @@ Restarts are bounded like worker restarts: `max_core_restarts` within
 `RESTART_WINDOW_S`; past that, or if a restart fails, the engine stays dead.
 
 The restart task is owned by the engine: `aclose` waits for it (a restart
-that was half done would otherwise leave a core process behind).
+that was half done would otherwise leave a core process behind). A restart
+cut off by its event loop's end (``asyncio.run`` returning cancels it; a loop
+closed with it pending never runs it again) is retried by the next loop's
+takeover, without taking another restart from the budget; so is the restart
+of a core that died while no loop ran (`AsyncEngine._rebind`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from asyncllm.engine.launched import keep_orphan
 from asyncllm.workers.restart import RESTART_WINDOW_S, RestartBudget
 
 __all__ = ["CoreSupervisor"]
@@ -38,6 +43,8 @@ class CoreSupervisor:
         self._task: asyncio.Task[None] | None = None
         self.last_error: BaseException | None = None
         """Why the latest restart failed (None while restarts succeed)."""
+        self._cut_off = False
+        """The latest restart never finished (its loop ended): the next one is its retry, on the budget it took."""
 
     @property
     def enabled(self) -> bool:
@@ -51,12 +58,24 @@ class CoreSupervisor:
         """The processor reported the core dead (on the loop): start a restart if the budget allows."""
         if not self.enabled or self.restarting:
             return
-        if not self.budget.try_take():
+        if self._cut_off:
+            logger.warning("%s: its restart was cut off by the end of its event loop; restarting it again", self.name)
+        elif self.budget.try_take():
+            logger.error("%s died (%s); restarting it (restart %d)", self.name, error, self.budget.num_restarts_total)
+        else:
             logger.error("%s died (%s); max_core_restarts=%d within %.0f s is spent: it stays dead",
                          self.name, error, self.budget.max_restarts, RESTART_WINDOW_S)
             return
-        logger.error("%s died (%s); restarting it (restart %d)", self.name, error, self.budget.num_restarts_total)
+        self._cut_off = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncllm-core-restart")
+
+    def drop_orphaned(self) -> None:
+        """A takeover: a restart whose loop closed with it pending never goes on (asyncllm/engine/launched.py); the
+        next death report retries it."""
+        task = self._task
+        if task is not None and not task.done() and task.get_loop().is_closed():
+            keep_orphan(task)
+            self._task, self._cut_off = None, True
 
     async def wait(self) -> None:
         """Until the restart in progress (if any) is done; never raises (the engine's state tells)."""
@@ -67,6 +86,9 @@ class CoreSupervisor:
     async def _run(self) -> None:
         try:
             await self._restart()
+        except asyncio.CancelledError:  # its loop ended (asyncio.run returning): the next loop's takeover retries it
+            self._cut_off = True
+            raise
         except Exception as exc:  # noqa: BLE001 - the engine stays dead and says why
             self.last_error = exc
             logger.error("restarting the %s failed: %s", self.name, exc)

@@ -10,7 +10,7 @@ or of torch starts thread pools that stay), and no signal handler changed.
 
 Without engines (stand-ins for prepare and launch): aclose() during start(), a cancelled start's quick, quiet stop of
 what it launched, a failed start's retry from another loop, prepares in parallel (and, in a fresh process, their
-transformers imports one at a time).
+transformers imports one at a time) (a closed loop's takeover: test_loop_takeover.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from typing import Any
 import pytest
 
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
-from asyncllm.engine import replica
+from asyncllm.engine import off_loop, replica
 from asyncllm.engine import prepare as prepare_module
 from asyncllm.engine.launch import CoreProcess
+from asyncllm.engine.launched import stop_launched
 from asyncllm.engine.processor import Processor
 from proc_utils import children
 
@@ -299,7 +300,7 @@ def test_a_cancelled_start_stops_at_once_and_quietly(tmp_path: Any) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import os\nwhile os.read(0, 1): pass"], stdin=subprocess.PIPE)
     processor = SimpleNamespace(said_goodbye=False, close=lambda shutdown_core: None)
     began = time.monotonic()
-    replica._stop(processor, CoreProcess(child, "ipc://unused", str(tmp_path / "ipc")))  # type: ignore[arg-type]
+    stop_launched(processor, CoreProcess(child, "ipc://unused", str(tmp_path / "ipc")))  # type: ignore[arg-type]
     assert time.monotonic() - began < 3 and child.returncode == 0
 
 
@@ -312,7 +313,7 @@ async def test_cleanup_in_a_thread_finishes_through_repeated_cancels() -> None:
         time.sleep(0.3)
         stopped.set()
 
-    task = asyncio.ensure_future(replica.finish_in_thread(stop))
+    task = asyncio.ensure_future(off_loop.finish_in_thread(stop))
     for _ in range(2):
         await asyncio.sleep(0.05)
         task.cancel()
@@ -326,7 +327,7 @@ def test_an_abandoned_result_is_stopped_in_a_thread_of_its_own() -> None:
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result("core")
     ran = concurrent.futures.Future()
-    replica._hand_over(done, lambda core: ran.set_result((core, threading.current_thread().name)))
+    off_loop._hand_over(done, lambda core: ran.set_result((core, threading.current_thread().name)))
     assert ran.result(timeout=2) == ("core", "asyncllm-abandoned")
 
 
@@ -374,3 +375,4 @@ def test_starts_of_one_loop_run_one_at_a_time_after_a_failed_one() -> None:
     results = asyncio.run(three_starts())
     assert all(isinstance(r, RuntimeError) for r in results), results
     assert peak == 1
+

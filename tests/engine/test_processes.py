@@ -81,7 +81,7 @@ HOST_SCRIPT = textwrap.dedent(
 def test_killed_host_leaves_no_process_even_a_hung_core_and_worker(tiny_llama: str) -> None:
     """The core and one worker are stopped first: like a process hung holding the GIL, they run no watcher thread
     of their own, and the kernel's parent-death signal ends them (`procutil.die_with_parent`), though the host
-    started its core from an asyncio.to_thread thread (`replica.in_thread`) that may end before the host."""
+    started its core from an asyncio.to_thread thread (`off_loop.in_thread`) that may end before the host."""
     host = subprocess.Popen([sys.executable, "-c", HOST_SCRIPT, tiny_llama], stdout=subprocess.PIPE, text=True)
     try:
         assert host.stdout.readline().strip() == "ready"

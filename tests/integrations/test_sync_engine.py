@@ -244,7 +244,8 @@ def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engin
     if pid == 0:  # the child: report through the pipe, never return into pytest
         try:
             report = [_error_of(lambda: engine.generate("x", GREEDY)),
-                      _error_of(lambda: asyncio.run(engine.engine.generate("x", GREEDY)))]
+                      _error_of(lambda: asyncio.run(engine.engine.generate("x", GREEDY))),
+                      str(engine.stats().engine_alive)]
             asyncio.run(engine.engine.aclose())  # forgets the parent's replicas: stops, removes, unlinks nothing
             engine.close()
             report.append(str(engine.engine._replicas[0].core))
@@ -255,11 +256,11 @@ def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engin
     _wait_for_child(pid)
     with os.fdopen(read_end) as child:
         report = child.read().split("\n")
-    assert len(report) == 3 and report[2] == "None"
+    assert len(report) == 4 and report[2:] == ["False", "None"]  # the parent's engine: dead to the child
     for error in report[:2]:
         assert error.startswith("EngineDeadError") and f"process {os.getpid()}, before a fork" in error
     assert report[0] == report[1].replace("AsyncEngine", "SyncEngine")  # one check (procutil.check_not_forked)
-    assert core.proc.poll() is None and os.path.isdir(core.ipc_dir)
+    assert core.proc.poll() is None
     assert engine.generate(PROMPTS[0], GREEDY).token_ids == expected[PROMPTS[0]]
 
 

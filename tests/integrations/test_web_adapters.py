@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -112,8 +113,7 @@ async def test_aiohttp_disconnect_between_tokens_aborts(bundled_engine, caplog) 
 urlpatterns: list = []  # this module is the test project's ROOT_URLCONF
 
 
-@pytest.fixture(scope="module")
-def django_client(bundled_engine):
+def _django_settings() -> None:
     import django
     from django.conf import settings
 
@@ -121,6 +121,11 @@ def django_client(bundled_engine):
         settings.configure(DEBUG=False, ROOT_URLCONF=__name__, ALLOWED_HOSTS=["*"], SECRET_KEY="test",
                            INSTALLED_APPS=[], MIDDLEWARE=[])
         django.setup()
+
+
+@pytest.fixture(scope="module")
+def django_client(bundled_engine):
+    _django_settings()
     from django.test import AsyncClient
     from django.urls import path
 
@@ -165,4 +170,39 @@ async def test_django_lazy_engine_from_settings(django_client) -> None:
         await django_adapter.close_engine()
     finally:
         del settings.ASYNCLLM
+        django_adapter.use_engine(previous)
+
+
+async def test_django_engine_moves_to_the_next_loop_once_the_first_closed() -> None:
+    """Django's sync test Client and WSGI run each async view under asgiref's async_to_sync, on a new loop closed
+    after it: a started engine was refused on the second loop though the first had closed. A loop still open is."""
+    _django_settings()
+    from django.core.exceptions import ImproperlyConfigured
+
+    from asyncllm.integrations import django as django_adapter
+
+    previous, engine = django_adapter.get_engine(), SimpleNamespace(started=True)
+
+    def get_engine(loop: asyncio.AbstractEventLoop) -> object:
+        async def get() -> object:
+            return django_adapter.get_engine()
+
+        return loop.run_until_complete(get())
+
+    def views() -> None:
+        first, second, third = (asyncio.new_event_loop() for _ in range(3))
+        try:
+            assert get_engine(first) is engine
+            first.close()
+            assert get_engine(second) is engine
+            with pytest.raises(ImproperlyConfigured, match="another event loop"):
+                get_engine(third)  # the second is still open
+        finally:
+            for loop in (first, second, third):
+                loop.close()
+
+    django_adapter.use_engine(engine)  # type: ignore[arg-type]
+    try:
+        await asyncio.to_thread(views)
+    finally:
         django_adapter.use_engine(previous)

@@ -135,6 +135,7 @@ def test_an_attached_engine_shows_its_restarted_cores_config(monkeypatch, tmp_pa
     restarted = engine.config.replace(**RESTARTED_WITH)
 
     async def start_replica(replica, config, spec, closed=None):
+        replica.processor = SimpleNamespace(serve_max_model_len=lambda least: None)  # the new core's
         replica.max_model_len = 96
         return SimpleNamespace(config=restarted)
 
