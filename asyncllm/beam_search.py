@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.errors import (
     EngineDeadError, InvalidRequestError, NotBuiltError, RequestTimeoutError, check_context_length,
 )
+from asyncllm.engine.admission import admission_group
 from asyncllm.engine.stream import check_prompt
 from asyncllm.engine.prompt_tokens import text_token_ids
 from asyncllm.engine.validation import check_text, check_untokenized, max_prompt_chars, split_cache_salt
@@ -242,7 +243,8 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     for index in range(beam_max_tokens(max_model_len, len(prompt_ids), params.max_tokens)):
         left_out = suppressed.always | suppressed.at_start if index == 0 else suppressed.always
         step = _step_params(width, len(left_out), engine.config.max_logprobs, suppressed.vocab_size)
-        outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
+        with admission_group():  # a step's beams are admitted together (its tasks inherit the group)
+            outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
         candidates = []
         for beam, out in zip(beams, outs):
             entry = _step_entry(out, left_out, width)

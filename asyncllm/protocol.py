@@ -92,6 +92,9 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """An embedding request (`AsyncEngine.embed`): the worker returns the pooled hidden state with its token."""
     prompt_embeds: "PromptEmbeds | None" = None
     """A prompt given as embeddings (``enable_prompt_embeds``): ``prompt_token_ids`` are placeholders."""
+    admission_group: str = ""
+    """The admission group the request belongs to ("": none), an id unique to its host: the queue's limits admit a
+    group's requests together (`asyncllm.sched.admission.AdmissionGroups`)."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

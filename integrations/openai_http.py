@@ -1,5 +1,5 @@
-"""The OpenAI server's HTTP steps every route shares: the API key, the caller's trace context, the body's size
-bound, the replies, and the optional middleware (`CorsPolicy`, `RequestIdHeaders`).
+"""The OpenAI server's HTTP steps every route shares: the API key, the caller's trace context, one admission group,
+the body's size bound, the replies, and the optional middleware (`CorsPolicy`, `RequestIdHeaders`).
 
 Errors become OpenAI-style bodies ``{"error": {"message", "type", "param",
 "code"}}`` with the status of the asyncllm error (errors.py: 400 invalid
@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.streams import ClientDisconnected
@@ -58,12 +59,13 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def guard(handler: Handler, api_keys: tuple[bytes, ...]) -> Handler:
     """`handler` behind the API-key check (none without `api_keys`), its errors mapped to OpenAI-style bodies;
-    it runs in the caller's trace context (`remote_parent`: its requests' spans under the caller's, as vLLM's)."""
+    it runs in the caller's trace context (`remote_parent`: its requests' spans under the caller's, as vLLM's) and
+    in an `admission_group`: the engine requests it makes (its prompts, beams, ...) are admitted together."""
 
     async def guarded(request: Request) -> Response:
         try:
             check_api_key(request, api_keys)
-            with remote_parent(request.headers):  # the engine's request spans under the caller's trace
+            with remote_parent(request.headers), admission_group():  # spans under the caller's trace
                 return await handler(request)
         except (AsyncLLMError, ApiError) as exc:
             return error_response(exc)

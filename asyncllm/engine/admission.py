@@ -27,16 +27,49 @@ through (the core then refuses it after tokenization):
   characters per token of English text; code and most other scripts have
   fewer characters per token, so this rather underestimates); token ids count
   exactly; chat messages count their text contents the same way.
+
+The requests made in an `admission_group` (an OpenAI server request's, a
+beam-search step's, a `generate_many` batch's) are admitted together, here and
+in the core (`asyncllm.sched.admission.AdmissionGroups`): an empty queue
+accepts the whole group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from asyncllm.protocol import SchedulerStats
-from asyncllm.sched.admission import check_queue_limits
+from asyncllm.sched.admission import AdmissionGroups
 
-__all__ = ["Admitted", "HostAdmission", "estimate_prompt_tokens"]
+__all__ = ["Admitted", "HostAdmission", "admission_group", "current_admission_group", "estimate_prompt_tokens"]
+
+_GROUP: ContextVar[str] = ContextVar("asyncllm_admission_group", default="")
+"""The admission group of the requests made here ("": none; set by `admission_group`, inherited by tasks begun in
+it)."""
+
+
+@contextlib.contextmanager
+def admission_group() -> Iterator[str]:
+    """The requests made in here (their `RequestStream`s, here or in tasks begun here) are one admission group, its
+    id yielded; inside another group: that group."""
+    group = _GROUP.get()
+    if group:
+        yield group
+        return
+    token = _GROUP.set(uuid.uuid4().hex)
+    try:
+        yield _GROUP.get()
+    finally:
+        _GROUP.reset(token)
+
+
+def current_admission_group() -> str:
+    """The admission group of a request made now ("": none)."""
+    return _GROUP.get()
 
 CHARS_PER_TOKEN = 4
 
@@ -61,6 +94,7 @@ class HostAdmission:
         self._num_submitted = 0
         """Requests submitted since `_snapshot` arrived."""
         self._num_submitted_tokens = 0
+        self._groups = AdmissionGroups()
 
     def follow(self, max_num_queued_requests: int | None, max_num_queued_tokens: int | None) -> None:
         """Take these limits: an attached host's are its core's, known once it started (a placeholder's before)."""
@@ -82,14 +116,15 @@ class HostAdmission:
         self._since(stats)
         return stats.num_requests_waiting + self._num_submitted
 
-    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> Admitted:
+    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1, group: str = "") -> Admitted:
         """Count the request as submitted, or raise `EngineOverloadedError` if a limit is set and the queue looks
-        full. A request of `num_samples` (SamplingParams.n) samples is that many core requests. Returns what was
-        counted (`Admitted.retract` un-counts it)."""
+        full. A request of `num_samples` (SamplingParams.n) samples is that many core requests; one of admission
+        group `group` ("": none) is admitted with the group (`AdmissionGroups`). Returns what was counted
+        (`Admitted.retract` un-counts it)."""
         self._since(stats)
         num_tokens = estimate_prompt_tokens(prompt, chat) if self.max_num_queued_tokens is not None else 0
         if self.enabled:
-            check_queue_limits(stats.num_requests_waiting + self._num_submitted,
+            self._groups.check(group, stats.num_requests_waiting + self._num_submitted,
                                stats.num_waiting_tokens + self._num_submitted_tokens, num_samples, num_tokens,
                                self.max_num_queued_requests, self.max_num_queued_tokens, about="about ")
         self._num_submitted += num_samples

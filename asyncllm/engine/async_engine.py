@@ -334,7 +334,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
-        admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # counts, refuses
+        admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n,
+                                           options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
                                      logprobs=params.logprobs is not None, admitted=admitted)
         self._replicas.placed(replica, collector)

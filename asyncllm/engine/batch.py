@@ -4,7 +4,9 @@ A fixed pool of worker tasks takes prompts in order from one shared iterator,
 so at most `max_concurrency` requests are in flight (memory stays bounded for a
 million prompts) while the scheduler always has enough waiting requests to
 fill its batches. A single prompt (a str, a prompt dict or a flat list of token
-ids) is a batch of one, as vLLM's ``LLM.generate`` reads it.
+ids) is a batch of one, as vLLM's ``LLM.generate`` reads it. The batch is one
+admission group (`asyncllm.engine.admission.admission_group`): an idle engine
+takes it whatever its queue limits.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError, running_asyncio_loop
 from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
@@ -43,7 +46,8 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
             if bar is not None:
                 bar.update(1)
 
-    tasks = [asyncio.ensure_future(worker()) for _ in range(min(limit, len(prompts)))]
+    with admission_group():  # the batch is admitted together: its workers' tasks inherit the group
+        tasks = [asyncio.ensure_future(worker()) for _ in range(min(limit, len(prompts)))]
     try:
         await asyncio.gather(*tasks)
     except BaseException:

@@ -127,7 +127,7 @@ class ProcessorRequests:
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, salt,
                                           options.timeout, lora=lora, pooling=options.pooling,
-                                          prompt_embeds=job.embeds,
+                                          prompt_embeds=job.embeds, admission_group=options.admission_group,
                                           num_samples=0 if index else len(core_ids))  # sample 0 admits them all
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items

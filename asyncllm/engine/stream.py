@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.engine.admission import current_admission_group
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import POOLING_OPERATIONS, EventLoopError, InvalidRequestError, running_asyncio_loop
 from asyncllm.lora import LoRARequest
@@ -78,6 +79,9 @@ class RequestOptions:
     add_special_tokens: bool | None = None
     """vLLM's: whether tokenizing the prompt adds the tokenizer's special tokens (BOS, ...); None: its default,
     True for a text prompt, False for a chat (its template writes them). A prompt with media takes the default."""
+    admission_group: str = ""
+    """The requests it is admitted with (`asyncllm.engine.admission.admission_group`; "": none): the
+    `admission_group` its stream was made in."""
 
     @property
     def pooling_operation(self) -> str | None:
@@ -136,7 +140,8 @@ class RequestStream:
         self._engine = engine
         self._prompt = prompt
         self._params = params
-        self._options = options
+        group = current_admission_group()  # where the stream is made, as its trace context
+        self._options = replace(options, admission_group=group) if group else options
         self._chat = chat
         self._trace_context = capture_context()
         """The OpenTelemetry context where the stream was made: its request span's parent, however late and on

@@ -9,6 +9,7 @@ Two kinds of refusal, both at once and before the request holds anything:
   `max_num_queued_tokens`: `EngineOverloadedError`. The core is authoritative;
   the host also checks an estimate before tokenizing
   (`asyncllm.engine.admission`), so most refusals cost no tokenization.
+  Requests of one admission group (`AdmissionGroups`) are admitted together.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.queue import RequestQueue
 from asyncllm.sched.request import Request
 
-__all__ = ["check_request", "check_queue_capacity", "check_queue_limits", "kv_size_fields"]
+__all__ = ["AdmissionGroups", "check_request", "check_queue_capacity", "check_queue_limits", "kv_size_fields"]
 
 
 def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
@@ -76,7 +77,8 @@ def check_request(
 
 
 def check_queue_capacity(
-    waiting: RequestQueue, request: Request, max_num_queued_requests: int | None, max_num_queued_tokens: int | None
+    waiting: RequestQueue, request: Request, groups: AdmissionGroups, max_num_queued_requests: int | None,
+    max_num_queued_tokens: int | None,
 ) -> None:
     """`EngineOverloadedError` if queueing `request` would pass a limit.
 
@@ -87,10 +89,36 @@ def check_queue_capacity(
     samples would pass it. `max_num_queued_tokens`: refused when the waiting
     requests' tokens plus these samples' prompts would pass it. An empty queue
     accepts any request, so a long prompt or a large n is delayed by load,
-    never refused forever.
+    never refused forever; and the rest of its admission group (`groups`) with it.
     """
-    check_queue_limits(len(waiting), waiting.num_tokens, request.num_samples, request.num_prompt_tokens,
-                       max_num_queued_requests, max_num_queued_tokens)
+    groups.check(request.admission_group, len(waiting), waiting.num_tokens, request.num_samples,
+                 request.num_prompt_tokens, max_num_queued_requests, max_num_queued_tokens)
+
+
+class AdmissionGroups:
+    """Requests admitted as one (`asyncllm.engine.admission.admission_group`): an OpenAI server request's prompts,
+    a beam-search step's beams, a `generate_many` batch. The group whose request last found the queue empty is open:
+    its later requests are accepted whatever the queue holds (and counted in it), so an empty queue accepts a whole
+    group as it accepts an n > 1 request's samples. A group that found the queue busy is checked request by request,
+    each counting those before it: refused as the group would be. The core's rule (`check_queue_capacity`, group
+    ids from `AddRequest.admission_group`) and the host's (`HostAdmission`)."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = ""
+        """The open group's id ("": none)."""
+
+    def check(self, group: str, num_waiting: int, num_waiting_tokens: int, num_samples: int, num_prompt_tokens: int,
+              max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "") -> None:
+        """`check_queue_limits` for a request of `group` ("": none) unless that group is open; opens it when the
+        queue is empty."""
+        if num_samples == 0 or (group and group == self.open):
+            return
+        check_queue_limits(num_waiting, num_waiting_tokens, num_samples, num_prompt_tokens,
+                           max_num_queued_requests, max_num_queued_tokens, about)
+        if group and num_waiting == 0:
+            self.open = group
 
 
 def check_queue_limits(

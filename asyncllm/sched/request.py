@@ -71,7 +71,7 @@ class Request:
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_id", "mm_items", "lora", "lora_int_id", "pooling",
-        "num_lora_skips", "draft_buffer", "prompt_embeds", "num_samples",
+        "num_lora_skips", "draft_buffer", "prompt_embeds", "num_samples", "admission_group",
     )
 
     def __init__(
@@ -144,6 +144,8 @@ class Request:
         """Scheduling events not yet sent to the host (see `record_event`)."""
         self.num_samples = 1
         """`protocol.AddRequest.num_samples`: what the queue's limits count it as when it is added."""
+        self.admission_group = ""
+        """`protocol.AddRequest.admission_group`: the requests it is admitted with ("": none)."""
         self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None
         """Whether a step's one new token may travel in `StepOutputs.tokens` (nothing attaches to its deltas)."""
         # copies of the stop settings, read once per generated token
@@ -180,7 +182,7 @@ class Request:
             pooling=msg.pooling,
             prompt_embeds=msg.prompt_embeds,
         )
-        request.num_samples = msg.num_samples
+        request.num_samples, request.admission_group = msg.num_samples, msg.admission_group
         return request
 
     # ------------------------------------------------------------ events

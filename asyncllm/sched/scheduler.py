@@ -59,7 +59,7 @@ from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
-from asyncllm.sched.admission import check_queue_capacity, check_request, kv_size_fields
+from asyncllm.sched.admission import AdmissionGroups, check_queue_capacity, check_request, kv_size_fields
 from asyncllm.sched.chunking import ChunkPolicy, token_budget
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.decode_step import schedule_decodes, step_record, update_decodes
@@ -158,6 +158,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Every unfinished request (waiting, running or preempted) by request_id."""
         self.waiting = create_request_queue(self.policy)
+        self.admission_groups = AdmissionGroups()  # the queue's limits admit a group's requests together
         self.running: list[Request] = []
         """Running requests in admission order; victims by `victim_index` (asyncllm/sched/preemption.py)."""
         self.rows = RequestRows(config.max_num_seqs)
@@ -202,7 +203,8 @@ class Scheduler:
         if self.proposer is not None and request.pooling is None:  # every sampling request may be drafted
             request.draft_buffer = bytearray()
         config = self.config
-        check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)
+        check_queue_capacity(self.waiting, request, self.admission_groups, config.max_num_queued_requests,
+                             config.max_num_queued_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if request.timeout is not None:

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, ConfigError, EngineOverloadedError, InvalidRequestError, SamplingParams
+from asyncllm.beam_search import BeamSearchParams
+from asyncllm.engine.admission import admission_group
+from asyncllm.integrations.openai_server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -174,6 +178,46 @@ async def test_requests_the_host_refuses_leave_an_idle_engine_admitting(engine: 
         with pytest.raises(InvalidRequestError):  # never EngineOverloadedError: the queue is empty
             await engine.generate(bad, GREEDY)
     assert len((await engine.generate([5, 6], GREEDY)).token_ids) == 8
+    await _wait_idle(engine)
+
+
+async def test_an_idle_engine_admits_a_group_past_max_num_queued_requests(engine: AsyncEngine) -> None:
+    """An admission group (prompts made in one `admission_group`, a generate_many batch, a beam search step's beams)
+    on an idle engine is accepted whole by the host and the core, each of 4 requests past max_num_queued_requests=2,
+    where a check per request refused the third as if two were waiting (issue: 429 forever on an idle server)."""
+    await _wait_idle(engine)
+    with admission_group():
+        outs = await asyncio.gather(*(engine.generate(_prompt(3, i), GREEDY) for i in range(4)))
+    assert [len(o.token_ids) for o in outs] == [8] * 4
+    batch = await engine.generate_many([_prompt(3, i) for i in range(4)], GREEDY, max_concurrency=4)
+    assert [len(o.outputs[0].token_ids) for o in batch] == [8] * 4
+    beams = await engine.beam_search(_prompt(3), BeamSearchParams(beam_width=4, max_tokens=2, ignore_eos=True))
+    assert [len(b.tokens) for b in beams.sequences] == [5] * 4
+    await _wait_idle(engine)
+
+
+async def test_a_busy_engine_refuses_a_group_past_max_num_queued_requests(engine: AsyncEngine) -> None:
+    long = await _start_long(engine)
+    waiting = asyncio.ensure_future(engine.generate([5, 6], GREEDY))
+    await _wait_for(engine, lambda s: s.num_requests_waiting == 1)
+    with admission_group():  # 1 waiting + the group's 2 requests pass the limit: refused (its second one)
+        first, second = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(2)]
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 2 requests"):
+        await second
+    await long.aclose()
+    assert len((await first).token_ids) == len((await waiting).token_ids) == 8
+    await _wait_idle(engine)
+
+
+async def test_the_server_admits_a_requests_prompts_together(engine: AsyncEngine) -> None:
+    """/v1/completions with 4 prompts on an idle server with max_num_queued_requests=2: one admission group."""
+    await _wait_idle(engine)
+    app = create_app(engine, model_name="tiny", manage_engine=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        reply = await client.post("/v1/completions", json={"model": "tiny", "prompt": [_prompt(3, i) for i in range(4)],
+                                                           "max_tokens": 2, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 4
     await _wait_idle(engine)
 
 
