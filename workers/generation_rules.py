@@ -40,7 +40,8 @@ class RuleRow(Protocol):
     """What the rules read from a worker's request row (`input_types.RequestState`)."""
 
     row: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
+    """A list, or a drafted request's `TokenPrefix` (workers/spec_decode.py)."""
     num_prompt_tokens: int
 
 

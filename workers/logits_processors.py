@@ -95,7 +95,8 @@ class RowState(Protocol):
     """What the metadata builder reads from a worker's request row (`input_types.RequestState`)."""
 
     row: int
-    token_ids: list[int]
+    token_ids: Sequence[int]
+    """Prompt then outputs: a list, or a drafted request's `TokenPrefix` (workers/spec_decode.py)."""
     num_prompt_tokens: int
     logits_params: RowLogitsParams | None
 
@@ -194,10 +195,13 @@ def _allows_none(params: RowLogitsParams, banned: list[int], holds_min_tokens: b
 
 
 def _banned_tokens(state: RowState, params: RowLogitsParams) -> list[int]:
-    """The last tokens of the bad words whose other tokens end the output so far."""
-    outputs = state.token_ids[state.num_prompt_tokens:]
+    """The last tokens of the bad words whose other tokens end the output so far (vLLM's: the output's own tokens,
+    never the prompt's). Reads only the output's last tokens, as many as the longest word's before."""
+    num_tokens = len(state.token_ids)
+    num_outputs = num_tokens - state.num_prompt_tokens
+    tail = tuple(state.token_ids[num_tokens - min(num_outputs, max(len(b) for b, _ in params.bad_words)):])
     return [last for before, last in params.bad_words
-            if len(before) <= len(outputs) and (not before or tuple(outputs[-len(before):]) == before)]
+            if len(before) <= num_outputs and (not before or tail[-len(before):] == before)]
 
 
 def _allowed_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -21,12 +21,13 @@ tokens are the ones it samples without speculation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["DraftPosition", "DraftedRequest", "exhausted_after_drafts", "plan_drafted", "verify_drafts"]
+__all__ = ["DraftPosition", "DraftedRequest", "TokenPrefix", "exhausted_after_drafts", "plan_drafted", "verify_drafts"]
 
 
 @dataclass
@@ -40,6 +41,32 @@ class DraftedRequest:
     drafts: list[int]
 
 
+class TokenPrefix(Sequence[int]):
+    """The first ``end`` tokens of a list, read in place: a drafted request's tokens up to one position without a
+    copy of them (the processors read the length and the last few tokens each step; a slice copies only itself)."""
+
+    __slots__ = ("end", "tokens")
+
+    def __init__(self, tokens: list[int], end: int) -> None:
+        assert 0 <= end <= len(tokens), (end, len(tokens))
+        self.tokens, self.end = tokens, end
+
+    def __len__(self) -> int:
+        return self.end
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.end)
+            return self.tokens[start:stop] if step == 1 else self.tokens[: self.end][index]
+        if not -self.end <= index < self.end:
+            raise IndexError(index)
+        return self.tokens[index % self.end]
+
+
 @dataclass
 class DraftPosition:
     """A drafted request as the sampler sees it at one of its positions: its tokens up to that position (the drafts
@@ -47,7 +74,8 @@ class DraftPosition:
     words; workers/logits_processors.py)."""
 
     row: int
-    token_ids: list[int]
+    token_ids: TokenPrefix
+    """The request's own token list read up to the position (valid while the step is prepared)."""
     num_prompt_tokens: int
     params: Any
     logits_params: Any
@@ -58,8 +86,8 @@ class DraftPosition:
     def of(cls, state: Any, num_drafts: int, j: int) -> "DraftPosition":
         """``state`` (its tokens ending with its ``num_drafts`` drafts) at the position after its ``j``-th draft."""
         end = len(state.token_ids) - num_drafts + j
-        return cls(state.row, state.token_ids[:end], state.num_prompt_tokens, state.params, state.logits_params,
-                   state.token_ids[end - j : end])
+        return cls(state.row, TokenPrefix(state.token_ids, end), state.num_prompt_tokens, state.params,
+                   state.logits_params, state.token_ids[end - j : end])
 
 
 def plan_drafted(
