@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeBuffers", "capture_decode_graphs", "capture_sizes",
-    "graphs_off_reason", "model_graphs_off_reason", "padded_size",
+    "captured_host_values", "graphs_off_reason", "model_graphs_off_reason", "padded_size", "recapture_if_changed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -252,3 +252,22 @@ def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
     logger.info("captured %d CUDA graphs (decode batches of 1 to %d requests) in %.1f s, %.0f MiB of GPU memory",
                 len(sizes), sizes[-1], time.perf_counter() - start, graph_bytes / 2**20)
     return graphs
+
+
+def captured_host_values(model: Any) -> list[tuple[float, float]]:
+    """The host values a captured decode forward bakes in, unlike the tensors it reads at their addresses: each
+    `Attention`'s fp8 KV-cache scales (``k_scale``, ``v_scale``: Python floats that `Attention.forward` branches on
+    and passes to the kernels as arguments; asyncllm/models/kv_scales.py)."""
+    return [(m.k_scale, m.v_scale) for m in model.modules() if isinstance(m, Attention)]
+
+
+def recapture_if_changed(runner: ModelRunner, before: list[tuple[float, float]]) -> bool:
+    """Capture the runner's decode graphs again when its `captured_host_values` are no longer ``before`` (a weight
+    update brought other KV-cache scales): replays would run the old ones. True when it did; nothing to do for a
+    runner without graphs (eager, or asleep: the wake-up captures them)."""
+    if getattr(runner, "cuda_graphs", None) is None or captured_host_values(runner.model) == before:
+        return False
+    logger.info("the fp8 KV-cache scales changed: capturing the decode graphs again")
+    runner.cuda_graphs = None  # the old graphs' memory pool goes before the new capture takes one
+    runner.cuda_graphs = capture_decode_graphs(runner)
+    return True

@@ -8,7 +8,8 @@ Two phases, so that tensor-parallel ranks never end up with different weights:
    from the safetensors headers only.
 2. Every rank (every pipeline stage's too) tells the others whether its check passed (one all-reduce). Only if all passed does each
    rank copy the weights in place (``param.data.copy_`` through the model's `load_weights`), so CUDA
-   graphs captured over the parameters stay valid and no second copy of the model is allocated.
+   graphs captured over the parameters stay valid and no second copy of the model is allocated. New fp8
+   KV-cache scales, which the graphs hold as constants, have them captured again (`recapture_if_changed`).
 
 A failure in phase 2 (a file that became unreadable half-way, a device fault) is not an error reply: the
 worker dies with a `WorkerError`, the core restarts its workers from the last weights that loaded whole
@@ -42,6 +43,7 @@ from asyncllm.models.layers import LoadedWeight, weight_shape
 from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
 from asyncllm.shm_segment import attach_untracked
+from asyncllm.workers import cuda_graphs
 from asyncllm.workers.pushed_weights import as_loaded, check_tied_head_equal
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
         if not _all_ranks_passed(error is None, runner.device):
             error = error or InvalidRequestError(_field(command), OTHER_RANK_REFUSED)
             return weights_error_reply(command.update_id, error, rank)
+        host_values = cuda_graphs.captured_host_values(runner.model)  # KV-cache scales: the graphs' constants
         with _requantized(runner):  # online fp8: each layer's new float weights quantized into its fp8 ones
             if segment is not None:
                 unwritten = _written(runner, _copy_tensors(runner, segment, tensors))
@@ -102,6 +105,7 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
             _close(segment)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # the host-to-device copies are done before the next step reads
+    cuda_graphs.recapture_if_changed(runner, host_values)
     return protocol.WeightsUpdated(command.update_id, rank=rank, weights_unwritten=unwritten)
 
 

@@ -7,7 +7,9 @@ With an fp8 ``kv_cache_dtype`` each layer's scales go to its `Attention` (``k_sc
 holds ``k / k_scale`` and ``v / v_scale`` in fp8, as vLLM's does. The query stays in the model dtype, so a ``q_scale``
 other than 1.0 (fp8 attention) is a `NotBuiltError`, as vLLM's Triton backend refuses it. With a cache of the model
 dtype the scales describe nothing asyncllm stores, and are dropped (vLLM ignores them there too). `take_kv_scales`
-does both while the weights stream to the model's loader.
+does both while the weights stream to the model's loader. The scales are Python floats, which a captured CUDA graph
+holds as constants: a weight update that changes them has the graphs captured again
+(workers/cuda_graphs.py `recapture_if_changed`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ _ATTENTION_CHILDREN = (".q_proj", ".k_proj", ".v_proj", ".qkv_proj", ".attn")
 
 def take_kv_scales(weights: Iterable[tuple[str, LoadedWeight]], model: Any,
                    kv_cache_dtype: str) -> Iterator[tuple[str, LoadedWeight]]:
-    """``weights`` less the KV-cache scales: set on the layers' attention with an fp8 cache, else dropped."""
+    """``weights`` less the KV-cache scales: set on the layers' attention with an fp8 cache, else dropped. The scales
+    are the checkpoint's: 1.0 where it has none (a weight update from a calibrated checkpoint to one without, as
+    a fresh load of it would give)."""
     fp8 = kv_cache_dtype.startswith("fp8")
+    for attention in (m for m in model.modules() if isinstance(m, Attention)):
+        attention.k_scale = attention.v_scale = 1.0
     for name, weight in weights:
         if not name.endswith(KV_CACHE_SCALE_SUFFIXES):
             yield name, weight

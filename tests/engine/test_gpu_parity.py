@@ -101,3 +101,48 @@ async def test_gpu_weight_update_keeps_graphs_exact(tiny_llama: str, enforce_eag
                 ))
                 for (prompt, max_tokens), out in zip(requests, outs):
                     assert out.token_ids == _expected(path, tuple(prompt), max_tokens), f"weights of {path} diverged"
+
+
+def _with_kv_scales(source: str, folder: "os.PathLike[str]", k_scale: float, v_scale: float) -> str:
+    """A copy of the checkpoint ``source`` with calibrated fp8 KV-cache scales on every layer."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    layers = json.loads((Path(folder) / "config.json").read_text())["num_hidden_layers"]
+    [file] = Path(folder).glob("*.safetensors")
+    tensors = load_file(file)
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, file)
+    return str(folder)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+async def test_gpu_weight_update_with_new_kv_scales_gives_a_fresh_engines_tokens(tiny_llama: str, tmp_path,
+                                                                                 enforce_eager: bool) -> None:
+    """fp8 KV cache: an update to a checkpoint whose calibrated k/v scales differ (the same weights) gives the
+    tokens of an engine started on it. The scales are constants of the captured decode graphs, which the update
+    captures again (workers/cuda_graphs.py `recapture_if_changed`); graphs replaying the old ones would attend
+    over keys scaled by 16 and values by 8 against what the eager prefills wrote."""
+    old = _with_kv_scales(tiny_llama, tmp_path / "old", 0.25, 0.25)
+    new = _with_kv_scales(tiny_llama, tmp_path / "new", 4.0, 2.0)
+    prompts = [prompt for prompt, _ in _rounds()[0][:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    settings = dict(device="cuda", dtype="float32", kv_cache_dtype="fp8", enforce_eager=enforce_eager,
+                    max_num_seqs=32, max_num_batched_tokens=64, num_gpu_blocks_override=1024,
+                    kv_cache_memory_bytes=1 << 28, disable_log_stats=True)
+
+    async def tokens(engine: AsyncEngine) -> list[list[int]]:  # one at a time: decode batches of one
+        return [(await engine.generate(prompt, params)).token_ids for prompt in prompts]
+
+    async with AsyncEngine(new, **settings) as engine:
+        expected = await tokens(engine)
+    async with AsyncEngine(old, **settings) as engine:
+        await tokens(engine)  # the graphs replayed over the old scales first
+        assert await engine.update_weights(new) == 1
+        assert await tokens(engine) == expected
