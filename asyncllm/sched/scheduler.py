@@ -254,6 +254,9 @@ class Scheduler:
         """Finish requests outside a step, wherever they are, and free their GPU and CPU blocks now."""
         if not requests:
             return
+        gone = {r.request_id for r in requests}
+        if any(r.status is RequestStatus.RUNNING for r in requests):  # only those are in `running`: O(1) otherwise
+            self.running = [r for r in self.running if r.request_id not in gone]
         for request in requests:
             del self.requests[request.request_id]
             if self.rows.holds(request):
@@ -263,8 +266,6 @@ class Scheduler:
             if self.swap_space is not None:
                 self.swap_space.free(request.request_id)
             self._finished_req_ids.append(request.request_id)
-        gone = {r.request_id for r in requests}
-        self.running = [r for r in self.running if r.request_id not in gone]
         self.waiting.remove_requests(gone)
 
     def abort_client(self, client_id: bytes) -> list[Request]:

@@ -6,13 +6,11 @@ KV cache use, queue lengths, preemptions, prefix-cache and encoder-cache hits, t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import protocol
 
 if TYPE_CHECKING:
-    from asyncllm.sched.request import Request
     from asyncllm.sched.scheduler import Scheduler
 
 __all__ = ["scheduler_stats"]
@@ -51,9 +49,11 @@ def _spec_stats(sched: Scheduler) -> dict[str, Any]:
 
 
 def _lora_stats(sched: Scheduler) -> dict[str, Any]:
-    """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
-    def names(requests: Iterable[Request]) -> list[str]:
-        return sorted({r.lora.lora_name for r in requests if r.lora is not None})
+    """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info).
 
-    return {"max_lora": sched.max_loras, "running_lora_adapters": names(sched.running),
-            "waiting_lora_adapters": names(sched.waiting)}
+    The running ones are at most `max_num_seqs`; the queue counts its own (`RequestQueue.lora_names`), so a long
+    queue costs nothing per step.
+    """
+    running = sorted({r.lora.lora_name for r in sched.running if r.lora is not None})
+    return {"max_lora": sched.max_loras, "running_lora_adapters": running,
+            "waiting_lora_adapters": sched.waiting.lora_names}
