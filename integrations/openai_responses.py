@@ -3,7 +3,8 @@
 One `Choices` object follows a whole request (every prompt, every sample):
 it accumulates text, token counts and logprobs per choice, so the same code
 serves the non-streaming body (everything at the end) and the SSE chunks (one
-per delta). OpenAI counts a prompt's tokens once however many samples it has;
+per delta; `Choices.streaming` keeps no text, token ids or logprobs, only
+counts and offsets). OpenAI counts a prompt's tokens once however many samples it has;
 completion tokens are every generated token of every choice.
 """
 
@@ -104,6 +105,10 @@ class Choices:
         """Each prompt's end opened the thinking (`Marker.opened_by`): its replies think until the end tag."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
+        self.streaming = False
+        """Set by the SSE paths before their first delta: each chunk is built from its delta alone, so no choice keeps
+        its text, token ids or logprobs (read only by a whole body: `final_choices`, `reply_deltas`); a stream's
+        memory does not grow with its tokens (logprobs=20 kept ~4 KiB a token)."""
 
     def ended_thinking(self, prompt_index: int, prompt_ids: list[int]) -> None:
         """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer; or opened
@@ -121,16 +126,18 @@ class Choices:
             delta = StreamDelta(delta.index, "", [], finish)
         index = prompt_index * self.n + delta.index
         choice = self._choices[index]
-        choice.text.append(delta.text)
+        if not self.streaming:
+            choice.text.append(delta.text)
         choice.num_tokens += len(delta.token_ids)
-        if self.return_token_ids or self.counts_reasoning:
+        if (self.return_token_ids and not self.streaming) or self.counts_reasoning:
             choice.output_token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         logprobs = None
         if self.top_logprobs is not None and delta.logprobs is not None and not self.hides_metadata:
-            choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs)
+            if not self.streaming:
+                choice.token_ids.extend(delta.token_ids)
+                choice.logprobs.extend(delta.logprobs)
             logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
         return index, logprobs
 
@@ -177,11 +184,13 @@ class Choices:
         out = []
         for index in range(prompt_index * self.n, (prompt_index + 1) * self.n):
             choice = self._choices[index]
-            choice.text.insert(0, text)
             logprobs = None
+            if not self.streaming:
+                choice.text.insert(0, text)
             if self.top_logprobs is not None and entries is not None:
-                choice.token_ids[:0] = token_ids
-                choice.logprobs[:0] = entries
+                if not self.streaming:
+                    choice.token_ids[:0] = token_ids
+                    choice.logprobs[:0] = entries
                 logprobs = self._format_logprobs(choice, token_ids, entries)
             out.append((index, logprobs))
         return out

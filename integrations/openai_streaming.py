@@ -47,6 +47,7 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
     meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
             "created": int(time.time()), "model": model}
     if req.stream:
+        choices.streaming = True
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
         count_prompts(streams, choices)
@@ -199,6 +200,7 @@ def _chat_openings(choices: Choices) -> list[tuple[dict[str, Any], dict[str, Any
 async def response_events(request: Request, events: ResponseEvents, streams: list[RequestStream],
                           firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
     """The Responses API's SSE events of one chat completion's stream (responses_api.py)."""
+    choices.streaming = True
     for event in events.start():
         yield event
     try:

@@ -10,7 +10,14 @@ ids into the text that is safe to show now, in three stages, token by token
    sequence (U+FFFD), and released as soon as the character completes (a
    byte-fallback ``<0x0A>`` is a newline at once, so ``stop=["\n"]`` ends
    the request on that token) or the request finishes: then as U+FFFD that
-   stop strings never match.
+   stop strings never match. The hold is bounded: once more than 8 ids
+   (`_MAX_HELD_IDS`; a character has at most 4 bytes) are held with the text
+   still ending in U+FFFD, the run is invalid UTF-8 (a lone continuation byte
+   that ``allowed_token_ids`` or ``logit_bias`` can force, repeated): the text
+   of all but the last 3 is released as decode() shows it, U+FFFD included
+   (stop strings match it as any text), and the window goes on from them. So
+   each token decodes a bounded window, and special tokens that
+   ``skip_special_tokens`` drops never enter it.
    With ``spaces_between_special_tokens=False`` (and special tokens kept), an
    added token right after another is emitted as its bare content (vLLM's
    rule, `_AddedTokensJoined`).
@@ -31,8 +38,8 @@ byte-fallback run that turns invalid UTF-8 after characters of it were shown.
 sentencepiece's ByteFallback decoder then writes every byte of the run as
 U+FFFD, the shown characters included; the stream keeps what it showed and
 writes U+FFFD for the rest of the run (their count follows the decoding
-window, so it may differ from decode()'s; the text before and after the run is
-decode()'s). vLLM's DecodeStream drops such bytes instead. Another: a slow
+window, so it may differ from decode()'s, as it may for a run past the hold's bound;
+the text before and after the run is decode()'s). vLLM's DecodeStream drops such bytes instead. Another: a slow
 tokenizer whose decode writes before text it wrote for earlier ids (GPT-SW3's
 puts a space before the text that precedes a special token): that text is
 shown already, so the stream decodes added tokens apart instead (vLLM's slow
@@ -48,6 +55,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.engine.added_tokens import AddedTokensApart, added_tokens, special_ids
 from asyncllm.engine.spaces_cleanup import SpacesCleanup, cleanup_applies
 from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
@@ -57,6 +65,12 @@ __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer", "TokenIdsOnly", "new_d
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_HELD_IDS = 8
+"""The most ids a decode stream holds while their text ends in U+FFFD (or is empty): a character has at most 4
+bytes, with margin for tokens of several. Past it the run is invalid UTF-8, and the stream cuts it
+(`_WindowStream._cut`), so each token decodes a bounded window."""
+_KEPT_AT_CUT = 3
+"""The held ids a cut keeps, the last: a character they may still complete has at most 3 bytes so far."""
 
 @dataclass(frozen=True)
 class DetokenizerUpdate:
@@ -215,13 +229,15 @@ class _WindowStream:
     by length, as vLLM's original algorithm did; see the module docstring).
 
     ``decode_apart``: for a ``decode`` that rewrites the text of ids before new ones (GPT-SW3's slow tokenizer
-    puts a space before the text that precedes a special token), a decode that cannot (`_AddedTokensApart`),
+    puts a space before the text that precedes a special token), a decode that cannot (`AddedTokensApart`),
     used while ``decode(context + pending)`` does not start with ``decode(context)``.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str],
+    def __init__(self, decode: Callable[[list[int]], str], skipped: frozenset[int],
                  decode_apart: Callable[[list[int]], str] | None = None) -> None:
         self._decode = decode
+        self._skipped = skipped
+        """Ids ``decode`` drops (special tokens with ``skip_special_tokens``): they never enter the window."""
         self._decode_apart = decode_apart
         self._context: list[int] = []
         self._pending: list[int] = []
@@ -231,10 +247,12 @@ class _WindowStream:
         """``decode(context)``, computed once per context."""
 
     def step(self, token_id: int) -> str:
+        if token_id in self._skipped:
+            return ""
         self._pending.append(token_id)
         text = self._pending_text()
         if not text or text.endswith(_REPLACEMENT_CHAR):
-            return ""
+            return self._cut() if len(self._pending) > _MAX_HELD_IDS else ""
         if text.isspace():
             self._context, self._pending, self._prefix = self._anchor + self._pending, [], None
             return text
@@ -246,6 +264,17 @@ class _WindowStream:
         if not self._pending:
             return ""
         return self._advance(self._pending_text())
+
+    def _cut(self) -> str:
+        """Release the text of the held ids but the last `_KEPT_AT_CUT`, as decode() shows it (U+FFFD for invalid
+        bytes), and make them the context; ids that add no text are dropped instead, the context kept."""
+        head, tail = self._pending[:-_KEPT_AT_CUT], self._pending[-_KEPT_AT_CUT:]
+        self._pending = head
+        text = self._pending_text()
+        if text:
+            self._context, self._anchor, self._prefix = head, head, None
+        self._pending = tail
+        return text
 
     def _pending_text(self) -> str:
         """``decode(context + pending)`` past ``decode(context)``; by ``decode_apart`` where that is prefix-stable
@@ -274,18 +303,19 @@ class _FastStream(_WindowStream):
 
     If the stream ever refuses a step (tokenizers raises when a decoder
     rewrites text it already produced), decoding goes on with the Python
-    window, which slices by length as vLLM's original algorithm did.
+    window, which slices by length as vLLM's original algorithm did; so it
+    does from a cut (`_MAX_HELD_IDS`: DecodeStream cannot let go of held ids).
     """
 
-    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool, skipped: frozenset[int]) -> None:
         from tokenizers.decoders import DecodeStream
 
-        super().__init__(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        super().__init__(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens), skipped)
         self._backend = backend
         self._decode_stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
-        if self._decode_stream is None:
+        if self._decode_stream is None or token_id in self._skipped:
             return super().step(token_id)
         try:
             text = self._decode_stream.step(self._backend, token_id)
@@ -294,7 +324,12 @@ class _FastStream(_WindowStream):
             self._decode_stream = None
             return super().step(token_id)
         self._pending.append(token_id)
-        return "" if text is None else self._advance(text)
+        if text is not None:
+            return self._advance(text)
+        if len(self._pending) <= _MAX_HELD_IDS:
+            return ""
+        self._decode_stream = None
+        return self._cut()
 
 
 class _AddedTokensJoined:
@@ -328,69 +363,21 @@ def _make_stream(tokenizer: Any, params: SamplingParams) -> _WindowStream | _Add
     stream = _decode_stream(tokenizer, params.skip_special_tokens)
     if params.skip_special_tokens or params.spaces_between_special_tokens:
         return stream
-    added = _added_tokens(tokenizer)
+    added = added_tokens(tokenizer)
     return _AddedTokensJoined(stream, added) if added else stream
-
-
-def _added_tokens(tokenizer: Any) -> dict[int, str]:
-    """The tokenizer's added tokens by id, read once per tokenizer (as vLLM caches them on it: thousands of added
-    tokens cost ~2 ms a read)."""
-    cached = getattr(tokenizer, "_asyncllm_added_tokens", None)
-    if cached is None:
-        backend = getattr(tokenizer, "_tokenizer", None)  # vLLM reads the Rust tokenizer's added tokens
-        added = backend.get_added_tokens_decoder() if backend is not None else tokenizer.added_tokens_decoder
-        cached = {i: token.content for i, token in added.items()}
-        try:
-            tokenizer._asyncllm_added_tokens = cached
-        except (AttributeError, TypeError):  # a tokenizer class that takes no new attribute: read each time
-            pass
-    return cached
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
     """DecodeStream for fast tokenizers without byte fallback; the Python window otherwise."""
     backend = getattr(tokenizer, "_tokenizer", None)
+    skipped = special_ids(tokenizer) if skip_special_tokens else frozenset()
     if backend is not None and not getattr(backend.model, "byte_fallback", False):
-        return _FastStream(backend, skip_special_tokens)
+        return _FastStream(backend, skip_special_tokens, skipped)
     if backend is not None:
         def decode(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return _WindowStream(decode)
+        return _WindowStream(decode, skipped)
 
     def decode_slow(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-    return _WindowStream(decode_slow, _AddedTokensApart(tokenizer, decode_slow, skip_special_tokens))
-
-
-class _AddedTokensApart:
-    """A decode of ids with each added token apart, as its content (nothing for a special one skipped), the runs
-    between by the tokenizer's decode: vLLM's slow-tokenizer text (`_convert_tokens_to_string_with_added_encoders`,
-    joined without spaces as transformers 5's decode), which an added token cannot rewrite before it."""
-
-    def __init__(self, tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool) -> None:
-        self._tokenizer = tokenizer
-        self._decode = decode
-        self._skip_special_tokens = skip_special_tokens
-        self._texts: dict[int, str] | None = None
-        """Each added token's text, read on the first call (a prefix-stable decode never makes one)."""
-
-    def __call__(self, ids: list[int]) -> str:
-        texts = self._texts if self._texts is not None else self._added_texts()
-        pieces: list[str] = []
-        start = 0
-        for i, token_id in enumerate(ids):
-            if token_id in texts:
-                if i > start:
-                    pieces.append(self._decode(ids[start:i]))
-                pieces.append(texts[token_id])
-                start = i + 1
-        if start < len(ids):
-            pieces.append(self._decode(ids[start:]))
-        return "".join(pieces)
-
-    def _added_texts(self) -> dict[int, str]:
-        texts = dict(_added_tokens(self._tokenizer))
-        if self._skip_special_tokens:
-            texts.update(dict.fromkeys(set(getattr(self._tokenizer, "all_special_ids", ())) & texts.keys(), ""))
-        self._texts = texts
-        return texts
+    return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow, skip_special_tokens))

@@ -1,0 +1,74 @@
+"""A tokenizer's added tokens, for the detokenizer's decode stage (asyncllm/engine/detokenizer.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["AddedTokensApart", "added_tokens", "special_ids"]
+
+
+def added_tokens(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's added tokens by id, read once per tokenizer (as vLLM caches them on it: thousands of added
+    tokens cost ~2 ms a read)."""
+    return _cached(tokenizer, "_asyncllm_added_tokens", lambda: {i: t.content for i, t in _added(tokenizer).items()})
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``decode(..., skip_special_tokens=True)`` drops, read once per tokenizer: the Rust tokenizer's special
+    added tokens, a slow tokenizer's ``all_special_ids`` (transformers' rule)."""
+    if getattr(tokenizer, "_tokenizer", None) is None:
+        return _cached(tokenizer, "_asyncllm_special_ids",
+                       lambda: frozenset(getattr(tokenizer, "all_special_ids", ())))
+    return _cached(tokenizer, "_asyncllm_special_ids",
+                   lambda: frozenset(i for i, t in _added(tokenizer).items() if t.special))
+
+
+def _added(tokenizer: Any) -> dict[int, Any]:
+    backend = getattr(tokenizer, "_tokenizer", None)  # vLLM reads the Rust tokenizer's added tokens
+    return backend.get_added_tokens_decoder() if backend is not None else tokenizer.added_tokens_decoder
+
+
+def _cached(tokenizer: Any, name: str, read: Callable[[], Any]) -> Any:
+    cached = getattr(tokenizer, name, None)
+    if cached is None:
+        cached = read()
+        try:
+            setattr(tokenizer, name, cached)
+        except (AttributeError, TypeError):  # a tokenizer class that takes no new attribute: read each time
+            pass
+    return cached
+
+
+class AddedTokensApart:
+    """A decode of ids with each added token apart, as its content (nothing for a special one skipped), the runs
+    between by the tokenizer's decode: vLLM's slow-tokenizer text (`_convert_tokens_to_string_with_added_encoders`,
+    joined without spaces as transformers 5's decode), which an added token cannot rewrite before it."""
+
+    def __init__(self, tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._decode = decode
+        self._skip_special_tokens = skip_special_tokens
+        self._texts: dict[int, str] | None = None
+        """Each added token's text, read on the first call (a prefix-stable decode never makes one)."""
+
+    def __call__(self, ids: list[int]) -> str:
+        texts = self._texts if self._texts is not None else self._added_texts()
+        pieces: list[str] = []
+        start = 0
+        for i, token_id in enumerate(ids):
+            if token_id in texts:
+                if i > start:
+                    pieces.append(self._decode(ids[start:i]))
+                pieces.append(texts[token_id])
+                start = i + 1
+        if start < len(ids):
+            pieces.append(self._decode(ids[start:]))
+        return "".join(pieces)
+
+    def _added_texts(self) -> dict[int, str]:
+        texts = dict(added_tokens(self._tokenizer))
+        if self._skip_special_tokens:
+            texts.update(dict.fromkeys(set(getattr(self._tokenizer, "all_special_ids", ())) & texts.keys(), ""))
+        self._texts = texts
+        return texts

@@ -1,0 +1,101 @@
+"""The decode stream holds a bounded window: a run of invalid UTF-8 is released as decode() shows it once more ids
+are held than can complete a character, and skipped special tokens never enter the window (the cost of a token does
+not grow with the run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from asyncllm.engine import detokenizer
+from asyncllm.engine.detokenizer import IncrementalDetokenizer
+from asyncllm.sampling import SamplingParams
+from asyncllm.tiny import tiny_checkpoint
+from test_detokenizer import SlowTokenizerView, sentencepiece_style_tokenizer
+
+BOUND = detokenizer._MAX_HELD_IDS
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict[str, Any]:
+    llama2 = sentencepiece_style_tokenizer("llama2")
+    return {
+        "byte_level": AutoTokenizer.from_pretrained(tiny_checkpoint("llama")),
+        "llama2": llama2,
+        "slow_view": SlowTokenizerView(llama2),
+    }
+
+
+def _fast(tokenizer: Any) -> Any:
+    return getattr(tokenizer, "_fast", tokenizer)
+
+
+def _byte_ids(tokenizer: Any, data: bytes) -> list[int]:
+    """One id per byte: a byte-fallback ``<0xNN>`` token, or the byte-level BPE token of that byte (GPT-2's
+    byte-to-unicode map)."""
+    vocab = _fast(tokenizer).get_vocab()
+    if "<0x80>" in vocab:
+        return [vocab[f"<0x{b:02X}>"] for b in data]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
+    return [vocab[char[b]] for b in data]
+
+
+def _word(tokenizer: Any, text: str) -> list[int]:
+    """The ids of ``text`` after a word (its leading space a byte-level "Ġ" or a SentencePiece "▁")."""
+    fast = _fast(tokenizer)
+    return fast("a" + text, add_special_tokens=False).input_ids[len(fast("a", add_special_tokens=False).input_ids):]
+
+
+def _run(tokenizer: Any, ids: list[int], skip: bool = True) -> tuple[list[str], IncrementalDetokenizer, int]:
+    """Step ``ids`` one by one; the texts (the finishing flush last), the detokenizer and the most ids its decode
+    stream held after a step (at most `BOUND`) or decoded as context (the ids of the last piece: one more)."""
+    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip))
+    texts, held = [], 0
+    for token_id in ids:
+        texts.append(detok.update([token_id], False).text)
+        held = max(held, len(detok._stream._pending), len(detok._stream._context) - 1)
+    texts.append(detok.update([], True).text)
+    return texts, detok, held
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama2", "slow_view"])
+def test_an_invalid_run_is_released_as_decode_shows_it(tokenizers: dict[str, Any], name: str) -> None:
+    tokenizer = tokenizers[name]
+    ids = _byte_ids(tokenizer, b"\x80" * 200)
+    texts, detok, held = _run(tokenizer, ids)
+    assert held <= BOUND
+    assert "".join(texts[:-1]).count("\ufffd") >= 200 - BOUND  # streamed as it goes, not at the finish
+    assert detok.output_text == _fast(tokenizer).decode(ids) == "\ufffd" * 200
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama2", "slow_view"])
+def test_a_character_after_an_invalid_run_is_whole(tokenizers: dict[str, Any], name: str) -> None:
+    """Wherever the cut falls, the character that follows the run (its bytes held across it) shows whole, and the
+    text is decode()'s."""
+    tokenizer = tokenizers[name]
+    word = _word(tokenizer, " the")
+    for run in range(2 * BOUND + 2):
+        for char in ("中", "🙂"):
+            ids = [*_byte_ids(tokenizer, b"\x80" * run + char.encode()), *word]
+            texts, detok, held = _run(tokenizer, ids)
+            decoded = _fast(tokenizer).decode(ids)
+            assert held <= BOUND, run
+            assert detok.output_text == "".join(texts) == decoded, (run, char)
+            assert decoded.endswith(char + " the") == (name == "byte_level" or run == 0)  # byte fallback: all U+FFFD
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama2"])
+def test_skipped_special_tokens_never_enter_the_window(tokenizers: dict[str, Any], name: str) -> None:
+    """A run of EOS (ignore_eos) holds nothing, and the word after it keeps its space."""
+    tokenizer = tokenizers[name]
+    hello, world = tokenizer("Hello", add_special_tokens=False).input_ids, _word(tokenizer, " world")
+    ids = [*hello, *[tokenizer.eos_token_id] * 100, *world]
+    texts, detok, held = _run(tokenizer, ids)
+    assert held <= len(hello + world)
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
+    _, kept, _ = _run(tokenizer, ids, skip=False)
+    assert kept.output_text == tokenizer.decode(ids, skip_special_tokens=False)
