@@ -190,6 +190,13 @@ MAX_BAD_WORDS_TOTAL_TOKENS = EnvVar(
     "Most tokens in all of one request's bad-word sequences together (vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS); more "
     "is an InvalidRequestError. Read per request.",
 )
+XGRAMMAR_CACHE_MB = EnvVar(
+    "ASYNCLLM_XGRAMMAR_CACHE_MB", 512, _positive_int,
+    "MiB of compiled grammars (xgrammar's memory_size_bytes) the engine core keeps for later requests with the same "
+    "structured-output constraint (vLLM's VLLM_XGRAMMAR_CACHE_MB); past it the least recently used go, and a grammar "
+    "larger than it is not kept. Read on the host at start (`check_at_start`) and at the core's first structured "
+    "request.",
+)
 
 PP_LAYER_PARTITION = EnvVar(
     "ASYNCLLM_PP_LAYER_PARTITION", "", str,
@@ -235,7 +242,7 @@ REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE
             ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
             MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE, WORKER_TRACE_CHROME, WORKER_TRACE_DIR,
-            WORKER_TRACE_STEPS)
+            WORKER_TRACE_STEPS, XGRAMMAR_CACHE_MB)
 PARENT_PID_NAME = "ASYNCLLM_PARENT_PID"
 """Set by `procutil.spawn_module` in a child's environment, read (and removed) by `procutil.exit_when_parent_dies`."""
 CORE_PID_NAME = "ASYNCLLM_CORE_PID"
@@ -264,6 +271,7 @@ def check_at_start() -> None:
     WORKER_TRACE_CHROME.get()
     LOGGING_LEVEL.get()
     CONFIGURE_LOGGING.get()
+    XGRAMMAR_CACHE_MB.get()
 
 
 def warn_unknown() -> None:

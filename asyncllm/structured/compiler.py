@@ -8,7 +8,11 @@ waits: it submits, keeps stepping the other requests, and polls.
 
 A compile job is shared by every request with the same constraint (the
 samples of an n > 1 request, repeated schemas) through the cache: one future
-per (kind, text), kept after it finishes (LRU, `_CACHE_SIZE` entries). A job
+per (kind, text), keyed by their sha256 digest (no client-sized text is kept
+once the job is done) and kept after it finishes, least recently used first:
+at most `_CACHE_SIZE` entries and ASYNCLLM_XGRAMMAR_CACHE_MB MiB of compiled
+grammars (xgrammar's `memory_size_bytes`, vLLM's VLLM_XGRAMMAR_CACHE_MB); a
+grammar larger than that alone serves its requests without being kept. A job
 nobody waits for any more is cancelled if it has not started; one already
 running in xgrammar's C++ cannot be interrupted, so it finishes in the
 background and its result stays in the cache for the next request.
@@ -17,17 +21,20 @@ background and its result stays in the cache for the next request.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import queue
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
+from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.structured.spec import StructuredOutputs, looks_like_lark
 
@@ -58,6 +65,78 @@ def check_xgrammar_installed() -> None:
         )
 
 
+def constraint_digest(key: tuple[str, str]) -> bytes:
+    """The cache's key of a constraint's (kind, text): their sha256 digest (a kind has no NUL)."""
+    kind, text = key
+    return hashlib.sha256(f"{kind}\0{text}".encode("utf-8", "surrogatepass")).digest()
+
+
+class GrammarCache:
+    """Compiled grammars' futures by constraint digest, least recently used first: at most `_CACHE_SIZE` entries
+    and `limit_bytes` of compiled grammars and keys. Used by the core and the compile threads (a lock)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._entries: OrderedDict[bytes, tuple[Future[Any], int]] = OrderedDict()
+        """digest -> (future, bytes: its key's, plus its grammar's once compiled)."""
+        self.num_bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> Future[Any] | None:
+        """The future of `key` (now the most recently used), if cached."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return None if entry is None else entry[0]
+
+    def add(self, key: bytes, future: Future[Any]) -> None:
+        """Cache `future` as `key`'s (replacing a failed or cancelled one), the least recently used past `_CACHE_SIZE`
+        going (a compile in flight too: its requests keep their future)."""
+        with self._lock:
+            self._pop(key)
+            self._entries[key] = (future, sys.getsizeof(key))
+            self.num_bytes += sys.getsizeof(key)
+            if len(self._entries) > _CACHE_SIZE:
+                self._pop(next(iter(self._entries)))
+
+    def compiled(self, key: bytes, future: Future[Any], grammar_bytes: int) -> None:
+        """`future`'s compile succeeded with a grammar of `grammar_bytes`: the least recently used compiled grammars
+        go until the cache fits its limit; one over the limit alone is not kept (its requests have it)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[0] is not future:  # evicted or released meanwhile
+                return
+            if entry[1] + grammar_bytes > self.limit_bytes:
+                self._pop(key)
+                return
+            self._entries[key] = (future, entry[1] + grammar_bytes)  # keeps its place
+            self.num_bytes += grammar_bytes
+            for old in [k for k, (f, _) in self._entries.items() if k != key and f.done()]:
+                if self.num_bytes <= self.limit_bytes:
+                    break
+                self._pop(old)
+
+    def discard(self, key: bytes, future: Future[Any]) -> None:
+        """Forget `key` if `future` is still its entry."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is future:
+                self._pop(key)
+
+    def futures(self) -> list[Future[Any]]:
+        with self._lock:
+            return [future for future, _ in self._entries.values()]
+
+    def _pop(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.num_bytes -= entry[1]
+
+
 class GrammarCompilerPool:
     """Compiles constraints in background threads; `submit` returns the shared future of a compiled grammar."""
 
@@ -70,7 +149,8 @@ class GrammarCompilerPool:
         self._revision = revision
         self._trust_remote_code = trust_remote_code
         self._vocab_size = vocab_size
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], tuple[str, str]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], bytes, tuple[str, str]] | None] = queue.SimpleQueue()
+        """(future, its cache key, the constraint's (kind, text)): the text is held until the job is done."""
         self._threads_lock = threading.Lock()
         self._num_threads = 0
         self._abandoned: set[Future[Any]] = set()
@@ -78,7 +158,7 @@ class GrammarCompilerPool:
         self._num_busy = 0
         for _ in range(_NUM_THREADS):
             self._start_thread()
-        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._cache = GrammarCache(envs.XGRAMMAR_CACHE_MB.get() * 2**20)
         self._compiler: Any = None
         self._tokenizer_info: Any = None
         self._compiler_lock = threading.Lock()
@@ -110,16 +190,14 @@ class GrammarCompilerPool:
 
     def submit(self, structured: StructuredOutputs) -> Future[Any]:
         """The future of `structured`'s compiled grammar: from the cache, or a new job."""
-        key = structured.cache_key()
+        constraint = structured.cache_key()
+        key = constraint_digest(constraint)
         future = self._cache.get(key)
         if future is not None and not (future.cancelled() or (future.done() and future.exception() is not None)):
-            self._cache.move_to_end(key)
             return future
         future: Future[Any] = Future()
-        self._jobs.put((future, key))
-        self._cache[key] = future
-        if len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        self._jobs.put((future, key, constraint))
+        self._cache.add(key, future)
         return future
 
     def release(self, structured: StructuredOutputs, future: Future[Any], still_wanted: bool) -> None:
@@ -132,9 +210,7 @@ class GrammarCompilerPool:
         if still_wanted or future.done():
             return
         if future.cancel():
-            key = structured.cache_key()
-            if self._cache.get(key) is future:
-                del self._cache[key]
+            self._cache.discard(constraint_digest(structured.cache_key()), future)
             return
         with self._threads_lock:
             # done: its thread already went on serving (it checks `_abandoned` under this lock after finishing)
@@ -144,7 +220,7 @@ class GrammarCompilerPool:
 
     def shutdown(self) -> None:
         """Stop the threads once they finish their current job (queued jobs are cancelled)."""
-        for future in self._cache.values():
+        for future in self._cache.futures():
             future.cancel()
         with self._threads_lock:
             for _ in range(self._num_threads):
@@ -157,23 +233,31 @@ class GrammarCompilerPool:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            future, key = job
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            with self._threads_lock:
-                self._num_busy += 1
-            try:
-                future.set_result(self._compile(key))
-            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting requests by the core's poll
-                future.set_exception(exc)
-            with self._threads_lock:
-                self._num_busy -= 1
-                if future in self._abandoned:  # this thread was replaced: it goes, its replacement stays
-                    self._abandoned.discard(future)
-                    self._num_threads -= 1
-                    return
+            if job[0].set_running_or_notify_cancel() and self._run(*job):  # else cancelled while queued
+                return  # this thread was replaced
+            del job  # nothing of the job (its text, an uncached grammar) is held while waiting for the next
         with self._threads_lock:
             self._num_threads -= 1
+
+    def _run(self, future: Future[Any], key: bytes, constraint: tuple[str, str]) -> bool:
+        """Compile `constraint` into `future`; True when this thread was replaced and goes."""
+        with self._threads_lock:
+            self._num_busy += 1
+        try:
+            grammar = self._compile(constraint)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiting requests by the core's poll
+            future.set_exception(exc)
+            self._cache.discard(key, future)  # a later request compiles anew: nothing (its traceback's text) is kept
+        else:
+            future.set_result(grammar)
+            self._cache.compiled(key, future, getattr(grammar, "memory_size_bytes", 0))  # a test's fake grammar: 0
+        with self._threads_lock:
+            self._num_busy -= 1
+            if future in self._abandoned:  # this thread was replaced: it goes, its replacement stays
+                self._abandoned.discard(future)
+                self._num_threads -= 1
+                return True
+        return False
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:
