@@ -12,12 +12,13 @@ docs/lora.md has the whole story.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Collection, Container, TypeVar
 
 import msgspec
 
@@ -27,7 +28,10 @@ from asyncllm.lora_hybrid_shapes import KDA_TARGETS, MAMBA_TARGETS
 from asyncllm.lora_names import canonical_name
 from asyncllm.models.family_config import LATENT_TARGETS
 
-__all__ = ["LoRARequest", "AdapterModule", "Adapter", "read_adapter", "LORA_TARGETS"]
+__all__ = ["LoRARequest", "AdapterModule", "Adapter", "read_adapter", "LORA_TARGETS", "kept_lora_ids",
+           "idle_to_forget"]
+
+K = TypeVar("K")
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -79,6 +83,27 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
             raise InvalidRequestError(_FIELD, f"lora_int_id must be an int in [1, 2**63 - 1], got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequestError(_FIELD, f"lora_path must be a non-empty str, got {self.lora_path!r}")
+
+
+KEPT_LORA_IDS = 64
+"""The fewest adapter ids no request runs with that the host and the engine core keep bound (`kept_lora_ids`)."""
+
+
+def kept_lora_ids(max_cpu_loras: int) -> int:
+    """How many adapter ids no request runs with the host's `AdapterChecker` and the core's `HostLoRAIds` (each
+    host's) keep bound: the workers' CPU cache's size, at least `KEPT_LORA_IDS` (docs/lora.md, "One id, one
+    adapter")."""
+    return max(max_cpu_loras, KEPT_LORA_IDS)
+
+
+def idle_to_forget(ids: Collection[K], kept: int, busy: Callable[[], Container[K]]) -> list[K]:
+    """The bound `ids` (least recently used first) to forget: none up to `kept`; past it, the oldest that no request
+    runs with (`busy`: the ids in use, asked only then), down to an eighth of `kept` below it, so that `busy`, a walk
+    over the requests, runs once per that many new ids. An id in use is never forgotten."""
+    if len(ids) <= kept:
+        return []
+    in_use = busy()
+    return list(itertools.islice((i for i in ids if i not in in_use), len(ids) - kept + kept // 8))
 
 
 @dataclass(frozen=True)

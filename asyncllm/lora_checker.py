@@ -2,19 +2,22 @@
 
 `AdapterChecker` reads the adapter folder once per id (`read_adapter`, asyncllm/lora.py) and checks every
 tensor's name and shape against the model's adaptable projections (`module_shapes`, `layer_module_shapes`), so
-a bad adapter is the request's `InvalidRequestError`, never a worker's failure. docs/lora.md has the whole story.
+a bad adapter is the request's `InvalidRequestError`, never a worker's failure. Past `kept_lora_ids` ids, the least
+recently used ones no request runs with are forgotten (`AdapterChecker.forget_idle`), here and in the core.
+docs/lora.md has the whole story.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, Callable, Container
 
 import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.lora import _FIELD, _TENSOR_NAME, Adapter, AdapterModule, LoRARequest, _fail, read_adapter
+from asyncllm.lora import (_FIELD, _TENSOR_NAME, KEPT_LORA_IDS, Adapter, AdapterModule, LoRARequest, _fail,
+                           idle_to_forget, read_adapter)
 from asyncllm.lora_experts import ExpertLayer, expert_problem, is_expert_path
 from asyncllm.lora_hybrid_shapes import kimi_linear_shapes, minimax_shapes, state_space_shapes, zamba2_shapes
 from asyncllm.models.family_config import kv_heads, latent_attention_shapes, mlp_width
@@ -90,8 +93,11 @@ class AdapterChecker:
     """The host's check of each request's adapter, once per adapter id (thread-safe)."""
 
     def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
-                 adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False) -> None:
+                 adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False,
+                 kept_ids: int = KEPT_LORA_IDS) -> None:
         self.max_lora_rank = max_lora_rank
+        self._kept_ids = kept_ids
+        """Ids no request runs with that stay checked (`forget_idle`; `kept_lora_ids`)."""
         self._runs_tower = runs_tower
         """An image-text model that runs its ``vision_tower`` (LFM2-VL): an adapter of it is refused, not left out."""
         self._experts = experts
@@ -110,14 +116,16 @@ class AdapterChecker:
         """Mamba's: its mixers' projections (``mixer.``) are the only ones; any other model's ``mixer.`` names left
         (Nemotron-H's Mamba2 mixers: asyncllm/lora_names.py) take none."""
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
-        """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
+        """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder), least recently used first."""
         self._lock = threading.Lock()
 
     def check(self, request: LoRARequest) -> LoRARequest:
         """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter."""
         request.validate()
         with self._lock:
-            known = self._checked.get(request.lora_int_id)
+            known = self._checked.pop(request.lora_int_id, None)
+            if known is not None:  # the most recently used now
+                self._checked[request.lora_int_id] = known
         if known is not None:
             given, checked = known
             if given != request and not _same_folder(checked, request):
@@ -134,6 +142,16 @@ class AdapterChecker:
         """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
         with self._lock:
             return self._checked.pop(lora_int_id, None) is not None
+
+    def forget_idle(self, in_use: Callable[[], Container[int]]) -> list[int]:
+        """Past `kept_ids` checked ids, forget the least recently used ones no request runs with (`in_use`: the ids of
+        the requests in flight, never forgotten; `idle_to_forget`); the ids forgotten, which the caller forgets in
+        the core too. Used again, such an id is checked afresh, and may name another folder."""
+        with self._lock:
+            forgotten = idle_to_forget(self._checked, self._kept_ids, in_use)
+            for lora_int_id in forgotten:
+                del self._checked[lora_int_id]
+        return forgotten
 
     def _check_adapter(self, adapter: Adapter) -> None:
         if self._runs_tower and adapter.unserved:

@@ -33,6 +33,7 @@ from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.sample_groups import SampleGroups
 from asyncllm.engine.validation import check_add_request, served_tasks
+from asyncllm.lora import kept_lora_ids
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies, ignore_group_signals, report_crashes
 from asyncllm.sched.request import Request
@@ -59,9 +60,9 @@ class EngineCore:
         self.tasks: frozenset[str] | None = None
         """What the model serves ("generate", "embed", "classify"), as the workers report it; None: unknown (requests
         are not checked)."""
-        self.lora_ids = HostLoRAIds()
+        self.lora_ids = HostLoRAIds(kept_lora_ids(config.lora_config.resolved_max_cpu_loras), self.running_lora_ids)
         """Each host's LoRA adapter ids -> the core's (asyncllm/engine/lora_ids.py); a detached host's are
-        forgotten (`forget_host`)."""
+        forgotten (`forget_host`), and each host's least recently used idle ones past a bound."""
         self.stats_reporter: bytes | None = None
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.liveness = ClientLiveness(config.fault_tolerance_config.host_heartbeat_timeout_s, io.last_heard)
@@ -278,6 +279,12 @@ class EngineCore:
         if self.structured.pending:
             self.structured.abort(keys, client_id)
         self.samples.forget(keys)
+
+    def running_lora_ids(self) -> set[int]:
+        """The core adapter ids of the requests queued, running or parked for a grammar: `HostLoRAIds` keeps them."""
+        ids = {request.lora_int_id for request in self.scheduler.requests.values()}
+        ids.update(pending.request.lora_int_id for pending in self.structured.pending.values())
+        return ids
 
     def _remove_client(self, client_id: bytes) -> None:
         """A host left (`Goodbye`) or died: abort its requests, unmap its ring, hand its metrics export on."""

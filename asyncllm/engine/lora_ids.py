@@ -14,18 +14,24 @@ and a folder the core's machine cannot read, or an id the host already gave anot
 host id (vLLM's ``remove_lora``): its requests still running keep the core id they run under; the id used again is
 bound afresh, under a new core id (the workers read its folder again). The workers' slots and CPU cache are not told:
 they keep a removed adapter's weights until evicted, as any adapter's (least recently used first).
+
+Bounded: past `kept_lora_ids` (the workers' CPU cache's size, at least 64) of a host's ids, the least recently used
+ones no request in the core runs with are forgotten, as a removed id (`idle_to_forget`). The host forgets its own
+likewise (`AdapterChecker.forget_idle`) and tells the core (a `RemoveLoRA` nobody waits on), so an id it checks
+afresh is never refused here for the folder it named before.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Collection
 
 import msgspec
 
 from asyncllm import protocol
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.errors import InvalidRequestError
-from asyncllm.lora import LoRARequest, read_adapter
+from asyncllm.lora import KEPT_LORA_IDS, LoRARequest, idle_to_forget, read_adapter
 
 __all__ = ["HostLoRAIds", "PendingLoRACalls"]
 
@@ -34,16 +40,21 @@ class HostLoRAIds:
     """(host, its ``lora_int_id``) -> the core's adapter id and the adapter's folder (its realpath: two paths to one
     folder, a symlink, are one adapter, as for the host's `AdapterChecker`)."""
 
-    def __init__(self) -> None:
-        self._ids: dict[tuple[bytes, int], tuple[int, str]] = {}
+    def __init__(self, kept: int = KEPT_LORA_IDS, in_use: Callable[[], Collection[int]] = frozenset) -> None:
+        self._ids: dict[bytes, dict[int, tuple[int, str]]] = {}
+        """Host -> its ids -> (core id, folder), least recently used first."""
         self._next_id = 1
+        self._kept = kept
+        """Each host's ids no request runs with that stay bound (`kept_lora_ids`)."""
+        self._in_use = in_use
+        """The core ids of the requests in the core (queued, running, parked for a grammar): never forgotten."""
 
     def core_lora(self, client_id: bytes, lora: LoRARequest | None) -> LoRARequest | None:
         """`client_id`'s adapter under its core id (a new one for an id the host has not used), not yet recorded
         (`record`); `InvalidRequestError` when the host's id already names another folder: one id, one adapter."""
         if lora is None:
             return None
-        known = self._ids.get((client_id, lora.lora_int_id))
+        known = self._ids.get(client_id, {}).get(lora.lora_int_id)
         if known is None:
             return msgspec.structs.replace(lora, lora_int_id=self._next_id)
         core_id, path = known
@@ -53,10 +64,21 @@ class HostLoRAIds:
         return msgspec.structs.replace(lora, lora_int_id=core_id)
 
     def record(self, client_id: bytes, host_id: int, core: LoRARequest | None) -> None:
-        """Keep the core id of an accepted request's adapter (`core_lora` gave it): a refused request pins no id."""
-        if core is not None and (client_id, host_id) not in self._ids:
-            self._ids[client_id, host_id] = (core.lora_int_id, os.path.realpath(core.lora_path))
-            self._next_id = max(self._next_id, core.lora_int_id + 1)
+        """Keep the core id of an accepted request's adapter (`core_lora` gave it), the most recently used now: a
+        refused request pins no id. Past `kept` ids, the host's least recently used idle ones are forgotten."""
+        if core is None:
+            return
+        ids = self._ids.setdefault(client_id, {})
+        known = ids.pop(host_id, None)
+        ids[host_id] = known or (core.lora_int_id, os.path.realpath(core.lora_path))
+        self._next_id = max(self._next_id, core.lora_int_id + 1)
+        for idle in idle_to_forget(ids, self._kept, lambda: self._busy(ids)):
+            del ids[idle]
+
+    def _busy(self, ids: dict[int, tuple[int, str]]) -> set[int]:
+        """The host ids among `ids` that a request in the core runs with."""
+        in_use = set(self._in_use())
+        return {host_id for host_id, (core_id, _) in ids.items() if core_id in in_use}
 
     def add(self, client_id: bytes, message: protocol.AddLoRA, enabled: bool) -> protocol.LoRAAdded:
         """`AddLoRA`: bind the host's id to the folder if the core's machine reads an adapter there; the answer
@@ -82,17 +104,17 @@ class HostLoRAIds:
 
     def remove(self, client_id: bytes, message: protocol.RemoveLoRA) -> protocol.LoRARemoved:
         """`RemoveLoRA`: forget the host's id; the answer says whether it was bound (vLLM's False: unknown)."""
-        return protocol.LoRARemoved(message.call_id, self._ids.pop((client_id, message.lora_int_id), None) is not None)
+        removed = self._ids.get(client_id, {}).pop(message.lora_int_id, None) is not None
+        return protocol.LoRARemoved(message.call_id, removed)
 
     def forget_host(self, client_id: bytes) -> None:
         """A host detached (Goodbye, or found dead): its ids name nothing any more; a new host's same id and path
         get a new core id, so the workers read the adapter from disk again."""
-        for key in [key for key in self._ids if key[0] == client_id]:
-            del self._ids[key]
+        self._ids.pop(client_id, None)
 
     def core_ids(self, client_id: bytes) -> dict[int, int]:
         """`client_id`'s host id -> core id (tests, debugging)."""
-        return {host_id: core_id for (client, host_id), (core_id, _) in self._ids.items() if client == client_id}
+        return {host_id: core_id for host_id, (core_id, _) in self._ids.get(client_id, {}).items()}
 
 
 class PendingLoRACalls(PendingSleepCalls):

@@ -18,6 +18,7 @@ from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of, source_of
+from asyncllm.lora import kept_lora_ids
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
@@ -150,7 +151,8 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
                                                      "'as text', serve it as text: limit_mm_per_prompt of 0 for "
                                                      "each kind)")
         lora = AdapterChecker(_lora_config(arch, text_config), config.max_lora_rank,
-                              *_expert_layers(hf_config, text_config, limits), runs_tower=multimodal)
+                              *_expert_layers(hf_config, text_config, limits), runs_tower=multimodal,
+                              kept_ids=kept_lora_ids(config.lora_config.resolved_max_cpu_loras))
     mm = None
     if multimodal:
         import_transformers(multimodal=True)

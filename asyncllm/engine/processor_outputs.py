@@ -57,6 +57,8 @@ class TrackedRequest:
     the others)."""
     held_logprobs: list[Any] | None = None
     """With logprobs: the entries of the ids consumed but not delivered yet, in order."""
+    lora_int_id: int = 0
+    """Its adapter's id (0: none): an id in flight stays checked (`AdapterChecker.forget_idle`)."""
 
 
 class ProcessorOutputs:

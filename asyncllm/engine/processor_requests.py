@@ -78,6 +78,19 @@ class ProcessorRequests:
     _stream_interval: int
 
     def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
+        self._send_request(dealer, job)
+        self._forget_idle_loras(dealer)
+
+    def _forget_idle_loras(self, dealer: zmq.Socket) -> None:
+        """Past its bound, the checker forgets the least recently used adapter ids no tracked request runs with
+        (`AdapterChecker.forget_idle`); the core forgets each too (a `RemoveLoRA` no caller waits on: its answer
+        resolves nothing), before any later request checks it afresh, maybe for another folder."""
+        if self._lora is None:
+            return
+        for lora_int_id in self._lora.forget_idle(lambda: {tracked.lora_int_id for tracked in self._tracked.values()}):
+            dealer.send(self._encoder.encode(protocol.RemoveLoRA("", lora_int_id)))
+
+    def _send_request(self, dealer: zmq.Socket, job: Submit) -> None:
         collector = job.collector
         core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
         if collector.request_id in self._samples:
@@ -120,7 +133,8 @@ class ProcessorRequests:
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
             tracked = TrackedRequest(collector, detokenizer, index, buffer,
-                                     cumulative_logprob=None if params.logprobs is None else 0.0)
+                                     cumulative_logprob=None if params.logprobs is None else 0.0,
+                                     lora_int_id=0 if lora is None else lora.lora_int_id)
             if self._stream_interval > 1:
                 tracked.pacer = StreamPacer(self._stream_interval)
             salt = options.cache_salt if job.embeds is None else embeds_salt(options.cache_salt, job.embeds)

@@ -260,7 +260,7 @@ def test_remove_lora_forgets_the_hosts_id_only(monkeypatch: pytest.MonkeyPatch, 
     for i in range(5):
         core._handle(b"h", protocol.AddLoRA(f"add{i}", LoRARequest("sql", 10 + i, a)))
         core._handle(b"h", protocol.RemoveLoRA(f"rm{i}", 10 + i))
-    assert core.lora_ids._ids == {(b"g", 3): (1, os.path.realpath(a))}
+    assert core.lora_ids._ids == {b"g": {3: (1, os.path.realpath(a))}, b"h": {}}
     _add(core, "r", lora=LoRARequest("sql", 3, a))
     core._handle(b"h", protocol.RemoveLoRA("running", 3))
     core._handle(b"h", protocol.RemoveLoRA("unknown", 3))
