@@ -1,7 +1,9 @@
 """The triton attention backend: the GPU default, built on the Triton kernels of `asyncllm.kernels`.
 
 Per layer, two launches: `rotary_embedding_with_kv_cache` rotates q and k (after
-Qwen3's per-head q/k RMSNorm, fused in) and stores k and v at the step's slots,
+Qwen3's per-head q/k RMSNorm, fused in) and stores k and v at the step's slots
+(a layer without rotary, ALiBi's, or with a one-part latent cache: `write_kv_cache`,
+which skips padding on the device, so no layer's write syncs with the host),
 then the unified varlen `paged_attention` kernel serves prefill chunks (with
 cached context) and decodes in one grid.
 A decode-only step too small to fill the GPU runs the split-KV `paged_decode`
@@ -24,6 +26,7 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
 from asyncllm.kernels.gated_delta import gated_delta_step
+from asyncllm.kernels.kv_write import write_kv_cache
 from asyncllm.kernels.paged_attention import paged_attention
 from asyncllm.kernels.paged_decode import paged_decode
 from asyncllm.kernels.rms_norm import fused_add_rms_norm, gemma_fused_add_rms_norm, gemma_rms_norm, rms_norm
@@ -79,7 +82,7 @@ class TritonBackend:
         elif rotary is None or value is None:
             if rotary is not None:
                 query, key = reference.norm_and_rotate(query, key, rotary)
-            reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)  # ALiBi, latent attention: no host sync
         else:
             query = rotary_embedding_with_kv_cache(
                 query, key, value, rotary.positions, rotary.cos_sin_cache, key_cache, value_cache,

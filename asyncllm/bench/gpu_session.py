@@ -68,7 +68,8 @@ STEPS: list[Step] = [
     # the engines' greedy parity with transformers on the GPU and sleep mode: a process per file (loadfile), since
     # the sleep test reads the device's free memory
     Step("gpu-engine-tests", ["-q", "-p", "no:cacheprovider", "-n", "2", "tests/engine/test_gpu_parity.py",
-                              "tests/engine/test_sleep_mode_gpu.py"], 150, pytest=True),
+                              "tests/engine/test_sleep_mode_gpu.py", "tests/engine/test_gpu_graph_capture_families.py"],
+         150, pytest=True),
     # the gpu-marked tests of quantized weights (online fp8, AWQ / GPTQ and compressed-tensors checkpoints, W8A8
     # int8), not in the folders above
     Step("gpu-tests-quant", ["-q", "-p", "no:cacheprovider", "-n", "1", "-m", "gpu", "tests/unit/test_quantization.py",

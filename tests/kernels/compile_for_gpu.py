@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, int8_quant, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, ssd_step, w4a16  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, int8_quant, kv_write, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, ssd_step, w4a16  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -59,6 +59,10 @@ def cases(dtype: str):
                dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
                dict(Q_HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim, HAS_NORM=norm), 4)
+    for head_dim, values in ((128, True), (1024, False)):  # BLOOM's ALiBi layers; DeepSeek-V3's 576-wide latent row
+        yield (f"kv_write head_dim={head_dim} values={values}", kv_write._kv_write_kernel,
+               dict(k_ptr=p, v_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_mapping_ptr="*i64"), (),
+               dict(HEAD_DIM=head_dim, HAS_VALUE=values), 4)
     # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256),
     # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64), Gemma 3's sliding layers with image
     # tokens, Llama 4 Scout's chunked local layers (40 heads, 8 KV heads: 5 queries per KV head, D 128), a Gemma 4
@@ -139,6 +143,9 @@ def fp8_cache_cases(p: str, decode: dict):
                dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=c, v_cache_ptr=c, positions_ptr="*i64",
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
                dict(Q_HEADS=16, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=True), 4)
+        yield (f"kv_write {fp8} cache", kv_write._kv_write_kernel,
+               dict(k_ptr=p, v_ptr=p, k_cache_ptr=c, v_cache_ptr=c, slot_mapping_ptr="*i64"), (),
+               dict(HEAD_DIM=128, HAS_VALUE=True), 4)
     c = "*fp8e4nv"
     yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
