@@ -243,7 +243,7 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     for index in range(beam_max_tokens(max_model_len, len(prompt_ids), params.max_tokens)):
         left_out = suppressed.always | suppressed.at_start if index == 0 else suppressed.always
         step = _step_params(width, len(left_out), engine.config.max_logprobs, suppressed.vocab_size)
-        with admission_group():  # a step's beams are admitted together (its tasks inherit the group)
+        with admission_group(len(beams), own=True):  # a step's beams are admitted together, in a group of their own
             outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
         candidates = []
         for beam, out in zip(beams, outs):

@@ -93,8 +93,8 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     prompt_embeds: "PromptEmbeds | None" = None
     """A prompt given as embeddings (``enable_prompt_embeds``): ``prompt_token_ids`` are placeholders."""
     admission_group: str = ""
-    """The admission group the request belongs to ("": none), an id unique to its host: the queue's limits admit a
-    group's requests together (`asyncllm.sched.admission.AdmissionGroups`)."""
+    """The admission group the request belongs to ("": none), "NAME/SIZE", the name unique to its host: a group
+    that found the queue empty may pass its limits by SIZE requests (`asyncllm.sched.admission.AdmissionGroups`)."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError
 from asyncllm.generation_config import timestamp_rules
 from asyncllm.sampling import SamplingParams
@@ -142,7 +143,9 @@ async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe
     params = _one_sample(params)
     speech, waveform = await _speech_audio(engine, audio, task)
     text = speech.prompt(task, language, prompt)
-    streams = [engine.stream(request, params) for request in speech.requests(text, waveform)]
+    requests = speech.requests(text, waveform)
+    with admission_group(len(requests)):  # the pieces are admitted together
+        streams = [engine.stream(request, params) for request in requests]
     firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]  # every piece submitted now
     try:
         for first, stream in zip(firsts, streams):
@@ -170,7 +173,8 @@ async def transcribe_segments(engine: AsyncEngine, audio: Any, *, task: str = "t
     params = _one_sample(params)
     speech, waveform = await _speech_audio(engine, audio, task)
     requests = speech.requests(speech.prompt(task, language, prompt, timestamps=True), waveform)
-    pieces = [asyncio.ensure_future(engine.generate(request, params)) for request in requests]
+    with admission_group(len(requests)):  # the pieces are admitted together: the tasks inherit the group
+        pieces = [asyncio.ensure_future(engine.generate(request, params)) for request in requests]
     try:
         outs = await asyncio.gather(*pieces)
     finally:  # one piece failed (or the caller gave up): the others are aborted, not run to their end

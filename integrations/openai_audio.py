@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body, renamed_fields
 from asyncllm.integrations.openai_http import EventStream
@@ -94,7 +95,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     request_id = route_id(task, request.headers)  # vLLM's "transcribe-ID", "translate-ID": the client's prompt
     log_under(server.request_log, request_id, [form.get("prompt") or ""], params, lora, indexed=False)
     requests = speech.requests(prompt, audio)
-    streams = [server.engine.stream(request, params, lora_request=lora, priority=priority) for request in requests]
+    with admission_group(len(requests)):  # the request's group (`guard`) may pass the limits by its pieces
+        streams = [server.engine.stream(request, params, lora_request=lora, priority=priority) for request in requests]
     seconds = math.ceil(audio.size / speech.sampling_rate)
     if timed:
         return await _timed_response(server, request, streams, requests, response_format,

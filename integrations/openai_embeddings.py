@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.engine.pooling_model import MatryoshkaRefusal
 from asyncllm.engine.validation import truncated_prompt
 from asyncllm.errors import InvalidRequestError
@@ -134,7 +135,8 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
     try:
-        with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True):
+        with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True), \
+                admission_group(len(prompts)):  # the request's group (`guard`) may pass the limits by its prompts
             return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
     except MatryoshkaRefusal as exc:  # the engine's check names the model as configured (a checkpoint's path)
         if model_name is None:

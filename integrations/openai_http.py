@@ -60,7 +60,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 def guard(handler: Handler, api_keys: tuple[bytes, ...]) -> Handler:
     """`handler` behind the API-key check (none without `api_keys`), its errors mapped to OpenAI-style bodies;
     it runs in the caller's trace context (`remote_parent`: its requests' spans under the caller's, as vLLM's) and
-    in an `admission_group`: the engine requests it makes (its prompts, beams, ...) are admitted together."""
+    in an `admission_group`: the engine requests it makes (its prompts) are admitted together, the group's size set
+    where they are made (its prompts × n, `admission_group(size)`); a beam search's steps are groups of their own."""
 
     async def guarded(request: Request) -> Response:
         try:

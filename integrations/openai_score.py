@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.engine import scoring
+from asyncllm.engine.admission import admission_group
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
@@ -179,8 +180,8 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], 
     truncate = options.pop("truncate_prompt_tokens")
     calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
              for prompt in prompts]
-    with renamed_fields({"prompt": field}, uncoded_only=True):  # the engine's field: name the request's
-        return await gather_until(calls, until)
+    with renamed_fields({"prompt": field}, uncoded_only=True), admission_group(len(calls)):  # the engine's field: name
+        return await gather_until(calls, until)  # the request's; its group (`guard`) may pass the limits by its calls
 
 
 def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,

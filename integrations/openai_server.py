@@ -38,6 +38,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from asyncllm import envs
+from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError, renamed_fields
 from asyncllm.integrations.openai_beam_search import beam_search_response
@@ -206,9 +207,7 @@ class OpenAIServer:
             *self.responses_store.routes(self._guarded),  # GET/DELETE /v1/responses/{id}, POST .../cancel
             Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
             *score_routes(self), *pooling_routes(self),  # vLLM's /classify, /score, /rerank; /pooling (openai_pooling.py)
-            *info_routes(self),  # /v1/models, /version, /health, /ping, /metrics (openai_info.py)
-            *tokenize_routes(self),  # vLLM's /tokenize, /detokenize (openai_tokenize.py)
-            *audio_routes(self),  # OpenAI's /v1/audio/transcriptions, /translations (openai_audio.py)
+            *info_routes(self), *tokenize_routes(self), *audio_routes(self),  # /v1/models, /tokenize, /v1/audio/...
             Route("/invocations", self._guarded(self.invocations), methods=["POST"]),
         ]
         if self.runtime_lora:  # ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING
@@ -237,9 +236,10 @@ class OpenAIServer:
         self.limits.check_sequences(len(prompts), params.n)
         log_prompts(self.request_log, req, "cmpl", prompts, params, lora)
         rank = header_data_parallel_rank(request.headers)
-        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
-                                      check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req),
-                                      add_special_tokens=req.add_special_tokens) for prompt in prompts]
+        with admission_group(len(prompts) * params.n):  # the request's group (`guard`) may pass the limits by these
+            streams = [self.engine.stream(p, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
+                                          check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req),
+                                          add_special_tokens=req.add_special_tokens) for p in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
                           echo_only=echo_only(req), num_prompt_logprobs=req.prompt_logprobs,

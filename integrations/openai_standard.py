@@ -2,8 +2,9 @@
 ``stream_options`` (completions', chat completions' and the Responses API's) and the hosted service's fields.
 
 Each is declared, so that the client's arguments are not unknown fields, and each value is either one that a
-self-hosted server honours by doing nothing (accepted, not used) or a 400 naming the field, never an option silently
-ignored (docs/integrations/openai-server.md, "Parameters"):
+self-hosted server honours by doing nothing (accepted, not used), or a 400 naming the field; one option is accepted
+and not read although it asks for something: chat's ``verbosity``, as vLLM (docs/integrations/openai-server.md,
+"Parameters"):
 
 - accepted, not used: ``metadata`` within OpenAI's bounds (`METADATA_LIMITS`; the Responses API echoes it),
   ``service_tier`` ``auto`` or ``default`` (this server has one tier), ``prompt_cache_key`` (prefix caching needs no

@@ -30,8 +30,8 @@ through (the core then refuses it after tokenization):
 
 The requests made in an `admission_group` (an OpenAI server request's, a
 beam-search step's, a `generate_many` batch's) are admitted together, here and
-in the core (`asyncllm.sched.admission.AdmissionGroups`): an empty queue
-accepts the whole group.
+in the core (`asyncllm.sched.admission.AdmissionGroups`): a group that found
+the queue empty may pass the limits by its size.
 """
 
 from __future__ import annotations
@@ -47,29 +47,42 @@ from asyncllm.sched.admission import AdmissionGroups
 
 __all__ = ["Admitted", "HostAdmission", "admission_group", "current_admission_group", "estimate_prompt_tokens"]
 
-_GROUP: ContextVar[str] = ContextVar("asyncllm_admission_group", default="")
-"""The admission group of the requests made here ("": none; set by `admission_group`, inherited by tasks begun in
+class _Group:
+    __slots__ = ("name", "size")
+
+    def __init__(self, size: int) -> None:
+        self.name, self.size = uuid.uuid4().hex, max(1, size)
+
+
+_GROUP: ContextVar[_Group | None] = ContextVar("asyncllm_admission_group", default=None)
+"""The admission group of the requests made here (None: none; set by `admission_group`, inherited by tasks begun in
 it)."""
 
 
 @contextlib.contextmanager
-def admission_group() -> Iterator[str]:
+def admission_group(size: int = 1, own: bool = False) -> Iterator[str]:
     """The requests made in here (their `RequestStream`s, here or in tasks begun here) are one admission group, its
-    id yielded; inside another group: that group."""
+    id yielded: on an empty queue it may pass the queue's limits by `size` requests (`AdmissionGroups`), so `size`
+    is how many it makes at once (its prompts × n, its beams, its batch's concurrency). Inside another group: that
+    group, its size raised to `size` (for the requests made after), unless `own` (a group of its own: a beam-search
+    step's beams)."""
     group = _GROUP.get()
-    if group:
-        yield group
+    if group is not None and not own:
+        group.size = max(group.size, size)
+        yield current_admission_group()
         return
-    token = _GROUP.set(uuid.uuid4().hex)
+    token = _GROUP.set(_Group(size))
     try:
-        yield _GROUP.get()
+        yield current_admission_group()
     finally:
         _GROUP.reset(token)
 
 
 def current_admission_group() -> str:
-    """The admission group of a request made now ("": none)."""
-    return _GROUP.get()
+    """The admission group of a request made now, "NAME/SIZE" (`asyncllm.sched.admission.group_size`; "": none)."""
+    group = _GROUP.get()
+    return "" if group is None else f"{group.name}/{group.size}"
+
 
 CHARS_PER_TOKEN = 4
 

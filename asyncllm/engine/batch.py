@@ -46,8 +46,9 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
             if bar is not None:
                 bar.update(1)
 
-    with admission_group():  # the batch is admitted together: its workers' tasks inherit the group
-        tasks = [asyncio.ensure_future(worker()) for _ in range(min(limit, len(prompts)))]
+    num_workers = min(limit, len(prompts))
+    with admission_group(num_workers):  # the batch is admitted together: its workers' tasks inherit the group
+        tasks = [asyncio.ensure_future(worker()) for _ in range(num_workers)]
     try:
         await asyncio.gather(*tasks)
     except BaseException:

@@ -64,7 +64,8 @@ __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer", "TokenIdsOnly", "new_d
 
 logger = logging.getLogger(__name__)
 
-_REPLACEMENT_CHAR = "\ufffd"
+REPLACEMENT_CHAR = "\ufffd"
+"""What ``decode`` writes for the bytes of an incomplete UTF-8 character (logprobs.py's too)."""
 _MAX_HELD_IDS = 8
 """The most ids a decode stream holds while their text ends in U+FFFD (or is empty): a character has at most 4
 bytes, with margin for tokens of several. Past it the run is invalid UTF-8, and the stream cuts it
@@ -179,7 +180,7 @@ class IncrementalDetokenizer:
         self.token_ids += silent
         if finished:  # the U+FFFD run the flush ends in, a character the request ended inside, matches no stop
             text = self._stream.flush()  # string (vLLM's stream never shows it): it goes after the held-back text
-            kept = text.rstrip(_REPLACEMENT_CHAR)
+            kept = text.rstrip(REPLACEMENT_CHAR)
             if not self._push(last, kept, pieces, flush=True):
                 pieces += [self._stops.flush() if self._stops is not None else "", text[len(kept):]]
         return self._emit(pieces)
@@ -251,7 +252,7 @@ class _WindowStream:
             return ""
         self._pending.append(token_id)
         text = self._pending_text()
-        if not text or text.endswith(_REPLACEMENT_CHAR):
+        if not text or text.endswith(REPLACEMENT_CHAR):
             return self._cut() if len(self._pending) > _MAX_HELD_IDS else ""
         if text.isspace():
             self._context, self._pending, self._prefix = self._anchor + self._pending, [], None

@@ -79,3 +79,5 @@ class EngineLoop:
             replica.drop_orphaned(self._started)
             if self._started and not self._closed:
                 replica.check_dead()
+                if replica.alive:  # a cut-off restart whose core serves (start_replica done): nothing to retry
+                    replica.supervisor.served()

@@ -29,13 +29,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from asyncllm.engine.detokenizer import REPLACEMENT_CHAR
 from asyncllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from asyncllm.protocol import LogprobsArrays
 
 __all__ = ["LogprobsDecoder", "PromptLogprobsBuffer", "text_context"]
 
-REPLACEMENT = "\ufffd"
-"""What ``decode`` writes for the bytes of an incomplete UTF-8 character."""
 TEXT_CONTEXT = 4
 """Preceding tokens a byte token's text is repaired with: a UTF-8 character has at most 4 bytes."""
 
@@ -85,7 +84,7 @@ class LogprobsDecoder:
         text = self._token_text.get(token_id)
         if text is None and token_id not in self._partial:
             text = self._alone(token_id)
-            if text.endswith(REPLACEMENT):
+            if text.endswith(REPLACEMENT_CHAR):
                 self._partial.add(token_id)
                 return None
             self._token_text[token_id] = text
@@ -111,7 +110,7 @@ class LogprobsDecoder:
         for size in range(1, min(len(context), TEXT_CONTEXT) + 1):
             before = context[-size:]
             text = self._decode([*before, token_id])
-            if text.endswith(REPLACEMENT):
+            if text.endswith(REPLACEMENT_CHAR):
                 continue
             clean = len(before)
             while clean and self._text_alone(before[clean - 1]) is None:

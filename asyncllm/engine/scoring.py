@@ -20,6 +20,7 @@ import math
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncllm.engine.admission import admission_group
 from asyncllm.engine.pooling_model import ClassifierHead, activate
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
@@ -118,8 +119,10 @@ def _classifier(engine: AsyncEngine) -> ClassifierHead:
 
 
 async def _gather(awaitables: Sequence[Awaitable[T]]) -> list[T]:
-    """All at once, results in order; the first error cancels the others (each aborts its request) and is raised."""
-    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    """All at once, results in order, in one admission group (an idle engine takes them all, whatever its queue
+    limits); the first error cancels the others (each aborts its request) and is raised."""
+    with admission_group(len(awaitables)):  # the tasks inherit the group
+        tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -77,6 +77,11 @@ class CoreSupervisor:
             keep_orphan(task)
             self._task, self._cut_off = None, True
 
+    def served(self) -> None:
+        """A takeover found the core alive: a restart cut off after its core started needs no retry, and the next
+        death takes from the budget as ever."""
+        self._cut_off = False
+
     async def wait(self) -> None:
         """Until the restart in progress (if any) is done; never raises (the engine's state tells)."""
         task = self._task

@@ -9,7 +9,8 @@ Two kinds of refusal, both at once and before the request holds anything:
   `max_num_queued_tokens`: `EngineOverloadedError`. The core is authoritative;
   the host also checks an estimate before tokenizing
   (`asyncllm.engine.admission`), so most refusals cost no tokenization.
-  Requests of one admission group (`AdmissionGroups`) are admitted together.
+  Requests of one admission group (`AdmissionGroups`) that found the queue empty
+  may pass the limits by the group's size.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.queue import RequestQueue
 from asyncllm.sched.request import Request
 
-__all__ = ["AdmissionGroups", "check_request", "check_queue_capacity", "check_queue_limits", "kv_size_fields"]
+__all__ = [
+    "AdmissionGroups", "check_request", "check_queue_capacity", "check_queue_limits", "group_size", "kv_size_fields",
+]
 
 
 def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
@@ -89,7 +92,8 @@ def check_queue_capacity(
     samples would pass it. `max_num_queued_tokens`: refused when the waiting
     requests' tokens plus these samples' prompts would pass it. An empty queue
     accepts any request, so a long prompt or a large n is delayed by load,
-    never refused forever; and the rest of its admission group (`groups`) with it.
+    never refused forever; and the rest of its admission group (`groups`), up to
+    the group's size past the limits.
     """
     groups.check(request.admission_group, len(waiting), waiting.num_tokens, request.num_samples,
                  request.num_prompt_tokens, max_num_queued_requests, max_num_queued_tokens)
@@ -97,50 +101,74 @@ def check_queue_capacity(
 
 class AdmissionGroups:
     """Requests admitted as one (`asyncllm.engine.admission.admission_group`): an OpenAI server request's prompts,
-    a beam-search step's beams, a `generate_many` batch. The group whose request last found the queue empty is open:
-    its later requests are accepted whatever the queue holds (and counted in it), so an empty queue accepts a whole
-    group as it accepts an n > 1 request's samples. A group that found the queue busy is checked request by request,
-    each counting those before it: refused as the group would be. The core's rule (`check_queue_capacity`, group
-    ids from `AddRequest.admission_group`) and the host's (`HostAdmission`)."""
+    a beam-search step's beams, a `generate_many` batch, `score`'s documents. A group whose request found the queue
+    empty is open: its later requests are checked against the limits raised by its size (`group_size`, known when it
+    opened: its prompts × n, its beams, its batch's concurrency), so it may add at most its size beyond
+    max_num_queued_requests (and as many times its request's prompt beyond max_num_queued_tokens), whatever other
+    requests wait; an empty queue accepts a group as it accepts an n > 1 request's samples. Several groups may be
+    open (the last `MAX_OPEN` to open). A group that found the queue busy is checked request by request, each counting
+    those before it: its first requests may be admitted and a later one refused (the rest of the group then aborted
+    by its caller). The core's rule (`check_queue_capacity`, group ids from `AddRequest.admission_group`) and the
+    host's (`HostAdmission`)."""
+
+    MAX_OPEN = 1024
+    """Open groups remembered: the oldest is forgotten (its later requests checked as ever) past this."""
 
     __slots__ = ("open",)
 
     def __init__(self) -> None:
-        self.open = ""
-        """The open group's id ("": none)."""
+        self.open: dict[str, int] = {}
+        """The open groups' ids and sizes, oldest first."""
 
     def check(self, group: str, num_waiting: int, num_waiting_tokens: int, num_samples: int, num_prompt_tokens: int,
               max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "") -> None:
-        """`check_queue_limits` for a request of `group` ("": none) unless that group is open; opens it when the
-        queue is empty."""
-        if num_samples == 0 or (group and group == self.open):
+        """`check_queue_limits` for a request of `group` ("": none), the limits raised by its size if it is open;
+        opens it when the queue is empty."""
+        if num_samples == 0:
             return
+        name, size = group_size(group)
+        extra = self.open.get(name, 0) if group else 0
         check_queue_limits(num_waiting, num_waiting_tokens, num_samples, num_prompt_tokens,
-                           max_num_queued_requests, max_num_queued_tokens, about)
+                           max_num_queued_requests, max_num_queued_tokens, about, extra)
         if group and num_waiting == 0:
-            self.open = group
+            self.open.pop(name, None)
+            self.open[name] = size
+            if len(self.open) > self.MAX_OPEN:
+                del self.open[next(iter(self.open))]
+
+
+def group_size(group: str) -> tuple[str, int]:
+    """An admission group id's name and size ("NAME/SIZE", `asyncllm.engine.admission.admission_group`; 1 without a
+    size of at most 9 digits)."""
+    name, _, size = group.rpartition("/")
+    return (name, max(1, int(size))) if name and size.isascii() and size.isdigit() and len(size) <= 9 else (group, 1)
 
 
 def check_queue_limits(
     num_waiting: int, num_waiting_tokens: int, num_samples: int, num_prompt_tokens: int,
-    max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "",
+    max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "", extra: int = 0,
 ) -> None:
     """`EngineOverloadedError` if `num_samples` samples of a `num_prompt_tokens` prompt, queued behind `num_waiting`
-    requests of `num_waiting_tokens` tokens, would pass a limit; nothing when the queue is empty. The core's rule
+    requests of `num_waiting_tokens` tokens, would pass a limit raised by `extra` requests (and `extra` such prompts:
+    an open admission group's size, `AdmissionGroups`); nothing when the queue is empty. The core's rule
     (`check_queue_capacity`) and the host's estimate of it (`asyncllm.engine.admission`, `about` "about ": its
     counts are estimates)."""
     if num_samples == 0 or num_waiting == 0:
         return
-    if max_num_queued_requests is not None and num_waiting + num_samples > max_num_queued_requests:
+    group = f" (its admission group may pass it by {extra})" if extra else ""
+    if max_num_queued_requests is not None and num_waiting + num_samples > max_num_queued_requests + extra:
         samples = "" if num_samples == 1 else f" and this request has n={num_samples} samples"
         raise EngineOverloadedError(
-            f"max_num_queued_requests={max_num_queued_requests}: {about}{num_waiting} requests are already waiting"
-            f"{samples}; retry later, or raise max_num_queued_requests or the engine's capacity"
+            f"max_num_queued_requests={max_num_queued_requests}{group}: {about}{num_waiting} requests are already "
+            f"waiting{samples}; retry later, or raise max_num_queued_requests or the engine's capacity"
         )
     num_tokens = num_prompt_tokens * num_samples
-    if max_num_queued_tokens is not None and num_waiting_tokens + num_tokens > max_num_queued_tokens:
+    if (max_num_queued_tokens is not None
+            and num_waiting_tokens + num_tokens > max_num_queued_tokens + extra * num_prompt_tokens):
         prompts = "this prompt has" if num_samples == 1 else f"this request's n={num_samples} samples have"
+        group = f" (its admission group may pass it by {extra} such prompts)" if extra else ""
         raise EngineOverloadedError(
-            f"max_num_queued_tokens={max_num_queued_tokens}: {about}{num_waiting_tokens} tokens are already waiting "
-            f"and {prompts} {about}{num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
+            f"max_num_queued_tokens={max_num_queued_tokens}{group}: {about}{num_waiting_tokens} tokens are already "
+            f"waiting and {prompts} {about}{num_tokens}; retry later, or raise max_num_queued_tokens or the engine's "
+            "capacity"
         )

@@ -95,6 +95,36 @@ def test_the_next_loop_restarts_a_core_that_died_between_loops_or_whose_restart_
     assert asyncio.run(takeover(wait=True)) and restarts == ["begun"] * 3
 
 
+def test_a_restart_cut_off_after_its_core_started_leaves_no_free_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop's end cancelled a restart after its core started (waiting for the weights' replay): the takeover finds
+    the core alive and forgets the cut-off, so the next death takes from the budget (1 here, spent: no restart),
+    where a stale flag restarted it for free with a false "restart was cut off" warning."""
+    restarts: list[str] = []
+
+    async def restart_replica(self: AsyncEngine, index: int) -> None:
+        restarts.append("begun")
+        self._replicas[index].processor = SimpleNamespace(dead=None)  # start_replica done: the new core serves
+        await asyncio.sleep(10)
+
+    monkeypatch.setattr(AsyncEngine, "_restart_replica", restart_replica)
+    engine = AsyncEngine(max_core_restarts=1, **KWARGS)
+    gone = asyncio.new_event_loop()
+    gone.close()
+    engine._loop, engine._started = gone, True
+    engine._replicas[0].processor = SimpleNamespace(dead=EngineDeadError("engine core was killed"))
+
+    async def takeover() -> None:
+        engine._check_loop()
+        engine._replicas[0].check_dead()
+        await asyncio.sleep(0)
+
+    asyncio.run(takeover())  # restart 1 (the budget's only one) begins; asyncio.run's end cuts it
+    asyncio.run(takeover())  # the core serves: nothing to retry
+    engine._replicas[0].processor = SimpleNamespace(dead=EngineDeadError("engine core was killed again"))
+    asyncio.run(takeover())
+    assert restarts == ["begun"] and engine._replicas[0].supervisor.budget.num_restarts_total == 1
+
+
 def test_cleanup_in_a_thread_runs_at_interpreter_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     """close() from an atexit handler: asyncio's default executor refuses work once the interpreter exits, so the
     stop raised "cannot schedule new futures after interpreter shutdown" and stopped nothing. Where no thread can

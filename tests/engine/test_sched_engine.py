@@ -182,11 +182,11 @@ async def test_requests_the_host_refuses_leave_an_idle_engine_admitting(engine: 
 
 
 async def test_an_idle_engine_admits_a_group_past_max_num_queued_requests(engine: AsyncEngine) -> None:
-    """An admission group (prompts made in one `admission_group`, a generate_many batch, a beam search step's beams)
-    on an idle engine is accepted whole by the host and the core, each of 4 requests past max_num_queued_requests=2,
+    """An admission group (prompts made in one `admission_group` of their count, a generate_many batch, a beam search
+    step's beams) on an idle engine is accepted whole by the host and the core, each of 4 requests past max_num_queued_requests=2,
     where a check per request refused the third as if two were waiting (issue: 429 forever on an idle server)."""
     await _wait_idle(engine)
-    with admission_group():
+    with admission_group(4):
         outs = await asyncio.gather(*(engine.generate(_prompt(3, i), GREEDY) for i in range(4)))
     assert [len(o.token_ids) for o in outs] == [8] * 4
     batch = await engine.generate_many([_prompt(3, i) for i in range(4)], GREEDY, max_concurrency=4)
@@ -206,6 +206,22 @@ async def test_a_busy_engine_refuses_a_group_past_max_num_queued_requests(engine
         await second
     await long.aclose()
     assert len((await first).token_ids) == len((await waiting).token_ids) == 8
+    await _wait_idle(engine)
+
+
+async def test_a_group_on_a_busy_seat_passes_the_limit_by_its_size_only(engine: AsyncEngine) -> None:
+    """A group that found the queue empty (the only seat busy) may pass max_num_queued_requests=2 by its size, 2:
+    its fifth request is refused (however long the group lasts: a beam search, a long generate_many), and a request
+    of no group is refused as ever once 2 wait."""
+    long = await _start_long(engine)
+    with admission_group(2):
+        tasks = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(5)]
+    with pytest.raises(EngineOverloadedError, match=r"=2 \(its admission group may pass it by 2\): about 4 requests"):
+        await tasks[4]
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 4 requests"):
+        await engine.generate([5, 6], GREEDY)
+    await long.aclose()
+    assert [len((await task).token_ids) for task in tasks[:4]] == [8] * 4
     await _wait_idle(engine)
 
 

@@ -1,5 +1,6 @@
 """Admission groups (asyncllm/sched/admission.py `AdmissionGroups`, asyncllm/engine/admission.py `admission_group`):
-an empty queue accepts a whole group, on the host and in the core; a busy one checks it request by request."""
+a group that found the queue empty may pass the limits by its size, on the host and in the core; a busy one is
+checked request by request."""
 
 from __future__ import annotations
 
@@ -17,51 +18,105 @@ from asyncllm.sched.queue import FCFSRequestQueue
 from asyncllm.sched.request import Request
 
 
-def test_the_host_admits_a_group_that_found_the_queue_empty_whole():
+def test_the_host_admits_a_group_that_found_the_queue_empty_up_to_its_size():
     admission = HostAdmission(max_num_queued_requests=2, max_num_queued_tokens=None)
     stats = SchedulerStats()
-    for prompt in "abcde":  # 0, 1, 2, ... counted as waiting: the third on would pass the limit alone
-        admission.admit(stats, prompt, chat=False, group="g1")
-    assert admission.num_waiting(stats) == 5  # still counted, for other requests and the balancer
-    with pytest.raises(EngineOverloadedError, match="about 5 requests are already waiting"):
+    for prompt in "abcd":  # 0, 1, 2, 3 counted as waiting: the limit 2 raised by the group's size 2
+        admission.admit(stats, prompt, chat=False, group="g1/2")
+    assert admission.num_waiting(stats) == 4  # still counted, for other requests and the balancer
+    with pytest.raises(EngineOverloadedError, match=r"=2 \(its admission group may pass it by 2\): about 4 requests"):
+        admission.admit(stats, "e", chat=False, group="g1/2")  # its allowance spent: refused, however long it lasts
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 4 requests are already waiting"):
         admission.admit(stats, "x", chat=False)  # ungrouped: checked as ever
     with pytest.raises(EngineOverloadedError):
-        admission.admit(stats, "x", chat=False, group="g2")  # another group found the queue busy
+        admission.admit(stats, "x", chat=False, group="g2/9")  # another group found the queue busy
 
 
 def test_the_host_checks_a_group_that_found_the_queue_busy_request_by_request():
     admission = HostAdmission(max_num_queued_requests=3, max_num_queued_tokens=None)
     stats = SchedulerStats(num_requests_waiting=1)
-    admission.admit(stats, "a", chat=False, group="g")  # 1 + 1
-    admission.admit(stats, "b", chat=False, group="g")  # 2 + 1
+    admission.admit(stats, "a", chat=False, group="g/3")  # 1 + 1
+    admission.admit(stats, "b", chat=False, group="g/3")  # 2 + 1
     with pytest.raises(EngineOverloadedError, match="about 3 requests"):
-        admission.admit(stats, "c", chat=False, group="g")  # refused as the three together would be
+        admission.admit(stats, "c", chat=False, group="g/3")  # its first two admitted, the third refused
 
 
-def test_the_core_admits_a_group_that_found_the_queue_empty_whole():
-    """`check_queue_capacity`: the group whose request last found the queue empty is open (its later requests pass
-    whatever the queue holds); another group, or a request of none, is checked as ever; a group opened later closes
-    it (a shared core: the groups of every host)."""
+def _core_queue(limit: int):
     groups, waiting = AdmissionGroups(), FCFSRequestQueue()
 
     def add(group: str, n: int = 1) -> None:
         request = Request(f"r{len(waiting)}", [1, 2, 3], SamplingParams(), [0], 0.0)
         request.admission_group, request.num_samples = group, n
-        check_queue_capacity(waiting, request, groups, 2, None)
+        check_queue_capacity(waiting, request, groups, limit, None)
         waiting.add(request)
 
+    return groups, waiting, add
+
+
+def test_the_core_admits_a_group_that_found_the_queue_empty_up_to_its_size():
+    """`check_queue_capacity`: a group whose request found the queue empty is open: its later requests pass the limit
+    by its size whatever the queue holds; another group, or a request of none, is checked as ever."""
+    groups, waiting, add = _core_queue(2)
     for _ in range(4):
-        add("host1-a")
-    for refused in ("", "host2-b"):
+        add("host1-a/2")
+    for refused in ("", "host2-b/5"):
         with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: 4 requests"):
             add(refused)
-    add("host1-a", n=3)
+    with pytest.raises(EngineOverloadedError, match="may pass it by 2"):
+        add("host1-a/2")  # its allowance spent
     while len(waiting):
         waiting.pop()
-    add("host2-b")  # found the queue empty: now the open group
-    add("host2-b")
-    with pytest.raises(EngineOverloadedError):
-        add("host1-a")
+    add("host2-b/5")  # found the queue empty: open too
+    add("host1-a/2", n=3)  # still open: 1 + 3 <= 2 + 2
+    assert len(groups.open) == 2
+
+
+def test_a_group_that_keeps_submitting_under_load_never_passes_its_size():
+    """The review's case: a group open for good (a long generate_many, a beam search) while others submit: the queue
+    never holds more than the limit plus the group's size, and the others get their turn."""
+    groups, waiting, add = _core_queue(2)
+    admitted = 0
+    add("a/1")
+    for step in range(200):
+        for group in ("a/1", "", f"http-{step}/1"):
+            try:
+                add(group)
+                admitted += group != "a/1"
+            except EngineOverloadedError:
+                pass
+        if step % 3 == 0 and len(waiting):
+            waiting.pop()  # the scheduler takes one now and then
+        assert len(waiting) <= 3
+    assert admitted > 0
+
+
+def test_two_groups_open_at_once_each_keep_their_allowance():
+    """A batch's next requests after another group found the queue empty (and opened) are still its own: not
+    refused midway (one open slot, taken by the other group, refused the batch's next)."""
+    groups, waiting, add = _core_queue(2)
+    for _ in range(4):
+        add("batch/4")
+    while len(waiting):
+        waiting.pop()
+    add("other/1")
+    for _ in range(4):
+        add("batch/4")  # 1 + 4 <= 2 + 4
+    assert len(waiting) == 5
+    for _ in range(AdmissionGroups.MAX_OPEN):
+        groups.check(f"g{_}/1", 0, 0, 1, 1, 2, None)
+    assert len(groups.open) == AdmissionGroups.MAX_OPEN and "batch" not in groups.open  # bounded: oldest forgotten
+
+
+def test_scoring_gathers_its_requests_in_one_group_sized_by_them():
+    """`score` / `embed`'s documents (`scoring._gather`) are one admission group of their count: an idle engine takes
+    them all, past max_num_queued_requests (a request each, the limit's + 1st refused before)."""
+    from asyncllm.engine import scoring
+
+    async def made() -> str:
+        return current_admission_group()
+
+    groups = asyncio.run(scoring._gather([made() for _ in range(5)]))
+    assert len(set(groups)) == 1 and groups[0].endswith("/5")
 
 
 def test_an_admission_group_reaches_the_streams_made_in_it_and_their_tasks():
@@ -69,8 +124,11 @@ def test_an_admission_group_reaches_the_streams_made_in_it_and_their_tasks():
         options = RequestOptions()
         outside = RequestStream(None, "x", None, options, chat=False)  # type: ignore[arg-type]
         with admission_group() as group:
-            with admission_group() as inner:
-                assert inner == group  # nested: the outer group
+            with admission_group(3) as inner:
+                assert inner.split("/")[0] == group.split("/")[0] and inner.endswith("/3")  # nested: the outer group
+            with admission_group(2, own=True) as step:
+                assert step.split("/")[0] != group.split("/")[0] and step.endswith("/2")  # own: a new group
+            group = current_admission_group()
             inside = RequestStream(None, "x", None, options, chat=False)  # type: ignore[arg-type]
             task = asyncio.ensure_future(asyncio.sleep(0, current_admission_group()))
         with admission_group() as other:
