@@ -11,7 +11,7 @@ import torch
 
 __all__ = [
     "FLOAT_DTYPES", "FP8_DTYPES", "check", "check_float", "check_kv_cache", "check_last_dim_contiguous",
-    "check_same_device",
+    "check_same_device", "check_token_vector",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -47,3 +47,10 @@ def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
 def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     check(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")
+
+
+def check_token_vector(name: str, tensor: torch.Tensor, num_tokens: int) -> None:
+    """An integer ``[T]`` (a token's slot or position) of unit stride: a kernel reads token t's at ``ptr + t``."""
+    check(tensor.shape == (num_tokens,) and not tensor.is_floating_point(),
+          f"{name} must be an integer [T] with T={num_tokens}: {tensor.dtype}, {tuple(tensor.shape)}")
+    check(tensor.stride(0) == 1 or num_tokens <= 1, f"{name} must be contiguous (stride 1): {tensor.stride()}")

@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._checks import check, check_kv_cache, check_last_dim_contiguous, check_same_device
-from asyncllm.kernels._fp8 import to_storage
+from asyncllm.kernels._checks import (
+    check, check_kv_cache, check_last_dim_contiguous, check_same_device, check_token_vector,
+)
+from asyncllm.kernels._kv_cache import copy_to_cache, slot_offset
 
 __all__ = ["write_kv_cache"]
 
@@ -41,13 +43,12 @@ def _kv_write_kernel(
     if slot >= 0:
         dims = tl.arange(0, HEAD_DIM)
         mask = dims < head_dim
-        cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride \
-            + head * cache_head_stride
-        key = tl.load(k_ptr + token * k_token_stride + head * k_head_stride + dims, mask=mask)
-        tl.store(k_cache_ptr + cache_offset + dims, to_storage(key, k_cache_ptr.dtype.element_ty), mask=mask)
+        cache_offset = slot_offset(slot, block_size, cache_block_stride, cache_slot_stride) + head * cache_head_stride
+        copy_to_cache(k_ptr + token * k_token_stride + head * k_head_stride + dims, k_cache_ptr + cache_offset + dims,
+                      mask)
         if HAS_VALUE:
-            value = tl.load(v_ptr + token * v_token_stride + head * v_head_stride + dims, mask=mask)
-            tl.store(v_cache_ptr + cache_offset + dims, to_storage(value, v_cache_ptr.dtype.element_ty), mask=mask)
+            copy_to_cache(v_ptr + token * v_token_stride + head * v_head_stride + dims,
+                          v_cache_ptr + cache_offset + dims, mask)
 
 
 def _check_args(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.Tensor,
@@ -66,8 +67,7 @@ def _check_args(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
     check(kv_cache.dtype == key.dtype or kv_cache.dtype.itemsize == 1,
           f"the KV cache must be of the key's dtype {key.dtype} or an fp8 type, got {kv_cache.dtype}")
     check(value is None or value.dtype == key.dtype, "key and value must share a dtype")
-    check(slot_mapping.shape == (key.shape[0],) and not slot_mapping.is_floating_point(),
-          "slot_mapping must be an integer [T]")
+    check_token_vector("slot_mapping", slot_mapping, key.shape[0])
     check_same_device(key=key, slot_mapping=slot_mapping)
 
 

@@ -40,8 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._checks import check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._checks import (
+    check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device, check_token_vector,
+)
 from asyncllm.kernels._fp8 import to_storage
+from asyncllm.kernels._kv_cache import copy_to_cache, slot_offset
 
 __all__ = ["rotary_embedding_with_kv_cache"]
 
@@ -132,16 +135,15 @@ def _rotary_kv_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot >= 0:
             cos, sin = _cos_sin(cos_sin_ptr, position, cos_sin_stride, half, HALF, dtype)
-            cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+            cache_offset = slot_offset(slot, block_size, cache_block_stride, cache_slot_stride)
             _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
                           k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin, dtype,
                           KV_HEADS, HALF, HEAD_DIM, HAS_NORM)
             heads = tl.arange(0, KV_HEADS)[:, None]
             all_dims = tl.arange(0, HEAD_DIM)[None, :]
             mask = (heads < num_kv_heads) & (all_dims < head_dim)
-            value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims, mask=mask, other=0.0)
-            v_dst = v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims
-            tl.store(v_dst, to_storage(value, v_cache_ptr.dtype.element_ty), mask=mask)
+            copy_to_cache(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims,
+                          v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims, mask)
 
 
 def _check_args(
@@ -163,10 +165,8 @@ def _check_args(
     check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache must share a dtype")
     check(key_cache.dtype == query.dtype or key_cache.dtype.itemsize == 1,
           f"the KV cache must be of the query's dtype {query.dtype} or an fp8 type, got {key_cache.dtype}")
-    check(positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,),
-          "positions and slot_mapping must be [T]")
-    check(not positions.is_floating_point() and not slot_mapping.is_floating_point(),
-          "positions and slot_mapping must be integer tensors")
+    check_token_vector("positions", positions, num_tokens)
+    check_token_vector("slot_mapping", slot_mapping, num_tokens)
     check(cos_sin_cache.dim() == 2 and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1,
           "cos_sin_cache must be float32 [max_position, rotary_dim] contiguous in its last dim")
     rotary_dim = cos_sin_cache.shape[1]

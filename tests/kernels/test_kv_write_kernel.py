@@ -67,3 +67,6 @@ def test_kv_write_rejects_bad_arguments() -> None:
         write_kv_cache(key, None, one_part, slots[:2])
     with pytest.raises(ValueError, match="the KV cache must be of the key's dtype"):
         write_kv_cache(key.half(), None, one_part, slots)
+    strided = torch.zeros(6, dtype=torch.int64, device=DEVICE)[::2]  # the kernel reads slot t at slot_mapping + t
+    with pytest.raises(ValueError, match=r"slot_mapping must be contiguous \(stride 1\)"):
+        write_kv_cache(key, None, one_part, strided)

@@ -145,8 +145,11 @@ def test_launcher_rejects_bad_arguments() -> None:
         rotary_embedding_with_kv_cache(q, k, k, positions, _cos_sin_cache(32, 8), cache[0], cache[1], positions)
     with pytest.raises(ValueError, match="key_cache must be"):
         rotary_embedding_with_kv_cache(q, k, k, positions, cos_sin, cache[0, :, :, :1], cache[1, :, :, :1], positions)
-    with pytest.raises(ValueError, match="positions and slot_mapping must be"):
+    with pytest.raises(ValueError, match="positions must be an integer"):
         rotary_embedding_with_kv_cache(q, k, k, positions[:2], cos_sin, cache[0], cache[1], positions)
+    strided = torch.zeros(6, dtype=torch.int64, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match=r"slot_mapping must be contiguous \(stride 1\)"):
+        rotary_embedding_with_kv_cache(q, k, k, positions, cos_sin, cache[0], cache[1], strided)
 
 
 @pytest.mark.parametrize(
