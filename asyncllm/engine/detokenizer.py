@@ -10,14 +10,16 @@ ids into the text that is safe to show now, in three stages, token by token
    sequence (U+FFFD), and released as soon as the character completes (a
    byte-fallback ``<0x0A>`` is a newline at once, so ``stop=["\n"]`` ends
    the request on that token) or the request finishes: then as U+FFFD that
-   stop strings never match. The hold is bounded: once more than 8 ids
-   (`_MAX_HELD_IDS`; a character has at most 4 bytes) are held with the text
-   still ending in U+FFFD, the run is invalid UTF-8 (a lone continuation byte
-   that ``allowed_token_ids`` or ``logit_bias`` can force, repeated): the text
-   of all but the last 3 is released as decode() shows it, U+FFFD included
-   (stop strings match it as any text), and the window goes on from them. So
-   each token decodes a bounded window, and special tokens that
-   ``skip_special_tokens`` drops never enter it.
+   stop strings never match. The hold of invalid UTF-8 is bounded: once more
+   than 8 ids (`_MAX_HELD_IDS`) are held with their text ending in U+FFFD and
+   a U+FFFD before its end (invalid bytes: a lone continuation byte that
+   ``allowed_token_ids`` or ``logit_bias`` can force, repeated), the text of
+   all but the last 1-3 is released as decode() shows it, U+FFFD included (stop
+   strings match it as any text), and the window goes on from them. So such a
+   run decodes a bounded window a token; valid text that keeps ending inside a
+   character (byte-level tokens that each end one and begin the next) is held
+   as long as it lasts, as vLLM's DecodeStream. Special tokens that
+   ``skip_special_tokens`` drops never enter the window.
    With ``spaces_between_special_tokens=False`` (and special tokens kept), an
    added token right after another is emitted as its bare content (vLLM's
    rule, `_AddedTokensJoined`).
@@ -67,11 +69,18 @@ logger = logging.getLogger(__name__)
 REPLACEMENT_CHAR = "\ufffd"
 """What ``decode`` writes for the bytes of an incomplete UTF-8 character (logprobs.py's too)."""
 _MAX_HELD_IDS = 8
-"""The most ids a decode stream holds while their text ends in U+FFFD (or is empty): a character has at most 4
-bytes, with margin for tokens of several. Past it the run is invalid UTF-8, and the stream cuts it
-(`_WindowStream._cut`), so each token decodes a bounded window."""
+"""The most ids a decode stream holds while their text is empty or `_invalid` (a character has at most 4 bytes):
+past it the stream cuts the run (`_WindowStream._cut`), so each token decodes a bounded window. Text ending in one
+U+FFFD is held without bound (as vLLM's DecodeStream): byte-level tokens can each end a character and begin one."""
 _KEPT_AT_CUT = 3
-"""The held ids a cut keeps, the last: a character they may still complete has at most 3 bytes so far."""
+"""The most held ids a cut keeps, the last: a character they may still complete has at most 3 bytes so far."""
+
+
+def _invalid(text: str) -> bool:
+    """Whether held text ending in U+FFFD has invalid UTF-8: a U+FFFD before its end. Byte-level decode writes one
+    for an incomplete last character; byte fallback one a byte, but it holds at most 3 ids of a valid character."""
+    return REPLACEMENT_CHAR in text[:-1]
+
 
 @dataclass(frozen=True)
 class DetokenizerUpdate:
@@ -253,7 +262,7 @@ class _WindowStream:
         self._pending.append(token_id)
         text = self._pending_text()
         if not text or text.endswith(REPLACEMENT_CHAR):
-            return self._cut() if len(self._pending) > _MAX_HELD_IDS else ""
+            return self._cut(text) if self._past_bound(text) else ""
         if text.isspace():
             self._context, self._pending, self._prefix = self._anchor + self._pending, [], None
             return text
@@ -266,15 +275,22 @@ class _WindowStream:
             return ""
         return self._advance(self._pending_text())
 
-    def _cut(self) -> str:
-        """Release the text of the held ids but the last `_KEPT_AT_CUT`, as decode() shows it (U+FFFD for invalid
-        bytes), and make them the context; ids that add no text are dropped instead, the context kept."""
-        head, tail = self._pending[:-_KEPT_AT_CUT], self._pending[-_KEPT_AT_CUT:]
-        self._pending = head
-        text = self._pending_text()
+    def _past_bound(self, text: str) -> bool:
+        """Whether the held ids (their text ``text``, empty or ending in U+FFFD) are to be cut."""
+        return len(self._pending) > _MAX_HELD_IDS and (not text or _invalid(text))
+
+    def _cut(self, held_text: str) -> str:
+        """Release the text of the held ids but the last 1 or 2 where it is final (``held_text`` less its last char
+        starts with it), else but the last `_KEPT_AT_CUT`, and make them the context (ids adding no text dropped)."""
+        held = self._pending
+        for split in range(len(held) - 1, len(held) - _KEPT_AT_CUT - 1, -1):
+            self._pending = held[:split]
+            text = self._pending_text()
+            if (text and held_text[:-1].startswith(text)) or split == len(held) - _KEPT_AT_CUT:
+                break
         if text:
-            self._context, self._anchor, self._prefix = head, head, None
-        self._pending = tail
+            self._context, self._anchor, self._prefix = self._pending, self._pending, None
+        self._pending = held[split:]
         return text
 
     def _pending_text(self) -> str:
@@ -327,10 +343,10 @@ class _FastStream(_WindowStream):
         self._pending.append(token_id)
         if text is not None:
             return self._advance(text)
-        if len(self._pending) <= _MAX_HELD_IDS:
+        if len(self._pending) <= _MAX_HELD_IDS or not self._past_bound(held_text := self._pending_text()):
             return ""
         self._decode_stream = None
-        return self._cut()
+        return self._cut(held_text)
 
 
 class _AddedTokensJoined:

@@ -50,10 +50,14 @@ def _word(tokenizer: Any, text: str) -> list[int]:
     return fast("a" + text, add_special_tokens=False).input_ids[len(fast("a", add_special_tokens=False).input_ids):]
 
 
-def _run(tokenizer: Any, ids: list[int], skip: bool = True) -> tuple[list[str], IncrementalDetokenizer, int]:
+def _run(tokenizer: Any, ids: list[int], skip: bool = True,
+         window: bool = False) -> tuple[list[str], IncrementalDetokenizer, int]:
     """Step ``ids`` one by one; the texts (the finishing flush last), the detokenizer and the most ids its decode
-    stream held after a step (at most `BOUND`) or decoded as context (the ids of the last piece: one more)."""
+    stream held after a step (at most `BOUND`) or decoded as context (the ids of the last piece: one more).
+    ``window``: a fast tokenizer's stream on the Python window, as after DecodeStream refused a step."""
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip))
+    if window:
+        detok._stream._decode_stream = None
     texts, held = [], 0
     for token_id in ids:
         texts.append(detok.update([token_id], False).text)
@@ -99,3 +103,38 @@ def test_skipped_special_tokens_never_enter_the_window(tokenizers: dict[str, Any
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
     _, kept, _ = _run(tokenizer, ids, skip=False)
     assert kept.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _chained_emoji_tokenizer() -> tuple[Any, list[int]]:
+    """A byte-level BPE tokenizer with the tokens [F0 9F 98], [82 F0 9F 98] and [82] (ids returned): each token but
+    the last ends one 😂 (F0 9F 98 82) and begins the next, so the text keeps ending inside a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
+    vocab = {char[b]: b for b in range(256)}
+    pieces = ["".join(char[b] for b in data) for data in (b"\xf0\x9f\x98", b"\x82\xf0\x9f\x98", b"\x82")]
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend), [vocab[piece] for piece in pieces]
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["decode_stream", "window"])
+def test_valid_text_ending_inside_a_character_is_held_whole(window: bool) -> None:
+    """Past the bound, text that ends in one U+FFFD only is a character still to complete, not invalid bytes: held
+    (as vLLM's DecodeStream), never cut into a U+FFFD that decode() does not show."""
+    tokenizer, (first, chained, last) = _chained_emoji_tokenizer()
+    for n in range(1, 31):
+        ids = [first, *[chained] * (n - 1), last]
+        texts, detok, _ = _run(tokenizer, ids, window=window)
+        assert tokenizer.decode(ids) == "😂" * n
+        assert detok.output_text == "".join(texts) == "😂" * n, n
+        assert texts[-2] == "😂" * n and not "".join(texts[:-2]), n  # released whole on the completing token
+        invalid = [*ids[:-1], *_byte_ids(tokenizer, b"\xc0" * 3), last]  # then invalid bytes: the chain cut whole
+        texts, detok, _ = _run(tokenizer, invalid, window=window)
+        assert detok.output_text == "".join(texts) == tokenizer.decode(invalid), n
