@@ -29,7 +29,7 @@ from asyncllm.lora_names import canonical_name
 from asyncllm.models.family_config import LATENT_TARGETS
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "read_adapter", "LORA_TARGETS", "kept_lora_ids",
-           "idle_to_forget"]
+           "IdleIds"]
 
 K = TypeVar("K")
 
@@ -96,14 +96,35 @@ def kept_lora_ids(max_cpu_loras: int) -> int:
     return max(max_cpu_loras, KEPT_LORA_IDS)
 
 
-def idle_to_forget(ids: Collection[K], kept: int, busy: Callable[[], Container[K]]) -> list[K]:
-    """The bound `ids` (least recently used first) to forget: none up to `kept`; past it, the oldest that no request
-    runs with (`busy`: the ids in use, asked only then), down to an eighth of `kept` below it, so that `busy`, a walk
-    over the requests, runs once per that many new ids. An id in use is never forgotten."""
-    if len(ids) <= kept:
-        return []
-    in_use = busy()
-    return list(itertools.islice((i for i in ids if i not in in_use), len(ids) - kept + kept // 8))
+class IdleIds:
+    """When to forget which of a bound map's ids (least recently used first; the host's `AdapterChecker`, the core's
+    `HostLoRAIds` for each host): none up to `kept`; past it, the oldest that no request runs with (`busy`: the ids
+    in use, a walk over the requests, asked only then), down to an eighth of `kept` below it, so that `busy` runs
+    once per that many new ids. An id in use is never forgotten, nor one of the newest eighth of `kept`: an
+    `add_lora`'s id, checked before its `AddLoRA` is sent, is not forgotten (its `RemoveLoRA` ahead of the core's
+    binding) unless that many other ids are used in between. A walk that cannot get down to `kept` (too many ids in
+    use) is not tried again before an eighth of `kept` more ids are bound."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._newest = kept // 8
+        """The newest ids never forgotten; also the ids forgotten below `kept`, and the growth past a futile walk."""
+        self._walk_at = kept + 1
+        """The size at which `to_forget` walks (`busy`) next."""
+
+    def to_forget(self, ids: Collection[K], busy: Callable[[], Container[K]]) -> list[K]:
+        """The ids to forget now (the caller forgets them)."""
+        if len(ids) <= self.kept:
+            self._walk_at = self.kept + 1
+            return []
+        if len(ids) < self._walk_at:
+            return []
+        in_use = busy()
+        idle = (i for i in itertools.islice(ids, len(ids) - self._newest) if i not in in_use)
+        forgotten = list(itertools.islice(idle, len(ids) - self.kept + self._newest))
+        left = len(ids) - len(forgotten)
+        self._walk_at = self.kept + 1 if left <= self.kept else left + max(1, self._newest)
+        return forgotten
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any, Callable, Container
 import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.lora import (_FIELD, _TENSOR_NAME, KEPT_LORA_IDS, Adapter, AdapterModule, LoRARequest, _fail,
-                           idle_to_forget, read_adapter)
+from asyncllm.lora import (_FIELD, _TENSOR_NAME, KEPT_LORA_IDS, Adapter, AdapterModule, IdleIds, LoRARequest, _fail,
+                           read_adapter)
 from asyncllm.lora_experts import ExpertLayer, expert_problem, is_expert_path
 from asyncllm.lora_hybrid_shapes import kimi_linear_shapes, minimax_shapes, state_space_shapes, zamba2_shapes
 from asyncllm.models.family_config import kv_heads, latent_attention_shapes, mlp_width
@@ -96,8 +96,8 @@ class AdapterChecker:
                  adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False,
                  kept_ids: int = KEPT_LORA_IDS) -> None:
         self.max_lora_rank = max_lora_rank
-        self._kept_ids = kept_ids
-        """Ids no request runs with that stay checked (`forget_idle`; `kept_lora_ids`)."""
+        self._idle = IdleIds(kept_ids)
+        """Which ids no request runs with stay checked (`forget_idle`; `kept_lora_ids`)."""
         self._runs_tower = runs_tower
         """An image-text model that runs its ``vision_tower`` (LFM2-VL): an adapter of it is refused, not left out."""
         self._experts = experts
@@ -145,10 +145,10 @@ class AdapterChecker:
 
     def forget_idle(self, in_use: Callable[[], Container[int]]) -> list[int]:
         """Past `kept_ids` checked ids, forget the least recently used ones no request runs with (`in_use`: the ids of
-        the requests in flight, never forgotten; `idle_to_forget`); the ids forgotten, which the caller forgets in
+        the requests in flight, never forgotten; `IdleIds`); the ids forgotten, which the caller forgets in
         the core too. Used again, such an id is checked afresh, and may name another folder."""
         with self._lock:
-            forgotten = idle_to_forget(self._checked, self._kept_ids, in_use)
+            forgotten = self._idle.to_forget(self._checked, in_use)
             for lora_int_id in forgotten:
                 del self._checked[lora_int_id]
         return forgotten

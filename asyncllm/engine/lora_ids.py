@@ -16,7 +16,7 @@ bound afresh, under a new core id (the workers read its folder again). The worke
 they keep a removed adapter's weights until evicted, as any adapter's (least recently used first).
 
 Bounded: past `kept_lora_ids` (the workers' CPU cache's size, at least 64) of a host's ids, the least recently used
-ones no request in the core runs with are forgotten, as a removed id (`idle_to_forget`). The host forgets its own
+ones no request in the core runs with are forgotten, as a removed id (`IdleIds`). The host forgets its own
 likewise (`AdapterChecker.forget_idle`) and tells the core (a `RemoveLoRA` nobody waits on), so an id it checks
 afresh is never refused here for the folder it named before.
 """
@@ -31,7 +31,7 @@ import msgspec
 from asyncllm import protocol
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.errors import InvalidRequestError
-from asyncllm.lora import KEPT_LORA_IDS, LoRARequest, idle_to_forget, read_adapter
+from asyncllm.lora import KEPT_LORA_IDS, IdleIds, LoRARequest, read_adapter
 
 __all__ = ["HostLoRAIds", "PendingLoRACalls"]
 
@@ -46,6 +46,8 @@ class HostLoRAIds:
         self._next_id = 1
         self._kept = kept
         """Each host's ids no request runs with that stay bound (`kept_lora_ids`)."""
+        self._idle: dict[bytes, IdleIds] = {}
+        """Host -> when to forget which of its idle ids."""
         self._in_use = in_use
         """The core ids of the requests in the core (queued, running, parked for a grammar): never forgotten."""
 
@@ -72,8 +74,9 @@ class HostLoRAIds:
         known = ids.pop(host_id, None)
         ids[host_id] = known or (core.lora_int_id, os.path.realpath(core.lora_path))
         self._next_id = max(self._next_id, core.lora_int_id + 1)
-        for idle in idle_to_forget(ids, self._kept, lambda: self._busy(ids)):
-            del ids[idle]
+        idle = self._idle.setdefault(client_id, IdleIds(self._kept))
+        for forgotten in idle.to_forget(ids, lambda: self._busy(ids)):
+            del ids[forgotten]
 
     def _busy(self, ids: dict[int, tuple[int, str]]) -> set[int]:
         """The host ids among `ids` that a request in the core runs with."""
@@ -111,6 +114,7 @@ class HostLoRAIds:
         """A host detached (Goodbye, or found dead): its ids name nothing any more; a new host's same id and path
         get a new core id, so the workers read the adapter from disk again."""
         self._ids.pop(client_id, None)
+        self._idle.pop(client_id, None)
 
     def core_ids(self, client_id: bytes) -> dict[int, int]:
         """`client_id`'s host id -> core id (tests, debugging)."""

@@ -53,7 +53,7 @@ class RequestQueue(abc.ABC):
 
     @abc.abstractmethod
     def add(self, request: Request) -> None:
-        """Queue a new request."""
+        """Queue a new request (not queued already: an AssertionError)."""
 
     @abc.abstractmethod
     def add_preempted(self, request: Request) -> None:
@@ -90,6 +90,7 @@ class FCFSRequestQueue(RequestQueue):
         self._queue: OrderedDict[str, Request] = OrderedDict()
 
     def add(self, request: Request) -> None:
+        assert request.request_id not in self._queue, "queued twice: num_tokens and the adapters would count it twice"
         self._queue[request.request_id] = request
         self._account(request, 1)
 
@@ -131,7 +132,7 @@ class PriorityRequestQueue(RequestQueue):
     A preempted request keeps its key, so it goes back ahead of every request
     of the same priority that arrived after it. A removed request's heap entry
     stays, dead (no longer its request_id's entry in `_live`), until it reaches
-    the top or dead entries outnumber the live ones.
+    the top or dead entries outnumber the live ones by more than `_DEAD_SLACK`.
     """
 
     def __init__(self) -> None:
@@ -141,6 +142,7 @@ class PriorityRequestQueue(RequestQueue):
         self._counter = itertools.count()
 
     def add(self, request: Request) -> None:
+        assert request.request_id not in self._live, "queued twice: num_tokens and the adapters would count it twice"
         entry = (request.priority, request.arrival_time, next(self._counter), request)
         heapq.heappush(self._heap, entry)
         self._live[request.request_id] = entry

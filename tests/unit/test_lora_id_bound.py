@@ -102,3 +102,51 @@ def test_the_host_tells_the_core_what_it_forgot(monkeypatch: pytest.MonkeyPatch,
     _add(core, "r", lora=checker.check(LoRARequest("b", 1, b)))
     assert [m.error for m in sent if m.error] == []
     assert core.scheduler.requests[request_key(b"h", "r")].lora.lora_path == b
+
+
+def _spied(ids: set[int]):
+    """`ids` as an `in_use` callable that counts its calls (each a walk over the requests in flight)."""
+    walks = []
+    return walks, lambda: walks.append(1) or ids
+
+
+def test_the_core_walks_its_requests_once_per_eighth_of_the_bound_past_it() -> None:
+    """More ids in flight than the bound: a walk cannot get below it, so the next comes only after an eighth of the
+    bound more ids, not per request (70 busy adapters, 1000 requests: one walk, not 1000)."""
+    busy: set[int] = set()
+    walks, in_use = _spied(busy)
+    ids = HostLoRAIds(KEPT_LORA_IDS, in_use)
+    for n in range(1070):
+        host_id = n % 70 + 1
+        core = ids.core_lora(b"h", LoRARequest("a", host_id, "/tmp"))
+        ids.record(b"h", host_id, core)
+        busy.add(core.lora_int_id)
+    assert len(walks) == 1 and len(ids.core_ids(b"h")) == 70
+    busy.clear()  # all ended: the next walk, at an eighth of the bound more ids than the futile one's (65: 73)
+    for host_id in range(71, KEPT_LORA_IDS + 1 + KEPT_LORA_IDS // 8 + 1):
+        ids.record(b"h", host_id, ids.core_lora(b"h", LoRARequest("a", host_id, "/tmp")))
+    assert len(walks) == 2 and len(ids.core_ids(b"h")) == KEPT_LORA_IDS * 7 // 8  # an eighth below the bound
+
+
+def test_the_host_walks_its_requests_once_per_eighth_of_the_bound_past_it(tmp_path) -> None:
+    a = _adapter_folder(tmp_path / "a")
+    checker = _checker(kept=16)
+    walks, in_use = _spied(set(range(1, 21)))
+    for n in range(200):
+        checker.check(LoRARequest("a", n % 20 + 1, a))
+        assert checker.forget_idle(in_use) == []
+    assert len(walks) == 2 and len(checker._checked) == 20  # at 17 and 19 ids (16 // 8 apart), none per request
+
+
+def test_the_newest_ids_are_never_forgotten(tmp_path) -> None:
+    """`add_lora` checks an id, then posts its `AddLoRA`: the processor thread forgetting it in between (every other
+    id busy) would send the core its `RemoveLoRA` first, and the core would bind an id the host forgot."""
+    a = _adapter_folder(tmp_path / "a")
+    checker = _checker(kept=8)
+    for lora_int_id in range(1, 10):  # 9, add_lora's, no request runs with yet
+        checker.check(LoRARequest("a", lora_int_id, a))
+    assert checker.forget_idle(lambda: set(range(1, 9))) == [] and 9 in checker._checked
+    ids = HostLoRAIds(8, lambda: set(range(1, 9)))  # the core: its AddLoRA past the bound, every other id busy
+    for lora_int_id in range(1, 10):
+        ids.record(b"h", lora_int_id, ids.core_lora(b"h", LoRARequest("a", lora_int_id, "/tmp")))
+    assert 9 in ids.core_ids(b"h")

@@ -161,3 +161,18 @@ def test_lora_stats_follow_the_queue(policy: str) -> None:
     assert adapters() == (["a1"], ["a2"])
     sched.abort_requests(["r1", "r2", "r0"])
     assert adapters() == ([], [])
+
+
+@pytest.mark.parametrize("queue_class", [FCFSRequestQueue, PriorityRequestQueue])
+@pytest.mark.parametrize("preempted", [False, True])
+def test_a_queued_request_is_never_queued_again(queue_class: type[RequestQueue], preempted: bool) -> None:
+    """One entry per request id: queued twice, `num_tokens` and the adapters would count it twice."""
+    queue = queue_class()
+    request = make_request("r", lora=ADAPTERS[1])
+    queue.add(request)
+    with pytest.raises(AssertionError, match="queued twice"):
+        (queue.add_preempted if preempted else queue.add)(request)
+    assert (len(queue), queue.num_tokens, queue.lora_names) == (1, 3, ["a1"])
+    queue.remove_requests(["r"])
+    queue.add_preempted(request)  # taken out, it is queued again
+    assert (len(queue), queue.num_tokens) == (1, 3)
