@@ -35,7 +35,7 @@ from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.procutil import forked, remove_dir
+from asyncllm.procutil import forked
 from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "pick_replica", "start_replica", "start_replicas", "stop_all",
@@ -259,8 +259,6 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
     except BaseException:
         await finish_in_thread(stop_launched, processor, core)
         raise
-    if core is not None:  # connected ipc:// sockets outlive their path: no exit of the host leaves the folder
-        remove_dir(core.ipc_dir)
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 

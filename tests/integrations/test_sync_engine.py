@@ -260,7 +260,7 @@ def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engin
     for error in report[:2]:
         assert error.startswith("EngineDeadError") and f"process {os.getpid()}, before a fork" in error
     assert report[0] == report[1].replace("AsyncEngine", "SyncEngine")  # one check (procutil.check_not_forked)
-    assert core.proc.poll() is None
+    assert core.proc.poll() is None and os.path.isdir(core.ipc_dir)
     assert engine.generate(PROMPTS[0], GREEDY).token_ids == expected[PROMPTS[0]]
 
 

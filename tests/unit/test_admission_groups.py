@@ -4,6 +4,8 @@ checked request by request."""
 
 from __future__ import annotations
 
+import itertools
+
 import asyncio
 
 import pytest
@@ -42,10 +44,10 @@ def test_the_host_checks_a_group_that_found_the_queue_busy_request_by_request():
 
 
 def _core_queue(limit: int):
-    groups, waiting = AdmissionGroups(), FCFSRequestQueue()
+    groups, waiting, ids = AdmissionGroups(), FCFSRequestQueue(), itertools.count()
 
     def add(group: str, n: int = 1) -> None:
-        request = Request(f"r{len(waiting)}", [1, 2, 3], SamplingParams(), [0], 0.0)
+        request = Request(f"r{next(ids)}", [1, 2, 3], SamplingParams(), [0], 0.0)  # unique: a queue refuses repeats
         request.admission_group, request.num_samples = group, n
         check_queue_capacity(waiting, request, groups, limit, None)
         waiting.add(request)
@@ -78,7 +80,8 @@ def test_a_group_that_keeps_submitting_under_load_never_passes_its_size():
     admitted = 0
     add("a/1")
     for step in range(200):
-        for group in ("a/1", "", f"http-{step}/1"):
+        order = ("a/1", "", f"http-{step}/1")
+        for group in order if step % 2 else order[::-1]:  # who submits first when a seat frees alternates
             try:
                 add(group)
                 admitted += group != "a/1"
