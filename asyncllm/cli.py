@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from asyncllm import __version__
+from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
 from asyncllm.cli_config import dash_flag_names, expand_config_file
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
+
+
+_REQUEST_FLAGS = frozenset({"seed"})
+"""EngineConfig fields whose flag `generate` gives its request: its ``--seed`` is the request's seed."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,9 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.7,
                      help="0 is greedy; the default samples, which reads better from small models (default: 0.7)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--tensor-parallel-size", type=int, default=1)
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--seed", type=int, default=None, help="the request's seed (default: none)")
+    add_engine_args(gen, skip=_REQUEST_FLAGS)  # serve's and engine's flags (--trust-remote-code, --device, ...)
     add_serve_parser(commands)
     add_engine_parser(commands)
     commands.add_parser("bench", help="run a standard benchmark workload (asyncllm bench --help)", add_help=False)
@@ -37,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _generate_setup(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """The engine's config and the request's sampling params, checked before anything starts."""
+    if not args.prompt:  # as the engine refuses it, before the model is resolved or loaded
+        raise InvalidRequestError("prompt", "the prompt is empty")
     model = args.model
     if model is None:
         from asyncllm.bundled import bundled_model_path
@@ -46,8 +53,7 @@ def _generate_setup(args: argparse.Namespace) -> tuple[EngineConfig, SamplingPar
               "it writes Python-like text, not answers)", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     params.validate()
-    config = EngineConfig.create(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                                 disable_log_stats=True)
+    config = EngineConfig.create(model, **{"disable_log_stats": True, **engine_kwargs(args, skip=_REQUEST_FLAGS)})
     check_model(config)
     return config, params
 
@@ -105,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
         except AsyncLLMError as exc:  # the engine failed while generating: no usage line, exit 1
             sys.exit(f"asyncllm generate: {type(exc).__name__}: {exc}")
+        except KeyboardInterrupt:  # Ctrl-C while the hub id resolved, the model loaded or the text streamed: exit 130
+            logging.getLogger("asyncio").disabled = True  # quiet, as serve's: no "Task exception was never retrieved"
+            sys.exit(130)
     elif args.command == "serve":
         run_serve(args, parser)
     elif args.command == "engine":

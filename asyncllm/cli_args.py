@@ -41,11 +41,12 @@ ENGINE_FLAG_FIELDS = tuple(f.name for f in _flag_fields())
 """The EngineConfig fields that have a flag, in config order."""
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per EngineConfig field, in a group of its own."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """Add one flag per EngineConfig field, in a group of its own; none for the fields in `skip` (a flag the command
+    gives another meaning: generate's ``--seed`` is its request's)."""
     group = parser.add_argument_group("engine", "EngineConfig fields (docs/configuration.md); unset = the default")
     docs = _field_docs()
-    for field in _flag_fields():
+    for field in (f for f in _flag_fields() if f.name not in skip):
         flags = ["--" + field.name.replace("_", "-")] + ([_SHORT_FLAGS[field.name]] if field.name in _SHORT_FLAGS else [])
         help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
         parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int))
@@ -57,9 +58,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields the user gave on the command line."""
-    return {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name)}
+def engine_kwargs(args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The EngineConfig fields the user gave on the command line (none of `skip`, as `add_engine_args`)."""
+    return {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name) and name not in skip}
 
 
 def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callable[[str], Any] | type[bool]:

@@ -300,6 +300,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                 check_model(engine.config)
         except ConfigError as exc:
             parser.error(str(exc))
+        except KeyboardInterrupt:  # Ctrl-C while a hub id resolved (a slow network): as during the load, exit 130
+            sys.exit(130)
         serve_app(app, engine, sock, args, parser)
 
 

@@ -70,6 +70,11 @@ HF_HUB_OFFLINE = EnvVar(
     "huggingface_hub's own switch: a hub id is looked up in the cache only, never downloaded. Read when a model "
     "path is resolved (huggingface_hub reads it once, at its import).",
 )
+HF_HUB_ETAG_TIMEOUT = EnvVar(
+    "HF_HUB_ETAG_TIMEOUT", 10.0, _positive_finite,
+    "huggingface_hub's own: seconds a hub id's lookup waits for the hub before its cached snapshot is read instead "
+    "(asyncllm/models/hub.py); a finite number above 0. Read when a model path is resolved.",
+)
 API_KEY = EnvVar(
     "ASYNCLLM_API_KEY", "", str,
     "API key `asyncllm serve` requires as 'Authorization: Bearer KEY' when --api-key is not given.",
@@ -239,8 +244,9 @@ FORKSERVER = EnvVar(
 )
 
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR,
-            ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
-            MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
+            ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_ETAG_TIMEOUT,
+            HF_HUB_OFFLINE, LOGGING_LEVEL, MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION,
+            RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE, WORKER_TRACE_CHROME, WORKER_TRACE_DIR,
             WORKER_TRACE_STEPS, XGRAMMAR_CACHE_MB)
 PARENT_PID_NAME = "ASYNCLLM_PARENT_PID"

@@ -1,7 +1,8 @@
 """throughput: many requests submitted at once (the nano-vllm workload); output and total tokens/s.
 
 256 requests by default, input and output lengths each uniform in [100, 1024]
-(seeded), every request ignoring EOS. The clock runs from the first
+(seeded), every request ignoring EOS; with ``--preset tiny`` (CPU runs) 8 requests,
+inputs in [8, 32] and outputs in [4, 16] by default. The clock runs from the first
 submission to the last completion, after a warm-up.
 """
 
@@ -24,10 +25,19 @@ COMPARE_TIME_BUDGET_S = 240.0
 (transformers' decode step is host-bound, about 85 ms), continuous batching about as long or longer."""
 
 
+GPU_WORKLOAD = {"num_requests": 256, "input_len_range": (100, 1024), "output_len_range": (100, 1024)}
+"""The default workload (nano-vllm's): hours on a CPU."""
+TINY_WORKLOAD = {"num_requests": 8, "input_len_range": (8, 32), "output_len_range": (4, 16)}
+"""The default workload with ``--preset tiny``, the CPU preset (docs/benchmarks.md#running-on-the-cpu): seconds."""
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=common.positive_int, default=256)
-    parser.add_argument("--input-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
-    parser.add_argument("--output-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
+    parser.add_argument("--num-requests", type=common.positive_int, default=None,
+                        help="default: 256 (8 with --preset tiny)")
+    parser.add_argument("--input-len-range", type=common.int_range, default=None, metavar="LO,HI",
+                        help="default: 100,1024 (8,32 with --preset tiny)")
+    parser.add_argument("--output-len-range", type=common.int_range, default=None, metavar="LO,HI",
+                        help="default: 100,1024 (4,16 with --preset tiny)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--compare", choices=("hf",), default=None, help="also run transformers on the same requests")
     parser.add_argument("--compare-num-requests", type=common.positive_int, default=None,
@@ -84,7 +94,16 @@ async def _timed(engine: Any, requests: list[BenchRequest], temperature: float, 
     }
 
 
+def fill_workload_defaults(args: argparse.Namespace) -> None:
+    """The workload flags not given: `TINY_WORKLOAD`'s with ``--preset tiny``, else `GPU_WORKLOAD`'s."""
+    defaults = TINY_WORKLOAD if args.preset == "tiny" else GPU_WORKLOAD
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    fill_workload_defaults(args)
     ctx = common.make_context(args, argv)
     requests = uniform_requests(args.num_requests, args.input_len_range, args.output_len_range,
                                 ctx.model.vocab_size, args.seed)

@@ -9,7 +9,12 @@ Run as ``python -m asyncllm.engine.core``.
 
 from __future__ import annotations
 
-import argparse
+import signal
+
+if __name__ == "__main__":  # a host's child from its first line: a Ctrl-C during the imports below is the host's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (no traceback here); main() then ignores both, ignore_group_signals
+
+import argparse  # noqa: E402 - after the Ctrl-C is ignored
 import functools
 import logging
 import os

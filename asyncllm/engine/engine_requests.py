@@ -50,18 +50,20 @@ class EngineRequests:
                request_id: str | None = None, timeout: float | None = None,
                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                data_parallel_rank: int | None = None, check_max_tokens: bool = False,
-               echo_only: bool = False, add_special_tokens: bool | None = None) -> RequestStream:
+               echo_only: bool = False, add_special_tokens: bool | None = None,
+               sampling_params: SamplingParams | None = None) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
         replica (data_parallel_size > 1; default: the least loaded). `check_max_tokens` (the OpenAI server's):
         a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit;
         `echo_only` (its echo with max_tokens 0, max_tokens 1 here): the prompt may fill max_model_len.
-        `add_special_tokens` (vLLM's; None: True) whether a text prompt's tokens start with BOS and the like."""
+        `add_special_tokens` (vLLM's; None: True) whether a text prompt's tokens start with BOS and the like.
+        `sampling_params` is vLLM's name for `params` (give one of them)."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
                                  data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens,
                                  echo_only=echo_only, add_special_tokens=add_special_tokens)
-        params = _checked_params(params)
+        params = _checked_params(_one_params(params, sampling_params))
         if echo_only and (params is None or params.max_tokens != 1):
             raise InvalidRequestError("echo_only", "needs params with max_tokens=1 (the token sampled for it is "
                                                    "dropped)")
@@ -96,12 +98,15 @@ class EngineRequests:
                                  add_special_tokens=add_special_tokens)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
-    async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
-        """Run one request to the end and return it whole, every sample in `.outputs` (options as for `stream`).
+    async def generate(self, prompt: Any, params: SamplingParams | None = None, *,
+                       sampling_params: SamplingParams | None = None, **options: Any) -> RequestOutput:
+        """Run one request to the end and return it whole, every sample in `.outputs` (options as for `stream`;
+        `sampling_params` is vLLM's name for `params`).
 
         `params.output_kind` does not apply: samples are collected whole on the
         host (FINAL_ONLY), so the caller's task wakes once per sample.
         """
+        params = _one_params(params, sampling_params)
         if _checked_params(params) is None:
             await self.start()
             params = self.default_sampling_params()
@@ -229,3 +234,9 @@ def _checked_params(params: SamplingParams | None) -> SamplingParams | None:
         raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
     return params
 
+
+def _one_params(params: SamplingParams | None, sampling_params: SamplingParams | None) -> SamplingParams | None:
+    """`params`, or `sampling_params` (vLLM's name for it): not both."""
+    if params is not None and sampling_params is not None:
+        raise InvalidRequestError("sampling_params", "is vLLM's name for params: give one of them, not both")
+    return params if sampling_params is None else sampling_params

@@ -158,7 +158,8 @@ def architecture_of(hf_config: Any) -> str:
                           "architectures are specified; hf_overrides={'architectures': [...]} can name one)")
     arch = architectures[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise NotBuiltError("model", getattr(hf_config, "name_or_path", None) or arch,  # the folder given
+                            f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     return arch
 
 

@@ -1,6 +1,6 @@
 """Finding a checkpoint and reading its config, without torch (the host process runs these).
 
-``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
+``resolve_model_path`` (asyncllm/models/hub.py) finds the checkpoint folder (a local folder, or a hub id
 through huggingface_hub's cache); ``load_hf_config`` reads its config.json with
 transformers' ``AutoConfig`` (its own code only with trust_remote_code). The host prepares an engine
 with these and the architecture table (asyncllm/models/architectures.py), so
@@ -12,18 +12,15 @@ when torch is installed, imports it), never at an app's import time.
 from __future__ import annotations
 
 import copy
-import glob
 import json
 import os
-import re
 import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError, check_remote_code
+from asyncllm.models.hub import resolve_model_path
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
-from asyncllm.models.st_dense import dense_pickle_patterns
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,60 +31,6 @@ if TYPE_CHECKING:
 
 __all__ = ["resolve_model_path", "load_hf_config", "apply_hf_overrides", "served_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
            "pretrained_config", "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
-
-_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-"""A snapshot's configs and tokenizer files (all a tokenizer's has; `resolve_model_path` adds weights and code)."""
-
-
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
-                       weights: bool = True, load_format: str = "auto", trust_remote_code: bool = False) -> str:
-    """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
-    tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors;
-    `trust_remote_code`: its ``*.py`` too, the configuration_*.py, tokenization_*.py its ``auto_map`` names).
-
-    The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
-    and huggingface_hub falls back to its cache (``download_dir``, else HF_HUB_CACHE) when the hub is
-    unreachable. A ``.gguf`` file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form
-    ``repo:quant`` is a `NotBuiltError`). Anything else is a `ConfigError` saying what was tried.
-    """
-    if os.path.isdir(model):
-        return model
-    if model.lower().endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise ConfigError("model", model, "a local folder, a hub id, or a .gguf file that exists")
-        return model
-    if re.fullmatch(r"[\w.-]+/[\w.-]+:[\w.-]+", model):  # vLLM's "owner/repo:Q4_K_M"
-        raise NotBuiltError("model", model, "a hub GGUF named as 'repo:quant' (download the .gguf file and pass "
-                                            "its path)")
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    offline = constants.HF_HUB_OFFLINE or envs.HF_HUB_OFFLINE.get()
-    cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-    hub: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir, local_files_only=offline)
-    pt = weights and load_format == "pt"  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
-    files = [*_TOKENIZER_PATTERNS, *(["*.py"] if trust_remote_code else [])]
-    try:
-        path = snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"] if pt
-                                 else [*files, "*.safetensors"] if weights else files)
-        pickles = [] if not weights or pt else (
-            dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"])
-        return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
-            model, **hub, allow_patterns=[*files, "*.safetensors", *pickles])
-    except HFValidationError as exc:
-        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
-    except LocalEntryNotFoundError as exc:
-        hub = "offline mode is on (HF_HUB_OFFLINE=1)" if offline else "the hub could not be reached"
-        raise ConfigError(
-            "model",
-            model,
-            f"a local folder or a hub id in the Hugging Face cache: it is not a folder, not in the cache "
-            f"({cache_dir}), and {hub}; set HF_HUB_OFFLINE=0 or download it first "
-            f"(`huggingface-cli download {model}`)",
-        ) from exc
-    except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
-        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
-
 
 def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The checkpoint's transformers config (its own code run only with `trust_remote_code`); a GGUF file's from

@@ -147,7 +147,7 @@ def test_cli_reference_lists_every_flag() -> None:
         assert f"`--{name.replace('_', '-')}`" in text, name
     for row in markdown_table().splitlines():  # the rows' text too: regenerate with `python -m asyncllm.cli_args`
         assert row in text, row
-    for command in ("serve", "engine"):
+    for command in ("generate", "serve", "engine"):
         for action in _subparser(command)._actions:
             for option in action.option_strings:
                 if option.startswith("--") and not option.startswith("--no-") and option != "--help":

@@ -207,8 +207,10 @@ def test_hub_id_absent_offline(tmp_path, monkeypatch):
 
 def test_not_a_folder_nor_a_hub_id(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="is neither"):
+    with pytest.raises(ConfigError, match="no such folder: /no/such/folder/anywhere"):
         resolve_model_path("/no/such/folder/anywhere")
+    with pytest.raises(ConfigError, match="is neither"):
+        resolve_model_path("not a/hub id")
 
 
 @pytest.mark.parametrize("pickles", [False, True])

@@ -1,0 +1,112 @@
+"""Finding a checkpoint folder: a local folder as is, a hub id through huggingface_hub's cache (without torch).
+
+The hub is asked at most ``HF_HUB_ETAG_TIMEOUT`` seconds (`hub_unanswered`) before huggingface_hub's own lookup,
+which waits without a bound: a network that drops packets makes a cached hub id load from the cache, with a
+warning, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import time
+from typing import Any
+
+from asyncllm import envs
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.st_dense import dense_pickle_patterns
+
+__all__ = ["resolve_model_path", "hub_unanswered"]
+
+logger = logging.getLogger(__name__)
+
+_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+"""A snapshot's configs and tokenizer files (all a tokenizer's has; `resolve_model_path` adds weights and code)."""
+_PATH_PREFIXES = ("/", "./", "../", "~")
+"""How a string that names a folder (never a hub id) begins."""
+_UNANSWERED_FOR_S = 60.0
+"""How long after a lookup the hub did not answer the next ones are not tried (a model's, then its tokenizer's)."""
+_unanswered: dict[str, Any] = {"at": None, "why": ""}
+
+
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
+                       weights: bool = True, load_format: str = "auto", trust_remote_code: bool = False) -> str:
+    """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
+    tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors;
+    `trust_remote_code`: its ``*.py`` too, the configuration_*.py, tokenization_*.py its ``auto_map`` names).
+
+    The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import); when it does not answer within
+    HF_HUB_ETAG_TIMEOUT seconds (`hub_unanswered`), the cache (``download_dir``, else HF_HUB_CACHE) is read alone,
+    with a warning. A string that looks like a path (``/``, ``./``, ``../``, ``~``) must be a folder. A ``.gguf``
+    file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form ``repo:quant`` is a `NotBuiltError`).
+    Anything else is a `ConfigError` saying what was tried.
+    """
+    if os.path.isdir(model):
+        return model
+    if model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ConfigError("model", model, "a local folder, a hub id, or a .gguf file that exists")
+        return model
+    if model.startswith(_PATH_PREFIXES):
+        raise ConfigError("model", model, f"a local folder or a hub id: no such folder: {os.path.expanduser(model)}")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+:[\w.-]+", model):  # vLLM's "owner/repo:Q4_K_M"
+        raise NotBuiltError("model", model, "a hub GGUF named as 'repo:quant' (download the .gguf file and pass "
+                                            "its path)")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE or envs.HF_HUB_OFFLINE.get()
+    cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    unreachable: str | None = None
+    try:
+        if not offline:
+            unreachable = hub_unanswered(model, revision)
+        hub: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir,
+                                   local_files_only=offline or unreachable is not None)
+        pt = weights and load_format == "pt"  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
+        files = [*_TOKENIZER_PATTERNS, *(["*.py"] if trust_remote_code else [])]
+        path = snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"] if pt
+                                 else [*files, "*.safetensors"] if weights else files)
+        pickles = [] if not weights or pt else (
+            dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"])
+        return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
+            model, **hub, allow_patterns=[*files, "*.safetensors", *pickles])
+    except HFValidationError as exc:
+        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
+    except LocalEntryNotFoundError as exc:
+        why = ("offline mode is on (HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 or download it first" if offline
+               else f"the hub could not be reached (network? {unreachable or exc}); download it first when online")
+        raise ConfigError("model", model, f"a local folder or a hub id in the Hugging Face cache: it is not a folder, "
+                                          f"not in the cache ({cache_dir}), and {why} "
+                                          f"(`huggingface-cli download {model}`)") from exc
+    except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
+        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def hub_unanswered(model: str, revision: str | None) -> str | None:
+    """None when the hub answers a lookup of ``model`` within HF_HUB_ETAG_TIMEOUT seconds (any answer: a missing
+    repo is huggingface_hub's own error, raised by its download); otherwise why not, after a warning that the cache
+    is read instead (huggingface_hub's own lookup waits without a bound when the network drops packets). The hub is
+not asked again for a minute after it did not answer."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HFValidationError
+
+    timeout = envs.HF_HUB_ETAG_TIMEOUT.get()
+    if _unanswered["at"] is not None and time.monotonic() - _unanswered["at"] < _UNANSWERED_FOR_S:
+        return _unanswered["why"]
+    try:
+        HfApi().repo_info(model, revision=revision, timeout=timeout)
+        return None
+    except HFValidationError:
+        raise
+    except Exception as exc:  # the HTTP library's connection errors and timeouts (requests' or httpx's)
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status is not None and status < 500:  # the hub answered (not found, gated, ...)
+            return None
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    _unanswered.update(at=time.monotonic(), why=why)
+    logger.warning("the Hugging Face hub did not answer a lookup of %s within %gs (HF_HUB_ETAG_TIMEOUT; %s): reading "
+                   "it from the cache only (HF_HUB_OFFLINE=1 skips the lookup)", model, timeout, why)
+    return why

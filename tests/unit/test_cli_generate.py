@@ -1,0 +1,57 @@
+"""`asyncllm generate` takes serve's and engine's engine flags, refuses an empty prompt before anything starts, and a
+Ctrl-C (a hub id looked up, the model loading) is exit 130 with no traceback, as serve's (asyncllm/cli.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import cli, cli_commands
+from asyncllm.errors import InvalidRequestError
+
+
+def test_generate_takes_the_engine_flags_and_its_seed_is_the_requests() -> None:
+    args = cli.parse_args(cli._parser(), ["generate", "--trust-remote-code", "--device", "cpu", "--max-model-len", "128",
+                                          "-tp", "1", "--dtype", "float32", "--seed", "3", "x"])
+    config, params = cli._generate_setup(args)
+    assert (config.model_config.trust_remote_code, config.model_config.device) == (True, "cpu")
+    assert (config.model_config.max_model_len, config.model_config.dtype) == (128, "float32")
+    assert params.seed == 3 and config.model_config.seed != 3  # --seed is the request's, not the engine's
+
+
+def test_an_empty_prompt_is_refused_before_the_model_is_looked_up(monkeypatch) -> None:
+    def no_model(config: object) -> None:
+        raise AssertionError("the model was looked up")
+
+    monkeypatch.setattr(cli, "check_model", no_model)
+    args = cli.parse_args(cli._parser(), ["generate", "--model", "/no/such/folder", ""])
+    with pytest.raises(InvalidRequestError, match="the prompt is empty"):
+        cli._generate_setup(args)
+
+
+def _interrupted(*args: object) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve", "--port", "0"]])
+def test_ctrl_c_while_the_model_is_looked_up_is_exit_130_quietly(monkeypatch, capsys, command) -> None:
+    monkeypatch.setattr(cli, "check_model", _interrupted)
+    monkeypatch.setattr(cli_commands, "check_model", _interrupted)
+    try:
+        cli.main(command)
+    except BaseException as exc:  # noqa: BLE001 - a KeyboardInterrupt let through must fail the test, not end pytest
+        ended = exc
+    assert isinstance(ended, SystemExit) and ended.code == 130, repr(ended)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_the_engine_core_ignores_ctrl_c_from_its_first_import() -> None:
+    """A Ctrl-C while a host's core child still imports (before its main() ignores the group's signals) is the host's:
+    no traceback from the child. ``--help`` ends main() before it ignores anything itself."""
+    import subprocess
+    import sys
+
+    code = ("import runpy, signal, sys\nsys.argv = ['core', '--help']\ntry:\n"
+            "    runpy.run_module('asyncllm.engine.core', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.splitlines()[-1] == "True"
