@@ -69,6 +69,6 @@ class AddedTokensApart:
     def _added_texts(self) -> dict[int, str]:
         texts = dict(added_tokens(self._tokenizer))
         if self._skip_special_tokens:
-            texts.update(dict.fromkeys(set(getattr(self._tokenizer, "all_special_ids", ())) & texts.keys(), ""))
+            texts.update(dict.fromkeys(special_ids(self._tokenizer) & texts.keys(), ""))
         self._texts = texts
         return texts

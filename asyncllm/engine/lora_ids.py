@@ -74,7 +74,9 @@ class HostLoRAIds:
         known = ids.pop(host_id, None)
         ids[host_id] = known or (core.lora_int_id, os.path.realpath(core.lora_path))
         self._next_id = max(self._next_id, core.lora_int_id + 1)
-        idle = self._idle.setdefault(client_id, IdleIds(self._kept))
+        idle = self._idle.get(client_id)
+        if idle is None:
+            idle = self._idle[client_id] = IdleIds(self._kept)
         for forgotten in idle.to_forget(ids, lambda: self._busy(ids)):
             del ids[forgotten]
 

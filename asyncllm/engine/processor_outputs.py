@@ -190,7 +190,8 @@ class ProcessorOutputs:
         metrics.num_generated_tokens += len(out.new_token_ids)
         finished = out.finish_reason is not None
         detokenizer = tracked.detokenizer
-        preceding = text_context(detokenizer.token_ids)  # the tokens before this delta's: its logprobs' text needs
+        # the tokens before this delta's, which its logprobs' text needs (taken before the update appends)
+        preceding = text_context(detokenizer.token_ids) if out.logprobs is not None else ()
         # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
         update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
         token_ids = detokenizer.token_ids[tracked.num_delivered:detokenizer.num_final]
