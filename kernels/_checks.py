@@ -51,6 +51,7 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 
 def check_token_vector(name: str, tensor: torch.Tensor, num_tokens: int) -> None:
     """An integer ``[T]`` (a token's slot or position) of unit stride: a kernel reads token t's at ``ptr + t``."""
-    check(tensor.shape == (num_tokens,) and not tensor.is_floating_point(),
-          f"{name} must be an integer [T] with T={num_tokens}: {tensor.dtype}, {tuple(tensor.shape)}")
-    check(tensor.stride(0) == 1 or num_tokens <= 1, f"{name} must be contiguous (stride 1): {tensor.stride()}")
+    if tensor.shape != (num_tokens,) or tensor.is_floating_point():  # messages built only on failure (every layer)
+        raise ValueError(f"{name} must be an integer [T] with T={num_tokens}: {tensor.dtype}, {tuple(tensor.shape)}")
+    if tensor.stride(0) != 1 and num_tokens > 1:
+        raise ValueError(f"{name} must be contiguous (stride 1): {tensor.stride()}")

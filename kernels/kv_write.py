@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import (
-    check, check_kv_cache, check_last_dim_contiguous, check_same_device, check_token_vector,
+    check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device, check_token_vector,
 )
 from asyncllm.kernels._kv_cache import copy_to_cache, slot_offset
 
@@ -59,7 +59,7 @@ def _check_args(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torch.T
           "values go to a two-part cache [2, ...], none to a one-part cache [1, ...]")
     for name, t in (("key", key), ("value", value)):
         if t is not None:
-            check(t.is_floating_point() and t.dim() == 3, f"{name} must be a float [T, Hkv, D]: {t.dtype}, {t.shape}")
+            check_float(name, t, 3)
             check(tuple(t.shape) == (key.shape[0], *kv_cache.shape[-2:]),
                   f"{name} {tuple(t.shape)} must be [T, Hkv, D] of the cache's {tuple(kv_cache.shape[-2:])}")
             check_last_dim_contiguous(name, t)
