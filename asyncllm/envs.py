@@ -70,11 +70,6 @@ HF_HUB_OFFLINE = EnvVar(
     "huggingface_hub's own switch: a hub id is looked up in the cache only, never downloaded. Read when a model "
     "path is resolved (huggingface_hub reads it once, at its import).",
 )
-HF_HUB_ETAG_TIMEOUT = EnvVar(
-    "HF_HUB_ETAG_TIMEOUT", 10.0, _positive_finite,
-    "huggingface_hub's own: seconds a hub id's lookup waits for the hub before its cached snapshot is read instead "
-    "(asyncllm/models/hub.py); a finite number above 0. Read when a model path is resolved.",
-)
 API_KEY = EnvVar(
     "ASYNCLLM_API_KEY", "", str,
     "API key `asyncllm serve` requires as 'Authorization: Bearer KEY' when --api-key is not given.",
@@ -178,6 +173,13 @@ def _positive_int(raw: str) -> int:
         raise ValueError(f"expected a positive integer, got {value}")
     return value
 
+
+HF_HUB_ETAG_TIMEOUT = EnvVar(
+    "HF_HUB_ETAG_TIMEOUT", 10, _positive_int,
+    "huggingface_hub's own: seconds a hub id's lookup waits for the hub before its cached snapshot is read instead "
+    "(asyncllm/models/hub.py); a whole number above 0 (huggingface_hub reads it with int() at its import). Read "
+    "when a model path is resolved.",
+)
 
 RESPONSES_API_STORE_MAX_ENTRIES = EnvVar(
     "ASYNCLLM_RESPONSES_API_STORE_MAX_ENTRIES", 1000, _positive_int,

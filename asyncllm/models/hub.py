@@ -43,6 +43,8 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form ``repo:quant`` is a `NotBuiltError`).
     Anything else is a `ConfigError` saying what was tried.
     """
+    if model.startswith("~"):
+        model = os.path.expanduser(model)
     if os.path.isdir(model):
         return model
     if model.lower().endswith(".gguf"):

@@ -37,7 +37,7 @@ def silent_hub(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)  # huggingface_hub reads HF_ENDPOINT at its import
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "0.5")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")  # huggingface_hub's int()
     monkeypatch.setitem(hub._unanswered, "at", None)  # no earlier test's unanswered lookup
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
@@ -95,6 +95,13 @@ def test_a_path_that_is_not_a_folder_says_so(model):
     with pytest.raises(ConfigError, match="no such folder: ") as info:
         resolve_model_path(model)
     assert "Repo id" not in str(info.value)
+
+
+def test_a_home_folder_is_expanded(tmp_path, monkeypatch):
+    """``~/x`` that exists is that folder (a typo'd one says "no such folder" with the expanded path)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "model").mkdir()
+    assert resolve_model_path("~/model") == str(tmp_path / "model")
 
 
 def test_an_unsupported_architecture_names_the_folder():
