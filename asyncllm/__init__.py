@@ -1,32 +1,32 @@
 """asyncllm: an asyncio-native LLM inference engine to embed in Python apps.
 
-``import asyncllm`` is cheap and never initialises CUDA: the engine classes
-are imported on first use.
+``import asyncllm`` is cheap and never initialises CUDA: every public name
+(`__all__`) is imported on first use (`_HOMES`).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.config import EngineConfig
-from asyncllm.errors import (
-    AsyncLLMError,
-    ConfigError,
-    EngineDeadError,
-    EngineOverloadedError,
-    EventLoopError,
-    InvalidRequestError,
-    NotBuiltError,
-    RequestTimeoutError,
-)
-from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from asyncllm.lora import LoRARequest
-from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
-from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
-from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
-
 if TYPE_CHECKING:
+    from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from asyncllm.config import EngineConfig
     from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.errors import (
+        AsyncLLMError,
+        ConfigError,
+        EngineDeadError,
+        EngineOverloadedError,
+        EventLoopError,
+        InvalidRequestError,
+        NotBuiltError,
+        RequestTimeoutError,
+    )
+    from asyncllm.lora import LoRARequest
+    from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
+    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
+    from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
 __version__ = "0.1.0"
 
@@ -61,9 +61,29 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "AsyncEngine":
-        from asyncllm.engine.async_engine import AsyncEngine
+_HOMES = {
+    "AsyncEngine": "asyncllm.engine.async_engine", "EngineConfig": "asyncllm.config",
+    **dict.fromkeys(("SamplingParams", "RequestOutputKind", "StructuredOutputs"), "asyncllm.sampling"),
+    "LoRARequest": "asyncllm.lora",
+    **dict.fromkeys(("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"), "asyncllm.beam_search"),
+    **dict.fromkeys(("PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput"), "asyncllm.pooling"),
+    **dict.fromkeys(("StreamDelta", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineStats"),
+                    "asyncllm.outputs"),
+    **dict.fromkeys(("AsyncLLMError", "ConfigError", "NotBuiltError", "InvalidRequestError", "EngineOverloadedError",
+                     "RequestTimeoutError", "EngineDeadError", "EventLoopError"), "asyncllm.errors"),
+}
+"""Where each public name lives: imported on first use, so that ``import asyncllm`` imports nothing more (a
+command's Ctrl-C while it imports is its own: asyncllm/__main__.py)."""
 
-        return AsyncEngine
-    raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,5 +1,5 @@
-"""Child processes that never outlive their parent, private socket folders, and claiming a Unix socket path
-(`claim_socket`).
+"""Child processes that never outlive their parent, private socket folders (asyncllm/ipc_dirs.py), and claiming a
+Unix socket path (`claim_socket`).
 
 Children are started with `subprocess` running ``python -m <module>`` (a fresh
 interpreter, like multiprocessing's spawn, with none of its atexit joins). The
@@ -18,13 +18,11 @@ import logging
 import os
 import queue
 import random
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from concurrent.futures import Future
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError, EngineDeadError
+from asyncllm.ipc_dirs import private_ipc_dir as private_ipc_dir, remove_dir as remove_dir  # (asyncllm/ipc_dirs.py)
 
 logger = logging.getLogger(__name__)
 
@@ -310,18 +309,6 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         pass
-
-
-def private_ipc_dir() -> str:
-    """A fresh 0700 folder for ipc:// sockets (remove it with `remove_dir`)."""
-    parent = envs.RUNTIME_DIR.get() or None
-    path = tempfile.mkdtemp(prefix="asyncllm-", dir=parent)
-    os.chmod(path, 0o700)
-    return path
-
-
-def remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def free_tcp_port() -> int:

@@ -16,7 +16,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, ServerLimits, is_int
-from asyncllm.integrations.openai_standard import check_chat_service_fields, check_stream_options
+from asyncllm.integrations.openai_standard import check_chat_service_fields, check_stream_options, refuse_failed
 from asyncllm.integrations.openai_structured import (
     check_response_format_keys, constraint_errors, structured_output,
 )
@@ -50,7 +50,7 @@ def completion_params(req: CompletionRequest, limits: ServerLimits,
     harnesses ask) generates one token that the response leaves out
     (`echo_only`).
     """
-    _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
+    refuse_failed([(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")])
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
     prompt_logprobs = req.prompt_logprobs
@@ -184,9 +184,11 @@ def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None
 def _check_combinations(req: GenerationRequest) -> None:
     """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
     # as vLLM's check_logprobs: a stream carries no prompt logprobs, so a count asking for some is refused (0 passes)
-    _refuse(req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1),
-            "prompt_logprobs", "is not available when streaming")
-    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
+    refuse_failed([
+        (req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1),
+         "prompt_logprobs", "is not available when streaming"),
+        (req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)"),
+    ])
     check_common(req)
 
 
@@ -203,9 +205,4 @@ def check_common(req: GenerationRequest) -> None:
 def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
     """A request's field; when unset (None), the engine's default for it, else `fallback`."""
     return value if value is not None else defaults.get(field, fallback)
-
-
-def _refuse(condition: bool, field: str, why: str) -> None:
-    if condition:
-        raise InvalidRequestError(field, why)
 

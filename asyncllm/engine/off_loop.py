@@ -14,9 +14,18 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["finish_in_thread", "in_thread"]
+__all__ = ["finish_in_thread", "in_thread", "start_daemon"]
 
 T = TypeVar("T")
+
+
+def start_daemon(func: Callable[..., Any], *args: Any, name: str) -> None:
+    """``func(*args)`` in a new daemon thread that nobody joins; inline where no thread can be started (Python 3.12+
+    during interpreter shutdown: "can't create new thread at interpreter shutdown"), as a stop must still run."""
+    try:
+        threading.Thread(target=func, args=args, name=name, daemon=True).start()
+    except RuntimeError:
+        func(*args)
 
 
 def _threaded(func: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -31,10 +40,7 @@ def _threaded(func: Callable[..., T], *args: Any) -> concurrent.futures.Future[T
         except BaseException as exc:  # noqa: BLE001 - raised by whoever awaits `done`
             done.set_exception(exc)
 
-    try:
-        threading.Thread(target=run, name=f"asyncllm-{getattr(func, '__name__', 'step')}", daemon=True).start()
-    except RuntimeError:  # "can't create new thread at interpreter shutdown"
-        run()
+    start_daemon(run, name=f"asyncllm-{getattr(func, '__name__', 'step')}")
     return done
 
 
@@ -55,7 +61,7 @@ def _hand_over(done: concurrent.futures.Future[T], abandoned: Callable[[T], None
     """Called in the thread that finished `done`, or on the loop when it finished before the cancel: `abandoned`
     (stopping a core waits) always runs in a thread of its own."""
     if not done.cancelled() and done.exception() is None:
-        threading.Thread(target=abandoned, args=(done.result(),), name="asyncllm-abandoned", daemon=True).start()
+        start_daemon(abandoned, done.result(), name="asyncllm-abandoned")
 
 
 async def finish_in_thread(func: Callable[..., Any], *args: Any) -> None:

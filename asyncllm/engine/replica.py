@@ -28,7 +28,7 @@ from asyncllm.engine.data_parallel import combined_stats, load_score, replica_en
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.launched import Launched, stop_launched
-from asyncllm.engine.off_loop import finish_in_thread, in_thread
+from asyncllm.engine.off_loop import finish_in_thread, in_thread, start_daemon
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.engine.processor import Deliver, Processor
 from asyncllm.engine.stats_log import StatsLogger
@@ -102,8 +102,7 @@ class Replica:
             self.processor = self.core = None
         for processor, core in launched:
             if processor is not None or core is not None:
-                threading.Thread(target=stop_launched, args=(processor, core), name="asyncllm-stop-orphaned",
-                                 daemon=True).start()
+                start_daemon(stop_launched, processor, core, name="asyncllm-stop-orphaned")
 
 
 class ReplicaSet:
@@ -346,7 +345,7 @@ def stop_forgotten(replicas: list[Replica], owner_pid: int) -> None:
         abandon(replicas)
         return
     logger.warning("an AsyncEngine was garbage-collected without aclose(): stopping its engine core(s)")
-    threading.Thread(target=_stop_and_retire, args=(replicas,), name="asyncllm-stop-forgotten", daemon=True).start()
+    start_daemon(_stop_and_retire, replicas, name="asyncllm-stop-forgotten")
 
 
 def _stop_and_retire(replicas: list[Replica]) -> None:

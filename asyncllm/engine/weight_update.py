@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncllm import errors, protocol
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
+from asyncllm.models.hub import names_a_path
 
 __all__ = ["OTHER_RANK_REFUSED", "PendingWeightUpdates", "new_checkpoint_config", "read_update_config",
            "resolve_update_path", "weights_error", "weights_error_reply"]
@@ -30,7 +31,7 @@ def resolve_update_path(model_path: str, revision: str | None, download_dir: str
     if model_path.lower().endswith(".gguf"):
         raise errors.NotBuiltError("model_path", model_path, "update_weights from a GGUF file")
     folder = os.path.expanduser(model_path)
-    meant_as_folder = os.path.isabs(folder) or model_path.startswith(".")  # no hub lookup
+    meant_as_folder = names_a_path(model_path)  # no hub lookup
     if meant_as_folder and not os.path.isdir(folder):
         raise errors.InvalidRequestError("model_path", f"{model_path!r} is not a folder (a checkpoint folder "
                                                        "or hub id)")

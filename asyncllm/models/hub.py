@@ -18,14 +18,14 @@ from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.st_dense import dense_pickle_patterns
 
-__all__ = ["resolve_model_path", "hub_unanswered"]
+__all__ = ["resolve_model_path", "hub_unanswered", "names_a_path"]
 
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """A snapshot's configs and tokenizer files (all a tokenizer's has; `resolve_model_path` adds weights and code)."""
-_PATH_PREFIXES = ("/", "./", "../", "~")
-"""How a string that names a folder (never a hub id) begins."""
+_PATH_PREFIXES = ("/", ".", "~")
+"""How a string that names a folder begins (a hub id never begins with one: huggingface_hub's check refuses it)."""
 _UNANSWERED_FOR_S = 60.0
 """How long after a lookup the hub did not answer the next ones are not tried (a model's, then its tokenizer's)."""
 _unanswered: dict[str, Any] = {"at": None, "why": ""}
@@ -39,7 +39,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import); when it does not answer within
     HF_HUB_ETAG_TIMEOUT seconds (`hub_unanswered`), the cache (``download_dir``, else HF_HUB_CACHE) is read alone,
-    with a warning. A string that looks like a path (``/``, ``./``, ``../``, ``~``) must be a folder. A ``.gguf``
+    with a warning. A string that looks like a path (`names_a_path`: ``/``, ``.``, ``~``) must be a folder. A ``.gguf``
     file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form ``repo:quant`` is a `NotBuiltError`).
     Anything else is a `ConfigError` saying what was tried.
     """
@@ -51,7 +51,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         if not os.path.isfile(model):
             raise ConfigError("model", model, "a local folder, a hub id, or a .gguf file that exists")
         return model
-    if model.startswith(_PATH_PREFIXES):
+    if names_a_path(model):
         raise ConfigError("model", model, f"a local folder or a hub id: no such folder: {os.path.expanduser(model)}")
     if re.fullmatch(r"[\w.-]+/[\w.-]+:[\w.-]+", model):  # vLLM's "owner/repo:Q4_K_M"
         raise NotBuiltError("model", model, "a hub GGUF named as 'repo:quant' (download the .gguf file and pass "
@@ -85,6 +85,12 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                                           f"(`huggingface-cli download {model}`)") from exc
     except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
         raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def names_a_path(model: str) -> bool:
+    """Whether `model` names a local path, never a hub id: it begins with ``/``, ``.`` or ``~`` (the served model's
+    rule and `update_weights`' alike)."""
+    return model.startswith(_PATH_PREFIXES)
 
 
 def hub_unanswered(model: str, revision: str | None) -> str | None:

@@ -83,11 +83,12 @@ def check_queue_capacity(
     waiting: RequestQueue, request: Request, groups: AdmissionGroups, max_num_queued_requests: int | None,
     max_num_queued_tokens: int | None,
 ) -> None:
-    """`EngineOverloadedError` if queueing `request` would pass a limit.
+    """`EngineOverloadedError` if queueing `request` would pass a limit: the core's rule, which the host shares
+    (`AdmissionGroups.check` on its estimates) but for the samples checked with another.
 
     An n > 1 request is checked once, on its sample 0, for its n samples
-    (`Request.num_samples`; its other samples, 0, are queued with it, or refused with it:
-    asyncllm/engine/sample_groups.py).
+    (`Request.num_samples`; its other samples, 0, are queued with it unchecked, or refused with it:
+    asyncllm/engine/sample_groups.py; the host checks a request's n at once, never 0).
     `max_num_queued_requests`: refused when the waiting requests plus these
     samples would pass it. `max_num_queued_tokens`: refused when the waiting
     requests' tokens plus these samples' prompts would pass it. An empty queue
@@ -95,8 +96,9 @@ def check_queue_capacity(
     never refused forever; and the rest of its admission group (`groups`), up to
     the group's size past the limits.
     """
-    groups.check(request.admission_group, len(waiting), waiting.num_tokens, request.num_samples,
-                 request.num_prompt_tokens, max_num_queued_requests, max_num_queued_tokens)
+    if request.num_samples:
+        groups.check(request.admission_group, len(waiting), waiting.num_tokens, request.num_samples,
+                     request.num_prompt_tokens, max_num_queued_requests, max_num_queued_tokens)
 
 
 class AdmissionGroups:
@@ -123,9 +125,8 @@ class AdmissionGroups:
     def check(self, group: str, num_waiting: int, num_waiting_tokens: int, num_samples: int, num_prompt_tokens: int,
               max_num_queued_requests: int | None, max_num_queued_tokens: int | None, about: str = "") -> None:
         """`check_queue_limits` for a request of `group` ("": none), the limits raised by its size if it is open;
-        opens it when the queue is empty."""
-        if num_samples == 0:
-            return
+        opens it when the queue is empty. `num_samples` is at least 1 (`check_queue_capacity` skips a request's
+        samples checked with its sample 0)."""
         name, size = group_size(group)
         extra = self.open.get(name, 0) if group else 0
         check_queue_limits(num_waiting, num_waiting_tokens, num_samples, num_prompt_tokens,
@@ -153,7 +154,7 @@ def check_queue_limits(
     an open admission group's size, `AdmissionGroups`); nothing when the queue is empty. The core's rule
     (`check_queue_capacity`) and the host's estimate of it (`asyncllm.engine.admission`, `about` "about ": its
     counts are estimates)."""
-    if num_samples == 0 or num_waiting == 0:
+    if num_waiting == 0:
         return
     group = f" (its admission group may pass it by {extra})" if extra else ""
     if max_num_queued_requests is not None and num_waiting + num_samples > max_num_queued_requests + extra:

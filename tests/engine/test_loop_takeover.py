@@ -139,6 +139,16 @@ def test_cleanup_in_a_thread_runs_at_interpreter_shutdown(monkeypatch: pytest.Mo
     monkeypatch.setattr(off_loop, "threading", SimpleNamespace(Thread=refused))
     asyncio.run(off_loop.finish_in_thread(lambda: done.append(threading.current_thread().name)))
     assert done == ["asyncllm-<lambda>", "MainThread"]
+    # every fire-and-forget stop starts its thread as these do (`off_loop.start_daemon`): inline when none starts
+    launched = concurrent.futures.Future()
+    launched.set_result("core")
+    off_loop._hand_over(launched, lambda core: done.append(f"{core} in {threading.current_thread().name}"))
+    processor = SimpleNamespace(close=lambda shutdown_core: done.append(threading.current_thread().name),
+                                said_goodbye=True)
+    orphaned = SimpleNamespace(supervisor=SimpleNamespace(drop_orphaned=lambda: None), launching=None,
+                               processor=processor, core=None)
+    replica.Replica.drop_orphaned(orphaned, started=False)  # a takeover's stop of what a closed loop launched
+    assert done[2:] == ["core in MainThread", "MainThread"] and orphaned.processor is None
 
 
 def test_a_core_launched_after_its_start_was_dropped_stops_itself() -> None:

@@ -1,7 +1,13 @@
 """`asyncllm generate` takes serve's and engine's engine flags, refuses an empty prompt before anything starts, and a
-Ctrl-C (a hub id looked up, the model loading) is exit 130 with no traceback, as serve's (asyncllm/cli.py)."""
+Ctrl-C (a hub id looked up, the model loading, the command still importing) is exit 130 with no traceback, as serve's
+(asyncllm/cli.py, asyncllm/__main__.py)."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +61,32 @@ def test_the_engine_core_ignores_ctrl_c_from_its_first_import() -> None:
             "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60).stdout
     assert out.splitlines()[-1] == "True"
+
+
+_CTRL_C_WHILE_IMPORTING = """
+import importlib.abc, os, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):  # a Ctrl-C as the command imports the engine's config
+    def find_spec(self, name, path=None, target=None):
+        if name == "asyncllm.config":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["asyncllm", "generate", "x"]
+"""
+
+
+def _console_script() -> str:
+    """What pip's ``asyncllm`` script runs: pyproject's entry point, imported then called."""
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    module, func = re.search(r'^asyncllm = "([\w.]+):(\w+)"', text, re.M).groups()
+    return f"from {module} import {func}\nsys.exit({func}())"
+
+
+@pytest.mark.parametrize("run", ["script", "python -m"])
+def test_ctrl_c_while_the_command_imports_is_exit_130_quietly(run: str) -> None:
+    code = _CTRL_C_WHILE_IMPORTING + (_console_script() if run == "script" else
+                                      "import runpy\nrunpy.run_module('asyncllm', run_name='__main__', alter_sys=True)")
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (ended.returncode, ended.stderr) == (130, ""), ended.stderr  # uncaught: a traceback and -SIGINT

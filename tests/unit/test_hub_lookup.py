@@ -90,11 +90,18 @@ def test_a_silent_hub_and_no_cache_is_one_config_error(tmp_path, monkeypatch, si
     assert "HF_HUB_OFFLINE=0" not in message  # offline mode is not on: it is not the advice
 
 
-@pytest.mark.parametrize("model", ["/no/such/folder/anywhere", "./my-modle", "../my-modle", "~/no-such-model-dir"])
+@pytest.mark.parametrize("model", ["/no/such/folder/anywhere", "./my-modle", "../my-modle", "~/no-such-model-dir",
+                                   ".cache/no-such-model", "~no-such-user-4f1/model"])
 def test_a_path_that_is_not_a_folder_says_so(model):
+    """The served model's rule and `update_weights`' are one (`hub.names_a_path`): no hub id begins with ``.``."""
+    from asyncllm.engine.weight_update import resolve_update_path
+    from asyncllm.errors import InvalidRequestError
+
     with pytest.raises(ConfigError, match="no such folder: ") as info:
         resolve_model_path(model)
     assert "Repo id" not in str(info.value)
+    with pytest.raises(InvalidRequestError, match="is not a folder"):
+        resolve_update_path(model, None)
 
 
 def test_a_home_folder_is_expanded(tmp_path, monkeypatch):
