@@ -112,11 +112,17 @@ class DecodeBuffers:
         return int(self.seq_lens.shape[0])
 
     def load(self, inputs: StepInputs, size: int) -> AttentionMetadata:
-        """Copy a decode step (one token per request) into the first ``size`` rows, padded.
+        """Copy a decode step (one token per request) into the first ``size`` rows, padded (`write`). Returns
+        the padded metadata, whose host lists describe the padded batch exactly."""
+        self.write(inputs, size)
+        meta = inputs.attn_metadata
+        n = meta.num_reqs
+        pad = size - n
+        return self._metadata(size, meta.query_start_loc_cpu + [n] * pad, meta.seq_lens_cpu + [0] * pad)
 
-        Device-to-device copies and fills only (no host sync). Returns the padded metadata,
-        whose host lists describe the padded batch exactly.
-        """
+    def write(self, inputs: StepInputs, size: int) -> None:
+        """Copy a decode step into the first ``size`` rows, padded: device-to-device copies and fills only (no host
+        sync). A replay reads these buffers only, so the step's metadata is not built (`load` builds it)."""
         meta = inputs.attn_metadata
         n = meta.num_reqs
         assert inputs.num_tokens == n <= size <= self.max_size, (inputs.num_tokens, n, size)
@@ -130,8 +136,6 @@ class DecodeBuffers:
             self.slot_mapping[n:size].fill_(-1)
             self.query_start_loc[n + 1 : size + 1].fill_(n)
             self.seq_lens[n:size].fill_(0)
-        pad = size - n
-        return self._metadata(size, meta.query_start_loc_cpu + [n] * pad, meta.seq_lens_cpu + [0] * pad)
 
     def load_warmup(self, size: int) -> AttentionMetadata:
         """The layout a graph is captured with: ``size`` one-token requests of context 1, writing no KV."""
@@ -194,7 +198,7 @@ class CudaGraphRunner:
         num_reqs = len(inputs.req_ids)
         size = padded_size(num_reqs, self.sizes)
         assert size is not None and self.can_run(inputs), (num_reqs, inputs.num_tokens)
-        self.buffers.load(inputs, size)
+        self.buffers.write(inputs, size)
         graph, hidden = self.graphs[size]
         graph.replay()
         self.num_replays += 1

@@ -45,11 +45,14 @@ class _Staged:
         self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
         self.np = self.cpu.numpy()
         self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+        self._views: tuple[int, torch.Tensor, torch.Tensor] = (-1, self.cpu, self.device)  # (n, cpu[:n], device[:n])
 
     def to_device(self, n: int) -> torch.Tensor:
-        if self.device is self.cpu:
-            return self.cpu[:n]
-        return self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+        if self._views[0] != n:
+            host = self.cpu[:n]
+            self._views = (n, host, host if self.device is self.cpu else self.device[:n])
+        _, host, device = self._views  # the last length's: steady decoding slices the same length every step
+        return host if device is host else device.copy_(host, non_blocking=True)
 
 
 class InputBatch:
@@ -201,7 +204,7 @@ class InputBatch:
         self.seq_lens.np[:num_reqs] = seq_lens
         self._write_token_ids(states, query_start_loc, computed, seq_lens, num_tokens)
         self._write_positions_and_slots(states, num_scheduled, computed, query_start_loc)
-        sampling = np.flatnonzero(seq_lens == num_tokens)  # the step reaches the end of their known tokens
+        sampling = (seq_lens == num_tokens).nonzero()[0]  # the step reaches the end of their known tokens
         sample_indices = sampling.tolist()
         num_sampling = len(sample_indices)
         self.logits_indices.np[:num_sampling] = query_start_loc[1:][sampling] - 1
@@ -258,12 +261,16 @@ class InputBatch:
     ) -> None:
         """positions = computed .. computed + scheduled; slot = block_table[pos // bs] * bs + pos % bs."""
         num_reqs, num_tokens = len(states), int(query_start_loc[-1])
-        req_index = np.repeat(np.arange(num_reqs), num_scheduled)
-        positions = computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
-        self.positions.np[:num_tokens] = positions
         rows = self.rows.np[:num_reqs]
         rows[:] = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        block_ids = self.block_table.table[rows[req_index], positions // self.block_size].astype(np.int64)
+        if num_tokens == num_reqs:  # one token each (a decode batch): token i is request i's, at its computed count
+            positions, token_rows = computed, rows
+        else:
+            req_index = np.repeat(np.arange(num_reqs), num_scheduled)
+            positions = computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
+            token_rows = rows[req_index]
+        self.positions.np[:num_tokens] = positions
+        block_ids = self.block_table.table[token_rows, positions // self.block_size].astype(np.int64)
         self.slot_mapping.np[:num_tokens] = block_ids * self.block_size + positions % self.block_size
 
     def _to_device(
@@ -273,7 +280,7 @@ class InputBatch:
         """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
         num_reqs = len(req_ids)
         rows = self.rows.to_device(num_reqs)
-        inputs = StepInputs(
+        return StepInputs(
             req_ids=req_ids,
             input_ids=self.input_ids.to_device(num_tokens),
             positions=self.positions.to_device(num_tokens),
@@ -292,7 +299,6 @@ class InputBatch:
             logits_indices=self.logits_indices.to_device(num_logits_rows),
             sampling_metadata=sampling_metadata,
         )
-        return inputs
 
     def _write_token_ids(
         self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
@@ -300,12 +306,15 @@ class InputBatch:
     ) -> None:
         input_ids = self.input_ids.np
         assert (seq_lens <= num_tokens).all(), [(s.req_id, n) for s, n in zip(states, seq_lens) if n > s.num_tokens]
+        if len(states) == query_start_loc[-1]:  # one token each (a decode batch): token i is request i's
+            input_ids[: len(states)] = [state.token_ids[c] for state, c in zip(states, computed.tolist())]
+            return
         decodes = seq_lens - computed == 1
         if decodes.any():  # one token each (most rows of a busy step): gathered in one pass, written in one
-            rows = np.flatnonzero(decodes)
+            rows = decodes.nonzero()[0]
             input_ids[query_start_loc[rows]] = [states[i].token_ids[c] for i, c in zip(rows.tolist(),
                                                                                       computed[rows].tolist())]
-        for i in np.flatnonzero(~decodes).tolist():  # prefill chunks
+        for i in (~decodes).nonzero()[0].tolist():  # prefill chunks
             input_ids[query_start_loc[i] : query_start_loc[i + 1]] = states[i].token_ids[computed[i] : seq_lens[i]]
 
     def _sampling_metadata(self, states: list[RequestState], positions: list[int]) -> SamplingMetadata:

@@ -101,7 +101,7 @@ class SamplingMetadata:
     ) -> "SamplingMetadata":
         """Build from per-row host arrays (top_k <= 0 means off)."""
         num_rows = len(temperature)
-        random = np.flatnonzero(temperature >= GREEDY_EPS)
+        random = (temperature >= GREEDY_EPS).nonzero()[0]
         if len(random) == 0:
             return cls(num_rows, None, False, None, None, None, None, [], [], logits_processors, logprobs)
         top_k, top_p, min_p = top_k[random], top_p[random], min_p[random]

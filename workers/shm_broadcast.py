@@ -184,7 +184,7 @@ class BroadcastWriter:
         self._next_seq = seq + 1
         # snapshot first: readers flip their flag concurrently, and numpy's nonzero
         # refuses an array whose count changes under it
-        for reader in np.flatnonzero(view.sleeping.copy()).tolist():
+        for reader in view.sleeping.copy().nonzero()[0].tolist():
             self._pub.send(_doorbell_topic(reader))
 
     def _wait_slot_free(self, slot: int, deadline: float | None) -> None:

@@ -117,7 +117,7 @@ class TokenFeedback:
         ``computed[i]:`` flattened at ``query_start_loc[i]``.
         """
         num_tokens = int(query_start_loc[-1])
-        holes = np.flatnonzero(input_ids_host[:num_tokens] == PENDING_TOKEN)
+        holes = (input_ids_host[:num_tokens] == PENDING_TOKEN).nonzero()[0]
         if not len(holes):
             return
         pending = self.pending

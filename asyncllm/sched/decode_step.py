@@ -59,7 +59,7 @@ def may_run_short(sched: Scheduler, extra: int = 0) -> bool:
     needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows]) + extra
     needed_blocks = -(-needed // block_size)
     # A request's blocks cover its computed tokens: only those whose next chunk reaches past them may need more.
-    maybe = np.flatnonzero(needed_blocks > -(-computed // block_size))
+    maybe = (needed_blocks > -(-computed // block_size)).nonzero()[0]
     free = kv.num_free_blocks
     for i, num_blocks in zip(maybe.tolist(), needed_blocks[maybe].tolist()):
         missing = num_blocks - len(tables[order.req_ids[i]])
@@ -96,13 +96,13 @@ def schedule_decodes(sched: Scheduler, step: _Step) -> int:
     kv = sched.kv_cache_manager
     requests, num_computed = order.requests, computed.tolist()
     num = num_decodes
-    starting = np.flatnonzero(slots == 0).tolist()  # their token starts a block: allocate it, in running order
+    starting = (slots == 0).nonzero()[0].tolist()  # their token starts a block: allocate it, in running order
     if starting:
         got = kv.append_decode_blocks([requests[i] for i in starting], [num_computed[i] for i in starting],
                                       step.cached_reqs.new_block_ids)
         if got < len(starting):  # the free queue ran dry here: the per-request loop preempts from this request on
             num = starting[got]
-    filling = np.flatnonzero(slots[:num] == block_size - 1).tolist()  # their token fills a block: cache it now
+    filling = (slots[:num] == block_size - 1).nonzero()[0].tolist()  # their token fills a block: cache it now
     if filling:
         kv.cache_decode_blocks([requests[i] for i in filling], [num_computed[i] + 1 for i in filling])
     req_ids = order.req_ids[:num]
@@ -156,7 +156,7 @@ def update_decodes(sched: Scheduler, sched_out: protocol.SchedulerOutput, runner
     if new_tokens is None:  # several tokens for some (or a worker's bug): one request at a time
         return None
     _count_computed(sched, record, before, after)
-    index = np.flatnonzero(samples)
+    index = samples.nonzero()[0]
     if not len(index):  # prefill chunks only
         return StepOutputs()
     return _apply_tokens(sched, record, index, new_tokens)
@@ -196,7 +196,7 @@ def _apply_tokens(sched: Scheduler, record: StepRows, index: np.ndarray, new_tok
     else:
         _token_lists(outputs, requests, req_ids, new_tokens, rows.client[row_ids], special)
     if any_special:
-        _full_deltas(sched, outputs, requests, new_tokens, tokens.tolist(), np.flatnonzero(special).tolist())
+        _full_deltas(sched, outputs, requests, new_tokens, tokens.tolist(), special.nonzero()[0].tolist())
     sched.generation_tokens_total += len(new_tokens)
     return outputs
 
@@ -232,7 +232,7 @@ def _register_filled_blocks(sched: Scheduler, requests: list[Request], after: np
                             num_scheduled: np.ndarray) -> None:
     """Prefix-cache the blocks the step filled whose last token was unknown when it was scheduled (async)."""
     block_size = sched.block_size
-    filled = np.flatnonzero(after % block_size < num_scheduled)
+    filled = (after % block_size < num_scheduled).nonzero()[0]
     if not len(filled):
         return
     cache_full_blocks = sched.kv_cache_manager.cache_full_blocks
@@ -250,7 +250,7 @@ def _stopping(requests: list[Request], new_tokens: list[int], stop_tokens: froze
 def _token_lists(outputs: StepOutputs, requests: list[Request], req_ids: list[str], new_tokens: list[int],
                  clients: np.ndarray, special: np.ndarray) -> None:
     """The one-token outputs (not `special`) into their hosts' lists, in step order."""
-    plain = np.flatnonzero(~special)
+    plain = (~special).nonzero()[0]
     if not len(plain):
         return
     if len(plain) < len(requests):
@@ -266,7 +266,7 @@ def _token_lists(outputs: StepOutputs, requests: list[Request], req_ids: list[st
         return
     _, firsts = np.unique(clients, return_index=True)
     for first in sorted(firsts.tolist()):
-        mine = np.flatnonzero(clients == clients[first]).tolist()
+        mine = (clients == clients[first]).nonzero()[0].tolist()
         ids, tokens = outputs.token_lists(requests[first].client_id)
         ids.extend(req_ids[i] for i in mine)
         tokens.extend(new_tokens[i] for i in mine)

@@ -107,7 +107,7 @@ class OutputPlaceholders:
         if not (failed and self._in_flight):
             return failed
         oldest = self._in_flight[0].record
-        live = [oldest.req_ids[i] for i in np.flatnonzero(oldest.live(self.scheduler.rows)).tolist()]
+        live = [oldest.req_ids[i] for i in oldest.live(self.scheduler.rows).nonzero()[0].tolist()]
         return {req_id: failed[req_id] for req_id in live if req_id in failed}
 
     def fail(self, failed: dict[str, str]) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
@@ -137,7 +137,7 @@ class OutputPlaceholders:
             return
         rows = self.scheduler.rows
         computed = rows.computed[record.rows]
-        filled = np.flatnonzero(record.live(rows) & (computed % kv.block_size < record.num_scheduled))
+        filled = (record.live(rows) & (computed % kv.block_size < record.num_scheduled)).nonzero()[0]
         if len(filled):  # about one request in block_size
             kv.cache_decode_blocks([record.requests[i] for i in filled.tolist()], computed[filled].tolist())
 
@@ -184,7 +184,7 @@ def _advance(record: StepRows, rows: RequestRows, placeholders: bool, max_seq_le
         known = rows.tokens[row_ids]
         samples = (computed == known) & (known < max_seq_len)  # the step reaches the end of the known tokens
         rows.tokens[row_ids[samples]] += 1
-        held[np.flatnonzero(live)[samples]] = True
+        held[live.nonzero()[0][samples]] = True
     record.placeholders = held
 
 
@@ -201,7 +201,7 @@ def _drop_reused_ids(step: _InFlightStep, live: np.ndarray, runner_out: protocol
                      requests: dict) -> None:
     """A request that left while its step was in flight may have its id taken by a new one: skip that id."""
     req_ids = step.record.req_ids
-    for req_id in [req_ids[i] for i in np.flatnonzero(~live).tolist() if req_ids[i] in requests]:
+    for req_id in [req_ids[i] for i in (~live).nonzero()[0].tolist() if req_ids[i] in requests]:
         del step.sched_out.num_scheduled_tokens[req_id]
         runner_out.logprobs.pop(req_id, None)
         runner_out.prompt_logprobs.pop(req_id, None)
