@@ -17,6 +17,7 @@ from asyncllm import envs
 from asyncllm.chat_content import CONTENT_FORMATS
 from asyncllm.child_logging import log_to_stderr
 from asyncllm.cli_args import add_engine_args, engine_kwargs
+from asyncllm.cli_media import add_media_args
 from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
@@ -53,9 +54,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="largest request body (default: 64 MiB, a few photos as data URLs)")
     serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,
                        help="largest audio upload to /v1/audio/transcriptions and /translations (default: 25 MiB)")
-    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                       help="let requests name media files inside DIR as file:// URLs (trusted clients only; "
-                            "default: no file is read for a request)")
+    add_media_args(serve)  # --allowed-local-media-path, and vLLM's --allowed-media-domains refused
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

@@ -31,8 +31,8 @@ __all__ = [
     "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
 
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
-                                       "tools", "documents", "padding", "truncation", "max_length"})
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",
+                                       "chat_template", "tools", "documents", "padding", "truncation", "max_length"})
 """Arguments of transformers' ``apply_chat_template`` that are not template variables: never taken from requests."""
 
 

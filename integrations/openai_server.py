@@ -15,11 +15,10 @@ module's name (``--lora-modules``) runs with that adapter. Chat completions take
 ``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
 with a `tool_call_parser`; a `reasoning_parser` splits replies into
 ``reasoning`` and ``content`` (openai_reply.py). Errors are OpenAI-style
-bodies (openai_http.py). A client that disconnects aborts its requests in the
-engine, streaming or not.
+bodies (openai_http.py); without the API key every path but /health, /ping, /metrics and /version is a 401
+(openai_auth.py). A client that disconnects aborts its requests in the engine, streaming or not.
 
-``asyncllm serve`` runs this app with uvicorn; ``create_app(engine)`` mounts
-it in any ASGI server.
+``asyncllm serve`` runs this app with uvicorn; ``create_app(engine)`` mounts it in any ASGI server.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, embedding_response
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
+from asyncllm.integrations.openai_auth import ApiKeyGate
 from asyncllm.integrations.openai_http import (
     CorsPolicy, EventStream, RequestIdHeaders, api_key_bytes, guard, json_response, not_allowed, not_found, read_body,
 )
@@ -215,7 +215,7 @@ class OpenAIServer:
         if envs.SERVER_DEV_MODE.get():
             routes += dev_routes(self)
         middleware = ([Middleware(RequestIdHeaders)] if request_id_headers else []) + (
-            [cors.middleware()] if cors is not None else [])
+            [cors.middleware()] if cors is not None else []) + [Middleware(ApiKeyGate, api_keys=self._api_keys)]
         app = Starlette(routes=routes, lifespan=server_lifespan(self, manage_engine),
                         exception_handlers={404: not_found, 405: not_allowed}, middleware=middleware)
         app.state.openai_server = self

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Coroutine, Iterator
@@ -41,6 +42,8 @@ OWN_THREAD = ("SyncEngine called from its own loop thread would deadlock; "
               "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
 CANCEL_WAIT_S = 10.0
 """How long close() lets cancelled calls clean up before it stops the loop (their callers get `EngineDeadError`)."""
+FINISH_WAIT_S = 30.0
+"""How long a stream left early waits for its abort to be posted (a moment on a loop that runs; then it goes on)."""
 
 
 class SyncEngine:
@@ -77,7 +80,7 @@ class SyncEngine:
         """An RLock: a stream collected (GC) by `_post`'s allocations under it re-enters `_post` (`_finish`)."""
         self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         """What `_post` handed out: close() ends those a stopped loop leaves undone (`_fail_the_rest`)."""
-        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncllm-sync-loop", daemon=True)
+        self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="asyncllm-sync-loop", daemon=True)
         self._thread.start()
 
     @property
@@ -219,12 +222,19 @@ class SyncEngine:
         """Run `coro` on the loop: waited for, unless this is the loop's own thread (a generator in a reference
         cycle collected there), which cannot wait for its own loop, or a thread holding `_close_lock` (collected in
         `_post` or close()), whose wait would stall the loop's next `_post`: there it is only scheduled. Nothing
-        once close() stops the loop: its aclose() aborted every request."""
+        once close() stops the loop: its aclose() aborted every request; nor at the interpreter's exit (a stream left
+        open to the end, closed as its module is torn down), when the loop's daemon thread runs no more: the core
+        ends with the host. A loop that runs posts the abort in a moment: it is waited for `FINISH_WAIT_S` at most."""
+        if sys.is_finalizing() or not self._thread.is_alive():
+            coro.close()
+            return
         future = self._post(coro)
         if future is not None and threading.current_thread() is not self._thread \
                 and not self._close_lock._is_owned():
+            concurrent.futures.wait([future], timeout=FINISH_WAIT_S)
             try:
-                self._wait(future)
+                if future.done():
+                    self._wait(future)
             except EngineDeadError:
                 if not self._stopping:
                     raise
@@ -270,7 +280,8 @@ class SyncEngine:
             raise
 
     def __del__(self) -> None:
-        # A forgotten close: stop the loop thread; the dropped AsyncEngine is then collected and stops its processes.
+        # A forgotten close: stop the loop thread, which then closes the loop (`_run_loop`); the dropped AsyncEngine
+        # is then collected and stops its processes.
         loop = getattr(self, "_loop", None)
         if loop is not None and not loop.is_closed() and not getattr(self, "_closed", True) \
                 and not forked(self._owner_pid):
@@ -278,6 +289,13 @@ class SyncEngine:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:
                 pass
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: `loop` until it is stopped, then closed (its selector and self-pipe: a SyncEngine collected
+    without close() leaves no file descriptor; close() closes it after the thread ended, which does nothing more)."""
+    loop.run_forever()
+    loop.close()
 
 
 async def _cancel_the_rest() -> None:

@@ -270,13 +270,29 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         with anyio.CancelScope(shield=True):
             for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
                 await replica.supervisor.wait()
-        if self._started:
-            self._started = False
+        stopping = self._stopping
+        if self._started or (stopping is not None and stopping.cancelled()):
+            self._started = False  # (a cancelled stop: `asyncio.run`'s end cancelled it, maybe before it began)
+            self._stopping = stopping = asyncio.ensure_future(stop_all(self._replicas.replicas, retire=True))
+        elif stopping is None or stopping.done() or stopping.get_loop().is_closed():
+            return  # never started, or stopped already (never stop twice)
+        await self._stopped(stopping)  # this aclose's stop, or another's: return once it ended
+
+    async def _stopped(self, stopping: asyncio.Task[None]) -> None:
+        """Wait for the stop of the core(s) to its end however often this aclose is cancelled (a cancel let into the
+        stop's task before its first step would stop nothing, the core left running for good), then raise the
+        cancel. The finalizer (`stop_forgotten`) is detached only by a stop that was not cancelled."""
+        cancelled = False
+        while not stopping.done():
+            try:
+                await asyncio.wait([stopping])  # (never cancels `stopping`)
+            except asyncio.CancelledError:
+                cancelled = True
+        if not stopping.cancelled():
             self._forgotten.detach()
-            self._stopping = asyncio.ensure_future(stop_all(self._replicas.replicas, retire=True))
-            await self._stopping
-        elif self._stopping is not None and not (self._stopping.done() or self._stopping.get_loop().is_closed()):
-            await asyncio.wait([self._stopping])  # another aclose's stop: return once it ended (never stop twice)
+        if cancelled or stopping.cancelled():
+            raise asyncio.CancelledError
+        stopping.result()
 
     async def _restart_replica(self, index: int) -> None:
         """A replica's supervisor's restart: stop its dead processor thread and core, start new ones."""

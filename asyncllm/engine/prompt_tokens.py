@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from asyncllm import errors
+from asyncllm.engine.chat_bounds import check_chat_size
 from asyncllm.engine.pooling_model import PoolingModel, lowercases, lowered
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
 from asyncllm.engine.validation import (check_prompt_chars, check_text, check_token_ids, max_prompt_chars,
@@ -88,6 +89,9 @@ class PromptTokenizer:
             return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
             job.prompt = plain_prompt(job.prompt) or job.prompt
+        if job.chat:  # bounds told before any template renders it, a multimodal chat's too (chat_bounds.py)
+            check_chat_size(self.tokenizer, job.prompt, self.max_model_len, self.max_prompt_chars, operation,
+                            cuttable=job.params.truncate_prompt_tokens is not None)
         if self.mm is not None or isinstance(job.prompt, dict) or job.chat:  # chat: media for a text model is refused
             job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, options.chat_template_kwargs,
                                               options.tools, options.chat_template, options.mm_processor_kwargs,

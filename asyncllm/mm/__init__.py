@@ -2,7 +2,8 @@
 
 Host side (the processor thread): `images` decodes and bounds image inputs,
 `videos` (and `video_files`, with PyAV) video inputs, `qwen_video` processes a
-Qwen-VL video's frames, `processor` runs the checkpoint's HF image processor and
+Qwen-VL video's frames, `image_bounds` bounds what the image processor makes of an image, `processor` runs the
+checkpoint's HF image processor and
 expands each image's and video's placeholder token into one token per feature row; the processor cache has
 its host half in `host_cache` (lru mirror or the writer of the `shm_ring`) and
 its core half in `core_cache` (the lru store of `cache`, each host's ring

@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.mm.hf_processors import load_feature_extractor, load_image_processor
+from asyncllm.mm.image_bounds import check_processed_size, check_request_sizes
 from asyncllm.mm.host_cache import HostProcessorCache, LruHostCache, ShmHostCache
 from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt
 from asyncllm.mm.media_items import MediaItems
@@ -355,6 +356,8 @@ class MultiModalProcessor(MediaItems):
                                                  self._processor_defaults, self._processor_cls)
                 if self._check_image_processor is not None:
                     self._check_image_processor(self._hf_config, processor)
+                check_request_sizes(self.image_processor.to_dict(), processor.to_dict(), overrides,
+                                    self.max_image_pixels)
                 self._request_processors[name] = processor
             except ConfigError as exc:
                 raise InvalidRequestError("prompt.mm_processor_kwargs", f"{exc.field}={exc.value!r}: {exc.allowed}") \
@@ -373,7 +376,9 @@ class MultiModalProcessor(MediaItems):
 
     def _processor_output(self, image: Any, field: str, overrides: dict[str, Any]) -> Any:
         """The HF image processor's output for one image."""
+        processor = self._processor_for(overrides)
+        check_processed_size(processor, image.size, field, self.max_image_pixels)
         try:
-            return self._processor_for(overrides)(images=[image], return_tensors="np", **self._call_kwargs)
+            return processor(images=[image], return_tensors="np", **self._call_kwargs)
         except (ValueError, OSError) as exc:
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc

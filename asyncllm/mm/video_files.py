@@ -1,8 +1,11 @@
 """Encoded video files (mp4, webm, ...) -> sampled RGB frames and their timing, with PyAV.
 
 A file is given as bytes, a path or a base64 ``data:video/<type>;base64,...`` URL
-(http(s) URLs are refused: the engine fetches nothing). Its size is read from
-the stream header before any frame is decoded; ``num_frames`` frames
+(http(s) URLs are refused: the engine fetches nothing). A path is opened here and PyAV reads the open file, as a
+container of `_FORMATS` only (FFmpeg's ``format_whitelist``, checked before the demuxer reads a byte past its probe),
+and FFmpeg may open no other file (``io_open`` refuses): an HLS playlist (``.m3u8``), a concat list or an SDP file
+inside ``--allowed-local-media-path`` would otherwise make FFmpeg read the files or URLs it names. Its size is read
+from the stream header before any frame is decoded, and each frame's own before it is converted; ``num_frames`` frames
 (``media_io_kwargs={"video": {"num_frames": N}}``, vLLM's knob; 32 by default)
 are taken at evenly spaced indices over the whole video, as vLLM's loader does, and
 their indices and the stream's frame rate become the video's metadata
@@ -31,6 +34,10 @@ the processor thread every request shares, so a file of more (a small one can ho
 minutes of decoding) is refused, by the container's count or by counting its packets, before any is decoded."""
 _PACKETS_PER_FRAME = 4
 """Packets of any size `_counted_frames` demuxes per frame of the bound before it stops counting."""
+_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,mpegvideo,flv,asf,ogg,nut,gif,apng,h264,hevc,m4v,"
+            "mjpeg,ivf,obu,yuv4mpegpipe,dv")
+"""FFmpeg demuxers a video file may be read with: self-contained containers and raw streams (not ``hls``, ``concat``,
+``image2``, ``sdp``, ``dash`` ..., which read other files or URLs)."""
 
 
 def sample_indices(total: int, num_frames: int) -> list[int]:
@@ -58,7 +65,19 @@ def _file_source(source: Any, field: str) -> Any:
         raise InvalidRequestError(field, "URLs are not fetched; pass the video's bytes, a base64 data: URL or frames")
     if not os.path.isfile(os.fspath(source)):
         raise InvalidRequestError(field, f"no video file at {os.fspath(source)!r}")
-    return os.fspath(source)
+    try:
+        return open(os.fspath(source), "rb")  # PyAV reads this file object; FFmpeg opens nothing itself
+    except OSError as exc:
+        raise InvalidRequestError(field, f"cannot read video file {os.fspath(source)!r}: {exc.strerror}") from exc
+
+
+def _refuse_open(url: str, flags: int, options: dict[str, Any]) -> Any:
+    """PyAV's ``io_open``: a demuxer's request to open another file or URL, always refused."""
+    raise _OtherFileError(url)
+
+
+class _OtherFileError(Exception):
+    """The video file named another file for FFmpeg to open."""
 
 
 def decode_video_file(source: Any, field: str, max_frame_pixels: int,
@@ -70,15 +89,19 @@ def decode_video_file(source: Any, field: str, max_frame_pixels: int,
     except ImportError as exc:
         raise InvalidRequestError(field, "decoding video files needs PyAV (pip install 'asyncllm[multimodal]'); "
                                          "or pass decoded frames") from exc
-    opened = _file_source(source, field)
-    try:
-        return _decode(av, opened, field, max_frame_pixels, num_frames)
-    except av.FFmpegError as exc:
-        raise InvalidRequestError(field, f"cannot decode the video: {exc}") from exc
+    with _file_source(source, field) as opened:
+        try:
+            return _decode(av, opened, field, max_frame_pixels, num_frames)
+        except _OtherFileError as exc:  # the same whether that file exists or not
+            raise InvalidRequestError(field, "the file names other files to read (a playlist or list); only "
+                                             "self-contained video files are read") from exc
+        except av.FFmpegError as exc:
+            raise InvalidRequestError(field, f"cannot decode the video: {exc} (only self-contained video files are "
+                                             f"read, as one of {_FORMATS.replace(',', ', ')})") from exc
 
 
 def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames: int) -> tuple[np.ndarray, dict[str, Any]]:
-    with av.open(opened) as container:
+    with av.open(opened, io_open=_refuse_open, container_options={"format_whitelist": _FORMATS}) as container:
         if not container.streams.video:
             raise InvalidRequestError(field, "the file has no video stream")
         stream = container.streams.video[0]
@@ -97,6 +120,7 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         container.seek(0)
         keep, frames = set(wanted), []
         for index, frame in enumerate(container.decode(stream)):
+            _check_frame(frame, index, (width, height), field, max_frame_pixels)
             if index in keep:
                 frames.append(frame.to_ndarray(format="rgb24"))
             if wanted and index >= wanted[-1]:
@@ -105,6 +129,18 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         raise InvalidRequestError(field, "the video has no frames")
     taken = wanted[: len(frames)]
     return np.stack(frames), {"fps": fps, "frames_indices": taken, "total_num_frames": max(total, taken[-1] + 1)}
+
+
+def _check_frame(frame: Any, index: int, size: tuple[int, int], field: str, max_frame_pixels: int) -> None:
+    """`InvalidRequestError` for a decoded frame over ``max_frame_pixels`` or of another size than ``size`` (the
+    stream header's, checked before any frame is decoded): the header says one size, the frames may be of any."""
+    width, height = frame.width, frame.height
+    if width * height > max_frame_pixels:
+        raise InvalidRequestError(field, f"frame {index} of the video is {width}x{height} = {width * height} pixels, "
+                                         f"over mm_max_image_pixels={max_frame_pixels}")
+    if (width, height) != tuple(size):
+        raise InvalidRequestError(field, f"frame {index} of the video is {width}x{height}, not {size[0]}x{size[1]} "
+                                         "as the stream header says: a video whose frame size changes is not read")
 
 
 def _counted_frames(container: Any, stream: Any) -> tuple[int, str]:

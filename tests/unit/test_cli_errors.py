@@ -31,7 +31,9 @@ def test_generate_refuses_bad_values_before_the_engine_starts(flags, named, caps
                                           (["--port", "65536"], "--port"), (["--port", "-1"], "--port"),
                                           (["--max-n", "0"], "max_n=0"), (["--max-prompts", "0"], "max_prompts=0"),
                                           (["--max-body-bytes", "-1"], "max_body_bytes=-1"),
-                                          (["--max-tokens-limit", "0"], "max_tokens_limit=0")])
+                                          (["--max-tokens-limit", "0"], "max_tokens_limit=0"),
+                                          (["--allowed-media-domains", "upload.wikimedia.org"],
+                                           "asyncllm fetches no http(s) media")])
 def test_serve_refuses_a_model_or_port_it_cannot_serve_before_the_server_starts(flags, named, capsys,
                                                                                   monkeypatch) -> None:
     def no_server(*args: object) -> None:

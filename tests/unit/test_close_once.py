@@ -1,5 +1,5 @@
 """One close at shutdown: concurrent `AsyncEngine.aclose` calls share one stop of the core(s), each returning once it
-ended; `asyncllm serve` ends by a SIGTERM only once the engine's close ended (asyncllm/cli_serve.py)."""
+ended, a cancelled one too, before its cancellation goes on; `asyncllm serve` ends by a SIGTERM only once the engine's close ended (asyncllm/cli_serve.py)."""
 
 from __future__ import annotations
 
@@ -13,30 +13,36 @@ from asyncllm.engine import async_engine
 from asyncllm.engine.async_engine import AsyncEngine
 
 
-def test_concurrent_acloses_stop_the_engine_once_and_each_returns_once_it_stopped(monkeypatch, tiny_llama) -> None:
-    stops: list[str] = []
+def _started_engine(monkeypatch, tiny_llama) -> tuple[AsyncEngine, list[str]]:
+    """An engine `_close` reads as started, whose stop takes a while; what happened is in the list."""
+    events: list[str] = []
 
     async def stop_all(replicas, retire=False) -> None:
-        stops.append("begins")
+        events.append("stop begins")
         await asyncio.sleep(0.05)
-        stops.append("ends")
+        events.append("stop ends")
 
     monkeypatch.setattr(async_engine, "stop_all", stop_all)
     engine = AsyncEngine(tiny_llama)
+    engine._started, engine._forgotten = True, lambda: None
+    engine._forgotten.detach = lambda: events.append("finalizer detached")
+    return engine, events
+
+
+def test_concurrent_acloses_stop_the_engine_once_and_each_returns_once_it_stopped(monkeypatch, tiny_llama) -> None:
+    engine, events = _started_engine(monkeypatch, tiny_llama)
 
     async def main() -> list[list[str]]:
-        engine._started, engine._forgotten = True, lambda: None  # a started engine, as far as `_close` reads
-        engine._forgotten.detach = lambda: None
         seen: list[list[str]] = []
 
         async def close() -> None:
             await engine.aclose()
-            seen.append(list(stops))  # what was stopped when this aclose returned
+            seen.append([event for event in events if event.startswith("stop")])  # stopped when this one returned
 
         await asyncio.gather(close(), close(), close())
         return seen
 
-    assert asyncio.run(main()) == [["begins", "ends"]] * 3
+    assert asyncio.run(main()) == [["stop begins", "stop ends"]] * 3
 
 
 def test_a_closed_loops_unfinished_stop_leaves_a_later_aclose_to_return(monkeypatch, tiny_llama) -> None:
@@ -63,6 +69,39 @@ def test_a_closed_loops_unfinished_stop_leaves_a_later_aclose_to_return(monkeypa
 
     asyncio.run(later())
     assert begun == ["stop"]  # never stopped twice
+
+
+def test_an_aclose_cancelled_before_its_stop_began_stops_the_engine_then_raises(monkeypatch, tiny_llama) -> None:
+    engine, events = _started_engine(monkeypatch, tiny_llama)
+
+    async def main() -> None:
+        closing = asyncio.create_task(engine.aclose())
+        second = asyncio.create_task(engine.aclose())  # a concurrent one, not cancelled
+        await asyncio.sleep(0)  # the first is at its stop, whose task has not run a step yet
+        closing.cancel()
+        first, other = await asyncio.gather(closing, second, return_exceptions=True)
+        assert isinstance(first, asyncio.CancelledError) and other is None
+        events.append("both returned")
+        await engine.aclose()  # stopped: never twice
+
+    asyncio.run(main())
+    assert events == ["stop begins", "stop ends", "finalizer detached", "finalizer detached", "both returned"]
+
+
+def test_a_stop_cancelled_before_it_began_is_no_stop(monkeypatch, tiny_llama) -> None:
+    """`asyncio.run`'s end cancels every task, the stop's too: the finalizer stays, and a later aclose stops."""
+    engine, events = _started_engine(monkeypatch, tiny_llama)
+
+    async def main() -> None:
+        closing = asyncio.create_task(engine.aclose())
+        await asyncio.sleep(0)
+        engine._stopping.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        assert events == [] and closing.cancelled()
+        await engine.aclose()
+
+    asyncio.run(main())
+    assert events == ["stop begins", "stop ends", "finalizer detached"]
 
 
 class _Engine:

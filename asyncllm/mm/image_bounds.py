@@ -1,0 +1,66 @@
+"""Bounds on the image the HF image processor makes of an input, checked before it runs (on the processor thread every
+request shares): ``mm_max_image_pixels`` bounds the decoded image (asyncllm/mm/images.py, with its aspect ratio), and
+here what processing may grow it to. A request's ``mm_processor_kwargs`` may not raise a size-like setting above the
+engine's (`check_request_sizes`), and a processor that resizes the shorter edge to a length (CLIP's
+``size={"shortest_edge": N}``) may not resize an image past ``mm_max_image_pixels`` (`check_processed_size`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+
+__all__ = ["check_processed_size", "check_request_sizes"]
+
+_SIZE_WORDS = ("size", "pixel", "edge", "height", "width", "pinpoint", "resolution", "token", "tile", "crop", "patch")
+"""A setting whose name (or the name of a dict it is in) holds one of these sizes the processed image."""
+
+
+def _size_leaves(settings: Any, path: str = "", sized: bool = False) -> dict[str, float]:
+    """The numeric values of size-like settings, by their dotted path (``size.shortest_edge``)."""
+    if isinstance(settings, dict):
+        leaves: dict[str, float] = {}
+        for key, value in settings.items():
+            name = f"{path}.{key}" if path else str(key)
+            leaves.update(_size_leaves(value, name, sized or any(w in str(key).lower() for w in _SIZE_WORDS)))
+        return leaves
+    if isinstance(settings, (list, tuple)):
+        return {k: v for i, item in enumerate(settings) for k, v in _size_leaves(item, f"{path}[{i}]", sized).items()}
+    if sized and isinstance(settings, (int, float)) and not isinstance(settings, bool):
+        return {path: settings}
+    return {}
+
+
+def check_request_sizes(engine: dict[str, Any], request: dict[str, Any], overrides: dict[str, Any],
+                        max_pixels: int) -> None:
+    """`ConfigError` naming ``mm_processor_kwargs.<setting>`` for a size-like setting (``size``, ``crop_size``,
+    ``max_pixels``, ``max_patches`` ...) of the request's processor settings (``request``, its ``to_dict()``) above
+    the engine's (``engine``), or one the engine's processor has not: a request may lower them, not raise them. A
+    pixel count the request gives (a key naming ``pixels``: Qwen-VL's ``max_pixels``, which its processor keeps as
+    ``size.longest_edge``) may rise up to ``mm_max_image_pixels`` (``max_pixels``)."""
+    plain = _size_leaves(engine)
+    counts = {v for k, v in _size_leaves(overrides).items() if "pixels" in k.rsplit(".", 1)[-1] and v <= max_pixels}
+    for path, value in _size_leaves(request).items():
+        if path in plain and value <= plain[path] or value in counts:
+            continue
+        bound = f"at most the engine's {plain[path]!r}" if path in plain else "a setting the engine's processor has"
+        raise ConfigError(f"mm_processor_kwargs.{path}", value, f"{bound} (a request may lower the image "
+                          f"processor's sizes, not raise them; pixel counts up to mm_max_image_pixels={max_pixels}; "
+                          "set larger ones for the engine)")
+
+
+def check_processed_size(processor: Any, size: tuple[int, int], field: str, max_pixels: int) -> None:
+    """`InvalidRequestError` for an image (``size``: width, height) that ``processor`` would resize past
+    ``max_pixels`` (mm_max_image_pixels) by its ``size={"shortest_edge": N}`` alone (CLIP, LLaVA: a narrow strip
+    becomes N pixels wide and as many times longer)."""
+    to_dict = getattr(processor, "to_dict", None)
+    target = to_dict().get("size") if callable(to_dict) else None
+    if not isinstance(target, dict) or set(target) != {"shortest_edge"} or not isinstance(target["shortest_edge"], int):
+        return
+    width, height = size
+    scale = target["shortest_edge"] / max(1, min(width, height))
+    out_w, out_h = round(width * scale), round(height * scale)
+    if out_w * out_h > max_pixels:
+        raise InvalidRequestError(field, f"the image processor would resize the {width}x{height} image to "
+                                         f"{out_w}x{out_h} = {out_w * out_h} pixels (size.shortest_edge="
+                                         f"{target['shortest_edge']}), over mm_max_image_pixels={max_pixels}")

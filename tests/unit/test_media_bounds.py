@@ -1,0 +1,143 @@
+"""What a request's media may make the host read and allocate (asyncllm/mm/video_files.py, images.py, image_bounds.py):
+no file outside the one given (an HLS playlist's segments), no frame past the header's size, no image the processor
+resizes past ``mm_max_image_pixels`` (an extreme aspect ratio, a request's larger ``size``)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from asyncllm.errors import InvalidRequestError
+
+pytest.importorskip("av")
+pytest.importorskip("PIL")
+
+
+def _ts(width: int, height: int, frames: int) -> bytes:
+    """An MPEG-TS clip of ``frames`` grey ``width x height`` frames (mpeg2video: any build of FFmpeg has it)."""
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mpegts") as container:
+        stream = container.add_stream("mpeg2video", rate=10)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), 20 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def _playlist(tmp_path, segment: str) -> str:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(exist_ok=True)
+    path = allowed / "clip.m3u8"
+    path.write_text(f"#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:6.0,\n{segment}\n#EXT-X-ENDLIST\n")
+    return str(path)
+
+
+def test_a_playlist_never_makes_ffmpeg_read_the_files_it_names(tmp_path, monkeypatch):
+    """An .m3u8 playlist naming a clip outside its folder: refused the same whether that clip exists or not by either
+    guard alone: FFmpeg's hls demuxer is not on the whitelist, and FFmpeg's open of the clip is refused."""
+    from asyncllm.mm import video_files
+
+    outside = tmp_path / "outside.ts"
+    outside.write_bytes(_ts(32, 32, 6))
+    monkeypatch.setattr(video_files, "_refuse_open", None)  # the whitelist alone
+    errors = []
+    for segment in (str(outside), str(tmp_path / "missing.ts")):
+        with pytest.raises(InvalidRequestError) as info:
+            video_files.decode_video_file(_playlist(tmp_path, segment), "video", 10**6)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    monkeypatch.undo()
+    monkeypatch.setattr(video_files, "_FORMATS", "hls," + video_files._FORMATS)  # the refused open alone
+    with pytest.raises(InvalidRequestError, match="names other files"):
+        video_files.decode_video_file(_playlist(tmp_path, str(outside)), "video", 10**6)
+    frames, _ = video_files.decode_video_file(str(outside), "video", 10**6)  # a plain file is read as before
+    assert frames.shape == (6, 32, 32, 3)
+
+
+def test_a_frame_larger_than_its_header_or_resized_is_refused():
+    """A stream whose header says 16 x 16 and whose later frames are larger: over the pixel limit, or a size change."""
+    from asyncllm.mm.video_files import decode_video_file
+
+    with pytest.raises(InvalidRequestError, match=r"frame \d of the video is 64x64 = 4096 pixels, over mm_max_image"):
+        decode_video_file(_ts(16, 16, 4) + _ts(64, 64, 2), "video", 1000)
+    with pytest.raises(InvalidRequestError, match=r"frame \d of the video is 32x32, not 16x16"):
+        decode_video_file(_ts(16, 16, 4) + _ts(32, 32, 2), "video", 10**6)
+
+
+def _png(width: int, height: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (9, 9, 9)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_an_image_of_an_extreme_aspect_ratio_is_refused():
+    from asyncllm.mm.images import decode_image
+
+    assert decode_image(_png(200, 1), "img", 10**6).size == (200, 1)
+    with pytest.raises(InvalidRequestError, match="MAX_IMAGE_ASPECT_RATIO"):
+        decode_image(_png(1, 201), "img", 10**6)
+
+
+class _Llava:
+    """What `MultiModalProcessor` reads of a LLaVA-style model class, for its image processing alone."""
+
+    @staticmethod
+    def mm_placeholder_token_id(hf_config):
+        return 5
+
+    @staticmethod
+    def mm_pixel_values(output):
+        return output["pixel_values"][0]
+
+
+def _clip_processor(tmp_path, max_pixels: int):
+    from asyncllm.mm.processor import MultiModalProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 56},
+        "crop_size": {"height": 56, "width": 56}, "do_center_crop": True, "do_resize": True}))
+    return MultiModalProcessor(str(tmp_path), None, _Llava, None, 0, max_pixels)
+
+
+def test_the_processed_image_is_bounded_before_the_processor_runs(tmp_path):
+    """A request may not raise the processor's size (a 32 x 32 image resized to 10000 x 10000), nor may CLIP's
+    shortest-edge resize make a narrow strip past mm_max_image_pixels; a smaller size and a plain image pass."""
+    from asyncllm.mm.inputs import MultiModalInputs
+
+    mm = _clip_processor(tmp_path, 100_000)
+    with pytest.raises(InvalidRequestError, match=r"mm_processor_kwargs.size.shortest_edge=10000: at most the en"):
+        mm.process([5], MultiModalInputs([_png(32, 32)]), "prompt.images", {"size": {"shortest_edge": 10000}})
+    with pytest.raises(InvalidRequestError, match=r"crop_size.height=.*engine's 56"):
+        mm.process([5], MultiModalInputs([_png(32, 32)]), "prompt.images", {"crop_size": {"height": 99, "width": 9}})
+    with pytest.raises(InvalidRequestError, match=r"56x11200 = 627200 pixels \(size.shortest_edge=56\), over mm_max"):
+        mm.process([5], MultiModalInputs([_png(2, 400)]), "prompt.images")
+    assert mm._processor_output(_pil(40, 30), "img", {"size": {"shortest_edge": 28}})["pixel_values"].shape[-1] == 56
+    assert mm._processor_output(_pil(40, 30), "img", {})["pixel_values"].shape[-1] == 56
+
+
+def _pil(width: int, height: int):
+    from PIL import Image
+
+    return Image.new("RGB", (width, height))
+
+
+def test_a_requests_pixel_count_may_rise_to_the_limit():
+    """Qwen-VL's ``max_pixels`` (kept as ``size.longest_edge``): up to mm_max_image_pixels, not past it."""
+    from asyncllm.errors import ConfigError
+    from asyncllm.mm.image_bounds import check_request_sizes
+
+    engine = {"size": {"longest_edge": 1000, "shortest_edge": 10}, "patch_size": 14}
+    check_request_sizes(engine, {**engine, "size": {"longest_edge": 5000, "shortest_edge": 10}}, {"max_pixels": 5000},
+                        5000)
+    with pytest.raises(ConfigError, match="size.longest_edge"):
+        check_request_sizes(engine, {**engine, "size": {"longest_edge": 5001, "shortest_edge": 10}},
+                            {"max_pixels": 5001}, 5000)
