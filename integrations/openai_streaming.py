@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -30,7 +31,7 @@ from asyncllm.integrations.streams import ClientDisconnected, first_deltas, gath
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
 
-__all__ = ["respond", "count_prompts", "response_events", "usage_mode", "chunk_usage"]
+__all__ = ["respond", "count_prompts", "response_events", "usage_mode", "chunk_usage", "ChunkEncoder"]
 
 Echoed = list[tuple[int, dict[str, Any] | None, str]]
 """Completions' echo when streaming: one (choice index, prompt logprobs, prompt text) per choice."""
@@ -155,8 +156,12 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
     (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's);
     `held`: deltas taken after `firsts` (`_hold_for_prompt_logprobs`)."""
 
+    encode = ChunkEncoder(meta)
+
     def chunk(choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
-        return sse_event({**meta, **(top or {}), "choices": [choice], **chunk_usage(choices, choice["index"], usage)})
+        if top:
+            return sse_event({**meta, **top, "choices": [choice], **chunk_usage(choices, choice["index"], usage)})
+        return encode(choice, chunk_usage(choices, choice["index"], usage))
 
     try:
         if choices.chat:
@@ -184,6 +189,26 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
     except ClientDisconnected:
         return
     yield b"data: [DONE]\n\n"
+
+
+class ChunkEncoder:
+    """A stream's chunks as `sse_event` writes ``{**meta, "choices": [choice], **usage}``, `meta` (the same in
+    every chunk: id, object, created, model) encoded once, not per token."""
+
+    __slots__ = ("_head", "_meta")
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self._meta = meta
+        head = msgspec.json.encode(meta)[:-1]  # '{' and meta's fields, open
+        self._head = b"data: " + head + (b',"choices":[' if meta else b'"choices":[')
+        if "choices" in meta or "usage" in meta:  # a field the chunk's own would replace: as sse_event
+            self._head = None
+
+    def __call__(self, choice: dict[str, Any], usage: dict[str, Any]) -> bytes:
+        if self._head is None:
+            return sse_event({**self._meta, "choices": [choice], **usage})
+        tail = b"]}\n\n" if not usage else b'],"usage":' + msgspec.json.encode(usage["usage"]) + b"}\n\n"
+        return self._head + msgspec.json.encode(choice) + tail
 
 
 def _chat_openings(choices: Choices) -> list[tuple[dict[str, Any], dict[str, Any]]]:

@@ -55,26 +55,60 @@ async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[Strea
     """
     for index, delta in [*enumerate(firsts), *held]:
         yield index, delta
-    pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
+    wake = _Wake()
+    pending: dict[asyncio.Future, int] = {}
+    for i, stream in enumerate(streams):
+        wake.watch(pending, asyncio.ensure_future(stream.__anext__()), i)
     watcher = asyncio.ensure_future(until()) if until is not None else None
+    if watcher is not None:
+        watcher.add_done_callback(wake)
     try:
-        while pending:
-            waiting = set(pending) if watcher is None else {*pending, watcher}
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if watcher is not None and watcher in done:
+        while pending:  # asyncio.wait(FIRST_COMPLETED) without its per-call callbacks and sets: one per delta
+            await wake.until_done(pending, watcher)
+            if watcher is not None and watcher.done():
                 raise ClientDisconnected()
-            for step in sorted(done, key=pending.__getitem__):
+            for step in sorted([step for step in pending if step.done()], key=pending.__getitem__):
                 index = pending.pop(step)
                 try:
                     delta = step.result()
                 except StopAsyncIteration:
                     continue
-                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                wake.watch(pending, asyncio.ensure_future(streams[index].__anext__()), index)
                 yield index, delta
     finally:
         if watcher is not None:
             watcher.cancel()
         await _leave(list(pending), streams)
+
+
+class _Wake:
+    """`merge_streams`' wait for the first of its steps (or the disconnect watch) to finish: each future calls it
+    once when done (`watch`), which wakes the waiting generator; it waits as ``asyncio.wait`` does, yielding to the
+    loop once even when a step is done already (a done step's callbacks run then)."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future | None = None
+
+    def __call__(self, _future: asyncio.Future) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def watch(self, pending: dict[asyncio.Future, int], step: asyncio.Future, index: int) -> None:
+        pending[step] = index
+        step.add_done_callback(self)
+
+    async def until_done(self, pending: dict[asyncio.Future, int], watcher: asyncio.Future | None) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        if (watcher is not None and watcher.done()) or any(step.done() for step in pending):
+            loop.call_soon(self, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
 
 
 async def _leave(steps: list[asyncio.Future], streams: Sequence[RequestStream]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AddedTokensApart", "added_tokens", "special_ids"]
+__all__ = ["AddedTokensApart", "AddedTokensJoined", "added_tokens", "special_ids"]
 
 
 def added_tokens(tokenizer: Any) -> dict[int, str]:
@@ -72,3 +72,28 @@ class AddedTokensApart:
             texts.update(dict.fromkeys(special_ids(self._tokenizer) & texts.keys(), ""))
         self._texts = texts
         return texts
+
+
+class AddedTokensJoined:
+    """A stream whose added tokens, each right after another, show as their bare content.
+
+    vLLM's ``spaces_between_special_tokens=False`` (its FastIncrementalDetokenizer): a decoder may put a space
+    before an added token (WordPiece's does: "[CLS] [SEP]"); such a token's text is replaced by the token's
+    content when the token before it was an added token too. The wrapped stream still steps on every id.
+    """
+
+    def __init__(self, stream: Any, added_tokens: dict[int, str]) -> None:
+        self._stream = stream
+        self._added_tokens = added_tokens
+        self._last_added = False
+
+    def step(self, token_id: int) -> str:
+        text = self._stream.step(token_id)
+        content = self._added_tokens.get(token_id)
+        if content is not None and self._last_added:
+            text = content
+        self._last_added = content is not None
+        return text
+
+    def flush(self) -> str:
+        return self._stream.flush()

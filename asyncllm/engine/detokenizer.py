@@ -22,7 +22,7 @@ ids into the text that is safe to show now, in three stages, token by token
    ``skip_special_tokens`` drops never enter the window.
    With ``spaces_between_special_tokens=False`` (and special tokens kept), an
    added token right after another is emitted as its bare content (vLLM's
-   rule, `_AddedTokensJoined`).
+   rule, `AddedTokensJoined`).
 2. clean-up: when the tokenizer's ``decode`` applies
    ``clean_up_tokenization_spaces`` (" ." -> "."), the same rewrite applied in
    a streaming-safe way (`SpacesCleanup`), its text still split by token.
@@ -54,10 +54,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from asyncllm.engine.added_tokens import AddedTokensApart, added_tokens, special_ids
+from asyncllm.engine.added_tokens import AddedTokensApart, AddedTokensJoined, added_tokens, special_ids
 from asyncllm.engine.spaces_cleanup import SpacesCleanup, cleanup_applies
 from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
@@ -82,9 +81,8 @@ def _invalid(text: str) -> bool:
     return REPLACEMENT_CHAR in text[:-1]
 
 
-@dataclass(frozen=True)
-class DetokenizerUpdate:
-    """What one `IncrementalDetokenizer.update` produced.
+class DetokenizerUpdate(NamedTuple):
+    """What one `IncrementalDetokenizer.update` produced (a named tuple: one is made per token of every stream).
 
     ``text`` is safe to emit now. When ``stop_string`` is set, a stop string
     matched: ``text`` ends just before it (or just after it with
@@ -178,7 +176,9 @@ class IncrementalDetokenizer:
         only with ``skip_special_tokens=False`` or a stop token that is not special (a newline's id).
         """
         if self.stop_string is not None:
-            return DetokenizerUpdate("")
+            return _NO_TEXT
+        if self._stops is None and self._cleanup is None and not finished and not stop_terminated:  # the common case
+            return self._emit([self._step(token_id) for token_id in new_token_ids])
         pieces: list[str] = []
         silent = new_token_ids[-1:] if stop_terminated and not self._include_stop_token else []
         for token_id in new_token_ids[: len(new_token_ids) - len(silent)]:
@@ -193,6 +193,10 @@ class IncrementalDetokenizer:
             if not self._push(last, kept, pieces, flush=True):
                 pieces += [self._stops.flush() if self._stops is not None else "", text[len(kept):]]
         return self._emit(pieces)
+
+    def _step(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        return self._stream.step(token_id)
 
     def _push(self, owner: int, text: str, pieces: list[str], flush: bool = False) -> bool:
         """Run the text of token ``owner`` (1-based) through clean-up (all it holds too with ``flush``) and stop
@@ -219,6 +223,8 @@ class IncrementalDetokenizer:
 
     def _emit(self, pieces: list[str]) -> DetokenizerUpdate:
         text = "".join(pieces)
+        if not text and self.stop_string is None:
+            return _NO_TEXT
         if text:
             self._chunks.append(text)
         return DetokenizerUpdate(text, self.stop_string)
@@ -349,39 +355,14 @@ class _FastStream(_WindowStream):
         return self._cut(held_text)
 
 
-class _AddedTokensJoined:
-    """A stream whose added tokens, each right after another, show as their bare content.
-
-    vLLM's ``spaces_between_special_tokens=False`` (its FastIncrementalDetokenizer): a decoder may put a space
-    before an added token (WordPiece's does: "[CLS] [SEP]"); such a token's text is replaced by the token's
-    content when the token before it was an added token too. The wrapped stream still steps on every id.
-    """
-
-    def __init__(self, stream: _WindowStream, added_tokens: dict[int, str]) -> None:
-        self._stream = stream
-        self._added_tokens = added_tokens
-        self._last_added = False
-
-    def step(self, token_id: int) -> str:
-        text = self._stream.step(token_id)
-        content = self._added_tokens.get(token_id)
-        if content is not None and self._last_added:
-            text = content
-        self._last_added = content is not None
-        return text
-
-    def flush(self) -> str:
-        return self._stream.flush()
-
-
-def _make_stream(tokenizer: Any, params: SamplingParams) -> _WindowStream | _AddedTokensJoined:
+def _make_stream(tokenizer: Any, params: SamplingParams) -> _WindowStream | AddedTokensJoined:
     """The decode stream, with added tokens joined when `SamplingParams.spaces_between_special_tokens` is off
     and special tokens are kept (no-op without added tokens, as vLLM)."""
     stream = _decode_stream(tokenizer, params.skip_special_tokens)
     if params.skip_special_tokens or params.spaces_between_special_tokens:
         return stream
     added = added_tokens(tokenizer)
-    return _AddedTokensJoined(stream, added) if added else stream
+    return AddedTokensJoined(stream, added) if added else stream
 
 
 def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:

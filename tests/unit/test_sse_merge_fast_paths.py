@@ -1,0 +1,66 @@
+"""The SSE path's per-token shortcuts keep their output: `ChunkEncoder` (meta encoded once) writes `sse_event`'s bytes,
+and `merge_streams` (its own wait, not asyncio.wait per delta) keeps order, ends and disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncllm.integrations.openai_responses import sse_event
+from asyncllm.integrations.openai_streaming import ChunkEncoder
+from asyncllm.integrations.streams import ClientDisconnected, merge_streams
+
+META = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny"}
+CHOICE = {"index": 1, "text": 'a "q"\n\u00e9\U0001f600', "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+
+@pytest.mark.parametrize("usage", [{}, {"usage": None}, {"usage": {"prompt_tokens": 3, "total_tokens": 5}}])
+@pytest.mark.parametrize("meta", [META, {}, {**META, "choices": "x"}, {**META, "usage": 1}])
+def test_chunk_encoder_writes_sse_event_bytes(meta, usage):
+    assert ChunkEncoder(meta)(CHOICE, usage) == sse_event({**meta, "choices": [CHOICE], **usage})
+
+
+class _Stream:
+    """Hands out `deltas`, each once its gate is set; `closed` once left."""
+
+    def __init__(self, deltas):
+        self.deltas = list(deltas)
+        self.gates = [asyncio.Event() for _ in self.deltas]
+        self.closed = False
+
+    async def __anext__(self):
+        if not self.deltas:
+            raise StopAsyncIteration
+        await self.gates[0].wait()
+        self.gates.pop(0)
+        return self.deltas.pop(0)
+
+    async def aclose(self):
+        self.closed = True
+
+
+async def test_merge_streams_order_and_disconnect():
+    a, b = _Stream(["a1", "a2", "a3"]), _Stream(["b1", "b2"])
+    gone = asyncio.Event()
+    merged = merge_streams([a, b], ["a0", "b0"], until=gone.wait)
+    got = [await merged.__anext__() for _ in range(2)]
+    b.gates[0].set()
+    a.gates[0].set()  # both ready in one loop pass: stream order
+    got += [await merged.__anext__() for _ in range(2)]
+    b.gates[0].set()
+    got.append(await merged.__anext__())
+    a.gates[0].set()
+    got.append(await merged.__anext__())  # b ended: only a's steps remain
+    assert got == [(0, "a0"), (1, "b0"), (0, "a1"), (1, "b1"), (1, "b2"), (0, "a2")]
+    gone.set()
+    with pytest.raises(ClientDisconnected):
+        await asyncio.wait_for(merged.__anext__(), 10)
+    assert a.closed and b.closed
+
+
+async def test_merge_streams_ends_with_its_streams():
+    a = _Stream(["x"])
+    a.gates[0].set()
+    assert [item async for item in merge_streams([a])] == [(0, "x")]
+    assert a.closed
