@@ -36,11 +36,12 @@ def kv_size_fields(config: EngineConfig, kv_budget_field: str) -> str:
 
 
 def check_request(
-    request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int,
+    request: Request, max_model_len: int, kv_capacity: int, splits_prompts: bool, max_num_batched_tokens: int,
     kv_size: str,
 ) -> None:
     """`InvalidRequestError` (field "prompt") if the request could never be scheduled; ``kv_size``: what makes the KV
-    cache larger (`kv_size_fields`).
+    cache larger (`kv_size_fields`); ``splits_prompts``: a prompt may run in several steps
+    (`ChunkPolicy.splits_prompts`).
 
     A generation keeps one position for its first generated token; a request that samples one token (pooling, its
     token dropped, or max_tokens 1: the OpenAI server's echo) may fill max_model_len and the whole KV cache: that
@@ -71,7 +72,7 @@ def check_request(
             f"one step, more than max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens to at "
             f"least {longest}",
         )
-    if not enable_chunked_prefill and num_prompt > max_num_batched_tokens:
+    if not splits_prompts and num_prompt > max_num_batched_tokens:
         raise InvalidRequestError(
             "prompt",
             f"{num_prompt} tokens exceed max_num_batched_tokens={max_num_batched_tokens} with "

@@ -35,12 +35,15 @@ def token_budget(config: EngineConfig, max_model_len: int) -> int:
 class ChunkPolicy:
     """Chunk sizes under `max_num_batched_tokens`, `enable_chunked_prefill` and `long_prefill_token_threshold`."""
 
-    __slots__ = ("max_num_batched_tokens", "enable_chunked_prefill", "_threshold")
+    __slots__ = ("max_num_batched_tokens", "enable_chunked_prefill", "_threshold", "splits_prompts")
 
     def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self._threshold = long_prefill_token_threshold  # as vLLM's V1 scheduler: with or without chunked prefill
+        self.splits_prompts = enable_chunked_prefill or 0 < long_prefill_token_threshold <= max_num_batched_tokens
+        """Whether a prompt longer than a step runs in several: chunked prefill, or without it chunks of the
+        long-prefill threshold."""
 
     def chunk(self, num_remaining: int, budget: int) -> int:
         """Tokens a request computes this step: capped by the budget and the long-prefill threshold."""

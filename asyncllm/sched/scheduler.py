@@ -395,5 +395,5 @@ class Scheduler:
         if request.lora_int_id and not self.max_loras:
             raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters: start it with enable_lora=True")
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
-        check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens,
+        check_request(request, self.max_model_len, capacity, self.chunking.splits_prompts, self.max_num_batched_tokens,
                       self.kv_size)

@@ -106,6 +106,16 @@ def test_long_prefill_token_threshold_caps_chunks_without_chunked_prefill():
         _encoder_config(EngineConfig.create("m", long_prefill_token_threshold=8, max_model_len=64))
 
 
+def test_a_prompt_longer_than_a_step_runs_in_threshold_chunks_without_chunked_prefill():
+    """Admitted, not refused: the threshold's chunks fit a step (a threshold above the step refuses it still)."""
+    sched = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=4, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 13))
+    assert [run_step(sched)[0].num_scheduled_tokens for _ in range(4)] == [{"a": 4}, {"a": 4}, {"a": 4}, {"a": 1}]
+    sched = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=13, enable_chunked_prefill=False)
+    with pytest.raises(InvalidRequestError, match="exceed max_num_batched_tokens=12"):
+        sched.add_request(make_request("a", 13))
+
+
 def test_max_num_seqs_limits_running_requests():
     sched = make_scheduler(max_num_seqs=2)
     for req_id in "abc":
