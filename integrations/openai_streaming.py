@@ -205,7 +205,7 @@ class ChunkEncoder:
             self._head = None
 
     def __call__(self, choice: dict[str, Any], usage: dict[str, Any]) -> bytes:
-        if self._head is None:
+        if self._head is None or len(usage) > 1 or (usage and "usage" not in usage):  # other fields: as sse_event
             return sse_event({**self._meta, "choices": [choice], **usage})
         tail = b"]}\n\n" if not usage else b'],"usage":' + msgspec.json.encode(usage["usage"]) + b"}\n\n"
         return self._head + msgspec.json.encode(choice) + tail

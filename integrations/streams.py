@@ -55,16 +55,16 @@ async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[Strea
     """
     for index, delta in [*enumerate(firsts), *held]:
         yield index, delta
-    wake = _Wake()
     pending: dict[asyncio.Future, int] = {}
+    wake = _Wake(pending)
     for i, stream in enumerate(streams):
-        wake.watch(pending, asyncio.ensure_future(stream.__anext__()), i)
+        wake.watch(asyncio.ensure_future(stream.__anext__()), i)
     watcher = asyncio.ensure_future(until()) if until is not None else None
     if watcher is not None:
-        watcher.add_done_callback(wake)
+        watcher.add_done_callback(wake.wake)
     try:
         while pending:  # asyncio.wait(FIRST_COMPLETED) without its per-call callbacks and sets: one per delta
-            await wake.until_done(pending, watcher)
+            await wake.until_done(watcher)
             if watcher is not None and watcher.done():
                 raise ClientDisconnected()
             for step in sorted([step for step in pending if step.done()], key=pending.__getitem__):
@@ -73,7 +73,7 @@ async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[Strea
                     delta = step.result()
                 except StopAsyncIteration:
                     continue
-                wake.watch(pending, asyncio.ensure_future(streams[index].__anext__()), index)
+                wake.watch(asyncio.ensure_future(streams[index].__anext__()), index)
                 yield index, delta
     finally:
         if watcher is not None:
@@ -84,27 +84,33 @@ async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[Strea
 class _Wake:
     """`merge_streams`' wait for the first of its steps (or the disconnect watch) to finish: each future calls it
     once when done (`watch`), which wakes the waiting generator; it waits as ``asyncio.wait`` does, yielding to the
-    loop once even when a step is done already (a done step's callbacks run then)."""
+    loop once even when a step is done already (a done step's callbacks run then). A step's callback that runs after
+    the generator took the step (both in one loop turn) wakes nothing: no empty wake-ups, no turn lost to them."""
 
-    __slots__ = ("_waiter",)
+    __slots__ = ("_waiter", "_pending")
 
-    def __init__(self) -> None:
+    def __init__(self, pending: dict[asyncio.Future, int]) -> None:
         self._waiter: asyncio.Future | None = None
+        self._pending = pending
 
-    def __call__(self, _future: asyncio.Future) -> None:
+    def __call__(self, step: asyncio.Future) -> None:
+        if step in self._pending:  # else taken already
+            self.wake()
+
+    def wake(self, _future: asyncio.Future | None = None) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def watch(self, pending: dict[asyncio.Future, int], step: asyncio.Future, index: int) -> None:
-        pending[step] = index
+    def watch(self, step: asyncio.Future, index: int) -> None:
+        self._pending[step] = index
         step.add_done_callback(self)
 
-    async def until_done(self, pending: dict[asyncio.Future, int], watcher: asyncio.Future | None) -> None:
+    async def until_done(self, watcher: asyncio.Future | None) -> None:
         loop = asyncio.get_running_loop()
         self._waiter = waiter = loop.create_future()
-        if (watcher is not None and watcher.done()) or any(step.done() for step in pending):
-            loop.call_soon(self, waiter)
+        if (watcher is not None and watcher.done()) or any(step.done() for step in self._pending):
+            loop.call_soon(self.wake, waiter)
         try:
             await waiter
         finally:

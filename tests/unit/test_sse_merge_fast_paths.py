@@ -15,7 +15,8 @@ META = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "mod
 CHOICE = {"index": 1, "text": 'a "q"\n\u00e9\U0001f600', "logprobs": None, "finish_reason": None, "stop_reason": None}
 
 
-@pytest.mark.parametrize("usage", [{}, {"usage": None}, {"usage": {"prompt_tokens": 3, "total_tokens": 5}}])
+@pytest.mark.parametrize("usage", [{}, {"usage": None}, {"usage": {"prompt_tokens": 3, "total_tokens": 5}},
+                                   {"usage": None, "other": 1}, {"other": 2}])
 @pytest.mark.parametrize("meta", [META, {}, {**META, "choices": "x"}, {**META, "usage": 1}])
 def test_chunk_encoder_writes_sse_event_bytes(meta, usage):
     assert ChunkEncoder(meta)(CHOICE, usage) == sse_event({**meta, "choices": [CHOICE], **usage})
@@ -64,3 +65,33 @@ async def test_merge_streams_ends_with_its_streams():
     a.gates[0].set()
     assert [item async for item in merge_streams([a])] == [(0, "x")]
     assert a.closed
+
+
+def test_merge_streams_alternates_a_ready_stream_with_one_a_loop_turn_behind():
+    """A step taken in the loop turn its callback runs wakes nothing later: the merge stays as fair as asyncio.wait
+    (a stale wake-up let the always-ready stream in twice as often)."""
+
+    class Spinning:
+        def __init__(self, name, turns):
+            self.name, self.turns = name, turns
+
+        async def __anext__(self):
+            for _ in range(self.turns):
+                await asyncio.sleep(0)
+            return self.name
+
+        async def aclose(self):
+            pass
+
+    async def first(count):
+        names = []
+        merged = merge_streams([Spinning("a", 0), Spinning("b", 1)])
+        async for _, name in merged:
+            names.append(name)
+            if len(names) == count:
+                break
+        await merged.aclose()
+        return names
+
+    names = asyncio.run(first(100))
+    assert 45 <= names.count("b") <= 55, names.count("b")
