@@ -1,12 +1,14 @@
 """asyncllm: an asyncio-native LLM inference engine to embed in Python apps.
 
 ``import asyncllm`` is cheap and never initialises CUDA: every public name
-(`__all__`) is imported on first use (`_HOMES`).
+(`__all__`) is imported on first use (`_HOMES`), and so is a submodule read as an
+attribute (``asyncllm.errors`` after a bare ``import asyncllm``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -79,6 +81,8 @@ command's Ctrl-C while it imports is its own: asyncllm/__main__.py)."""
 def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
+        if name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"asyncllm.{name}"):
+            return importlib.import_module(f"asyncllm.{name}")  # (found without importing it or anything else)
         raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name)
     globals()[name] = value

@@ -122,6 +122,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         self._closed = False
         self._drain = EngineDrain()  # aclose(drain=True)'s requests in flight, from their calls' entry
         self._stopping: asyncio.Task[None] | None = None  # `_close`'s stop of the core(s), which any aclose awaits
+        self._stop_ran = False  # `_stopping` ran to its end (a cancel let into it after it began waits for that)
         self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
         """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
         self._default_sampling: dict[str, Any] | None = None
@@ -271,9 +272,9 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
             for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
                 await replica.supervisor.wait()
         stopping = self._stopping
-        if self._started or (stopping is not None and stopping.cancelled()):
-            self._started = False  # (a cancelled stop: `asyncio.run`'s end cancelled it, maybe before it began)
-            self._stopping = stopping = asyncio.ensure_future(stop_all(self._replicas.replicas, retire=True))
+        if self._started or (stopping is not None and stopping.cancelled() and not self._stop_ran):
+            self._started = False  # (a stop cancelled before it began: by `asyncio.run`'s end, say)
+            self._stopping = stopping = asyncio.ensure_future(self._stop())
         elif stopping is None or stopping.done() or stopping.get_loop().is_closed():
             return  # never started, or stopped already (never stop twice)
         await self._stopped(stopping)  # this aclose's stop, or another's: return once it ended
@@ -281,18 +282,26 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
     async def _stopped(self, stopping: asyncio.Task[None]) -> None:
         """Wait for the stop of the core(s) to its end however often this aclose is cancelled (a cancel let into the
         stop's task before its first step would stop nothing, the core left running for good), then raise the
-        cancel. The finalizer (`stop_forgotten`) is detached only by a stop that was not cancelled."""
+        cancel. The finalizer (`stop_forgotten`) is detached only by a stop that ran (`_stop_ran`)."""
         cancelled = False
         while not stopping.done():
             try:
                 await asyncio.wait([stopping])  # (never cancels `stopping`)
             except asyncio.CancelledError:
                 cancelled = True
-        if not stopping.cancelled():
+        if self._stop_ran:
             self._forgotten.detach()
         if cancelled or stopping.cancelled():
             raise asyncio.CancelledError
         stopping.result()
+
+    async def _stop(self) -> None:
+        """`stop_all`: once it began it runs to its end, a cancel raised only then, so a stop cancelled after it
+        began is a stop (`_stop_ran`); one cancelled before its first step never gets here."""
+        try:
+            await stop_all(self._replicas.replicas, retire=True)
+        finally:
+            self._stop_ran = True
 
     async def _restart_replica(self, index: int) -> None:
         """A replica's supervisor's restart: stop its dead processor thread and core, start new ones."""

@@ -300,9 +300,11 @@ async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: La
 async def stop_all(replicas: list[Replica], retire: bool = False) -> None:
     """Stop every replica (`stop_replicas`, to the end however often the caller is cancelled; `retire`: then their
     counters retired, `_stop_and_retire`); none is left holding its processor or core."""
-    await finish_in_thread(_stop_and_retire if retire else stop_replicas, replicas)
-    for replica in replicas:
-        replica.processor = replica.core = None
+    try:
+        await finish_in_thread(_stop_and_retire if retire else stop_replicas, replicas)
+    finally:  # a cancel too: raised once the stop ended
+        for replica in replicas:
+            replica.processor = replica.core = None
 
 
 def stop_replicas(replicas: list[Replica]) -> None:

@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncllm.bundled import bundled_model_path
+from asyncllm.engine.chat_bounds import CUT_CHAT_MESSAGES
 from asyncllm.engine.prompt_tokens import PromptTokenizer
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
@@ -53,14 +54,26 @@ def _refusal(prompts: PromptTokenizer, messages: list, truncate: int | None = No
     return refused.value
 
 
-@pytest.mark.parametrize("truncate", [None, 8])
-def test_more_messages_than_max_model_len_are_refused_unrendered(counted, truncate) -> None:
-    """Each message renders one token at least (its role's marker): 65 of them cannot fit 64, cut or not."""
+def test_more_messages_than_max_model_len_are_refused_unrendered(counted) -> None:
+    """Each message renders one token at least (its role's marker): 65 of them cannot fit 64."""
     tokenizer, prompts = counted
     before = tokenizer.renders
-    error = _refusal(prompts, [{"role": "user", "content": "a"}] * 65, truncate)
+    error = _refusal(prompts, [{"role": "user", "content": "a"}] * 65)
     assert error.field == "messages" and "maximum context length is 64 tokens" in str(error)
     assert "65 messages" in str(error) and tokenizer.renders == before
+
+
+def test_a_cut_chat_keeps_its_last_tokens_of_more_messages_up_to_a_bound(counted) -> None:
+    """With truncate_prompt_tokens the rendered chat's last tokens are kept (vLLM's): 65 messages fit 64 once cut;
+    past CUT_CHAT_MESSAGES times max_model_len messages are refused unrendered still."""
+    tokenizer, prompts = counted
+    before = tokenizer.renders
+    job = SimpleNamespace(prompt=[{"role": "user", "content": "a"}] * 65, options=RequestOptions(), chat=True,
+                          params=SamplingParams(max_tokens=1, truncate_prompt_tokens=8))
+    assert len(prompts.token_ids(job)) == 8 and tokenizer.renders == before + 1
+    error = _refusal(prompts, [{"role": "user", "content": "a"}] * (CUT_CHAT_MESSAGES * 64 + 1), 8)
+    assert error.field == "messages" and f"{CUT_CHAT_MESSAGES * 64 + 1} messages" in str(error)
+    assert tokenizer.renders == before + 1
 
 
 @pytest.mark.parametrize("content", ["hello " * 20_000, [{"type": "text", "text": "hello "}] * 20_000],

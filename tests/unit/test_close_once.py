@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import uvicorn
 
@@ -102,6 +103,37 @@ def test_a_stop_cancelled_before_it_began_is_no_stop(monkeypatch, tiny_llama) ->
 
     asyncio.run(main())
     assert events == ["stop begins", "stop ends", "finalizer detached"]
+
+
+def test_a_stop_cancelled_after_it_began_is_the_stop(tiny_llama) -> None:
+    """A cancel let into the stop's task once its thread runs (`asyncio.run`'s end): the stop ends, then the cancel is
+    raised; the replicas are left holding nothing, the finalizer is detached, and no later aclose stops again."""
+    events: list[str] = []
+    engine = AsyncEngine(tiny_llama)
+    engine._started, engine._forgotten = True, lambda: None
+    engine._forgotten.detach = lambda: events.append("finalizer detached")
+    replica = engine._replicas[0]
+    replica.processor = replica.core = object()  # what `stop_all` must drop
+
+    def stop() -> None:
+        events.append("stop begins")
+        time.sleep(0.1)
+        events.append("stop ends")
+
+    replica.stop = stop  # (the real `stop_all` calls it in its thread)
+
+    async def main() -> None:
+        closing = asyncio.create_task(engine.aclose())
+        while not events:
+            await asyncio.sleep(0.005)  # the stop's thread runs
+        engine._stopping.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        assert events == ["stop begins", "stop ends", "finalizer detached"] and closing.cancelled()
+        await engine.aclose()
+
+    asyncio.run(main())
+    assert events == ["stop begins", "stop ends", "finalizer detached"]
+    assert replica.processor is None and replica.core is None
 
 
 class _Engine:

@@ -23,6 +23,19 @@ def test_import_is_cheap_and_cuda_free() -> None:
     assert out.strip() == "[]"
 
 
+def test_a_submodule_is_an_attribute_after_a_bare_import() -> None:
+    """``import asyncllm`` then ``asyncllm.errors`` (as when the package imported its submodules eagerly): imported on
+    first use, without torch; a name that is no submodule is still an AttributeError."""
+    code = ("import sys, asyncllm\n"
+            "print(hasattr(asyncllm, 'nosuch'), hasattr(asyncllm, 'engine.replica'),\n"
+            "      sorted(m for m in sys.modules if m.startswith('asyncllm.')))\n"
+            "mods = [asyncllm.errors, asyncllm.sampling, asyncllm.config, asyncllm.outputs]\n"
+            "print([m.__name__ for m in mods], sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["False False []", "['asyncllm.errors', 'asyncllm.sampling', 'asyncllm.config', "
+                                                     "'asyncllm.outputs'] []"]
+
+
 def test_engine_class_import_leaves_torch_to_start() -> None:
     """`from asyncllm import AsyncEngine` at an app's module level does not import torch or the model classes:
     `start()` prepares the engine on a worker thread (transformers' tokenizer brings torch there, off the loop)."""
