@@ -243,20 +243,22 @@ def test_prepares_run_in_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     together = threading.Barrier(3, timeout=2)
     broken: list[BaseException] = []
 
-    def one_prepare(config: Any) -> None:
+    passed: list[int] = []
+
+    def one_prepare(config: Any, decodes_images: bool) -> None:
         try:
-            together.wait()
+            passed.append(together.wait())
         except threading.BrokenBarrierError as exc:
             broken.append(exc)
 
     monkeypatch.setattr(prepare_module, "import_transformers", lambda: None)
     monkeypatch.setattr(prepare_module, "_prepare", one_prepare)
-    threads = [threading.Thread(target=prepare_module.prepare, args=(None,)) for _ in range(3)]
+    threads = [threading.Thread(target=prepare_module.prepare, args=(None, True)) for _ in range(3)]  # resolved: no revision check
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert broken == []
+    assert broken == [] and sorted(passed) == [0, 1, 2]
 
 
 _CONCURRENT_PREPARES = """
