@@ -365,15 +365,21 @@ def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any)
     first (and vLLM's ``token_ids``), the finish_reason on the last; none when there is nothing to send (as for a
     hidden reasoning token: `Choices.hides_metadata`)."""
     parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
-    token_ids = choices.stream_token_ids(index, delta.token_ids)  # vLLM's return_token_ids: sent even with no text
-    if not parts and finish_reason is None and logprobs is None and not token_ids.get("token_ids"):
-        return []
-    parts = parts or [{}]
-    last = len(parts) - 1
+    # vLLM's return_token_ids: sent even with no text
+    token_ids = choices.stream_token_ids(index, delta.token_ids) if choices.return_token_ids else None
+    if not parts:
+        if finish_reason is None and logprobs is None and not (token_ids and token_ids["token_ids"]):
+            return []
+        parts = [{}]
     stop_reason = delta.stop_reason if finish_reason is not None else None
-    out = [chat_chunk(index, part, logprobs if k == 0 else None, *((finish_reason, stop_reason) if k == last else ()))
-           for k, part in enumerate(parts)]
-    out[0].update(token_ids)
+    if len(parts) == 1:  # a token's one OpenAI delta: the per-token case, one dict
+        out = [chat_chunk(index, parts[0], logprobs, finish_reason, stop_reason)]
+    else:
+        out = [chat_chunk(index, part) for part in parts]
+        out[0]["logprobs"] = logprobs
+        out[-1]["finish_reason"], out[-1]["stop_reason"] = finish_reason, stop_reason
+    if token_ids:
+        out[0].update(token_ids)
     return out
 
 

@@ -24,7 +24,7 @@ from asyncllm.protocol import RequestOutputDelta, SchedulerStats
 if TYPE_CHECKING:
     from asyncllm.engine.collector import RequestCollector
     from asyncllm.engine.processor_requests import Submit
-    from asyncllm.outputs import StreamDelta
+    from asyncllm.outputs import RequestMetrics, StreamDelta
 
 __all__ = ["RequestObserver"]
 
@@ -148,8 +148,16 @@ class RequestObserver:
         pooled = out.embedding is not None
         if pooled:  # a pooling request's one delta: its sampled token is dropped, it generated nothing (vLLM's)
             metrics.num_generated_tokens = 0
-        if out.new_token_ids:
-            self._on_tokens(collector, 0 if pooled else len(out.new_token_ids), traced, now, is_prefilling)
+        if out.new_token_ids:  # inline, not a call: the per-token path
+            stats, last = self.stats, metrics.last_token_time
+            if is_prefilling:
+                stats.prompt_tokens_total += len(collector.prompt_token_ids)
+            if last is None:
+                self._on_first_token(metrics, traced, now)
+            elif now != last:  # once per core step, however many samples of the request it carried
+                stats.inter_token_latency.observe(now - last)
+            metrics.last_token_time = now
+            stats.generation_tokens_total += 0 if pooled else len(out.new_token_ids)
         finish_reason = "stop" if pooled and item.finish_reason else item.finish_reason  # vLLM's pooling: STOP
         if finish_reason is not None:
             self.stats.count_finished(finish_reason)
@@ -158,20 +166,10 @@ class RequestObserver:
             if metrics.finished_time is not None:  # the request's last sample
                 self._on_request_finished(collector, finish_reason, now, pooled)
 
-    def _on_tokens(self, collector: RequestCollector, num_new: int, traced: _Traced | None, now: float,
-                   is_prefilling: bool) -> None:
-        stats, metrics = self.stats, collector.metrics
-        if is_prefilling:
-            stats.prompt_tokens_total += len(collector.prompt_token_ids)
-        last = metrics.last_token_time
-        if last is None:
-            stats.time_to_first_token.observe(now - metrics.arrival_time)
-            if traced is not None:
-                self._span_call("annotate", RequestTracer.first_token, traced.span, now)
-        elif now != last:  # once per core step, however many samples of the request it carried
-            stats.inter_token_latency.observe(now - last)
-        metrics.last_token_time = now
-        stats.generation_tokens_total += num_new
+    def _on_first_token(self, metrics: RequestMetrics, traced: _Traced | None, now: float) -> None:
+        self.stats.time_to_first_token.observe(now - metrics.arrival_time)
+        if traced is not None:
+            self._span_call("annotate", RequestTracer.first_token, traced.span, now)
 
     def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
                              pooled: bool) -> None:

@@ -109,6 +109,16 @@ def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once
     assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)
 
 
+def test_a_pooling_requests_delta_counts_its_prompt_and_no_generated_token() -> None:
+    observer, collector = RequestObserver("m"), _collector("e", 6, 100.0)
+    collector.metrics.first_token_time = collector.metrics.finished_time = 101.0
+    observer.on_output(collector, RequestOutputDelta("e", [7], "length", embedding=b"\0" * 8),
+                       StreamDelta(0, "", [], "length"), 101.0, True)
+    s = observer.stats
+    assert (s.prompt_tokens_total, s.generation_tokens_total, s.request_success["stop"]) == (6, 0, 1)
+    assert (s.time_to_first_token.count, s.inter_token_latency.count) == (1, 0)
+
+
 def test_one_token_requests_have_a_time_per_output_token_of_zero_as_vllms() -> None:
     observer = RequestObserver("m")  # vLLM's mean_time_per_output_token: 0 without a token after the first
     _feed(observer, _collector("a", 2, 100.0), [101.0], "length")
