@@ -11,6 +11,7 @@ from asyncllm import __version__
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
 from asyncllm.cli_config import dash_flag_names, expand_config_file
+from asyncllm.cli_vllm import vllm_argv
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
@@ -72,28 +73,44 @@ async def _generate(args: argparse.Namespace, config: EngineConfig, params: Samp
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """`parser`'s namespace for `argv`, serve's and engine's ``--config FILE`` read first (asyncllm/cli_config.py)."""
-    config_model, typed = None, argv
-    if argv[:1] in (["serve"], ["engine"]):
+    config_model, command = None, None
+    if argv[:1] in (["serve"], ["engine"], ["generate"]):
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        argv, config_model = expand_config_file(argv, commands.choices[argv[0]])
-    args = parser.parse_args(argv)
+        command = commands.choices[argv[0]]
+        argv = vllm_argv(argv, command)  # serve --model X, --hf-overrides.key V, vLLM's other flags
+    typed = argv
+    if argv[:1] in (["serve"], ["engine"]):
+        argv, config_model = expand_config_file(argv, command)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own error (`asyncllm serve: error: ...`), not the top-level parser's
+        (command or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if config_model is not None and args.model is None:
         args.model = config_model
-    _check_keys_left_the_model(parser, typed, args)
+    _check_lists_left_the_model(parser, typed, args)
     return args
 
 
-def _check_keys_left_the_model(parser: argparse.ArgumentParser, typed: list[str], args: argparse.Namespace) -> None:
-    """Refuse ``serve --api-key K1 K2`` with no MODEL: the keys (several, as vLLM's) may have taken MODEL, and the
-    server would serve the bundled model with MODEL as a key. Keys a config file gave (its options end before the
-    command line's) and keys ended with ``--`` are what was meant."""
-    end = typed.index("--") if "--" in typed else len(typed)
-    on_command_line = any(word.startswith("--api") and "--api-key".startswith(word) for word in typed[:end])
-    if args.command == "serve" and args.model is None and "--" not in typed and on_command_line \
-            and len(args.api_key or ()) > 1:
-        parser.error(f"--api-key took {len(args.api_key)} keys and there is no MODEL: the keys may have taken "
-                     f"MODEL ({args.api_key[-1]!r}?): put MODEL before --api-key, or end the keys with `--` "
-                     "(MODEL after it, or nothing for the bundled model)")
+_LIST_WORDS = {"KEY": "keys", "NAME": "names", "DOMAIN": "domains"}
+
+
+def _check_lists_left_the_model(parser: argparse.ArgumentParser, typed: list[str], args: argparse.Namespace) -> None:
+    """Refuse ``serve --served-model-name NAME MODEL`` (``--api-key K1 K2``, any option taking several values) with
+    no MODEL: the values may have taken MODEL, and the server would serve the bundled model with MODEL as a name or
+    a key. Values a config file gave (its options end before the command line's) and values ended with ``--`` are
+    what was meant."""
+    if args.command != "serve" or args.model is not None or "--" in typed:
+        return
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in commands.choices["serve"]._actions:
+        values = getattr(args, action.dest, None)
+        if action.nargs != "+" or not action.option_strings or not isinstance(values, list) or len(values) < 2:
+            continue
+        flag = max(action.option_strings, key=len)
+        if any(len(word) > 3 and "=" not in word and flag.startswith(word) for word in typed):
+            what = _LIST_WORDS.get(str(action.metavar), "values")
+            parser.error(f"{flag} took {len(values)} {what} and there is no MODEL: the {what} may have taken MODEL "
+                         f"({values[-1]!r}?): put MODEL before {flag}, or end the {what} with `--` (MODEL after it, "
+                         "or nothing for the bundled model)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,9 @@ import argparse
 import ast
 import inspect
 import json
+import os
 import re
+import sys
 from dataclasses import MISSING, Field, fields
 from functools import lru_cache
 from typing import Any, Callable, get_type_hints
@@ -27,7 +29,8 @@ _SECTIONS = tuple(get_type_hints(config_module.EngineConfig)[f.name] for f in fi
 """`EngineConfig`'s sections (ModelConfig, CacheConfig, ...), read from its fields so that a new one has flags."""
 _NO_FLAG = frozenset({"model", "prometheus_registry"})
 """`model` is positional; a registry object cannot come from a command line."""
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+                "quantization": "-q"}
 """vLLM's short forms."""
 _DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -59,8 +62,19 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
 
 
 def engine_kwargs(args: argparse.Namespace, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The EngineConfig fields the user gave on the command line (none of `skip`, as `add_engine_args`)."""
-    return {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name) and name not in skip}
+    """The EngineConfig fields the user gave on the command line (none of `skip`, as `add_engine_args`); a
+    ``--revision`` with a local MODEL left out with a warning (vLLM lets transformers ignore it)."""
+    kwargs = {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name) and name not in skip}
+    if kwargs.get("revision") is not None and _local_model(args):
+        print(f"[asyncllm] warning: --revision {kwargs.pop('revision')} ignored: the model is a local folder or file, "
+              "which has no revisions (as vLLM, where transformers ignores it)", file=sys.stderr)
+    return kwargs
+
+
+def _local_model(args: argparse.Namespace) -> bool:
+    """MODEL is on this machine: a path that exists, or none (the bundled model; not with --connect)."""
+    model = getattr(args, "model", None)
+    return os.path.exists(model) if model is not None else getattr(args, "connect", None) is None
 
 
 def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callable[[str], Any] | type[bool]:
@@ -76,6 +90,8 @@ def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callabl
             return None
         try:
             return convert(raw)
+        except _SizeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         except (ValueError, TypeError) as exc:
             raise argparse.ArgumentTypeError(f"{raw!r} is not {kind}{' or none' if optional else ''}") from exc
 
@@ -93,7 +109,14 @@ def human_readable_int(raw: str) -> int:
     number, suffix = match.groups()
     if suffix in _DECIMAL_SUFFIXES:
         return int(float(number) * _DECIMAL_SUFFIXES[suffix])
-    return int(number) * _BINARY_SUFFIXES[suffix]  # "2.5G": a ValueError (vLLM: use 2.5g)
+    if "." in number:  # vLLM's words
+        raise _SizeError(f"Decimals are not allowed with binary suffixes like {suffix}. Did you mean "
+                         f"{number}{suffix.lower()}?")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+class _SizeError(ValueError):
+    """A size argparse reports as it is (not as "not int")."""
 
 
 def human_readable_int_or_auto(raw: str) -> int:

@@ -40,7 +40,7 @@ def add_serve_parser(commands: Any) -> None:
                             "(default: MODEL as given, or asyncllm-tiny)")
     serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on /v1 routes, KEY any of those given (vLLM's; "
-                            f"or set {envs.API_KEY.name}, one key)")
+                            f"or set {envs.API_KEY.name} or {envs.VLLM_API_KEY_NAME}, one key)")
     serve.add_argument("--connect", default=None, metavar="ADDRESS",
                        help="attach to a running `asyncllm engine` core at ADDRESS instead of starting one")
     serve.add_argument("--max-n", type=int, default=128, help="largest n per request (default: %(default)s)")
@@ -310,7 +310,7 @@ def _serve_app(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
     limits = _server_limits(args)
     engine, name = _serve_engine(args)
-    api_keys = [key for key in (args.api_key or [envs.API_KEY.get()]) if key]  # vLLM's: the flag's, else the env's
+    api_keys = [key for key in (args.api_key or [envs.api_key()]) if key]  # the flag's, else ASYNCLLM_/VLLM_API_KEY
     cors = cors_policy(args)
     warn_open_cors(cors, api_keys)
     app = create_app(engine, model_name=name, api_key=api_keys, limits=limits,

@@ -21,8 +21,9 @@ __all__ = ["dash_flag_names", "expand_config_file"]
 
 
 def dash_flag_names(argv: list[str]) -> list[str]:
-    """`argv` with each long option's name (before any ``=``) spelt with ``-`` for ``_``, as vLLM's parser reads it;
-    values and the words after ``--`` are left as they are."""
+    """`argv` with each long option's name (before any ``=`` and any ``.``) spelt with ``-`` for ``_``, as vLLM's
+    parser reads it; a dotted JSON key (``--hf-overrides.max_position_embeddings``), values and the words after
+    ``--`` are left as they are."""
     end = argv.index("--") if "--" in argv else len(argv)
     return [_dashed(arg) for arg in argv[:end]] + argv[end:]
 
@@ -31,7 +32,8 @@ def _dashed(arg: str) -> str:
     if not arg.startswith("--"):
         return arg
     name, equals, value = arg.partition("=")
-    return name.replace("_", "-") + equals + value
+    flag, dot, keys = name.partition(".")  # vLLM's --hf-overrides.max_position_embeddings: the keys as written
+    return flag.replace("_", "-") + dot + keys + equals + value
 
 
 def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tuple[list[str], str | None]:

@@ -47,6 +47,17 @@ def bound_socket(args: argparse.Namespace, parser: argparse.ArgumentParser) -> I
             remove_file(args.uds)
 
 
+def served_what(args: argparse.Namespace) -> str:
+    """The model serve's start-up line names: MODEL as given, the bundled default said as such (a MODEL taken by
+    a flag's values would otherwise go unnoticed), or the attached core's."""
+    names = f" as {', '.join(args.served_model_name)}" if args.served_model_name else ""
+    if args.connect is not None:
+        return f"the model of the engine at {args.connect}{names}"
+    if args.model is None:
+        return f"the bundled tiny model (no MODEL given){names}"
+    return f"{args.model}{names}"
+
+
 def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespace,
               parser: argparse.ArgumentParser) -> None:
     """Start `engine` and run the app's startup checks (`start_server`: its LoRA modules), then serve `app` (whose
@@ -59,7 +70,8 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
     gate = RequestGate(app)  # the --shutdown-timeout drain counts and refuses HTTP requests (serve_drain.py)
     config = uvicorn.Config(gate, **uvicorn_kwargs(args))
     _load_config(config, parser)
-    print(f"[asyncllm] starting: serving on {listen_url(args, sock)} once the model is loaded", file=sys.stderr)
+    print(f"[asyncllm] starting: serving {served_what(args)} on {listen_url(args, sock)} once the model is loaded",
+          file=sys.stderr)
     server = uvicorn.Server(config)
     try:
         asyncio.run(_start_and_serve(app, engine, server, sock, args.uds, args.shutdown_timeout, gate))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncllm.attention.availability import check_backend_available
-from asyncllm.config_checks import check_bool, check_choice, check_float, check_int, check_registry
+from asyncllm.config_checks import NONE_IS_DEFAULT, check_bool, check_choice, check_float, check_int, check_registry
 from asyncllm.config_model import ModelConfig, MultiModalConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pipeline_parallel import check_pipeline_config
@@ -336,7 +336,8 @@ class EngineConfig:
             section = _FIELD_TO_SECTION.get(key)
             if section is None or key == "model":
                 raise ConfigError(key, value, "a known EngineConfig field (see docs/configuration.md)")
-            per_section[section][key] = value
+            if value is not None or key not in NONE_IS_DEFAULT:  # vLLM's Optional fields: None is the default
+                per_section[section][key] = value
         return cls(**{name: _SECTIONS[name](**values) for name, values in per_section.items()})
 
     def __getattr__(self, name: str) -> Any:

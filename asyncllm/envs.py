@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
@@ -72,8 +73,17 @@ HF_HUB_OFFLINE = EnvVar(
 )
 API_KEY = EnvVar(
     "ASYNCLLM_API_KEY", "", str,
-    "API key `asyncllm serve` requires as 'Authorization: Bearer KEY' when --api-key is not given.",
+    "API key `asyncllm serve` requires as 'Authorization: Bearer KEY' when --api-key is not given; unset: vLLM's "
+    "VLLM_API_KEY (`api_key`).",
 )
+VLLM_API_KEY_NAME = "VLLM_API_KEY"
+"""vLLM's key variable, which `asyncllm serve` reads after ASYNCLLM_API_KEY (vLLM: ``args.api_key or VLLM_API_KEY``):
+a vLLM deployment that sets its key this way must not serve without one."""
+
+
+def api_key() -> str:
+    """`asyncllm serve`'s key when --api-key is not given: ASYNCLLM_API_KEY, else VLLM_API_KEY, else ''."""
+    return API_KEY.get() or os.environ.get(VLLM_API_KEY_NAME, "")
 ENGINE_KEY = EnvVar(
     "ASYNCLLM_ENGINE_KEY", "", str,
     "Shared secret of a tcp:// engine address (at least 16 characters; the core and every host set the same): "
@@ -268,6 +278,28 @@ def unknown_names(environ: dict[str, str] | None = None) -> list[str]:
                   if name.startswith("ASYNCLLM_") and name not in known and not name.startswith("ASYNCLLM_TEST_"))
 
 
+_VLLM_ONLY_TWINS = {"VLLM_CPU_KVCACHE_SPACE": CPU_KVCACHE_SPACE_GB.name,
+                    "VLLM_ATTENTION_BACKEND": "--attention-backend (attention_backend=)"}
+"""vLLM's variables whose asyncllm twin is not ``ASYNCLLM_`` + the same suffix (nor named in the twin's doc), or is
+a flag."""
+
+
+def vllm_twins() -> dict[str, str]:
+    """vLLM's ``VLLM_*`` name -> the ``ASYNCLLM_*`` variable that does its job: the same suffix, the name a
+    variable's doc gives as vLLM's, and `_VLLM_ONLY_TWINS`."""
+    twins = {"VLLM_" + var.name.removeprefix("ASYNCLLM_"): var.name for var in REGISTRY
+             if var.name.startswith("ASYNCLLM_")}
+    twins |= {name: var.name for var in REGISTRY for name in re.findall(r"VLLM_[A-Z0-9_]*[A-Z0-9]", var.doc)}
+    return twins | _VLLM_ONLY_TWINS
+
+
+def unread_vllm_names(environ: dict[str, str] | None = None) -> list[str]:
+    """The ``VLLM_*`` variables set that asyncllm does not read (all but VLLM_API_KEY, which serve reads), sorted:
+    a deployment moved from vLLM would otherwise believe them applied."""
+    return sorted(name for name in (os.environ if environ is None else environ)
+                  if name.startswith("VLLM_") and name != VLLM_API_KEY_NAME)
+
+
 def check_at_start() -> None:
     """At an engine's start, before anything is spawned: warn about the unknown ``ASYNCLLM_*`` variables
     (`warn_unknown`) and parse those the workers read at start, so a bad value is a `ConfigError` naming it here
@@ -290,3 +322,10 @@ def warn_unknown() -> None:
         logging.getLogger("asyncllm").warning(
             "unknown asyncllm environment variable(s) %s: asyncllm reads none of them (its variables are listed in "
             "docs/configuration.md#environment-variables)", ", ".join(names))
+    twins = vllm_twins()
+    for name in unread_vllm_names():  # one line each, naming what to set instead
+        twin = twins.get(name)
+        logging.getLogger("asyncllm").warning(
+            "vLLM's environment variable %s is set: asyncllm does not read it (%s)", name,
+            f"{'use' if twin.startswith('-') else 'set'} {twin} instead" if twin else "it has no asyncllm counterpart; "
+            "docs/configuration.md#environment-variables lists asyncllm's variables")

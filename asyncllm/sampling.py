@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Any
 
 import msgspec
 
@@ -120,6 +121,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logprobs_mode: str | None = None
     """What this request's ``logprobs`` hold, one of the engine's ``logprobs_mode`` values (None: the engine's;
     ``prompt_logprobs`` are log-softmaxed under every mode, as vLLM's): beam search asks for ``raw_logprobs`` whatever the engine's mode, to rank by them."""
+    structured_outputs: Any = None
+    """vLLM's name of `structured` (its StructuredOutputsParams as a dict or object: json, regex, choice, grammar,
+    json_object); moved into `structured` at construction, so always None after it."""
+    guided_decoding: Any = None
+    """Older vLLM's name of `structured` (GuidedDecodingParams), read as `structured_outputs`."""
 
     def __post_init__(self) -> None:
         if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"
@@ -135,6 +141,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.logit_bias, dict) and any(isinstance(k, str) for k in self.logit_bias):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}  # JSON clients send str keys
+        for alias in ("structured_outputs", "guided_decoding"):
+            if getattr(self, alias) is not None:
+                if self.structured is not None:
+                    raise InvalidRequestError(alias, "vLLM's name of structured: give one of them")
+                self.structured = _vllm_structured(getattr(self, alias))
+                setattr(self, alias, None)
         if isinstance(self.structured, dict):
             self.structured = _structured_from_dict(self.structured)
 
@@ -279,6 +291,22 @@ def _int_key(key: object) -> object:
     if digits.isascii() and digits.isdigit():  # (str.isdigit takes "¹", which int() refuses)
         return int(key)
     return key
+
+
+def _vllm_structured(value: object) -> object:
+    """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: its unset (None or False) fields dropped,
+    ``json_object=True`` as the schema ``{"type": "object"}``; a field ours lacks is an InvalidRequestError naming it."""
+    if isinstance(value, StructuredOutputs):
+        return value
+    items = value if isinstance(value, dict) else getattr(value, "__dict__", {"structured_outputs": value})
+    settings = {key: item for key, item in items.items() if item is not None and item is not False}
+    if settings.pop("json_object", None) is True:
+        settings.setdefault("json", {"type": "object"})
+    unknown = sorted(set(settings) - set(StructuredOutputs.__struct_fields__))
+    if unknown:
+        raise InvalidRequestError("structured_outputs", f"{', '.join(unknown)}: not built in asyncllm (it reads json, "
+                                  "regex, choice, grammar and json_object)")
+    return settings
 
 
 def _structured_from_dict(value: dict) -> object:

@@ -107,7 +107,7 @@ def test_serve_runs_the_bundled_model_on_localhost() -> None:
                              "--max-num-seqs", "4", "--disable-log-stats", "--log-level", "warning"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        url = re.search(r"serving on (http://127\.0\.0\.1:(\d+))/v1 once", _line_with(proc, "serving on"))
+        url = re.search(r" on (http://127\.0\.0\.1:(\d+))/v1 once", _line_with(proc, "starting: serving"))
         base, port = url[1], int(url[2])  # --port 0: the port the kernel picked, bound before the model loads
         assert port != 0
         deadline = time.monotonic() + 180

@@ -102,7 +102,8 @@ def test_the_engine_starts_then_the_server_serves_on_the_bound_socket(monkeypatc
         cli_serve.serve_app(_app, engine, sock, args, parser)
         port = sock.getsockname()[1]
     assert served == [(["start"], [sock])] and port != 0 and sock.fileno() == -1  # closed when serve ends
-    assert f"serving on http://127.0.0.1:{port}/v1 once the model is loaded" in capsys.readouterr().err
+    assert f"serving the bundled tiny model (no MODEL given) on http://127.0.0.1:{port}/v1 once the model is loaded" \
+        in capsys.readouterr().err
 
 
 def test_a_bad_lora_module_is_one_line_before_the_server_starts_and_is_checked_once(monkeypatch, capsys) -> None:

@@ -1,0 +1,146 @@
+"""vLLM's spellings on asyncllm's command line and in its environment (asyncllm/cli_vllm.py, asyncllm/envs.py):
+VLLM_API_KEY, the other VLLM_* variables warned about, serve --model, the dotted JSON flags, -q, vLLM flags asyncllm
+names otherwise, a list option that took MODEL, None for vLLM's Optional fields, SamplingParams(structured_outputs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from asyncllm import SamplingParams, envs
+from asyncllm.cli import _parser, parse_args
+from asyncllm.cli_config import dash_flag_names
+from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidRequestError
+
+
+def _parse(argv: list[str]):
+    return parse_args(_parser(), dash_flag_names(argv))
+
+
+def _refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_serve_takes_vllm_api_key_after_asyncllm_api_key(monkeypatch) -> None:
+    from asyncllm import cli_commands
+    from asyncllm.integrations import openai_server
+
+    seen = {}
+    monkeypatch.setattr(openai_server, "create_app", lambda engine, **kw: seen.update(kw))
+    monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-secret")
+    args = _parse(["serve"])
+    cli_commands._serve_app(args, _parser())
+    assert seen["api_key"] == ["vllm-secret"]  # a vLLM deployment's key is not dropped: no open server
+    monkeypatch.setenv("ASYNCLLM_API_KEY", "ours")
+    assert envs.api_key() == "ours"
+
+
+def test_each_vllm_variable_set_is_warned_about_naming_its_twin(monkeypatch, caplog) -> None:
+    for name in envs.unread_vllm_names():
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    monkeypatch.setenv("VLLM_USE_V1", "1")
+    monkeypatch.setenv("VLLM_API_KEY", "read by serve, not warned about")
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        envs.warn_unknown()
+    warned = [r.getMessage() for r in caplog.records if "vLLM's environment variable" in r.getMessage()]
+    assert warned == [
+        "vLLM's environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING is set: asyncllm does not read it (set "
+        "ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING instead)",
+        "vLLM's environment variable VLLM_ATTENTION_BACKEND is set: asyncllm does not read it (use "
+        "--attention-backend (attention_backend=) instead)",
+        "vLLM's environment variable VLLM_CPU_KVCACHE_SPACE is set: asyncllm does not read it (set "
+        "ASYNCLLM_CPU_KVCACHE_SPACE_GB instead)",
+        "vLLM's environment variable VLLM_USE_V1 is set: asyncllm does not read it (it has no asyncllm counterpart; "
+        "docs/configuration.md#environment-variables lists asyncllm's variables)"]
+    assert envs.vllm_twins()["VLLM_LOGGING_LEVEL"] == "ASYNCLLM_LOGGING_LEVEL"
+
+
+@pytest.mark.parametrize("argv", [["serve", "--served-model-name", "my-llama", "/models/X"],
+                                  ["serve", "--port", "1", "--served-model-name", "a", "/models/X"]])
+def test_a_served_name_list_that_took_the_model_is_refused(argv, capsys) -> None:
+    err = _refused(argv, capsys)
+    assert err.startswith("asyncllm: error: --served-model-name took 2 names and there is no MODEL")
+    assert "('/models/X'?)" in err
+    assert _parse(["serve", "/models/X", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    assert _parse(["serve", "--served-model-name", "a", "b", "--"]).model is None
+
+
+def test_serve_start_line_names_the_model() -> None:
+    from asyncllm.cli_serve import served_what
+
+    assert served_what(_parse(["serve"])) == "the bundled tiny model (no MODEL given)"
+    assert served_what(_parse(["serve", "/m", "--served-model-name", "a"])) == "/m as a"
+
+
+@pytest.mark.parametrize("argv", [["serve", "--model", "/m", "--port", "9"], ["serve", "--port", "9", "--model=/m"]])
+def test_serve_model_flag_is_the_positional_with_a_warning(argv, capsys) -> None:
+    args = _parse(argv)
+    assert (args.model, args.port) == ("/m", 9)
+    assert "--model is deprecated" in capsys.readouterr().err
+
+
+def test_dotted_json_flags_merge_into_the_object() -> None:
+    args = _parse(["serve", "/m", "--limit-mm-per-prompt.image", "2", "--speculative-config.method", "ngram",
+                   "--speculative_config.num_speculative_tokens=3", "--hf-overrides", '{"a": {"b": 1}}',
+                   "--hf-overrides.max_position_embeddings", "256", "--hf-overrides.a.c+", "x",
+                   "--hf-overrides.a.c+", "2"])
+    assert args.limit_mm_per_prompt == {"image": 2}
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    assert args.hf_overrides == {"a": {"b": 1, "c": ["x", 2]}, "max_position_embeddings": 256}
+    assert dash_flag_names(["--hf_overrides.max_position_embeddings=1"]) == ["--hf-overrides.max_position_embeddings=1"]
+
+
+def test_q_is_quantization() -> None:
+    assert _parse(["serve", "/m", "-q", "fp8"]).quantization == "fp8"
+
+
+def test_vllm_flags_are_mapped_or_refused_by_name(capsys) -> None:
+    assert _parse(["serve", "/m", "--disable-mm-preprocessor-cache"]).mm_processor_cache_gb == 0
+    config = json.dumps({"disable_any_whitespace": True})
+    assert _parse(["serve", "/m", "--structured-outputs-config", config]).structured_output_disable_any_whitespace
+    assert _parse(["serve", "/m", "--structured-outputs-config.disable_any_whitespace", "true"]) \
+        .structured_output_disable_any_whitespace
+    for argv in (["-O3"], ["-O", "0"], ["--compilation-config", "{}"]):
+        assert _refused(["serve", "/m", *argv], capsys).startswith("asyncllm serve: error: vLLM's ")
+    assert _refused(["serve", "/m", "--bogus-flag"], capsys) == \
+        "asyncllm serve: error: unrecognized arguments: --bogus-flag"
+
+
+def test_binary_suffix_with_decimals_gets_vllms_message(capsys) -> None:
+    assert _refused(["serve", "/m", "--max-model-len", "0.5K"], capsys).endswith(
+        "Decimals are not allowed with binary suffixes like K. Did you mean 0.5k?")
+
+
+@pytest.mark.parametrize("field", ["seed", "block_size", "enable_prefix_caching", "enable_chunked_prefill"])
+def test_none_is_the_default_of_vllms_optional_fields(field) -> None:
+    from asyncllm.bundled import bundled_model_path
+
+    default = getattr(EngineConfig.create(bundled_model_path()), field)
+    assert getattr(EngineConfig.create(bundled_model_path(), **{field: None}), field) == default
+
+
+def test_sampling_params_take_vllms_structured_outputs() -> None:
+    params = SamplingParams(structured_outputs={"regex": "a+", "disable_any_whitespace": False})
+    params.validate()
+    assert params.structured.regex == "a+" and params.structured_outputs is None
+    assert SamplingParams(guided_decoding={"json_object": True}).structured.json == {"type": "object"}
+    with pytest.raises(InvalidRequestError, match="structural_tag: not built in asyncllm"):
+        SamplingParams(structured_outputs={"structural_tag": "x"})
+
+
+def test_a_revision_with_a_local_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:
+    from asyncllm.cli_args import engine_kwargs
+
+    assert engine_kwargs(_parse(["serve", str(tmp_path), "--revision", "main", "--seed", "1"])) == {"seed": 1}
+    assert "--revision main ignored: the model is a local folder" in capsys.readouterr().err
+    assert engine_kwargs(_parse(["serve", "org/hub-model", "--revision", "main"])) == {"revision": "main"}
