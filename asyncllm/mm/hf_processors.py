@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from asyncllm.errors import ConfigError
@@ -16,18 +17,19 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
     """The checkpoint's HF image processor (or the model's ``mm_image_processor_class``, LFM2-VL's stand-in for one
     that needs torchvision) with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings it leaves None
     (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that changes
-    nothing (transformers drops unknown ones without a word)."""
+    nothing (transformers drops unknown ones without a word). ``overrides`` is left as given (the processor gets
+    copies: Qwen-VL's writes its ``max_pixels`` into a ``size`` dict it is given)."""
     from transformers import AutoImageProcessor
 
     loader = processor_cls or AutoImageProcessor
-    processor = loader.from_pretrained(model_path, **overrides)
+    processor = loader.from_pretrained(model_path, **copy.deepcopy(overrides))  # Qwen-VL's rewrites a given size dict
     for key, value in (defaults or {}).items():
         if getattr(processor, key, None) is None:
             setattr(processor, key, value)
     if overrides:
         plain = loader.from_pretrained(model_path).to_dict()
         for key, value in overrides.items():
-            ignored = loader.from_pretrained(model_path, **{key: value}).to_dict() == plain
+            ignored = loader.from_pretrained(model_path, **copy.deepcopy({key: value})).to_dict() == plain
             if ignored and plain.get(key) != value:
                 raise ConfigError(f"mm_processor_kwargs.{key}", value,
                                   f"a setting of the model's {type(processor).__name__}")

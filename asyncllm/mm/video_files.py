@@ -34,10 +34,13 @@ the processor thread every request shares, so a file of more (a small one can ho
 minutes of decoding) is refused, by the container's count or by counting its packets, before any is decoded."""
 _PACKETS_PER_FRAME = 4
 """Packets of any size `_counted_frames` demuxes per frame of the bound before it stops counting."""
-_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,mpegvideo,flv,asf,ogg,nut,gif,apng,h264,hevc,m4v,"
-            "mjpeg,ivf,obu,yuv4mpegpipe,dv")
-"""FFmpeg demuxers a video file may be read with: self-contained containers and raw streams (not ``hls``, ``concat``,
-``image2``, ``sdp``, ``dash`` ..., which read other files or URLs)."""
+_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,mpegvideo,flv,asf,ogg,nut,gif,apng,mxf,gxf,lxf,rm,"
+            "wtv,swf,nsv,nuv,smjpeg,mpjpeg,flic,ivf,obu,yuv4mpegpipe,dv,h264,hevc,vvc,evc,m4v,mjpeg,vc1,av1,h261,h263,"
+            "cavsvideo,dirac,dnxhd,avs2,avs3")
+"""FFmpeg demuxers a video file may be read with: self-contained containers and raw streams. Not those that read
+other files or URLs (``hls``, ``dash``, ``concat``, ``image2``, ``sdp``, ``rtp``, ``rtsp``, ``imf``, ``mlv``'s
+sibling chunks ...) and no input device (``lavfi``, ``v4l2``, ``x11grab`` ...): a list of what may be read, not of
+what may not, so a demuxer or device another FFmpeg build adds is refused until it is named here."""
 
 
 def sample_indices(total: int, num_frames: int) -> list[int]:
@@ -100,27 +103,20 @@ def decode_video_file(source: Any, field: str, max_frame_pixels: int,
                                              f"read, as one of {_FORMATS.replace(',', ', ')})") from exc
 
 
+def _open(av: Any, opened: Any) -> Any:
+    """``opened`` from its first byte, as a container of `_FORMATS` that may open no other file."""
+    opened.seek(0)
+    return av.open(opened, io_open=_refuse_open, container_options={"format_whitelist": _FORMATS})
+
+
 def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames: int) -> tuple[np.ndarray, dict[str, Any]]:
-    with av.open(opened, io_open=_refuse_open, container_options={"format_whitelist": _FORMATS}) as container:
-        if not container.streams.video:
-            raise InvalidRequestError(field, "the file has no video stream")
-        stream = container.streams.video[0]
-        width, height = stream.codec_context.width, stream.codec_context.height
-        if width * height > max_frame_pixels:
-            raise InvalidRequestError(field, f"the video is {width}x{height} = {width * height} pixels a frame, over "
-                                             f"mm_max_image_pixels={max_frame_pixels}")
-        total, unit = (stream.frames, "frames") if stream.frames else _counted_frames(container, stream)
-        if total > MAX_VIDEO_FILE_FRAMES:
-            raise InvalidRequestError(field, f"the video has over {MAX_VIDEO_FILE_FRAMES} frames ({total} {unit} "
-                                             f"read), more "
-                                             f"than a video file may have (asyncllm.mm.video_files."
-                                             f"MAX_VIDEO_FILE_FRAMES); pass fewer frames")
-        fps = float(stream.average_rate or stream.guessed_rate or 0) or None
-        wanted = sample_indices(total, num_frames)
-        container.seek(0)
+    with _open(av, opened) as container:
+        size, total, fps = _probe(container, field, max_frame_pixels)
+    wanted = sample_indices(total, num_frames)
+    with _open(av, opened) as container:  # opened again, not seeked: FFmpeg cannot seek a raw H.264 or HEVC stream
         keep, frames = set(wanted), []
-        for index, frame in enumerate(container.decode(stream)):
-            _check_frame(frame, index, (width, height), field, max_frame_pixels)
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            _check_frame(frame, index, size, field, max_frame_pixels)
             if index in keep:
                 frames.append(frame.to_ndarray(format="rgb24"))
             if wanted and index >= wanted[-1]:
@@ -129,6 +125,25 @@ def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames:
         raise InvalidRequestError(field, "the video has no frames")
     taken = wanted[: len(frames)]
     return np.stack(frames), {"fps": fps, "frames_indices": taken, "total_num_frames": max(total, taken[-1] + 1)}
+
+
+def _probe(container: Any, field: str, max_frame_pixels: int) -> tuple[tuple[int, int], int, float | None]:
+    """(width x height, frames, frame rate) of the first video stream, read before any frame is decoded;
+    `InvalidRequestError` for a frame over ``max_frame_pixels`` or a file of over `MAX_VIDEO_FILE_FRAMES`."""
+    if not container.streams.video:
+        raise InvalidRequestError(field, "the file has no video stream")
+    stream = container.streams.video[0]
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > max_frame_pixels:
+        raise InvalidRequestError(field, f"the video is {width}x{height} = {width * height} pixels a frame, over "
+                                         f"mm_max_image_pixels={max_frame_pixels}")
+    total, unit = (stream.frames, "frames") if stream.frames else _counted_frames(container, stream)
+    if total > MAX_VIDEO_FILE_FRAMES:
+        raise InvalidRequestError(field, f"the video has over {MAX_VIDEO_FILE_FRAMES} frames ({total} {unit} "
+                                         f"read), more "
+                                         f"than a video file may have (asyncllm.mm.video_files."
+                                         f"MAX_VIDEO_FILE_FRAMES); pass fewer frames")
+    return (width, height), total, float(stream.average_rate or stream.guessed_rate or 0) or None
 
 
 def _check_frame(frame: Any, index: int, size: tuple[int, int], field: str, max_frame_pixels: int) -> None:

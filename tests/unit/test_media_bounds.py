@@ -141,3 +141,76 @@ def test_a_requests_pixel_count_may_rise_to_the_limit():
     with pytest.raises(ConfigError, match="size.longest_edge"):
         check_request_sizes(engine, {**engine, "size": {"longest_edge": 5001, "shortest_edge": 10}},
                             {"max_pixels": 5001}, 5000)
+
+
+@pytest.mark.parametrize("engine, request_, overrides, refused", [
+    ({"max_tiles": 10, "max_pixels_tolerance": 2.0}, {"max_tiles": 64, "max_pixels_tolerance": 64.0},
+     {"max_tiles": 64, "max_pixels_tolerance": 64}, "max_tiles=64"),  # a tolerance is no pixel count
+    ({"max_image_tokens": 256, "min_image_tokens": 64, "max_pixels_tolerance": 2.0},
+     {"max_image_tokens": 4096, "min_image_tokens": 4096, "max_pixels_tolerance": 4096.0},
+     {"max_image_tokens": 4096, "min_image_tokens": 4096, "max_pixels_tolerance": 4096}, "max_image_tokens=4096"),
+    ({"size": {"longest_edge": 1000, "shortest_edge": 10}}, {"size": {"longest_edge": 4000, "shortest_edge": 10}},
+     {"size": {"longest_edge": 4000}, "min_pixels": 4000}, "size.longest_edge=4000"),  # not its own max_pixels
+    ({"size": {"longest_edge": 1000, "shortest_edge": 10}, "patch_size": 14},
+     {"size": {"longest_edge": 4000, "shortest_edge": 10}, "patch_size": 4000},
+     {"max_pixels": 4000, "patch_size": 4000}, "patch_size=4000"),
+])
+def test_a_pixel_count_lets_no_other_setting_rise(engine, request_, overrides, refused):
+    """Only a pixel count's own setting may rise to mm_max_image_pixels, not any setting of the same value."""
+    from asyncllm.errors import ConfigError
+    from asyncllm.mm.image_bounds import check_request_sizes
+
+    with pytest.raises(ConfigError, match=rf"mm_processor_kwargs\.{refused}"):
+        check_request_sizes(engine, request_, overrides, 16_777_216)
+
+
+def _qwen_processor(tmp_path):
+    from asyncllm.mm.processor import MultiModalProcessor
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "size": {"shortest_edge": 3136, "longest_edge": 1_003_520},
+        "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}))
+    return MultiModalProcessor(str(tmp_path), None, _Llava, None, 0, 16_777_216)
+
+
+def test_a_request_keeps_the_models_patch_sizes_and_its_own_settings(tmp_path):
+    """The patch, merge and temporal patch sizes the model's config fixes: refused changed (lowered too), kept equal;
+    the request's own ``size`` dict is not rewritten by Qwen-VL's processor (it writes ``max_pixels`` into it)."""
+    mm = _qwen_processor(tmp_path)
+    for key, value in (("patch_size", 7), ("merge_size", 1), ("temporal_patch_size", 1)):
+        with pytest.raises(InvalidRequestError, match=rf"{key}={value}: the engine's 2?\d+: it must match the model"):
+            mm._processor_for({key: value})
+    assert mm._processor_for({"patch_size": 14, "max_pixels": 2_000_000}).to_dict()["size"]["longest_edge"] == 2_000_000
+    overrides = {"size": {"longest_edge": 500_000, "shortest_edge": 3136}, "max_pixels": 800_000}
+    assert mm._processor_for(overrides).to_dict()["size"]["longest_edge"] == 800_000
+    assert overrides == {"size": {"longest_edge": 500_000, "shortest_edge": 3136}, "max_pixels": 800_000}
+
+
+def _clip(fmt: str, codec: str) -> bytes:
+    """Eight 32 x 32 frames as ``fmt`` with ``codec`` (skipped where this FFmpeg build cannot write them)."""
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    try:
+        with av.open(buffer, "w", format=fmt) as container:
+            stream = container.add_stream(codec, rate=25)  # a rate MXF takes
+            stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+            for i in range(8):
+                frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 25 * i, np.uint8), format="rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+    except (av.FFmpegError, ValueError) as exc:
+        pytest.skip(f"this FFmpeg build cannot write {fmt} with {codec}: {exc}")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt, codec", [("mxf", "mpeg2video"), ("rm", "rv20"), ("wtv", "mpeg2video"),
+                                        ("h264", "libx264"), ("swf", "flv")])
+def test_self_contained_files_and_raw_streams_decode(fmt, codec):
+    """Containers that read no other file (MXF, RealMedia, WTV) and streams FFmpeg cannot seek (raw H.264: the frames
+    are read from a second open, not a seek back)."""
+    from asyncllm.mm.video_files import decode_video_file
+
+    frames, meta = decode_video_file(_clip(fmt, codec), "video", 10**6, num_frames=4)
+    assert frames.shape == (4, 32, 32, 3) and meta["frames_indices"] == [0, 2, 4, 7]
