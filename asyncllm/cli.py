@@ -98,19 +98,29 @@ def _check_lists_left_the_model(parser: argparse.ArgumentParser, typed: list[str
     no MODEL: the values may have taken MODEL, and the server would serve the bundled model with MODEL as a name or
     a key. Values a config file gave (its options end before the command line's) and values ended with ``--`` are
     what was meant."""
-    if args.command != "serve" or args.model is not None or "--" in typed:
-        return
+    if args.command != "serve" or args.model is not None or "--" in typed or getattr(args, "connect", None):
+        return  # with --connect a MODEL is an error of its own: the values took none
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for action in commands.choices["serve"]._actions:
         values = getattr(args, action.dest, None)
         if action.nargs != "+" or not action.option_strings or not isinstance(values, list) or len(values) < 2:
             continue
         flag = max(action.option_strings, key=len)
-        if any(len(word) > 3 and "=" not in word and flag.startswith(word) for word in typed):
+        at = [i for i, word in enumerate(typed) if len(word) > 3 and "=" not in word and flag.startswith(word)]
+        if at:
             what = _LIST_WORDS.get(str(action.metavar), "values")
+            last = _last_value(typed, at[-1]) or values[-1]
             parser.error(f"{flag} took {len(values)} {what} and there is no MODEL: the {what} may have taken MODEL "
-                         f"({values[-1]!r}?): put MODEL before {flag}, or end the {what} with `--` (MODEL after it, "
-                         "or nothing for the bundled model)")
+                         f"({last!r}?): put MODEL before {flag}, or end the {what} with `--` (MODEL after it, or "
+                         "nothing for the bundled model)")
+
+
+def _last_value(typed: list[str], at: int) -> str:
+    """The last word as typed of the values of the option at ``typed[at]`` (``b=/q``, not its parsed LoRAModule)."""
+    words = typed[at + 1:]
+    ends = [i for i, word in enumerate(words) if word.startswith("-") and word != "-"]
+    kept = words[:ends[0] if ends else len(words)]
+    return kept[-1] if kept else ""
 
 
 def main(argv: list[str] | None = None) -> None:

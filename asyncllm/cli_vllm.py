@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -25,7 +26,9 @@ VLLM_FLAGS: dict[str, list[str] | str] = {
     "--guided-decoding-backend": "not built in asyncllm: structured output always uses xgrammar",
 }
 """vLLM flag -> our arguments (the same setting; a note says so) or the reason it is refused. vLLM's
-``--structured-outputs-config`` is read by `_structured_outputs` (its one setting: disable_any_whitespace)."""
+``--structured-outputs-config`` is read by `_structured_outputs` (its one setting: disable_any_whitespace); a backend
+(``--guided-decoding-backend``'s too) of auto or xgrammar is accepted, another refused with the reason above."""
+_O_LEVEL = re.compile(r"-O([0-3]|=\S+)?")
 _TAKES_VALUE = frozenset({"--compilation-config", "-cc", "--optimization-level", "--guided-decoding-backend",
                           "--structured-outputs-config"})
 
@@ -60,8 +63,8 @@ def _known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> lis
         word = words[i]
         name, equals, value = word.partition("=")
         key = ""  # --structured-outputs-config.KEY's
-        if name.startswith("-O") and not name.startswith("--") and name not in command._option_string_actions:
-            name = "-O"  # -O0, -O3, -O.level: vLLM's optimisation level
+        if _O_LEVEL.fullmatch(word) and not _takes_this_value(out[-1:], command):
+            name = "-O"  # -O, -O0 ... -O3, -O=N: vLLM's optimisation level
         elif name.split(".")[0] in VLLM_FLAGS or name.split(".")[0] == "--structured-outputs-config":
             name, _, key = name.partition(".")
         else:
@@ -73,6 +76,9 @@ def _known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> lis
         i += 1
         if name == "--structured-outputs-config":  # its dotted form too: --structured-outputs-config.KEY VALUE
             out += _structured_outputs(json.dumps({key: _value(value)}) if key else value, command)
+            continue
+        if name == "--guided-decoding-backend":
+            _backend(f"{name} {value!r}", value, command)
             continue
         meant = VLLM_FLAGS[name]
         if isinstance(meant, str):
@@ -95,11 +101,25 @@ def _structured_outputs(raw: str, command: argparse.ArgumentParser) -> list[str]
     for key, value in settings.items():
         if key == "disable_any_whitespace" and isinstance(value, bool):
             out.append(("--" if value else "--no-") + "structured-output-disable-any-whitespace")
-        elif not (key == "backend" and value in ("auto", "xgrammar")):
+        elif key == "backend":
+            _backend(f"--structured-outputs-config backend={value!r}", value, command)
+        else:
             command.error(f"vLLM's --structured-outputs-config {key}={value!r}: not built in asyncllm (it reads "
                           "disable_any_whitespace, i.e. --structured-output-disable-any-whitespace; the backend is "
                           "xgrammar)")
     return out
+
+
+def _backend(flag: str, value: object, command: argparse.ArgumentParser) -> None:
+    """vLLM's structured-output backend: auto or xgrammar is what asyncllm uses; another is refused."""
+    if value not in ("auto", "xgrammar"):
+        command.error(f"vLLM's {flag}: {VLLM_FLAGS['--guided-decoding-backend']} (auto or xgrammar are accepted)")
+
+
+def _takes_this_value(before: list[str], command: argparse.ArgumentParser) -> bool:
+    """The word after `before` (its last word or none) is that option's value (``--prompt -O3``), not a flag."""
+    action = command._option_string_actions.get(before[0]) if before else None
+    return action is not None and action.nargs != 0
 
 
 def _json_flag(name: str, command: argparse.ArgumentParser) -> bool:

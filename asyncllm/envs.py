@@ -314,16 +314,25 @@ def check_at_start() -> None:
     XGRAMMAR_CACHE_MB.get()
 
 
+_WARNED: set[str] = set()
+"""The variables `warn_unknown` has warned about in this process: each once, not at every engine start."""
+
+
 def warn_unknown() -> None:
     """One warning on the ``asyncllm`` logger naming the unknown ``ASYNCLLM_*`` variables (vLLM's "Unknown vLLM
-    environment variable detected"): they would otherwise be ignored silently."""
-    names = unknown_names()
+    environment variable detected"): they would otherwise be ignored silently. Each name is warned about once per
+    process."""
+    names = [name for name in unknown_names() if name not in _WARNED]
+    _WARNED.update(names)
     if names:
         logging.getLogger("asyncllm").warning(
             "unknown asyncllm environment variable(s) %s: asyncllm reads none of them (its variables are listed in "
             "docs/configuration.md#environment-variables)", ", ".join(names))
     twins = vllm_twins()
     for name in unread_vllm_names():  # one line each, naming what to set instead
+        if name in _WARNED:
+            continue
+        _WARNED.add(name)
         twin = twins.get(name)
         logging.getLogger("asyncllm").warning(
             "vLLM's environment variable %s is set: asyncllm does not read it (%s)", name,

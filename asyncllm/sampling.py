@@ -123,7 +123,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     ``prompt_logprobs`` are log-softmaxed under every mode, as vLLM's): beam search asks for ``raw_logprobs`` whatever the engine's mode, to rank by them."""
     structured_outputs: Any = None
     """vLLM's name of `structured` (its StructuredOutputsParams as a dict or object: json, regex, choice, grammar,
-    json_object); moved into `structured` at construction, so always None after it."""
+    json_object); moved into `structured` at construction and by validate() (one set after construction)."""
     guided_decoding: Any = None
     """Older vLLM's name of `structured` (GuidedDecodingParams), read as `structured_outputs`."""
 
@@ -141,17 +141,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.logit_bias, dict) and any(isinstance(k, str) for k in self.logit_bias):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}  # JSON clients send str keys
-        for alias in ("structured_outputs", "guided_decoding"):
-            if getattr(self, alias) is not None:
-                if self.structured is not None:
-                    raise InvalidRequestError(alias, "vLLM's name of structured: give one of them")
-                self.structured = _vllm_structured(getattr(self, alias))
-                setattr(self, alias, None)
+        _take_structured_alias(self)
         if isinstance(self.structured, dict):
             self.structured = _structured_from_dict(self.structured)
 
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first bad field."""
+        _take_structured_alias(self)  # structured_outputs set after construction: not dropped
         _check_int("n", self.n, 1, 2**31 - 1)
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_float("top_p", self.top_p, 0.0, 1.0)
@@ -293,20 +289,54 @@ def _int_key(key: object) -> object:
     return key
 
 
-def _vllm_structured(value: object) -> object:
-    """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: its unset (None or False) fields dropped,
-    ``json_object=True`` as the schema ``{"type": "object"}``; a field ours lacks is an InvalidRequestError naming it."""
+_STRUCTURED_NAMES = ("structured", "structured_outputs", "guided_decoding")
+
+
+def _take_structured_alias(params: SamplingParams) -> None:
+    """vLLM's structured_outputs (older vLLM's guided_decoding) moved into `structured`; more than one of the three
+    given is an InvalidRequestError naming the second."""
+    given = [name for name in _STRUCTURED_NAMES if getattr(params, name) is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(given[1], f"{given[0]} is given too: structured_outputs (vLLM's) and guided_decoding "
+                                  "(older vLLM's) are names of structured; give one of them")
+    if given and given[0] != "structured":
+        params.structured = _structured_from_dict(_vllm_structured(given[0], getattr(params, given[0])))
+        setattr(params, given[0], None)
+
+
+def _vllm_structured(field: str, value: object) -> object:
+    """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: its unset (None or False) fields and private
+    (``_backend``) attributes dropped, ``json_object=True`` as the schema ``{"type": "object"}`` (not with json, as
+    vLLM's); a field ours lacks is an InvalidRequestError naming it."""
     if isinstance(value, StructuredOutputs):
         return value
-    items = value if isinstance(value, dict) else getattr(value, "__dict__", {"structured_outputs": value})
-    settings = {key: item for key, item in items.items() if item is not None and item is not False}
+    items = value if isinstance(value, dict) else _attributes(field, value)
+    settings = {key: item for key, item in items.items()
+                if item is not None and item is not False and not str(key).startswith("_")}
     if settings.pop("json_object", None) is True:
-        settings.setdefault("json", {"type": "object"})
+        if "json" in settings:
+            raise InvalidRequestError(field, "set json or json_object, not both")
+        settings["json"] = {"type": "object"}
     unknown = sorted(set(settings) - set(StructuredOutputs.__struct_fields__))
     if unknown:
-        raise InvalidRequestError("structured_outputs", f"{', '.join(unknown)}: not built in asyncllm (it reads json, "
+        raise InvalidRequestError(field, f"{', '.join(map(str, unknown))}: not built in asyncllm (it reads json, "
                                   "regex, choice, grammar and json_object)")
     return settings
+
+
+def _attributes(field: str, value: object) -> dict:
+    """An object's fields by name: its ``__dict__``, else its ``__slots__`` (a slots dataclass's too)."""
+    if hasattr(value, "__dict__"):
+        return vars(value)
+    slots = [name for cls in type(value).__mro__ for name in _names(getattr(cls, "__slots__", ()))]
+    if not slots:
+        raise InvalidRequestError(field, "must be a dict or vLLM's StructuredOutputsParams (json, regex, choice, "
+                                  f"grammar, json_object), got {type(value).__name__}")
+    return {name: getattr(value, name, None) for name in slots}
+
+
+def _names(slots: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def _structured_from_dict(value: dict) -> object:

@@ -50,8 +50,10 @@ def test_each_vllm_variable_set_is_warned_about_naming_its_twin(monkeypatch, cap
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
     monkeypatch.setenv("VLLM_USE_V1", "1")
     monkeypatch.setenv("VLLM_API_KEY", "read by serve, not warned about")
+    monkeypatch.setattr(envs, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="asyncllm"):
         envs.warn_unknown()
+        envs.warn_unknown()  # a second engine start in the process: nothing new to warn about
     warned = [r.getMessage() for r in caplog.records if "vLLM's environment variable" in r.getMessage()]
     assert warned == [
         "vLLM's environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING is set: asyncllm does not read it (set "
@@ -73,6 +75,14 @@ def test_a_served_name_list_that_took_the_model_is_refused(argv, capsys) -> None
     assert "('/models/X'?)" in err
     assert _parse(["serve", "/models/X", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert _parse(["serve", "--served-model-name", "a", "b", "--"]).model is None
+
+
+def test_list_options_with_connect_are_not_taken_for_the_model(capsys) -> None:
+    connect = ["serve", "--connect", "tcp://127.0.0.1:5555"]
+    assert _parse([*connect, "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    assert len(_parse([*connect, "--lora-modules", "a=/p", "b=/q"]).lora_modules) == 2
+    err = _refused(["serve", "--enable-lora", "--lora-modules", "a=/p", "b=/q"], capsys)
+    assert "the values may have taken MODEL ('b=/q'?)" in err  # the word as typed, not the parsed LoRAModule
 
 
 def test_serve_start_line_names_the_model() -> None:
@@ -116,6 +126,21 @@ def test_vllm_flags_are_mapped_or_refused_by_name(capsys) -> None:
         "asyncllm serve: error: unrecognized arguments: --bogus-flag"
 
 
+def test_only_an_o_level_word_in_flag_position_is_refused(capsys) -> None:
+    assert _parse(["generate", "-O3 is fast"]).prompt == "-O3 is fast"
+    for word in ("-O", "-O0", "-O3", "-O=2"):
+        assert _refused(["serve", "/m", word], capsys).startswith("asyncllm serve: error: vLLM's -O: not built")
+    assert "vLLM's -O" not in _refused(["serve", "/m", "--api-key", "-O3"], capsys)  # a value's place
+
+
+@pytest.mark.parametrize("spelling", [["--guided-decoding-backend"], ["--structured-outputs-config.backend"]])
+def test_a_structured_output_backend_of_xgrammar_or_auto_is_accepted(spelling, capsys) -> None:
+    for backend in ("xgrammar", "auto"):
+        assert _parse(["serve", "/m", *spelling, backend]).model == "/m"
+    assert _refused(["serve", "/m", *spelling, "outlines"], capsys).endswith(
+        "'outlines': not built in asyncllm: structured output always uses xgrammar (auto or xgrammar are accepted)")
+
+
 def test_binary_suffix_with_decimals_gets_vllms_message(capsys) -> None:
     assert _refused(["serve", "/m", "--max-model-len", "0.5K"], capsys).endswith(
         "Decimals are not allowed with binary suffixes like K. Did you mean 0.5k?")
@@ -136,6 +161,39 @@ def test_sampling_params_take_vllms_structured_outputs() -> None:
     assert SamplingParams(guided_decoding={"json_object": True}).structured.json == {"type": "object"}
     with pytest.raises(InvalidRequestError, match="structural_tag: not built in asyncllm"):
         SamplingParams(structured_outputs={"structural_tag": "x"})
+
+
+def test_structured_outputs_set_after_construction_is_not_dropped() -> None:
+    params = SamplingParams()
+    params.structured_outputs = {"regex": "b"}
+    params.validate()
+    assert params.structured.regex == "b" and params.structured_outputs is None
+
+
+def test_vllms_structured_outputs_errors_name_what_is_wrong() -> None:
+    import dataclasses
+
+    with pytest.raises(InvalidRequestError, match="^structured_outputs: set json or json_object, not both$"):
+        SamplingParams(structured_outputs={"json": {"type": "string"}, "json_object": True})
+    with pytest.raises(InvalidRequestError, match="^guided_decoding: structured_outputs is given too"):
+        SamplingParams(structured_outputs={"regex": "a"}, guided_decoding={"regex": "b"})
+
+    @dataclasses.dataclass
+    class VllmParams:  # vLLM's StructuredOutputsParams: it sets _backend once a request used it
+        regex: object = None
+        _backend: object = None
+
+    assert SamplingParams(structured_outputs=VllmParams("a", "xgrammar")).structured.regex == "a"
+
+    class Slotted:
+        __slots__ = ("regex",)
+
+        def __init__(self) -> None:
+            self.regex = "c"
+
+    assert SamplingParams(guided_decoding=Slotted()).structured.regex == "c"
+    with pytest.raises(InvalidRequestError, match="^structured_outputs: must be a dict or vLLM's"):
+        SamplingParams(structured_outputs="a+")
 
 
 def test_a_revision_with_a_local_model_is_ignored_with_a_warning(tmp_path, capsys) -> None:

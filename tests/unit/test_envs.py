@@ -33,6 +33,7 @@ def test_every_name_the_code_reads_is_known() -> None:
 async def test_an_engine_start_warns_once_naming_them(monkeypatch, caplog, tmp_path) -> None:
     monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE", "0.01")
     monkeypatch.setenv("ASYNCLLM_LOGGING_LEVL", "DEBUG")
+    monkeypatch.setattr(envs, "_WARNED", set())  # warned once per process: not by an earlier test
     engine = AsyncEngine(str(tmp_path / "model"))
 
     async def no_replicas() -> None:  # the start stops where the replicas would be prepared and launched
