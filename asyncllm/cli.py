@@ -105,6 +105,8 @@ def _check_lists_left_the_model(parser: argparse.ArgumentParser, typed: list[str
         values = getattr(args, action.dest, None)
         if action.nargs != "+" or not action.option_strings or not isinstance(values, list) or len(values) < 2:
             continue
+        if not all(isinstance(value, str) for value in values):
+            continue  # its type read each value (--lora-modules: NAME=PATH or JSON): a MODEL there was refused
         flag = max(action.option_strings, key=len)
         at = [i for i, word in enumerate(typed) if len(word) > 3 and "=" not in word and flag.startswith(word)]
         if at:
