@@ -51,6 +51,7 @@ class OverlappedSteps:
         """Schedule and submit one step, collect the previous one; `outputs` (timeouts) go out with its results."""
         core = self.core
         collected = False
+        sched_out = None
         try:
             if self.in_flight and (core.structured.matchers or self.placeholders.may_preempt()):
                 while self.in_flight:
@@ -72,7 +73,7 @@ class OverlappedSteps:
             self.placeholders.discard_all()
             core.recover_workers(exc)
             collected = True  # the hosts' stats changed (requests went back to waiting)
-        if outputs or changed or collected:
+        if outputs or changed or collected or _moved_requests(sched_out):
             core.send_outputs(outputs)
 
     def drain(self, outputs: _Outputs) -> None:
@@ -106,3 +107,10 @@ class OverlappedSteps:
             core.structured.accept(step_outputs.deltas, core.scheduler.finish_requests)
         step_outputs.deltas[:0] = failed
         return step_outputs
+
+
+def _moved_requests(sched_out: protocol.SchedulerOutput | None) -> bool:
+    """Whether a step admitted waiting requests or preempted running ones. Its outputs may come a whole step
+    later (the first step after an idle pipeline collects nothing now): the hosts' stats must not show the
+    admitted requests as waiting while they run, a long step and the aborts sent meanwhile included."""
+    return sched_out is not None and bool(sched_out.new_reqs or sched_out.preempted_req_ids)

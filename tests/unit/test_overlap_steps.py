@@ -144,3 +144,25 @@ def test_submitted_steps_come_back_in_order(tmp_path: Path, monkeypatch: pytest.
             executor.execute_model(SchedulerOutput(4, [], [], {"a": 1}, 1))
         assert executor.collect().step_id == 3
         assert executor.execute_model(SchedulerOutput(5, [], [], {"a": 2}, 2)).sampled_token_ids == [[5102]]
+
+
+def test_a_step_that_admits_requests_sends_fresh_stats_before_its_outputs(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step after an idle pipeline collects nothing when it is submitted: the hosts still hear at once
+    that its requests left the queue (a long step showed them waiting, aborted or not, until it ended)."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(_GATE_ENV, str(gate))
+    with Executor(make_config(worker_step_timeout_s=30.0), runner=f"{__file__}:GatedRunner") as executor:
+        executor.init_cache(executor.start())
+        scheduler = Scheduler(make_config(), 16, 64)
+        core = _fake_core(scheduler, executor)
+        snapshots: list = []
+        core.send_outputs = lambda outputs: snapshots.append(scheduler.get_stats())
+        overlap = OverlappedSteps(core)  # type: ignore[arg-type]
+        scheduler.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=1), [0], 0.0))
+        overlap.step([], False)  # step 0 admits "a" and is held by the runner
+        assert overlap.in_flight and len(snapshots) == 1
+        assert (snapshots[0].num_requests_running, snapshots[0].num_requests_waiting) == (1, 0)
+        gate.touch()
+        overlap.drain([])
+    assert not scheduler.has_unfinished_requests()
