@@ -112,6 +112,10 @@ class IdleIds:
         self._walk_at = kept + 1
         """The size at which `to_forget` walks (`busy`) next."""
 
+    def settled(self, size: int) -> bool:
+        """Whether `to_forget` on ``size`` ids would forget nothing, walk nothing and change nothing."""
+        return size < self._walk_at and (size > self.kept or self._walk_at == self.kept + 1)
+
     def to_forget(self, ids: Collection[K], busy: Callable[[], Container[K]]) -> list[K]:
         """The ids to forget now (the caller forgets them)."""
         if len(ids) <= self.kept:

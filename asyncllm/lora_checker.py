@@ -146,7 +146,10 @@ class AdapterChecker:
     def forget_idle(self, in_use: Callable[[], Container[int]]) -> list[int]:
         """Past `kept_ids` checked ids, forget the least recently used ones no request runs with (`in_use`: the ids of
         the requests in flight, never forgotten; `IdleIds`); the ids forgotten, which the caller forgets in
-        the core too. Used again, such an id is checked afresh, and may name another folder."""
+        the core too. Used again, such an id is checked afresh, and may name another folder. Called per request
+        (by the processor thread alone): takes no lock while nothing is due (a request naming no adapter)."""
+        if self._idle.settled(len(self._checked)):
+            return []
         with self._lock:
             forgotten = self._idle.to_forget(self._checked, in_use)
             for lora_int_id in forgotten:

@@ -62,6 +62,8 @@ class RowLogitsParams:
     """int64 ids that alone may be sampled (None: any)."""
     bad_words: tuple[tuple[tuple[int, ...], int], ...] = ()
     """(the tokens before, the token to forbid) of each bad word."""
+    bad_words_span: int = 0
+    """The most tokens before any bad word's last (how much of the output's tail `_banned_tokens` reads)."""
     penalty_tables_ready: bool = False
     """Whether `PenaltyTables` holds this row's statistics (set when first sent to be initialised)."""
 
@@ -85,6 +87,7 @@ class RowLogitsParams:
             allowed_token_ids=(np.array(sorted(set(params.allowed_token_ids)), np.int64)
                                if params.allowed_token_ids else None),
             bad_words=tuple((tuple(ids[:-1]), ids[-1]) for ids in params.bad_words_token_ids),
+            bad_words_span=max((len(ids) - 1 for ids in params.bad_words_token_ids), default=0),
         )
         needed = (row.bias_token_ids is not None or min_tokens > 0 or row.penalized
                   or row.allowed_token_ids is not None or row.bad_words)
@@ -199,7 +202,7 @@ def _banned_tokens(state: RowState, params: RowLogitsParams) -> list[int]:
     never the prompt's). Reads only the output's last tokens, as many as the longest word's before."""
     num_tokens = len(state.token_ids)
     num_outputs = num_tokens - state.num_prompt_tokens
-    tail = tuple(state.token_ids[num_tokens - min(num_outputs, max(len(b) for b, _ in params.bad_words)):])
+    tail = tuple(state.token_ids[num_tokens - min(num_outputs, params.bad_words_span):])
     return [last for before, last in params.bad_words
             if len(before) <= num_outputs and (not before or tail[-len(before):] == before)]
 

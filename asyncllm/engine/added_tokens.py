@@ -41,14 +41,14 @@ def _cached(tokenizer: Any, name: str, read: Callable[[], Any]) -> Any:
 
 
 class AddedTokensApart:
-    """A decode of ids with each added token apart, as its content (nothing for a special one skipped), the runs
-    between by the tokenizer's decode: vLLM's slow-tokenizer text (`_convert_tokens_to_string_with_added_encoders`,
-    joined without spaces as transformers 5's decode), which an added token cannot rewrite before it."""
+    """A decode of ids with each added token apart, as its content, the runs between by the tokenizer's decode:
+    vLLM's slow-tokenizer text (`_convert_tokens_to_string_with_added_encoders`, joined without spaces as
+    transformers 5's decode), which an added token cannot rewrite before it. Special ids that
+    ``skip_special_tokens`` drops never reach it (the detokenizer's window filters them first)."""
 
-    def __init__(self, tokenizer: Any, decode: Callable[[list[int]], str], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Any, decode: Callable[[list[int]], str]) -> None:
         self._tokenizer = tokenizer
         self._decode = decode
-        self._skip_special_tokens = skip_special_tokens
         self._texts: dict[int, str] | None = None
         """Each added token's text, read on the first call (a prefix-stable decode never makes one)."""
 
@@ -67,9 +67,7 @@ class AddedTokensApart:
         return "".join(pieces)
 
     def _added_texts(self) -> dict[int, str]:
-        texts = dict(added_tokens(self._tokenizer))
-        if self._skip_special_tokens:
-            texts.update(dict.fromkeys(special_ids(self._tokenizer) & texts.keys(), ""))
+        texts = added_tokens(self._tokenizer)
         self._texts = texts
         return texts
 

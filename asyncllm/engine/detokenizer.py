@@ -378,4 +378,4 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
 
     def decode_slow(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-    return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow, skip_special_tokens))
+    return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow))

@@ -14,7 +14,7 @@ from asyncllm import InvalidRequestError, LoRARequest, protocol
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.processor_requests import ProcessorRequests
 from asyncllm.engine.request_keys import request_key
-from asyncllm.lora import KEPT_LORA_IDS, kept_lora_ids
+from asyncllm.lora import KEPT_LORA_IDS, IdleIds, kept_lora_ids
 from asyncllm.lora_checker import AdapterChecker
 from test_core_validation import _add, _adapter_folder, _core
 
@@ -150,3 +150,31 @@ def test_the_newest_ids_are_never_forgotten(tmp_path) -> None:
     for lora_int_id in range(1, 10):
         ids.record(b"h", lora_int_id, ids.core_lora(b"h", LoRARequest("a", lora_int_id, "/tmp")))
     assert 9 in ids.core_ids(b"h")
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        raise AssertionError("the checker's lock taken while nothing was due")
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_the_host_takes_no_lock_per_request_while_nothing_is_due(tmp_path) -> None:
+    """Each request (most name no adapter) calls `forget_idle`: within the bound, or short of the next walk, it
+    answers without the lock; `IdleIds.settled` holds exactly where `to_forget` would do nothing."""
+    a = _adapter_folder(tmp_path / "a")
+    checker = _checker(kept=16)
+    for lora_int_id in range(1, 17):
+        checker.check(LoRARequest("a", lora_int_id, a))
+    lock, checker._lock = checker._lock, _NoLock()
+    assert checker.forget_idle(lambda: set()) == []
+    checker._lock = lock
+    checker.check(LoRARequest("a", 17, a))
+    assert checker.forget_idle(lambda: set()) == [1, 2, 3]  # past the bound: due, walked under the lock
+    idle = IdleIds(16)
+    for size in [20, 5, 4, 17, 18, 16, 30, 19, 40, 3, 17]:  # futile walks (all busy) raise the next walk's size
+        settled = idle.settled(size)
+        walk_at = idle._walk_at
+        walks, busy = _spied(set(range(size)))
+        assert idle.to_forget(range(size), busy) == [] and settled == (walks == [] and idle._walk_at == walk_at)
