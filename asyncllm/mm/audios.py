@@ -115,6 +115,11 @@ def _file_bytes(value: bytes | bytearray | memoryview | str, field: str) -> byte
         return f.read()
 
 
+_AUDIO_FORMATS = "wav,w64,mp3,flac,aac,aiff,au,caf,amr,ac3,eac3,dts,truehd,wv,ape,tta,mpc,mpc8,tak,shorten,voc,xwma"
+"""FFmpeg's audio-only demuxers an audio file may be read with, beside the video files' self-contained containers
+(`video_files.FORMATS`: mp4/m4a, ogg, matroska/webm, asf/wma, ...)."""
+
+
 def _decoded(data: bytes, field: str, rate: int) -> np.ndarray:
     """An encoded file's first audio stream, resampled to ``rate``, its channels averaged (librosa's mono, as
     vLLM and transformers load audio; FFmpeg's own downmix would scale by ``2 ** -0.5``)."""
@@ -122,8 +127,11 @@ def _decoded(data: bytes, field: str, rate: int) -> np.ndarray:
         import av
     except ImportError as exc:
         raise InvalidRequestError(field, "audio files need PyAV: pip install 'asyncllm[multimodal]'") from exc
-    try:
-        with av.open(io.BytesIO(data)) as container:
+    from asyncllm.mm.video_files import FORMATS, OtherFileError, refuse_open
+
+    try:  # as a video file: a self-contained format (a concat list or playlist would read the files it names)
+        with av.open(io.BytesIO(data), io_open=refuse_open,
+                     container_options={"format_whitelist": FORMATS + "," + _AUDIO_FORMATS}) as container:
             if not container.streams.audio:
                 raise InvalidRequestError(field, "the file has no audio stream")
             stream = container.streams.audio[0]
@@ -138,6 +146,9 @@ def _decoded(data: bytes, field: str, rate: int) -> np.ndarray:
             parts += [_mono(frame) for frame in resampler.resample(None)]
     except av.error.FFmpegError as exc:
         raise InvalidRequestError(field, f"the audio file could not be decoded ({exc})") from exc
+    except OtherFileError as exc:  # the same whether that file exists or not
+        raise InvalidRequestError(field, "the file names other files to read (a concat list or playlist); only "
+                                         "self-contained audio files are read") from exc
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 

@@ -2,7 +2,7 @@
 
 A file is given as bytes, a path or a base64 ``data:video/<type>;base64,...`` URL
 (http(s) URLs are refused: the engine fetches nothing). A path is opened here and PyAV reads the open file, as a
-container of `_FORMATS` only (FFmpeg's ``format_whitelist``, checked before the demuxer reads a byte past its probe),
+container of `FORMATS` only (FFmpeg's ``format_whitelist``, checked before the demuxer reads a byte past its probe),
 and FFmpeg may open no other file (``io_open`` refuses): an HLS playlist (``.m3u8``), a concat list or an SDP file
 inside ``--allowed-local-media-path`` would otherwise make FFmpeg read the files or URLs it names. Its size is read
 from the stream header before any frame is decoded, and each frame's own before it is converted; ``num_frames`` frames
@@ -24,7 +24,7 @@ import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["DEFAULT_NUM_FRAMES", "MAX_VIDEO_FILE_FRAMES", "decode_video_file", "sample_indices"]
+__all__ = ["DEFAULT_NUM_FRAMES", "FORMATS", "MAX_VIDEO_FILE_FRAMES", "OtherFileError", "decode_video_file", "refuse_open", "sample_indices"]
 
 DEFAULT_NUM_FRAMES = 32
 """Frames taken from a video file when ``media_io_kwargs`` names no ``num_frames`` (vLLM's default)."""
@@ -34,7 +34,7 @@ the processor thread every request shares, so a file of more (a small one can ho
 minutes of decoding) is refused, by the container's count or by counting its packets, before any is decoded."""
 _PACKETS_PER_FRAME = 4
 """Packets of any size `_counted_frames` demuxes per frame of the bound before it stops counting."""
-_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,mpegvideo,flv,asf,ogg,nut,gif,apng,mxf,gxf,lxf,rm,"
+FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,mpeg,mpegvideo,flv,asf,ogg,nut,gif,apng,mxf,gxf,lxf,rm,"
             "wtv,swf,nsv,nuv,smjpeg,mpjpeg,flic,ivf,obu,yuv4mpegpipe,dv,h264,hevc,vvc,evc,m4v,mjpeg,vc1,av1,h261,h263,"
             "cavsvideo,dirac,dnxhd,avs2,avs3")
 """FFmpeg demuxers a video file may be read with: self-contained containers and raw streams. Not those that read
@@ -74,13 +74,14 @@ def _file_source(source: Any, field: str) -> Any:
         raise InvalidRequestError(field, f"cannot read video file {os.fspath(source)!r}: {exc.strerror}") from exc
 
 
-def _refuse_open(url: str, flags: int, options: dict[str, Any]) -> Any:
-    """PyAV's ``io_open``: a demuxer's request to open another file or URL, always refused."""
-    raise _OtherFileError(url)
+def refuse_open(url: str, flags: int, options: dict[str, Any]) -> Any:
+    """PyAV's ``io_open``: a demuxer's request to open another file or URL, always refused (video and audio
+    files: `asyncllm/mm/audios.py`)."""
+    raise OtherFileError(url)
 
 
-class _OtherFileError(Exception):
-    """The video file named another file for FFmpeg to open."""
+class OtherFileError(Exception):
+    """The media file named another file for FFmpeg to open (a playlist, a concat list)."""
 
 
 def decode_video_file(source: Any, field: str, max_frame_pixels: int,
@@ -95,18 +96,18 @@ def decode_video_file(source: Any, field: str, max_frame_pixels: int,
     with _file_source(source, field) as opened:
         try:
             return _decode(av, opened, field, max_frame_pixels, num_frames)
-        except _OtherFileError as exc:  # the same whether that file exists or not
+        except OtherFileError as exc:  # the same whether that file exists or not
             raise InvalidRequestError(field, "the file names other files to read (a playlist or list); only "
                                              "self-contained video files are read") from exc
         except av.FFmpegError as exc:
             raise InvalidRequestError(field, f"cannot decode the video: {exc} (only self-contained video files are "
-                                             f"read, as one of {_FORMATS.replace(',', ', ')})") from exc
+                                             f"read, as one of {FORMATS.replace(',', ', ')})") from exc
 
 
 def _open(av: Any, opened: Any) -> Any:
-    """``opened`` from its first byte, as a container of `_FORMATS` that may open no other file."""
+    """``opened`` from its first byte, as a container of `FORMATS` that may open no other file."""
     opened.seek(0)
-    return av.open(opened, io_open=_refuse_open, container_options={"format_whitelist": _FORMATS})
+    return av.open(opened, io_open=refuse_open, container_options={"format_whitelist": FORMATS})
 
 
 def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames: int) -> tuple[np.ndarray, dict[str, Any]]:

@@ -46,7 +46,7 @@ def test_a_playlist_never_makes_ffmpeg_read_the_files_it_names(tmp_path, monkeyp
 
     outside = tmp_path / "outside.ts"
     outside.write_bytes(_ts(32, 32, 6))
-    monkeypatch.setattr(video_files, "_refuse_open", None)  # the whitelist alone
+    monkeypatch.setattr(video_files, "refuse_open", None)  # the whitelist alone
     errors = []
     for segment in (str(outside), str(tmp_path / "missing.ts")):
         with pytest.raises(InvalidRequestError) as info:
@@ -54,7 +54,7 @@ def test_a_playlist_never_makes_ffmpeg_read_the_files_it_names(tmp_path, monkeyp
         errors.append(str(info.value))
     assert errors[0] == errors[1]
     monkeypatch.undo()
-    monkeypatch.setattr(video_files, "_FORMATS", "hls," + video_files._FORMATS)  # the refused open alone
+    monkeypatch.setattr(video_files, "FORMATS", "hls," + video_files.FORMATS)  # the refused open alone
     with pytest.raises(InvalidRequestError, match="names other files"):
         video_files.decode_video_file(_playlist(tmp_path, str(outside)), "video", 10**6)
     frames, _ = video_files.decode_video_file(str(outside), "video", 10**6)  # a plain file is read as before
@@ -214,3 +214,23 @@ def test_self_contained_files_and_raw_streams_decode(fmt, codec):
 
     frames, meta = decode_video_file(_clip(fmt, codec), "video", 10**6, num_frames=4)
     assert frames.shape == (4, 32, 32, 3) and meta["frames_indices"] == [0, 2, 4, 7]
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_an_audio_concat_list_reads_no_other_file(tmp_path, monkeypatch, exists) -> None:
+    """An ffconcat list sent as audio bytes made FFmpeg read the file it names (any path the server can read)."""
+    pytest.importorskip("av")
+    import wave
+
+    from asyncllm.mm.audios import read_audio
+
+    monkeypatch.chdir(tmp_path)  # a relative name: the concat demuxer's "safe" mode refuses absolute ones itself
+    secret = tmp_path / "secret.wav"
+    if exists:
+        with wave.open(str(secret), "wb") as out:
+            out.setnchannels(1), out.setsampwidth(2), out.setframerate(16000)
+            out.writeframes(b"\x10\x00" * 1600)
+    listing = b"ffconcat version 1.0\nfile secret.wav\n"
+    with pytest.raises(InvalidRequestError, match="could not be decoded") as refused:
+        read_audio(listing, "audio", 16000)
+    assert "only self-contained" in str(refused.value) or "Invalid argument" in str(refused.value)
