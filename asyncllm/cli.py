@@ -90,7 +90,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
     return args
 
 
-_LIST_WORDS = {"KEY": "keys", "NAME": "names", "DOMAIN": "domains"}
+_LIST_WORDS = {"KEY": "keys", "NAME": "names"}
 
 
 def _check_lists_left_the_model(parser: argparse.ArgumentParser, typed: list[str], args: argparse.Namespace) -> None:
@@ -108,21 +108,11 @@ def _check_lists_left_the_model(parser: argparse.ArgumentParser, typed: list[str
         if not all(isinstance(value, str) for value in values):
             continue  # its type read each value (--lora-modules: NAME=PATH or JSON): a MODEL there was refused
         flag = max(action.option_strings, key=len)
-        at = [i for i, word in enumerate(typed) if len(word) > 3 and "=" not in word and flag.startswith(word)]
-        if at:
+        if any(len(word) > 3 and "=" not in word and flag.startswith(word) for word in typed):
             what = _LIST_WORDS.get(str(action.metavar), "values")
-            last = _last_value(typed, at[-1]) or values[-1]
             parser.error(f"{flag} took {len(values)} {what} and there is no MODEL: the {what} may have taken MODEL "
-                         f"({last!r}?): put MODEL before {flag}, or end the {what} with `--` (MODEL after it, or "
-                         "nothing for the bundled model)")
-
-
-def _last_value(typed: list[str], at: int) -> str:
-    """The last word as typed of the values of the option at ``typed[at]`` (``b=/q``, not its parsed LoRAModule)."""
-    words = typed[at + 1:]
-    ends = [i for i, word in enumerate(words) if word.startswith("-") and word != "-"]
-    kept = words[:ends[0] if ends else len(words)]
-    return kept[-1] if kept else ""
+                         f"({values[-1]!r}?): put MODEL before {flag}, or end the {what} with `--` (MODEL after it, "
+                         "or nothing for the bundled model)")
 
 
 def main(argv: list[str] | None = None) -> None:

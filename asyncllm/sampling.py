@@ -147,7 +147,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first bad field."""
-        _take_structured_alias(self)  # structured_outputs set after construction: not dropped
+        if self.structured_outputs is not None or self.guided_decoding is not None:  # set after construction
+            _take_structured_alias(self)
         _check_int("n", self.n, 1, 2**31 - 1)
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_float("top_p", self.top_p, 0.0, 1.0)

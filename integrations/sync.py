@@ -231,7 +231,11 @@ class SyncEngine:
         future = self._post(coro)
         if future is not None and threading.current_thread() is not self._thread \
                 and not self._close_lock._is_owned():
-            concurrent.futures.wait([future], timeout=FINISH_WAIT_S)
+            try:
+                concurrent.futures.wait([future], timeout=FINISH_WAIT_S)
+            except BaseException:
+                future.cancel()  # KeyboardInterrupt in the wait, as `_wait`
+                raise
             try:
                 if future.done():
                     self._wait(future)

@@ -312,9 +312,15 @@ def stop_replicas(replicas: list[Replica]) -> None:
     if len(replicas) == 1:
         replicas[0].stop()
         return
-    threads = [threading.Thread(target=r.stop, name=f"asyncllm-stop-replica-{r.index}") for r in replicas]
-    for thread in threads:
-        thread.start()
+    threads = []
+    for replica in replicas:
+        thread = threading.Thread(target=replica.stop, name=f"asyncllm-stop-replica-{replica.index}")
+        try:
+            thread.start()
+        except RuntimeError:  # interpreter shutdown (`off_loop.start_daemon` ran this inline): no thread can start
+            replica.stop()
+            continue
+        threads.append(thread)
     for thread in threads:
         thread.join()
 
