@@ -76,7 +76,8 @@ def check_request(
         raise InvalidRequestError(
             "prompt",
             f"{num_prompt} tokens exceed max_num_batched_tokens={max_num_batched_tokens} with "
-            f"enable_chunked_prefill=False: enable chunked prefill or raise max_num_batched_tokens",
+            f"enable_chunked_prefill=False: enable chunked prefill, raise max_num_batched_tokens or set "
+            f"long_prefill_token_threshold to at most max_num_batched_tokens",
         )
 
 
