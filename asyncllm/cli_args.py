@@ -23,7 +23,8 @@ from typing import Any, Callable, get_type_hints
 
 from asyncllm import config as config_module
 
-__all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs", "markdown_table"]
+__all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs", "json_object", "is_json_object_flag",
+           "markdown_table"]
 
 _SECTIONS = tuple(get_type_hints(config_module.EngineConfig)[f.name] for f in fields(config_module.EngineConfig))
 """`EngineConfig`'s sections (ModelConfig, CacheConfig, ...), read from its fields so that a new one has flags."""
@@ -40,8 +41,15 @@ def _flag_fields() -> list[Field]:
     return [f for section in _SECTIONS for f in fields(section) if f.name not in _NO_FLAG]
 
 
+def _kind(annotation: str) -> str:
+    """A field's type without None and parameters: ``dict[str, Any] | None`` -> ``dict``."""
+    return next((part for part in annotation.replace(" ", "").split("|") if part != "None"), "str").split("[")[0]
+
+
 ENGINE_FLAG_FIELDS = tuple(f.name for f in _flag_fields())
 """The EngineConfig fields that have a flag, in config order."""
+_JSON_OBJECT_FIELDS = frozenset(f.name for f in _flag_fields() if _kind(str(f.type)) == "dict")
+"""The fields whose flag takes a JSON object (its dotted keys too: asyncllm/cli_vllm.py)."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
@@ -78,12 +86,11 @@ def _local_model(args: argparse.Namespace) -> bool:
 
 
 def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callable[[str], Any] | type[bool]:
-    base = annotation.replace(" ", "").split("|")
-    optional = "None" in base
-    kind = next((part for part in base if part != "None"), "str").split("[")[0]  # dict[str, Any] -> dict
+    optional = "None" in annotation.replace(" ", "").split("|")
+    kind = _kind(annotation)
     if kind == "bool":
         return bool
-    convert: Callable[[str], Any] = {"int": integer, "float": float, "dict": _json_object}.get(kind, str)
+    convert: Callable[[str], Any] = {"int": integer, "float": float, "dict": json_object}.get(kind, str)
 
     def parse(raw: str) -> Any:
         if optional and raw.lower() == "none":
@@ -92,7 +99,7 @@ def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callabl
             return convert(raw)
         except _SizeError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
             raise argparse.ArgumentTypeError(f"{raw!r} is not {kind}{' or none' if optional else ''}") from exc
 
     parse.__name__ = kind  # argparse names the type in its error messages
@@ -129,15 +136,24 @@ _INT_PARSERS = {"max_model_len": human_readable_int_or_auto, "max_num_batched_to
 """vLLM's flags that take human-readable sizes (``4k``, ``2G``)."""
 
 
-def _json_object(raw: str) -> dict:
-    value = json.loads(raw)
+def json_object(raw: str) -> dict[str, Any]:
+    """A flag's JSON object (``'{"a": 1}'``); not JSON, or another JSON value: the flag's error."""
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {raw!r}") from None
     if not isinstance(value, dict):
-        raise ValueError("not a JSON object")
+        raise argparse.ArgumentTypeError(f"not a JSON object: {raw!r}")
     return value
 
 
+def is_json_object_flag(action: argparse.Action) -> bool:
+    """`action` takes a JSON object: an EngineConfig dict field's flag, or one typed `json_object`."""
+    return action.type is json_object or action.dest in _JSON_OBJECT_FIELDS
+
+
 def _metavar(annotation: str) -> str:
-    kind = next((p for p in annotation.replace(" ", "").split("|") if p != "None"), "str").split("[")[0]
+    kind = _kind(annotation)
     return {"dict": "JSON"}.get(kind, kind.upper())
 
 

@@ -16,8 +16,7 @@ from typing import Any
 from asyncllm import envs
 from asyncllm.chat_content import CONTENT_FORMATS
 from asyncllm.child_logging import log_to_stderr
-from asyncllm.cli_args import add_engine_args, engine_kwargs
-from asyncllm.cli_media import add_media_args
+from asyncllm.cli_args import add_engine_args, engine_kwargs, json_object
 from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
@@ -54,7 +53,9 @@ def add_serve_parser(commands: Any) -> None:
                        help="largest request body (default: 64 MiB, a few photos as data URLs)")
     serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,
                        help="largest audio upload to /v1/audio/transcriptions and /translations (default: 25 MiB)")
-    add_media_args(serve)  # --allowed-local-media-path, and vLLM's --allowed-media-domains refused
+    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests name media files inside DIR as file:// URLs (trusted clients only; "
+                            "default: no file is read for a request)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -87,7 +88,7 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream carries usage on every chunk and ends with the usage chunk, whatever "
                             "stream_options asks (vLLM's flag)")
-    serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    serve.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                        help="chat template variables for every request, under a request's own chat_template_kwargs, "
                             "e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
     _add_request_log_args(serve)
@@ -134,16 +135,6 @@ def _port(raw: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
     return port
-
-
-def _json_object(raw: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {raw!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {raw!r}")
-    return value
 
 
 def request_logger(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:

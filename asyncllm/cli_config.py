@@ -17,6 +17,8 @@ import argparse
 import json
 from typing import Any
 
+from asyncllm.cli_vllm import VLLM_FLAGS
+
 __all__ = ["dash_flag_names", "expand_config_file"]
 
 
@@ -82,6 +84,8 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
 
 def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:
     flag = "--" + key.replace("_", "-")
+    if isinstance(VLLM_FLAGS.get(flag), str):  # a vLLM flag asyncllm refuses: its reason, as on the command line
+        command.error(f"vLLM's {flag} (the key {key!r} of --config {path}): {VLLM_FLAGS[flag]}")
     if flag not in command._option_string_actions or flag == "--config":  # argparse would take a flag's prefix
         command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path}; one config file)")
     if value is None:  # YAML's null: the option left unset

@@ -16,6 +16,8 @@ import re
 import sys
 from typing import Any
 
+from asyncllm.cli_args import is_json_object_flag
+
 __all__ = ["vllm_argv", "VLLM_FLAGS"]
 
 _NO_COMPILE = ("not built in asyncllm: it has no torch.compile levels or compilation config; CUDA graphs are captured "
@@ -24,6 +26,9 @@ VLLM_FLAGS: dict[str, list[str] | str] = {
     "--disable-mm-preprocessor-cache": ["--mm-processor-cache-gb", "0"],
     "--compilation-config": _NO_COMPILE, "-cc": _NO_COMPILE, "-O": _NO_COMPILE, "--optimization-level": _NO_COMPILE,
     "--guided-decoding-backend": "not built in asyncllm: structured output always uses xgrammar",
+    "--allowed-media-domains": "asyncllm fetches no http(s) media, so no domain can be allowed: send images, video "
+                               "and audio as data: URLs, or as file:// URLs with --allowed-local-media-path "
+                               "(docs/security.md)",
 }
 """vLLM flag -> our arguments (the same setting; a note says so) or the reason it is refused. vLLM's
 ``--structured-outputs-config`` is read by `_structured_outputs` (its one setting: disable_any_whitespace); a backend
@@ -124,8 +129,7 @@ def _takes_this_value(before: list[str], command: argparse.ArgumentParser) -> bo
 
 def _json_flag(name: str, command: argparse.ArgumentParser) -> bool:
     action = command._option_string_actions.get(name)
-    return action is not None and action.metavar == "JSON" and \
-        getattr(action.type, "__name__", "") in ("dict", "_json_object")
+    return action is not None and is_json_object_flag(action)
 
 
 def _dotted_json(words: list[str], command: argparse.ArgumentParser) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncllm.attention.availability import check_backend_available
-from asyncllm.config_checks import NONE_IS_DEFAULT, check_bool, check_choice, check_float, check_int, check_registry
+from asyncllm.config_checks import check_bool, check_choice, check_float, check_int, check_registry
 from asyncllm.config_model import ModelConfig, MultiModalConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pipeline_parallel import check_pipeline_config
@@ -37,6 +37,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
 UNBUILT_HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
 """vLLM's other `prefix_caching_hash_algo` values: `NotBuiltError` (asyncllm/kv/hashing.py hashes with sha256)."""
+NONE_IS_DEFAULT = frozenset({"seed", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
+                             "async_scheduling", "preemption_mode"})
+"""Fields vLLM's EngineArgs types Optional with None meaning "the default" (``seed=args.seed`` passed through):
+None given for one of them is its default here too (`EngineConfig.create`), not a ConfigError."""
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,3 @@ def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(name, value, "True or False")
 
-
-NONE_IS_DEFAULT = frozenset({"seed", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
-                             "async_scheduling", "preemption_mode"})
-"""Fields vLLM's EngineArgs types Optional with None meaning "the default" (``seed=args.seed`` passed through):
-None given for one of them is its default here too (`EngineConfig.create`), not a ConfigError."""

@@ -17,7 +17,8 @@ from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.structured.spec import StructuredOutputs
 
-__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "sample_seed"]
+__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "from_vllm_structured",
+           "sample_seed"]
 
 _MAX_SEED = 2**63 - 1
 _MIN_SEED = -(2**63)
@@ -291,6 +292,7 @@ def _int_key(key: object) -> object:
 
 
 _STRUCTURED_NAMES = ("structured", "structured_outputs", "guided_decoding")
+_VLLM_KINDS = ("json", "regex", "choice", "grammar")
 
 
 def _take_structured_alias(params: SamplingParams) -> None:
@@ -301,28 +303,33 @@ def _take_structured_alias(params: SamplingParams) -> None:
         raise InvalidRequestError(given[1], f"{given[0]} is given too: structured_outputs (vLLM's) and guided_decoding "
                                   "(older vLLM's) are names of structured; give one of them")
     if given and given[0] != "structured":
-        params.structured = _structured_from_dict(_vllm_structured(given[0], getattr(params, given[0])))
+        params.structured = from_vllm_structured(given[0], getattr(params, given[0]))
         setattr(params, given[0], None)
 
 
-def _vllm_structured(field: str, value: object) -> object:
-    """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: its unset (None or False) fields and private
-    (``_backend``) attributes dropped, ``json_object=True`` as the schema ``{"type": "object"}`` (not with json, as
-    vLLM's); a field ours lacks is an InvalidRequestError naming it."""
+def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
+    """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: `SamplingParams`' structured_outputs and
+    guided_decoding, the server's ``structured_outputs``. Unset fields (None; False but for a kind) and private
+    (``_backend``) attributes are dropped, as vLLM ignores them; ``json_object`` true (or 1, as vLLM's pydantic reads
+    it) is the schema ``{"type": "object"}`` (not with json); another field set is an InvalidRequestError naming it.
+    More than one kind is left for validate() to name."""
     if isinstance(value, StructuredOutputs):
         return value
     items = value if isinstance(value, dict) else _attributes(field, value)
-    settings = {key: item for key, item in items.items()
-                if item is not None and item is not False and not str(key).startswith("_")}
-    if settings.pop("json_object", None) is True:
+    settings = {key: item for key, item in items.items() if item is not None and not str(key).startswith("_")
+                and (item is not False or key in _VLLM_KINDS)}
+    json_object = settings.pop("json_object", False)
+    unknown = sorted(map(str, set(settings) - set(_VLLM_KINDS)))
+    if unknown:
+        raise InvalidRequestError(field, f"{', '.join(unknown)}: not built in asyncllm (it reads json, regex, choice, "
+                                  "grammar and json_object)")
+    if json_object not in (True, False):  # (1 and 0 too)
+        raise InvalidRequestError(field, f"json_object must be true or false, got {json_object!r}")
+    if json_object:
         if "json" in settings:
             raise InvalidRequestError(field, "set json or json_object, not both")
         settings["json"] = {"type": "object"}
-    unknown = sorted(set(settings) - set(StructuredOutputs.__struct_fields__))
-    if unknown:
-        raise InvalidRequestError(field, f"{', '.join(map(str, unknown))}: not built in asyncllm (it reads json, "
-                                  "regex, choice, grammar and json_object)")
-    return settings
+    return StructuredOutputs(**settings)
 
 
 def _attributes(field: str, value: object) -> dict:

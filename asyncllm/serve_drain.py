@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["RequestGate"]
+__all__ = ["RequestGate", "route_path"]
 
 UNCOUNTED = frozenset({"/health", "/ping", "/metrics"})
 """Probes and scrapes: answered during a drain on a connection still open (new connections are refused), never
@@ -33,7 +33,7 @@ class RequestGate:
         self._idle = asyncio.Event()  # (bound to the loop that first waits on it: the serving one)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or _route_path(scope) in UNCOUNTED:
+        if scope["type"] != "http" or route_path(scope) in UNCOUNTED:
             await self.app(scope, receive, send)
             return
         if self.draining:
@@ -56,8 +56,9 @@ class RequestGate:
                 await self._idle.wait()
 
 
-def _route_path(scope: dict) -> str:
-    """The path the app's routes see: a --root-path prefix that the server left on it removed."""
+def route_path(scope: dict) -> str:
+    """The path the app's routes see: a --root-path prefix that the server left on it removed (the API-key gate's
+    too: integrations/openai_auth.py)."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
 

@@ -1,6 +1,6 @@
 """The API key checked before routing (`ApiKeyGate`), as vLLM's ``AuthenticationMiddleware``.
 
-Each guarded route checks the key too (`guard`, openai_http.py); the gate answers first, so that a client without
+The gate is the server's one key check (its routes' `guard`, openai_http.py, has none), so that a client without
 the key gets the same 401 on every path and method, a route that does not exist or a method a route does not take
 included: it cannot tell from a 404 or a 405 which routes (optional features: runtime LoRA updating, the dev
 routes, the Responses API store) the server has. Only `OPEN_PATHS` answer without it.
@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_http import check_api_key, error_response
-from asyncllm.serve_drain import _route_path
+from asyncllm.serve_drain import route_path
 
 __all__ = ["OPEN_PATHS", "ApiKeyGate"]
 
@@ -31,7 +31,7 @@ class ApiKeyGate:
         self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_keys and scope["type"] == "http" and _route_path(scope).rstrip("/") not in OPEN_PATHS:
+        if self.api_keys and scope["type"] == "http" and route_path(scope).rstrip("/") not in OPEN_PATHS:
             try:
                 check_api_key(Request(scope), self.api_keys)
             except ApiError as exc:

@@ -57,15 +57,15 @@ class EventStream(StreamingResponse):
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def guard(handler: Handler, api_keys: tuple[bytes, ...]) -> Handler:
-    """`handler` behind the API-key check (none without `api_keys`), its errors mapped to OpenAI-style bodies;
-    it runs in the caller's trace context (`remote_parent`: its requests' spans under the caller's, as vLLM's) and
-    in an `admission_group`: the engine requests it makes (its prompts) are admitted together, the group's size set
-    where they are made (its prompts × n, `admission_group(size)`); a beam search's steps are groups of their own."""
+def guard(handler: Handler) -> Handler:
+    """`handler` with its errors mapped to OpenAI-style bodies (the API key is checked before routing, by
+    `openai_auth.ApiKeyGate`); it runs in the caller's trace context (`remote_parent`: its requests' spans under the
+    caller's, as vLLM's) and in an `admission_group`: the engine requests it makes (its prompts) are admitted
+    together, the group's size set where they are made (its prompts × n, `admission_group(size)`); a beam search's
+    steps are groups of their own."""
 
     async def guarded(request: Request) -> Response:
         try:
-            check_api_key(request, api_keys)
             with remote_parent(request.headers), admission_group():  # spans under the caller's trace
                 return await handler(request)
         except (AsyncLLMError, ApiError) as exc:
@@ -80,7 +80,8 @@ def guard(handler: Handler, api_keys: tuple[bytes, ...]) -> Handler:
 
 
 def api_key_bytes(api_key: str | Sequence[str] | None) -> tuple[bytes, ...]:
-    """The keys a request may send, `guard`'s: one, or several as vLLM's ``--api-key K1 K2``; "" and None: none."""
+    """The keys a request may send (`ApiKeyGate`'s): one, or several as vLLM's ``--api-key K1 K2``; "" and None:
+    none."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     return tuple(key.encode() for key in keys if key)
 

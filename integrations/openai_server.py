@@ -375,8 +375,8 @@ class OpenAIServer:
 
     # ------------------------------------------------------------ shared steps
     def _guarded(self, handler: Any) -> Any:
-        """API-key check and error mapping around a /v1 handler (openai_http.py)."""
-        return guard(handler, self._api_keys)
+        """Error mapping around a handler (openai_http.py; the API key is checked before routing: openai_auth.py)."""
+        return guard(handler)
 
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.limits.max_body_bytes)

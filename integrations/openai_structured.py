@@ -1,9 +1,10 @@
 """OpenAI's ``response_format`` and vLLM's ``structured_outputs`` as the engine's `StructuredOutputs`.
 
 ``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema`` (its ``schema``);
-``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object: true``. Both in one
-request, or keys asyncllm does not build, are a 400 naming the field; so is a ``response_format`` key OpenAI does
-not define (`check_response_format_keys`), named ``response_format.<key>``.
+``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object: true``, read as
+`SamplingParams`' (`from_vllm_structured`). Both in one request, or keys asyncllm does not build, are a 400 naming
+the field; so is a ``response_format`` key OpenAI does not define (`check_response_format_keys`), named
+``response_format.<key>``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.sampling import StructuredOutputs
+from asyncllm.sampling import StructuredOutputs, from_vllm_structured
 
 __all__ = ["JSON_SCHEMA_KEYS", "structured_output", "check_response_format_keys", "constraint_field",
            "constraint_errors"]
 
 
 _JSON_OBJECT = {"type": "object"}
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 _RESPONSE_FORMAT_KEYS = frozenset({"type", "json_schema"})
 JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
@@ -36,7 +36,7 @@ def structured_output(response_format: dict[str, Any] | None, structured_outputs
     if response_format is not None and structured_outputs is not None:
         raise InvalidRequestError("structured_outputs", "set response_format or structured_outputs, not both")
     if structured_outputs is not None:
-        return _from_structured_outputs(structured_outputs), "structured_outputs"
+        return from_vllm_structured("structured_outputs", structured_outputs), "structured_outputs"
     if response_format is None:
         return None, "response_format"
     kind = response_format.get("type")
@@ -78,14 +78,3 @@ def check_response_format_keys(response_format: dict[str, Any]) -> None:
         raise InvalidRequestError(unknown[0], "unknown field (OpenAI's response_format has type and json_schema: "
                                               "name, schema, strict, description)")
 
-
-def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
-    unknown = sorted(set(value) - {*_STRUCTURED_KEYS, "json_object"})
-    if unknown:
-        raise InvalidRequestError("structured_outputs", f"keys asyncllm does not build: {unknown}")
-    fields = {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
-    if value.get("json_object"):
-        if "json" in fields:
-            raise InvalidRequestError("structured_outputs", "set json or json_object, not both")
-        fields["json"] = _JSON_OBJECT
-    return StructuredOutputs(**fields)  # more than one kind: validate() names them

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+import re
+
+from starlette.routing import Route
+
+from asyncllm.integrations.openai_auth import OPEN_PATHS
 from asyncllm.integrations.openai_http import CorsPolicy
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client
@@ -38,3 +43,19 @@ async def test_a_browser_preflight_needs_no_key_and_a_401_carries_cors_headers()
         refused = await client.post("/v1/no_such_route", headers={"Origin": "https://page.example"})
     assert allowed.status_code == 200
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+async def test_every_route_of_every_feature_refuses_a_keyless_request(monkeypatch) -> None:
+    """The gate is the one key check (the routes' `guard` has none): every route's every method, with the optional
+    features on, is a 401 without the key, the `OPEN_PATHS` aside; no mount or websocket route escapes it."""
+    monkeypatch.setenv("ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    monkeypatch.setenv("ASYNCLLM_SERVER_DEV_MODE", "1")
+    app = create_app(_FailingEngine(RuntimeError("unused")), model_name="fake", manage_engine=False, api_key="k")
+    routes = app.router.routes
+    assert all(type(route) is Route for route in routes)  # a Mount or WebSocketRoute: check the gate covers it
+    calls = [(method, re.sub(r"{[^}]+}", "x", route.path)) for route in routes for method in route.methods]
+    async with asgi_client(app) as client:
+        bare = {(method, path): (await client.request(method, path)).status_code for method, path in calls}
+    assert {"/v1/load_lora_adapter", "/sleep", "/v1/responses/x", "/invocations"} <= {path for _, path in calls}
+    assert {call for call, status in bare.items() if status == 401} == {
+        (method, path) for method, path in calls if path not in OPEN_PATHS}

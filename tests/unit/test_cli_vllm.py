@@ -110,6 +110,17 @@ def test_dotted_json_flags_merge_into_the_object() -> None:
     assert dash_flag_names(["--hf_overrides.max_position_embeddings=1"]) == ["--hf-overrides.max_position_embeddings=1"]
 
 
+def test_serve_json_object_flags_take_dotted_keys_and_one_parser_refuses_what_is_not_an_object(capsys) -> None:
+    """--default-chat-template-kwargs (typed `json_object`) takes dotted keys as the engine's dict fields do; a value
+    that is no JSON object is each flag's error (the engine's naming its type)."""
+    args = _parse(["serve", "/m", "--default-chat-template-kwargs.enable_thinking", "false"])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert _refused(["serve", "/m", "--default-chat-template-kwargs", "[1]"], capsys).endswith(
+        "argument --default-chat-template-kwargs: not a JSON object: '[1]'")
+    assert _refused(["serve", "/m", "--hf-overrides", "[1]"], capsys).endswith(
+        "argument --hf-overrides: '[1]' is not dict or none")
+
+
 def test_q_is_quantization() -> None:
     assert _parse(["serve", "/m", "-q", "fp8"]).quantization == "fp8"
 
@@ -120,10 +131,22 @@ def test_vllm_flags_are_mapped_or_refused_by_name(capsys) -> None:
     assert _parse(["serve", "/m", "--structured-outputs-config", config]).structured_output_disable_any_whitespace
     assert _parse(["serve", "/m", "--structured-outputs-config.disable_any_whitespace", "true"]) \
         .structured_output_disable_any_whitespace
-    for argv in (["-O3"], ["-O", "0"], ["--compilation-config", "{}"]):
+    for argv in (["-O3"], ["-O", "0"], ["--compilation-config", "{}"], ["--allowed-media-domains", "a.org", "b.org"],
+                 ["--allowed-media-domains=a.org"]):
         assert _refused(["serve", "/m", *argv], capsys).startswith("asyncllm serve: error: vLLM's ")
+    assert "--allowed-media-domains: asyncllm fetches no http(s) media" in _refused(
+        ["serve", "/m", "--allowed-media-domains", "a.org"], capsys)
+    assert _parse(["serve", "/m", "--allowed-local-media-path", "/media"]).allowed_local_media_path == "/media"
     assert _refused(["serve", "/m", "--bogus-flag"], capsys) == \
         "asyncllm serve: error: unrecognized arguments: --bogus-flag"
+
+
+def test_a_refused_vllm_flag_in_a_config_file_is_refused_with_its_reason(tmp_path, capsys) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("allowed-media-domains: [a.org]\n")
+    assert _refused(["serve", "/m", "--config", str(config)], capsys).startswith(
+        f"asyncllm serve: error: vLLM's --allowed-media-domains (the key 'allowed-media-domains' of --config "
+        f"{config}): asyncllm fetches no http(s) media")
 
 
 def test_only_an_o_level_word_in_flag_position_is_refused(capsys) -> None:
@@ -161,6 +184,29 @@ def test_sampling_params_take_vllms_structured_outputs() -> None:
     assert SamplingParams(guided_decoding={"json_object": True}).structured.json == {"type": "object"}
     with pytest.raises(InvalidRequestError, match="structural_tag: not built in asyncllm"):
         SamplingParams(structured_outputs={"structural_tag": "x"})
+
+
+def _sampling_reads(value: dict):
+    return SamplingParams(structured_outputs=value).structured
+
+
+def _server_reads(value: dict):
+    from asyncllm.integrations.openai_structured import structured_output
+
+    return structured_output(None, value)[0]
+
+
+@pytest.mark.parametrize("read", [_sampling_reads, _server_reads])
+def test_sampling_params_and_the_server_read_structured_outputs_alike_as_vllm(read) -> None:
+    """One reader (`from_vllm_structured`): vLLM ignores an unset field ({"foo": None}, its dataclass's False flags)
+    and reads json_object 1 as true; a field asyncllm does not build, set, is refused naming it."""
+    assert read({"regex": "a", "foo": None, "disable_any_whitespace": False}).regex == "a"
+    assert read({"json_object": 1}).json == {"type": "object"}
+    assert read({"json_object": 0, "choice": ["x"]}).choice == ["x"]
+    for bad, named in [({"foo": "x"}, "foo: not built"), ({"regex": "a", "start_after": "</think>"}, "start_after"),
+                       ({"json_object": "yes"}, "json_object must be true or false")]:
+        with pytest.raises(InvalidRequestError, match=f"^structured_outputs: {named}"):
+            read(bad)
 
 
 def test_structured_outputs_set_after_construction_is_not_dropped() -> None:
