@@ -40,6 +40,33 @@ def worker_pipeline_on() -> Iterator[None]:
             os.environ["ASYNCLLM_WORKER_PIPELINE"] = before
 
 
+async def snapshot_before_first_output(engine: AsyncEngine, prompt: list[int]) -> tuple[int, int]:
+    """(running, waiting) of the last stats snapshot the host heard before a lone request's first output, (-1, -1)
+    when none came: the step that admits it sends a fresh one before it runs (engine/sync_step.py, overlap.py)."""
+    from asyncllm import SamplingParams
+    from asyncllm.protocol import SchedulerStats
+
+    await wait_idle(engine)
+    observer = engine._replicas.replicas[0].observer
+    heard: list[tuple[int, int] | None] = []  # None: an output; in the order the host's processor thread heard them
+    on_output, on_stats = observer.on_output, observer.on_scheduler_stats
+
+    def heard_output(*args: object) -> None:
+        heard.append(None)
+        on_output(*args)
+
+    def heard_stats(stats: SchedulerStats, reporter: bool) -> None:
+        heard.append((stats.num_requests_running, stats.num_requests_waiting))
+        on_stats(stats, reporter)
+
+    observer.on_output, observer.on_scheduler_stats = heard_output, heard_stats
+    try:
+        await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    finally:
+        del observer.on_output, observer.on_scheduler_stats
+    return next((s for s in reversed(heard[:heard.index(None)]) if s is not None), (-1, -1))
+
+
 def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) -> list[list[int]]:
     """Seeded random token-id prompts; with `stem_len`, every other one starts with the same tokens (prefix hits)."""
     rng = random.Random(seed)

@@ -2,8 +2,9 @@
 
 receive requests and aborts -> schedule one step -> the executor runs it on the
 workers -> update requests with the sampled tokens -> send outputs to the host
-that owns each request (with async_scheduling, the next step is scheduled and
-submitted before the current one's output is collected: engine/overlap.py).
+that owns each request (engine/sync_step.py; with async_scheduling, the next step
+is scheduled and submitted before the current one's output is collected:
+engine/overlap.py).
 Run as ``python -m asyncllm.engine.core``.
 """
 
@@ -33,6 +34,7 @@ from asyncllm.engine.core_io import CoreIO, fail_startup, unknown_host_answer
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
+from asyncllm.engine.sync_step import sync_step
 from asyncllm.engine.kv_budget import served_config, swap_blocks
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
@@ -136,30 +138,11 @@ class EngineCore:
                 self._check_idle_workers()
 
     def _step(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]], changed: bool) -> None:
-        """Schedule and run one step; `outputs` (timeouts) go out with its results."""
+        """Schedule and run one step (overlapped with `async_scheduling`); `outputs` (timeouts) go out with it."""
         if self.overlap is not None:
             self.overlap.step(outputs, changed)
-            return
-        sched_out = self.scheduler.schedule()
-        if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
-            if outputs or changed:  # the queue changed: hosts' admission estimates need fresh stats
-                self.send_outputs(outputs)
-            time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
-            return
-        if self.structured.matchers:
-            sched_out.grammar_bitmask = self.structured.grammar_bitmask(sched_out, self.scheduler.requests)
-        try:
-            runner_out = self.executor.execute_model(sched_out)
-        except errors.EngineDeadError as exc:  # nothing of the step was applied: recompute its requests
-            self.recover_workers(exc)
-            self.send_outputs(outputs)
-            return
-        self.forget_failed(runner_out.failed_requests)
-        failed = self.scheduler.fail_requests(runner_out.failed_requests)  # before the step: drop their tokens
-        step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        if self.structured.matchers:
-            self.structured.accept(step_outputs.deltas, self.scheduler.finish_requests)
-        self.send_outputs(outputs + failed + step_outputs)
+        else:
+            sync_step(self, outputs, changed)
 
     def _finish_expired(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End the requests whose timeout passed (`Scheduler.finish_expired_requests`), grammar matchers too."""

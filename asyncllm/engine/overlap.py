@@ -17,10 +17,10 @@ flight; the restarted workers recompute them (workers/restart.py).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from asyncllm import errors, protocol
+from asyncllm.engine.sync_step import moved_requests, wait_for_blocks
 from asyncllm.sched.placeholders import OutputPlaceholders
 from asyncllm.sched.step_outputs import StepOutputs
 
@@ -73,7 +73,7 @@ class OverlappedSteps:
             self.placeholders.discard_all()
             core.recover_workers(exc)
             collected = True  # the hosts' stats changed (requests went back to waiting)
-        if outputs or changed or collected or _moved_requests(sched_out):
+        if outputs or changed or collected or moved_requests(sched_out):  # admitted or preempted: fresh stats now
             core.send_outputs(outputs)
 
     def drain(self, outputs: _Outputs) -> None:
@@ -91,9 +91,7 @@ class OverlappedSteps:
         if self.in_flight:  # its output may finish requests: schedule again at once
             self.core.send_outputs(outputs + self._collect())
             return
-        if outputs or changed:  # the queue changed: hosts' admission estimates need fresh stats
-            self.core.send_outputs(outputs)
-        time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
+        wait_for_blocks(self.core, outputs, changed)
 
     def _collect(self) -> StepOutputs:
         """Wait for the oldest step in flight and apply it."""
@@ -108,9 +106,3 @@ class OverlappedSteps:
         step_outputs.deltas[:0] = failed
         return step_outputs
 
-
-def _moved_requests(sched_out: protocol.SchedulerOutput | None) -> bool:
-    """Whether a step admitted waiting requests or preempted running ones. Its outputs may come a whole step
-    later (the first step after an idle pipeline collects nothing now): the hosts' stats must not show the
-    admitted requests as waiting while they run, a long step and the aborts sent meanwhile included."""
-    return sched_out is not None and bool(sched_out.new_reqs or sched_out.preempted_req_ids)

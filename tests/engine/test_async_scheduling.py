@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
-from engine_helpers import random_prompts, wait_idle, worker_pipeline_on
+from engine_helpers import random_prompts, snapshot_before_first_output, wait_idle, worker_pipeline_on
 from hf_reference import hf_greedy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -238,6 +238,15 @@ async def test_aborts_mid_stream_leak_no_block(engine: AsyncEngine, tiny_llama: 
     await wait_idle(engine)
     assert engine.stats().num_used_blocks == 0
     assert await _greedy(engine, prompts[:2]) == [_reference(tiny_llama, p) for p in prompts[:2]]
+
+
+# ------------------------------------------------------------------ stats snapshots
+async def test_a_step_that_admits_a_request_shows_it_running_before_its_output(engine: AsyncEngine,
+                                                                               sync_engine: AsyncEngine) -> None:
+    """Both modes send a fresh snapshot when a step that admits a request is submitted (overlapped) or about to run
+    (synchronous): during a long first step the hosts never see the request as waiting, or not at all."""
+    for each in (engine, sync_engine):
+        assert await snapshot_before_first_output(each, [5, 6, 7, 8]) == (1, 0)
 
 
 # ------------------------------------------------------------------ structured output: synchronous steps

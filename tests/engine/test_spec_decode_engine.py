@@ -21,7 +21,7 @@ from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, Structure
 from asyncllm.bundled import bundled_model_path
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.ngram import NgramProposer
-from engine_helpers import random_prompts
+from engine_helpers import random_prompts, snapshot_before_first_output
 from hf_reference import hf_greedy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -221,3 +221,10 @@ async def test_drafts_of_a_complete_grammar_whose_eos_is_forbidden_end_it_stop(b
     for engine in bundled_engines:
         out = await engine.generate({"prompt_token_ids": [c] * 24}, params)
         assert (out.text, out.token_ids, out.finish_reason) == ("ccc", [c] * 3, "stop")
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_drafted_step_that_admits_a_request_shows_it_running_before_its_output(bundled_engines) -> None:
+    """Speculative decoding runs every step synchronously: a step that admits a request sends a fresh snapshot
+    before it runs (engine/sync_step.py), so a long step never shows it waiting."""
+    assert await snapshot_before_first_output(bundled_engines[1], [42] * 12) == (1, 0)
