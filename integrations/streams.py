@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["ClientDisconnected", "first_deltas", "merge_streams", "gather_until"]
 
 T = TypeVar("T")
+_UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one stream is merged as several are
 
 
 class ClientDisconnected(Exception):
@@ -43,18 +44,65 @@ async def first_deltas(streams: Sequence[RequestStream], *,
         raise
 
 
-async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[StreamDelta] = (), *,
-                        until: Callable[[], Awaitable[object]] | None = None,
-                        held: Sequence[tuple[int, StreamDelta]] = (),
-                        ) -> AsyncIterator[tuple[int, StreamDelta]]:
+def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[StreamDelta] = (), *,
+                  until: Callable[[], Awaitable[object]] | None = None,
+                  held: Sequence[tuple[int, StreamDelta]] = (),
+                  ) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Yield ``(stream index, delta)`` from all streams as deltas arrive, after `firsts` (from `first_deltas`) and
     `held` (``(stream index, delta)`` taken from the streams after their firsts, in order).
 
     `until` returns an awaitable that completes when the client disconnects:
     then every request is aborted and `ClientDisconnected` is raised.
     """
-    for index, delta in [*enumerate(firsts), *held]:
-        yield index, delta
+    taken = [*enumerate(firsts), *held]
+    if len(streams) == 1 and _UNCANCEL:
+        return _merge_one(streams[0], taken, until)
+    return _merge_many(streams, taken, until)
+
+
+async def _merge_one(stream: RequestStream, taken: list[tuple[int, StreamDelta]],
+                     until: Callable[[], Awaitable[object]] | None) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """`merge_streams` of one stream (``n=1``, most requests), read in the caller's task: no task per delta. A
+    disconnect while the read waits cancels that wait as ``asyncio.timeout`` does (the task's own cancellation,
+    taken back with ``uncancel``: a cancellation from elsewhere still propagates) and raises `ClientDisconnected`;
+    one while the caller works (between reads) is raised at the next read."""
+    for item in taken:
+        yield item
+    reader: asyncio.Task | None = None
+    """The task waiting in a read, if one is (each read's own: a generator may be advanced from several tasks)."""
+
+    def hang_up(_watch: asyncio.Future) -> None:
+        if reader is not None:
+            reader.cancel()
+
+    watcher = asyncio.ensure_future(until()) if until is not None else None
+    if watcher is not None:
+        watcher.add_done_callback(hang_up)
+    try:
+        while watcher is None or not watcher.done():
+            reader = task = asyncio.current_task()
+            try:
+                delta = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if watcher is not None and watcher.done() and task is not None and task.uncancel() == 0:
+                    raise ClientDisconnected() from None
+                raise
+            finally:
+                reader = None
+            yield 0, delta
+        raise ClientDisconnected()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await stream.aclose()
+
+
+async def _merge_many(streams: Sequence[RequestStream], taken: list[tuple[int, StreamDelta]],
+                      until: Callable[[], Awaitable[object]] | None) -> AsyncIterator[tuple[int, StreamDelta]]:
+    for item in taken:
+        yield item
     pending: dict[asyncio.Future, int] = {}
     wake = _Wake(pending)
     for i, stream in enumerate(streams):

@@ -95,3 +95,30 @@ def test_merge_streams_alternates_a_ready_stream_with_one_a_loop_turn_behind():
 
     names = asyncio.run(first(100))
     assert 45 <= names.count("b") <= 55, names.count("b")
+
+
+async def test_merge_streams_one_stream_disconnect():
+    """One stream is read in the caller's task (no task per delta): a disconnect cancels the waiting read and raises
+    `ClientDisconnected`, the stream closed with its later deltas untaken; a cancellation from elsewhere is not
+    turned into a disconnect."""
+    a = _Stream(["a1", "a2", "a3"])
+    gone = asyncio.Event()
+    merged = merge_streams([a], ["a0"], until=gone.wait)
+    assert await merged.__anext__() == (0, "a0")
+    a.gates[0].set()
+    assert await merged.__anext__() == (0, "a1")
+    waiting = asyncio.ensure_future(merged.__anext__())
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and not a.closed
+    gone.set()
+    with pytest.raises(ClientDisconnected):
+        await asyncio.wait_for(waiting, 10)
+    assert a.closed and a.deltas == ["a2", "a3"]
+    cancelled = _Stream(["c1"])
+    merged = merge_streams([cancelled], until=asyncio.Event().wait)
+    waiting = asyncio.ensure_future(merged.__anext__())
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert cancelled.closed
