@@ -4,19 +4,36 @@ Their owner removes them (`remove_dir`: a host's at ``aclose()``, a core's once 
 its owner did not remove goes when the process that made it exits normally (`_remove_held`, an ``atexit`` hook: a
 host that exits without ``aclose()``). Never earlier: other hosts may attach to an owned core by its address
 (``AsyncEngine.connect``) while its owner lives, and the owner's core ends with the owner. A forked child's exit
-leaves its parent's folders (the parent may still serve with them); a killed process leaves its own.
+leaves its parent's folders (the parent may still serve with them); a killed process (SIGKILL) leaves its own, which
+the next host to make a folder in the same parent sweeps (`sweep_dead_dirs`): a folder is named
+``asyncllm-<pid>-<4 hex digits>`` by the process that made it (short: a socket's path holds 107 bytes at most), and
+goes once that pid is dead, the folder is this user's, and no socket in it takes connections (a core its dead owner
+started, still serving the hosts attached to it while it ends). A reused pid reads as alive: its folder waits for a
+later sweep.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import re
+import secrets
 import shutil
+import socket
+import stat
 import tempfile
 
 from asyncllm import envs
 
-__all__ = ["private_ipc_dir", "remove_dir"]
+__all__ = ["private_ipc_dir", "remove_dir", "sweep_dead_dirs"]
+
+_NAME = re.compile(r"asyncllm-(\d+)-[0-9a-f]{4}")
+"""A folder `private_ipc_dir` makes: the pid of the process that made it, then 4 random hex digits. Nothing else is
+swept (``asyncllm engine``'s per-user ``asyncllm-<uid>`` folder, shared memory's ``asyncllm-<pid>-mm-*`` names,
+older folders without a pid)."""
+
+_swept: set[tuple[int, str]] = set()
+"""The (pid, parent folder) pairs swept: once a process and parent."""
 
 _held: dict[str, int] = {}
 """The folders `private_ipc_dir` made that `remove_dir` did not remove yet: path -> the pid of the process that made
@@ -25,8 +42,19 @@ it (a forked child inherits the dict, not the folders)."""
 
 def private_ipc_dir() -> str:
     """A fresh 0700 folder for ipc:// sockets (remove it with `remove_dir`; left, it goes at this process's exit)."""
-    parent = envs.RUNTIME_DIR.get() or None
-    path = tempfile.mkdtemp(prefix="asyncllm-", dir=parent)
+    parent = envs.RUNTIME_DIR.get() or tempfile.gettempdir()
+    if (os.getpid(), parent) not in _swept:
+        _swept.add((os.getpid(), parent))
+        sweep_dead_dirs(parent)
+    for _ in range(10_000):  # as mkdtemp: a name taken (by a dead process of the same pid, or anyone) is passed over
+        path = os.path.join(parent, f"asyncllm-{os.getpid()}-{secrets.token_hex(2)}")
+        try:
+            os.mkdir(path, 0o700)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free asyncllm-{os.getpid()}-* name in {parent}")
     os.chmod(path, 0o700)
     _held[path] = os.getpid()
     return path
@@ -35,6 +63,67 @@ def private_ipc_dir() -> str:
 def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _held.pop(path, None)
+
+
+def sweep_dead_dirs(parent: str) -> list[str]:
+    """Remove the folders in `parent` that killed processes left (the module's docstring says which); the ones
+    removed. Safe beside another host's sweep: a folder gone meanwhile is skipped, a removal half done by the other
+    finished."""
+    try:
+        names = os.listdir(parent)
+    except OSError:  # no such parent yet: nothing to sweep
+        return []
+    removed = []
+    for name in names:
+        match = _NAME.fullmatch(name)
+        path = os.path.join(parent, name)
+        if match is not None and _abandoned(path, int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _abandoned(path: str, pid: int) -> bool:
+    """A folder of this user's, made by a dead process, with no socket taking connections."""
+    try:
+        info = os.lstat(path)
+    except OSError:  # gone: another sweep took it
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _alive(pid):
+        return False
+    return not _serving(path)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (another user's too, and any pid that is not one: kept)."""
+    if pid <= 0 or pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # PermissionError: another user's process; no pid that large
+        return True
+    return True
+
+
+def _serving(path: str) -> bool:
+    """Whether a socket in `path` takes connections (anything but a refusal, or a file gone, counts: kept)."""
+    try:
+        entries = [entry.path for entry in os.scandir(path) if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)]
+    except OSError:
+        return True
+    for entry in entries:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(entry)
+            except (ConnectionRefusedError, FileNotFoundError):  # a socket file its dead process left
+                continue
+            except OSError:
+                return True
+            return True
+    return False
 
 
 @atexit.register

@@ -47,6 +47,7 @@ from asyncllm.integrations.openai_request_log import log_prompts
 from asyncllm.integrations.openai_sampling import chat_logprobs, check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_streaming import chunk_usage, usage_mode
+from asyncllm.integrations.openai_tokenize import chat_tokens
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import StreamDelta
@@ -124,7 +125,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     engine = server.engine
     max_model_len = engine.config.max_model_len
     if chat:  # as the engine's chat: special tokens only with add_special_tokens true (the template writes BOS)
-        chat_ids = await server._chat_tokens(req, add_special_tokens=bool(req.add_special_tokens))
+        chat_ids = await chat_tokens(server, req, add_special_tokens=bool(req.add_special_tokens),
+                                     cuttable=req.truncate_prompt_tokens is not None)
         prompts = [truncated_prompt(chat_ids, req.truncate_prompt_tokens, max_model_len)]
     else:
         texts = completion_prompts(req.prompt, server.limits)

@@ -23,10 +23,11 @@ import msgspec
 from asyncllm.engine.admission import admission_group
 from asyncllm.engine.pooling_model import MatryoshkaRefusal
 from asyncllm.engine.validation import truncated_prompt
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import POOLING_OPERATIONS, InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import CacheSalt, ServerLimits, completion_prompts, request_options
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
+from asyncllm.integrations.openai_tokenize import chat_tokens
 from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 
@@ -107,7 +108,8 @@ async def embedding_prompts(server: OpenAIServer, req: EmbeddingRequest, task: s
     prompts = embedding_inputs(req, server.limits, task)
     if prompts is not None:
         return prompts
-    token_ids = await server._chat_tokens(req)  # the engine started
+    token_ids = await chat_tokens(server, req, operation=POOLING_OPERATIONS["embed"],  # the engine started
+                              cuttable=req.truncate_prompt_tokens is not None)
     return [truncated_prompt(token_ids, req.truncate_prompt_tokens, server.engine.config.max_model_len, pooling=True,
                              chat=True)]
 

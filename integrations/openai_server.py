@@ -23,13 +23,11 @@ bodies (openai_http.py); without the API key every path but /health, /ping, /met
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -49,7 +47,7 @@ from asyncllm.integrations.openai_http import (
     CorsPolicy, EventStream, RequestIdHeaders, api_key_bytes, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
+    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, chat_echo, chat_role,
     completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id,
 )
 from asyncllm.integrations.openai_responses import Choices, token_id_text
@@ -75,8 +73,6 @@ from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
 from asyncllm.chat_content import check_content_format
 from asyncllm.structured.start_after import Marker
-from asyncllm.engine.pooling_model import lowercases
-from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
 if TYPE_CHECKING:
@@ -352,17 +348,6 @@ class OpenAIServer:
             self._reasoning_end = Marker.of(self.engine.tokenizer, self.reasoning.end_tag, self.reasoning.end_suffix,
                                             self.reasoning.end_max_between, self.reasoning.opener)
         return self._reasoning_end
-
-    async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
-                           tools: list[Any] | None = None, add_special_tokens: bool = False) -> list[int]:
-        """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted) and
-        tokenized on a worker thread as the engine's chat (`tools` as vLLM dumps them, `add_special_tokens` its)."""
-        tokenizer = await self._tokenizer()
-        render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
-                                   template_kwargs=self.templates.kwargs(req), content_format=self.content_format,
-                                   tools=template_tools(tools), chat_template=self.templates.pick(req.chat_template),
-                                   lower=lowercases(self.engine.pooling_model), add_special_tokens=add_special_tokens)
-        return await anyio.to_thread.run_sync(render)
 
     async def _tokenizer(self) -> Any:
         """The engine's tokenizer (the engine starts on first use, as it does for a completion)."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -10,15 +11,40 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from asyncllm.engine.pooling_model import lowered
+from asyncllm.engine.chat_bounds import check_chat_size
+from asyncllm.engine.pooling_model import lowercases, lowered
+from asyncllm.engine.validation import max_prompt_chars
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
 from asyncllm.integrations.openai_request_log import log_under, route_id
+from asyncllm.integrations.openai_tools import template_tools
+from asyncllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
+    from asyncllm.integrations.openai_embeddings import EmbeddingRequest
+    from asyncllm.integrations.openai_protocol import ChatCompletionRequest
     from asyncllm.integrations.openai_server import OpenAIServer
 
-__all__ = ["tokenize_routes"]
+__all__ = ["chat_tokens", "tokenize_routes"]
+
+
+async def chat_tokens(server: OpenAIServer, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
+                      tools: list[Any] | None = None, add_special_tokens: bool = False, *,
+                      operation: str | None = None, cuttable: bool = False) -> list[int]:
+    """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted) and
+    tokenized on a worker thread as the engine's chat (`tools` as vLLM dumps them, `add_special_tokens` its).
+
+    Bounded before the template renders them as the engine's chat is (`check_chat_size`; `operation` and `cuttable`
+    its): the worker thread holds the GIL while Jinja renders, and 100,000 messages took it for seconds."""
+    tokenizer, max_model_len = await server._tokenizer(), server.engine.config.max_model_len
+    check_chat_size(tokenizer, req.messages, max_model_len, max_prompt_chars(tokenizer, max_model_len), operation,
+                    cuttable)
+    render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
+                               template_kwargs=server.templates.kwargs(req), content_format=server.content_format,
+                               tools=template_tools(tools), chat_template=server.templates.pick(req.chat_template),
+                               lower=lowercases(server.engine.pooling_model), add_special_tokens=add_special_tokens)
+    return await anyio.to_thread.run_sync(render)
 
 
 def tokenize_routes(server: OpenAIServer) -> list[Route]:
@@ -35,8 +61,9 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             prompt = lowered(server.engine.pooling_model, req.prompt)
             special = req.add_special_tokens is not False
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
-        else:  # as a chat completion's: the tools checked there (`template_tools`), special tokens default false
-            tokens = await server._chat_tokens(req, req.tools, add_special_tokens=bool(req.add_special_tokens))
+        else:  # as a chat completion's: the tools checked there (`template_tools`), special tokens default false;
+            # counted past max_model_len as vLLM's, so bounded by its render alone (`cuttable`)
+            tokens = await chat_tokens(server, req, req.tools, bool(req.add_special_tokens), cuttable=True)
         tokens = [int(t) for t in tokens]
         log_under(server.request_log, route_id("tokn", request.headers),  # as vLLM's, once tokenized
                   [{"prompt": req.prompt, "prompt_token_ids": tokens}], None, lora, indexed=False)

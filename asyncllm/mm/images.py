@@ -21,14 +21,16 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 
-__all__ = ["MAX_IMAGE_ASPECT_RATIO", "ImageInput", "check_max_image_pixels", "check_uuid", "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image",
-           "read_image", "to_rgb", "uuid_key"]
+__all__ = ["MAX_IMAGE_ASPECT_RATIO", "ImageInput", "check_aspect_ratio", "check_max_image_pixels", "check_uuid",
+           "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image", "read_image", "to_rgb",
+           "uuid_key"]
 
 ImageInput = Any
 """``bytes``, a base64 ``data:`` URL, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
 MAX_IMAGE_ASPECT_RATIO = 200
-"""The most an image's longer side may be over its shorter one (Qwen2-VL's processor's bound): resizing the shorter
-side to the encoder's (CLIP's ``shortest_edge``) makes a 60000 x 1 strip of a few hundred bytes billions of pixels."""
+"""The most an image's or a video frame's longer side may be over its shorter one (Qwen2-VL's processor's bound;
+`check_aspect_ratio`): resizing the shorter side to the encoder's (CLIP's ``shortest_edge``) makes a 60000 x 1 strip of
+a few hundred bytes billions of pixels."""
 
 
 def check_max_image_pixels(value: int) -> None:
@@ -132,10 +134,19 @@ def _check_pixels(size: tuple[int, int], field: str, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise InvalidRequestError(
             field, f"the image is {width}x{height} = {width * height} pixels, over mm_max_image_pixels={max_pixels}")
-    if max(width, height) > MAX_IMAGE_ASPECT_RATIO * max(1, min(width, height)):
-        raise InvalidRequestError(field, f"the image is {width}x{height}, its longer side over "
-                                         f"{MAX_IMAGE_ASPECT_RATIO} times its shorter one (asyncllm.mm.images."
-                                         "MAX_IMAGE_ASPECT_RATIO): image processors resize such a strip to a huge one")
+    check_aspect_ratio(height, width, field)
+
+
+def check_aspect_ratio(height: int, width: int, field: str, what: str = "an image") -> None:
+    """`InvalidRequestError` naming `field` for `what` (an image, a video frame) with a side of no pixels (which
+    a resize would divide by), or a longer side over `MAX_IMAGE_ASPECT_RATIO` times its shorter one (Qwen2-VL's and
+    its video processors' ``smart_resize`` bound), before any resize."""
+    if min(height, width) < 1:
+        raise InvalidRequestError(field, f"{what} of {width}x{height} needs at least one pixel each way")
+    if max(height, width) > MAX_IMAGE_ASPECT_RATIO * min(height, width):
+        raise InvalidRequestError(field, f"{what} of {width}x{height}: its aspect ratio {width}:{height} is over "
+                                         f"{MAX_IMAGE_ASPECT_RATIO} (asyncllm.mm.images.MAX_IMAGE_ASPECT_RATIO): "
+                                         "image processors resize such a strip to a huge one")
 
 
 def uuid_key(uuid: str) -> str:

@@ -29,7 +29,8 @@ import numpy as np
 
 from asyncllm.errors import NotBuiltError
 from asyncllm.mm.image_ops import BICUBIC, normalize_like_torchvision, resize_like_torchvision
-from asyncllm.mm.qwen_video import CLIP_MEAN, CLIP_STD, check_aspect_ratio, video_processor_dict
+from asyncllm.mm.images import check_aspect_ratio
+from asyncllm.mm.qwen_video import CLIP_MEAN, CLIP_STD, video_processor_dict
 from asyncllm.mm.videos import Video
 
 __all__ = ["LlavaVideoProcessing", "LlavaVideoSettings", "llava_video_pixels", "load_llava_video_settings"]
@@ -86,7 +87,7 @@ def llava_video_pixels(video: Video, settings: LlavaVideoSettings, field: str) -
     of an aspect ratio over 200 are refused before any resize (as the Qwen-VL models')."""
     import torch
 
-    check_aspect_ratio(*video.frames.shape[1:3], field)
+    check_aspect_ratio(*video.frames.shape[1:3], field, "a video frame")
     pixels = torch.from_numpy(np.ascontiguousarray(video.frames)).permute(0, 3, 1, 2).contiguous()
     pixels = resize_like_torchvision(pixels, *resized_size(settings, *pixels.shape[-2:]), mode="bicubic")
     return normalize_like_torchvision(_center_crop(pixels, *settings.crop_size), settings).numpy()[None]
@@ -106,7 +107,7 @@ def _center_crop(pixels: Any, height: int, width: int) -> Any:
 def llava_video_grid(video: Video, settings: LlavaVideoSettings, field: str) -> tuple[int, int, int]:
     """(frames, height, width) of the video's pixels, from its frame count alone (frames of an aspect ratio over 200
     refused)."""
-    check_aspect_ratio(*video.frames.shape[1:3], field)
+    check_aspect_ratio(*video.frames.shape[1:3], field, "a video frame")
     return video.frames.shape[0], *settings.crop_size
 
 

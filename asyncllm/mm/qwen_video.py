@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.mm.images import check_aspect_ratio
 from asyncllm.mm.videos import Video
 
-__all__ = ["VideoPiece", "VideoSettings", "check_aspect_ratio", "frame_size", "frame_timestamps", "load_video_settings",
+__all__ = ["VideoPiece", "VideoSettings", "frame_size", "frame_timestamps", "load_video_settings",
            "video_grid", "video_patches", "video_processor_dict"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -119,6 +120,7 @@ def frame_size(settings: VideoSettings, num_frames: int, height: int, width: int
     processor (Qwen3-VL's bounds the pixels of all the frames)."""
     factor = settings.patch_size * settings.merge_size
     frames = 1
+    check_aspect_ratio(height, width, field, "a video frame")  # before the upscale below divides by a side
     if settings.pixels_over_frames:
         if num_frames < settings.temporal_patch_size:
             raise InvalidRequestError(field, f"{num_frames} frame(s): this model's videos need at least "
@@ -127,7 +129,6 @@ def frame_size(settings: VideoSettings, num_frames: int, height: int, width: int
             scale = max(factor / height, factor / width)
             height, width = int(height * scale), int(width * scale)
         frames = num_frames
-    check_aspect_ratio(height, width, field)
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / settings.temporal_patch_size) * settings.temporal_patch_size if frames > 1 else 1
     if t_bar * h_bar * w_bar > settings.max_pixels:
@@ -139,13 +140,6 @@ def frame_size(settings: VideoSettings, num_frames: int, height: int, width: int
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def check_aspect_ratio(height: int, width: int, field: str) -> None:
-    """`InvalidRequestError` for frames whose longer side is over 200 times their shorter (``smart_resize``'s
-    limit)."""
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidRequestError(field, f"the frames' aspect ratio {width}:{height} is over 200")
 
 
 def video_grid(video: Video, settings: VideoSettings, field: str) -> tuple[int, int, int]:

@@ -87,6 +87,34 @@ def test_an_image_of_an_extreme_aspect_ratio_is_refused():
         decode_image(_png(1, 201), "img", 10**6)
 
 
+@pytest.mark.parametrize("pixels_over_frames", [False, True], ids=["qwen2-vl", "qwen3-vl"])
+def test_images_and_video_frames_share_one_aspect_bound_and_a_side_of_no_pixels_is_refused(monkeypatch,
+                                                                                            pixels_over_frames):
+    """One bound (`MAX_IMAGE_ASPECT_RATIO`, `check_aspect_ratio`) for images and Qwen-VL video frames; a side of 0
+    pixels is an `InvalidRequestError` naming the field, not a ZeroDivisionError in the resize."""
+    import dataclasses
+
+    from PIL import Image
+
+    from asyncllm.mm import images
+    from asyncllm.mm.qwen_video import VideoSettings, frame_size
+
+    settings = dataclasses.replace(VideoSettings(), pixels_over_frames=pixels_over_frames)
+    for height, width in ((0, 64), (64, 0)):
+        with pytest.raises(InvalidRequestError, match="at least one pixel") as refused:
+            frame_size(settings, 4, height, width, "videos[0]")
+        assert refused.value.field == "videos[0]"
+    with pytest.raises(InvalidRequestError, match="at least one pixel") as refused:
+        images.decode_image(Image.new("RGB", (0, 50)), "img", 10**6)
+    assert refused.value.field == "img"
+    assert frame_size(settings, 4, 64, 192, "v")  # 1:3 within 200
+    monkeypatch.setattr(images, "MAX_IMAGE_ASPECT_RATIO", 2)
+    with pytest.raises(InvalidRequestError, match="aspect ratio 192:64 is over 2"):
+        frame_size(settings, 4, 64, 192, "v")
+    with pytest.raises(InvalidRequestError, match="aspect ratio 192:64 is over 2"):
+        images.decode_image(Image.new("RGB", (192, 64)), "img", 10**6)
+
+
 class _Llava:
     """What `MultiModalProcessor` reads of a LLaVA-style model class, for its image processing alone."""
 
