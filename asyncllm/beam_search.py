@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import (
     EngineDeadError, InvalidRequestError, NotBuiltError, RequestTimeoutError, check_context_length,
 )
@@ -61,14 +62,14 @@ class BeamSearchParams:
     def validate(self, max_logprobs: int = -1) -> None:
         """`InvalidRequestError` naming the bad field; `max_logprobs`: the engine's, which each step's top
         ``2 * beam_width`` logprobs must not exceed (-1: the vocabulary, more than 128)."""
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= 64:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= 64:
             raise InvalidRequestError("beam_width", f"must be an int in [1, 64], got {self.beam_width!r}")
         if max_logprobs != -1 and 2 * self.beam_width > max_logprobs:  # vLLM's error names the step's logprobs
             raise InvalidRequestError("beam_width", f"{self.beam_width} needs the top 2 * beam_width = "
                                                     f"{2 * self.beam_width} logprobs a step, more than the engine's "
                                                     f"max_logprobs={max_logprobs}: lower beam_width to "
                                                     f"{max_logprobs // 2} or raise max_logprobs")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
@@ -79,10 +80,6 @@ class BeamSearchParams:
             raise InvalidRequestError("temperature", "beam search ranks the raw logprobs: only 0.0 is built")
         if self.include_stop_str_in_output:
             raise InvalidRequestError("include_stop_str_in_output", "beam search has no stop strings")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def beam_max_tokens(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> int:

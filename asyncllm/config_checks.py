@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import json
+from typing import TypeGuard
 
 from asyncllm.errors import ConfigError
 
 __all__ = ["check_bool", "check_choice", "check_float", "check_int", "check_json_dict", "check_registry",
-           "check_sampling_fields"]
+           "check_sampling_fields", "is_int"]
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An int that is not a bool (JSON's true is not a count; numpy's ints are not ints either)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
@@ -19,7 +25,7 @@ def check_choice(name: str, value: object, allowed: tuple) -> None:
 def check_int(name: str, value: object, lo: int, hi: int | None = None, optional: bool = False) -> None:
     if value is None and optional:
         return
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    ok = is_int(value) and value >= lo and (hi is None or value <= hi)
     if not ok:
         bound = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
         raise ConfigError(name, value, bound + (" or None" if optional else ""))

@@ -23,9 +23,10 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["JsonObjectScanner"]
+__all__ = ["JSON_SPACE", "JsonObjectScanner"]
 
-_JSON_SPACE = " \t\n\r"
+JSON_SPACE = " \t\n\r"
+"""The whitespace JSON allows between tokens (RFC 8259), not str.isspace's."""
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _ENCODED = {chr(i): f"\\u{i:04x}" for i in range(0x20)} | {
     "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", '"': '\\"', "\\": "\\\\"}
@@ -99,7 +100,7 @@ class JsonObjectScanner:
 
     def _structure(self, char: str) -> None:
         expect = self._expect
-        if char in _JSON_SPACE or (expect == "start" and char.isspace()):
+        if char in JSON_SPACE or (expect == "start" and char.isspace()):
             return
         if expect == "start" and char == "{":
             self._open(char)

@@ -14,8 +14,9 @@ from typing import Any
 import msgspec
 
 from asyncllm import envs
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
-from asyncllm.structured.spec import StructuredOutputs
+from asyncllm.structured.spec import KINDS, StructuredOutputs
 
 __all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "from_vllm_structured",
            "sample_seed"]
@@ -129,7 +130,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Older vLLM's name of `structured` (GuidedDecodingParams), read as `structured_outputs`."""
 
     def __post_init__(self) -> None:
-        if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed"
             self.seed = None
         for name in _NONE_IS_EMPTY:
             if getattr(self, name) is None:  # vLLM's default: no stop strings, no stop ids, no bad words
@@ -169,7 +170,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequestError("stop", "must be a string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative token ids")
         self.stop_token_ids = _distinct(self.stop_token_ids)  # a set: at most the vocabulary's size on the wire
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
@@ -191,12 +192,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequestError("logit_bias", f"must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             for token_id, bias in self.logit_bias.items():
-                if not _is_int(token_id) or token_id < 0:
+                if not is_int(token_id) or token_id < 0:
                     raise InvalidRequestError("logit_bias", f"keys must be non-negative token ids, got {token_id!r}")
                 _check_float("logit_bias", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+                or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _distinct(self.allowed_token_ids)
@@ -222,7 +223,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if total > max_tokens:
             raise InvalidRequestError("bad_words_token_ids", f"at most {max_tokens} tokens in all "
                                                              f"(ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS), got {total}")
-        if not all(_is_int(t) and t >= 0 for ids in sequences for t in ids):
+        if not all(is_int(t) and t >= 0 for ids in sequences for t in ids):
             raise InvalidRequestError("bad_words_token_ids", "must be a list of non-empty lists of token ids >= 0")
 
     def _validate_outputs(self) -> None:
@@ -292,7 +293,6 @@ def _int_key(key: object) -> object:
 
 
 _STRUCTURED_NAMES = ("structured", "structured_outputs", "guided_decoding")
-_VLLM_KINDS = ("json", "regex", "choice", "grammar")
 
 
 def _take_structured_alias(params: SamplingParams) -> None:
@@ -317,9 +317,9 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
         return value
     items = value if isinstance(value, dict) else _attributes(field, value)
     settings = {key: item for key, item in items.items() if item is not None and not str(key).startswith("_")
-                and (item is not False or key in _VLLM_KINDS)}
+                and (item is not False or key in KINDS)}
     json_object = settings.pop("json_object", False)
-    unknown = sorted(map(str, set(settings) - set(_VLLM_KINDS)))
+    unknown = sorted(map(str, set(settings) - set(KINDS)))
     if unknown:
         raise InvalidRequestError(field, f"{', '.join(unknown)}: not built in asyncllm (it reads json, regex, choice, "
                                   "grammar and json_object)")
@@ -361,12 +361,8 @@ def _distinct(token_ids: list[int]) -> list[int]:
     return token_ids if len(distinct) == len(token_ids) else distinct
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_int(field: str, value: object, lo: int, hi: int, why: str = "") -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise InvalidRequestError(field, f"must be an int, got {value!r}")
     if not lo <= value <= hi:  # type: ignore[operator]
         raise InvalidRequestError(field, why or f"must be in [{lo}, {hi}], got {value}")

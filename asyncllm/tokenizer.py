@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
+from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, InvalidRequestError, check_remote_code
 
 if TYPE_CHECKING:
@@ -331,7 +332,7 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation: Mapping
     candidates: list[object] = [*_listify(first), *_listify(generation.get("eos_token_id"))]
     merged: list[int] = []
     for token_id in candidates:
-        if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in merged:
+        if is_int(token_id) and token_id not in merged:
             merged.append(token_id)
     return merged
 

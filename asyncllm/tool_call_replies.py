@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 
-from asyncllm.json_stream import JsonObjectScanner
+from asyncllm.json_stream import JSON_SPACE, JsonObjectScanner
 from asyncllm.tool_call_streams import (CallObject, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
@@ -30,7 +30,6 @@ __all__ = ["ArgumentsObject", "MistralStream", "GraniteStream", "Phi4MiniStream"
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 GRANITE_TOOL_CALL, GRANITE_STRING_TOOL_CALL, FUNCTOOLS = "<|tool_call|>", "<tool_call>", "functools"
-_JSON_SPACE = " \t\n\r"
 
 
 class ArgumentsObject:
@@ -49,7 +48,7 @@ class ArgumentsObject:
 
     def feed(self, text: str) -> tuple[int, list[ToolCallDelta]]:
         pos = 0
-        while not self.json.text and pos < len(text) and text[pos] in _JSON_SPACE:
+        while not self.json.text and pos < len(text) and text[pos] in JSON_SPACE:
             pos += 1  # json.loads takes JSON whitespace before the object, nothing else
         if not self.json.text and pos < len(text) and text[pos] != "{":
             self.json.fail()
@@ -251,7 +250,7 @@ class MistralStream(_CallsReplyStream):
     def _after_object(self) -> bool:
         """JSON whitespace after a call's object, then the next call's ``[TOOL_CALLS]`` or the reply's end."""
         if not self._trailing_space:
-            self._pending = self._pending.lstrip(_JSON_SPACE)
+            self._pending = self._pending.lstrip(JSON_SPACE)
         if not self._trailing_space and self._pending.startswith(TOOL_CALLS):
             self._pending, self._state = self._pending[len(TOOL_CALLS):], "name"
         elif not self._trailing_space and TOOL_CALLS.startswith(self._pending):
@@ -262,7 +261,7 @@ class MistralStream(_CallsReplyStream):
 
     def _list_step(self, parts: list[ReplyPart]) -> bool:
         if self._state != "end":
-            self._pending = self._pending.lstrip(_JSON_SPACE)
+            self._pending = self._pending.lstrip(JSON_SPACE)
         char = self._pending[:1]
         if not char:
             return False

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -30,8 +29,9 @@ from starlette.routing import Route
 from asyncllm.engine.admission import admission_group
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body, renamed_fields
-from asyncllm.integrations.openai_http import EventStream
+from asyncllm.integrations.openai_http import EventStream, json_response
 from asyncllm.integrations.openai_request_log import log_under, route_id
+from asyncllm.integrations.openai_responses import sse_event
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
@@ -111,8 +111,7 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     text = "".join([piece async for piece in _texts_in_order(request, streams)])
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
-    return Response(msgspec.json.encode({"text": text, "usage": {"type": "duration", "seconds": seconds}}),
-                    media_type="application/json")
+    return json_response({"text": text, "usage": {"type": "duration", "seconds": seconds}})
 
 
 async def _form(request: Request, limit: int) -> dict[str, Any]:
@@ -187,8 +186,7 @@ async def _timed_response(server: OpenAIServer, request: Request, streams: list[
     segments = await piece_segments(server.engine, pieces, tokens)
     if response_format == "verbose_json":
         task, language, duration, temperature = about
-        return Response(msgspec.json.encode(verbose_json(task, language, duration, segments, temperature)),
-                        media_type="application/json")
+        return json_response(verbose_json(task, language, duration, segments, temperature))
     return Response((srt if response_format == "srt" else vtt)(segments), media_type="text/plain; charset=utf-8")
 
 
@@ -243,16 +241,16 @@ async def _events(request: Request, streams: list[RequestStream], firsts: list[A
     try:
         async for text in _texts_in_order(request, streams, firsts, generated, reasons):
             parts.append(text)
-            yield _event({**meta, "type": "transcript.text.delta", "delta": text,
-                          "choices": [{"delta": {"content": text}, "finish_reason": None}]})
-        yield _event({**meta, "type": "transcript.text.done", "text": "".join(parts),
-                      "choices": [{"delta": {"content": ""}, "finish_reason": _finish_reason(reasons)}]})
+            yield sse_event({**meta, "type": "transcript.text.delta", "delta": text,
+                             "choices": [{"delta": {"content": text}, "finish_reason": None}]})
+        yield sse_event({**meta, "type": "transcript.text.done", "text": "".join(parts),
+                         "choices": [{"delta": {"content": ""}, "finish_reason": _finish_reason(reasons)}]})
         if usage:
-            yield _event({**meta, "choices": [], "usage": _usage(streams, generated[0])})
+            yield sse_event({**meta, "choices": [], "usage": _usage(streams, generated[0])})
     except ClientDisconnected:
         return
     except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
-        yield _event(error_body(exc)[1])
+        yield sse_event(error_body(exc)[1])
     yield b"data: [DONE]\n\n"
 
 
@@ -266,7 +264,3 @@ def _usage(streams: list[RequestStream], generated: int) -> dict[str, int]:
     """vLLM's usage chunk: the decoder prompts' tokens (every piece's) and the generated ones."""
     prompt = sum(len(stream.collector.prompt_token_ids) for stream in streams if stream.collector is not None)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
-
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -1,4 +1,4 @@
-"""The development routes (with ASYNCLLM_SERVER_DEV_MODE=1), each behind the server's API key.
+"""The development routes (with ASYNCLLM_SERVER_DEV_MODE=1), each behind the server's API key (openai_auth.py).
 
 - vLLM's ``POST /reset_prefix_cache``: `AsyncEngine.reset_prefix_cache`, 200 with no body.
 - SGLang's ``POST /update_weights_from_disk``: `AsyncEngine.update_weights` (body and answer:
@@ -28,7 +28,8 @@ __all__ = ["dev_routes"]
 
 
 def dev_routes(server: "OpenAIServer") -> list[Route]:
-    """The routes, each wrapped in the server's API-key check and error mapping."""
+    """The routes, each wrapped in the server's error mapping `guard` (the API key is checked before routing:
+    openai_auth.py's `ApiKeyGate`)."""
     engine, guard = server.engine, server._guarded
 
     async def reset_prefix_cache(request: Request) -> Response:

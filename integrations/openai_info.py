@@ -21,8 +21,9 @@ __all__ = ["info_routes", "served_name"]
 
 
 def info_routes(server: OpenAIServer) -> list[Route]:
-    """The routes; /v1/models (and one model's card) behind the server's API-key check, the probes and /metrics
-    open."""
+    """The routes; /v1/models (and one model's card) in the server's error mapping `guard`, the probes and /metrics
+    bare. The API key is checked before routing (openai_auth.py's `ApiKeyGate`): the models' routes need it, the
+    probes and /metrics (`OPEN_PATHS`) are open."""
     handlers = _Handlers(server)
     return [
         Route("/v1/models", server._guarded(handlers.models), methods=["GET"]),

@@ -180,7 +180,8 @@ class LoRAModels:
 
 def lora_routes(server: OpenAIServer) -> list[Route]:
     """vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` over the server's `LoRAModels`, each
-    wrapped in its API-key check and error mapping; answered in plain text, as vLLM's."""
+    wrapped in its error mapping `guard` (the API key is checked before routing: openai_auth.py's `ApiKeyGate`);
+    answered in plain text, as vLLM's."""
     logger.warning("runtime LoRA updating is on (%s): API clients may load adapters from this server's "
                    "disk or the hub; serve trusted clients only", envs.ALLOW_RUNTIME_LORA_UPDATING.name)
 

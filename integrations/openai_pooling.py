@@ -67,7 +67,8 @@ class PoolingRequest(EmbeddingRequest, kw_only=True, forbid_unknown_fields=True)
 
 
 def pooling_routes(server: OpenAIServer) -> list[Route]:
-    """The route, wrapped in the server's API-key check and error mapping."""
+    """The route, wrapped in the server's error mapping `guard` (the API key is checked before routing:
+    openai_auth.py's `ApiKeyGate`)."""
     return [Route("/pooling", server._guarded(functools.partial(_pool, server)), methods=["POST"])]
 
 

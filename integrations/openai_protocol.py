@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
 
-from asyncllm.config_checks import check_int
+from asyncllm.config_checks import check_int, is_int
 from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.integrations.openai_standard import Metadata, StreamOptions, Verbosity
@@ -32,7 +32,7 @@ from asyncllm.integrations.openai_standard import Metadata, StreamOptions, Verbo
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_prompts", "request_options", "take_request_id", "header_data_parallel_rank",
-    "template_kwargs", "chat_echo", "chat_role", "response_id", "ChatTemplates", "is_int"]
+    "template_kwargs", "chat_echo", "chat_role", "response_id", "ChatTemplates"]
 
 
 @dataclass(frozen=True)
@@ -342,11 +342,6 @@ def chat_echo(req: ChatCompletionRequest, response_role: str = "assistant") -> s
     if isinstance(content, list):  # parts: their texts, a line apart (as vLLM joins them)
         return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
     return content if isinstance(content, str) else ""
-
-
-def is_int(value: object) -> bool:
-    """An int that is not a bool (JSON's true is not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_token_list(value: object) -> bool:

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, ServerLimits, is_int
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, ServerLimits
 from asyncllm.integrations.openai_standard import check_chat_service_fields, check_stream_options, refuse_failed
 from asyncllm.integrations.openai_structured import (
     check_response_format_keys, constraint_errors, structured_output,

@@ -28,6 +28,7 @@ from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_embeddings import input_prompts
+from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import CacheSalt, decode_request
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
@@ -88,7 +89,8 @@ class RerankRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
 
 
 def score_routes(server: OpenAIServer) -> list[Route]:
-    """The routes, each wrapped in the server's API-key check and error mapping."""
+    """The routes, each wrapped in the server's error mapping `guard` (the API key is checked before routing:
+    openai_auth.py's `ApiKeyGate`)."""
     handlers = _Handlers(server)
     guard = server._guarded
     scoring = [Route(path, guard(handlers.score), methods=["POST"]) for path in ("/score", "/v1/score")]
@@ -110,7 +112,7 @@ class _Handlers:
                                      request_id=request_id)
         data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
                 for i, out in enumerate(outputs)]
-        return _json(pooling_listing(request_id, model, data, outputs))
+        return json_response(pooling_listing(request_id, model, data, outputs))
 
     async def score(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), ScoreRequest)
@@ -119,7 +121,7 @@ class _Handlers:
         request_id = route_id("score", request.headers)
         outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora))
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
-        return _json(pooling_listing(request_id, model, data, outputs))
+        return json_response(pooling_listing(request_id, model, data, outputs))
 
     async def rerank(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), RerankRequest)
@@ -137,9 +139,9 @@ class _Handlers:
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        return _json({"id": request_id, "model": model,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                      "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
+        return json_response({"id": request_id, "model": model,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                              "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
 
     async def _score(self, request: Request, request_id: str, text_1: Any, text_2: Any, options: dict[str, Any],
                      api: str = "score") -> list[ScoringOutput]:
@@ -215,7 +217,3 @@ def pooling_listing(request_id: str, model: str, data: list[dict[str, Any]],
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
     return {"id": request_id, "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": usage}
-
-
-def _json(payload: dict[str, Any]) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")

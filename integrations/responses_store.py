@@ -43,6 +43,7 @@ from starlette.routing import Route
 from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError
+from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest
 from asyncllm.integrations.responses_api import ResponsesRequest, chat_request, check_request, input_items
 
@@ -157,7 +158,8 @@ class ResponseStore:
     # ------------------------------------------------------------ routes
     def routes(self, guard: Callable[[Any], Any]) -> Sequence[Route]:
         """``GET``/``DELETE /v1/responses/{response_id}`` and ``POST /v1/responses/{response_id}/cancel``, each
-        wrapped in `guard` (the server's API-key check and error mapping)."""
+        wrapped in `guard` (the server's error mapping; the API key is checked before routing: openai_auth.py's
+        `ApiKeyGate`)."""
         return [Route("/v1/responses/{response_id}", guard(self._retrieve_or_delete), methods=["GET", "DELETE"]),
                 Route("/v1/responses/{response_id}/cancel", guard(self._cancel), methods=["POST"])]
 
@@ -165,21 +167,17 @@ class ResponseStore:
         response_id = request.path_params["response_id"]
         if request.method == "DELETE":
             self.delete(response_id)
-            return _json({"id": response_id, "object": "response", "deleted": True})
+            return json_response({"id": response_id, "object": "response", "deleted": True})
         query = request.query_params
         if query.get("stream", "false").lower() not in ("false", "0"):
             raise InvalidRequestError("stream", "streaming a stored response is for background responses, "
                                                 "which are not built")
         if query.get("include") or query.get("include[]"):
             raise InvalidRequestError("include", "extra output data is not built")
-        return _json(self.get(response_id).body)
+        return json_response(self.get(response_id).body)
 
     async def _cancel(self, request: Request) -> Response:
         response = self.get(request.path_params["response_id"])
         raise InvalidRequestError("response_id", f"Cannot cancel a synchronous response (its status is "
                                                  f"{response.body['status']!r}); only background responses "
                                                  "can be cancelled, and they are not built")
-
-
-def _json(payload: dict[str, Any]) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.config_checks import is_int
 from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError, running_asyncio_loop
 from asyncllm.lora import LoRARequest
@@ -74,8 +75,7 @@ def _as_batch(prompts: Any) -> list[Any]:
 
 
 def _is_token_ids(prompts: Any) -> bool:
-    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(is_int(t) for t in prompts)
 
 
 def _per_prompt(field: str, value: Any, kind: type, count: int) -> list[Any]:
@@ -92,7 +92,7 @@ def _per_prompt(field: str, value: Any, kind: type, count: int) -> list[Any]:
 def _concurrency(engine: AsyncEngine, max_concurrency: int | None) -> int:
     if max_concurrency is None:
         return 2 * engine.config.max_num_seqs
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+    if not is_int(max_concurrency) or max_concurrency < 1:
         raise InvalidRequestError("max_concurrency", f"must be a positive int, got {max_concurrency!r}")
     return max_concurrency
 

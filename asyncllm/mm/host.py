@@ -8,6 +8,7 @@ import msgspec
 
 from asyncllm import protocol
 from asyncllm.chat_content import is_text_part, with_text_parts
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
@@ -198,7 +199,7 @@ themselves); an image or a uuid is one unless it is a list."""
 
 def _token_ids(ids: list[Any], mm: MultiModalProcessor) -> list[int]:
     """A dict prompt's ``prompt_token_ids``, checked (the image placeholders among them, as in a text prompt)."""
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(mm.tokenizer) for t in ids):
+    if not all(is_int(t) and 0 <= t < len(mm.tokenizer) for t in ids):
         raise InvalidRequestError("prompt.prompt_token_ids", f"token ids in [0, {len(mm.tokenizer)})")
     return list(ids)
 

@@ -9,10 +9,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["BICUBIC", "TorchImageProcessor", "normalize_like_torchvision", "read_json", "resize_like_torchvision"]
+__all__ = ["BICUBIC", "BILINEAR", "TorchImageProcessor", "normalize_like_torchvision", "read_json",
+           "resize_like_torchvision"]
 
 BICUBIC = 3
 """PIL's (and transformers') ``resample`` code for bicubic."""
+BILINEAR = 2
+"""PIL's (and transformers') ``resample`` code for bilinear (LFM2-VL's and Llama 4's)."""
 
 
 class TorchImageProcessor:

@@ -28,12 +28,9 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.image_ops import TorchImageProcessor, resize_like_torchvision
+from asyncllm.mm.image_ops import BILINEAR, TorchImageProcessor, resize_like_torchvision
 
 __all__ = ["Lfm2VlImage", "Lfm2VlImages", "TileArrays", "smart_size", "tile_grid", "too_large"]
-
-_BILINEAR = 2
-"""PIL's (and transformers') ``resample`` code for bilinear, the only one LFM2-VL's processors use."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class Lfm2VlSettings:
     encoder_patch_size: int = 16
     tile_size: int = 512
     max_pixels_tolerance: float = 2.0
-    resample: int = _BILINEAR
+    resample: int = BILINEAR
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
     do_normalize: bool = True
@@ -138,7 +135,7 @@ class Lfm2VlImages(TorchImageProcessor):
     settings_cls = Lfm2VlSettings
 
     def __init__(self, settings: Lfm2VlSettings) -> None:
-        if settings.resample != _BILINEAR:
+        if settings.resample != BILINEAR:
             raise NotBuiltError("resample", settings.resample, "LFM2-VL resizing other than bilinear (2)")
         if settings.do_image_splitting and settings.min_tiles > settings.max_tiles:
             raise ConfigError("min_tiles", settings.min_tiles, f"at most max_tiles ({settings.max_tiles})")

@@ -27,12 +27,9 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.image_ops import TorchImageProcessor, resize_like_torchvision
+from asyncllm.mm.image_ops import BILINEAR, TorchImageProcessor, resize_like_torchvision
 
 __all__ = ["Llama4Image", "Llama4Images", "Llama4ImageSettings", "best_canvas", "canvases", "fitted_size"]
-
-_BILINEAR = 2
-"""PIL's (and transformers') ``resample`` code for bilinear, Llama 4's."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ class Llama4ImageSettings:
     """(height, width) of one tile; square."""
     max_patches: int = 16
     resize_to_max_canvas: bool = False
-    resample: int = _BILINEAR
+    resample: int = BILINEAR
     do_resize: bool = True
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
@@ -106,7 +103,7 @@ class Llama4Images(TorchImageProcessor):
     settings_cls = Llama4ImageSettings
 
     def __init__(self, settings: Llama4ImageSettings) -> None:
-        if settings.resample != _BILINEAR:
+        if settings.resample != BILINEAR:
             raise NotBuiltError("resample", settings.resample, "Llama 4 resizing other than bilinear (2)")
         if not settings.do_resize:
             raise ConfigError("do_resize", False, "True: Llama 4 always resizes into a canvas of tiles")

@@ -18,6 +18,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, NotBuiltError, check_remote_code
 from asyncllm.models.hub import resolve_model_path
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
@@ -317,7 +318,7 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
     if value is None:
         return None
     if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+            or not all(is_int(v) and v > 0 for v in value)):
         raise ConfigError("model", model, f"a quantization_config whose weight_block_size is two positive integers, "
                                           f"not {value!r}")
     return int(value[0]), int(value[1])

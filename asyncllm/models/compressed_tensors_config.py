@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, NotBuiltError
 
 __all__ = ["COMPRESSED_TENSORS", "CompressedTensorsScheme", "CompressedTensorsCheckpointConfig",
@@ -220,7 +221,7 @@ def _fp8_block_scheme(weights: dict[str, Any], inputs: dict[str, Any], what: str
     block product needs its activation groups on the weight blocks' columns, as vLLM computes it)."""
     block = weights.get("block_structure")
     if (not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)):
+            or not all(is_int(v) and v > 0 for v in block)):
         raise ConfigError("model", model, f"a compressed-tensors {what} whose block_structure is two positive ints, "
                                           f"not {block!r}")
     input_strategy, dynamic, group_size = inputs.get("strategy"), inputs.get("dynamic"), inputs.get("group_size")
@@ -262,7 +263,7 @@ def _int_scheme(weights: dict[str, Any], inputs: Any, what: str, model: str) -> 
         raise _not_built(model, f"{what}'s dynamic integer weights")
     strategy, group_size = weights.get("strategy"), weights.get("group_size")
     if strategy == "group":
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        if not is_int(group_size) or group_size <= 0:
             raise ConfigError("model", model, f"a compressed-tensors {what} whose group_size is a positive int, "
                                               f"not {group_size!r}")
     elif strategy == "channel":

@@ -13,11 +13,13 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["StructuredOutputs", "looks_like_lark"]
+__all__ = ["KINDS", "StructuredOutputs", "looks_like_lark"]
 
-_KINDS = ("json", "regex", "choice", "grammar")
+KINDS = ("json", "regex", "choice", "grammar")
+"""The kinds of constraint, `StructuredOutputs`' fields (vLLM's `StructuredOutputsParams` names them so too)."""
 
 
 class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True, frozen=True):
@@ -70,13 +72,13 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     @property
     def kind(self) -> str:
         """Which field is set: 'json', 'regex', 'choice' or 'grammar' (after `validate`)."""
-        return next(k for k in _KINDS if getattr(self, k) is not None)
+        return next(k for k in KINDS if getattr(self, k) is not None)
 
     def validate(self) -> None:
         """Raise `InvalidRequestError` on 'structured' unless exactly one well-formed field is set."""
-        given = [k for k in _KINDS if getattr(self, k) is not None]
+        given = [k for k in KINDS if getattr(self, k) is not None]
         if len(given) != 1:
-            raise InvalidRequestError("structured", f"set exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
+            raise InvalidRequestError("structured", f"set exactly one of {', '.join(KINDS)}; got {given or 'none'}")
         if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
             raise InvalidRequestError("structured", "start_after must be a non-empty string")
         self._check_start_after()
@@ -92,8 +94,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     def _check_start_after(self) -> None:
         for name in ("start_after_token_ids", "start_after_suffix_token_ids", "start_after_opener_token_ids"):
             ids = getattr(self, name)
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                    for t in ids):
+            if not isinstance(ids, list) or not all(is_int(t) and t >= 0 for t in ids):
                 raise InvalidRequestError("structured", f"{name} must be a list of token ids >= 0")
         if self.start_after_suffix is not None and (not isinstance(self.start_after_suffix, str)
                                                     or not self.start_after_suffix or self.start_after is None):

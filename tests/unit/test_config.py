@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from asyncllm import AsyncEngine, ConfigError, EngineConfig, NotBuiltError
+from asyncllm.config_checks import is_int
 
 DESIGN_FIELDS = """model tokenizer dtype device seed max_model_len load_format block_size gpu_memory_utilization
 num_gpu_blocks_override kv_cache_dtype enable_prefix_caching max_num_seqs max_num_batched_tokens
@@ -82,6 +83,17 @@ def test_bad_values_name_the_field(field: str, value: object) -> None:
         EngineConfig.create("m", **{field: value})
     assert info.value.field == field and not isinstance(info.value, NotBuiltError)
     assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_is_int_takes_ints_not_bools_or_numpys() -> None:
+    """`is_int`, the one "an int, not a bool" test (config, host, server): JSON's true is not a count, and numpy's
+    ints are refused as each of its callers refused them before."""
+    import numpy as np
+
+    assert all(is_int(value) for value in (0, -1, 2**70))
+    assert not any(is_int(value) for value in (True, False, np.int64(3), 1.0, "1", None))
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        EngineConfig.create("m", max_num_seqs=True)
 
 
 def test_seed_takes_torchs_generator_range() -> None:
