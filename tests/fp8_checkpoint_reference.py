@@ -184,15 +184,21 @@ class Fp8Reference:
                 if name.endswith(".kv_b_proj.weight"):  # latent attention absorbs it: its input is never quantized
                     continue
                 static = _static_input_scale(tensors, name)
-                linear.register_forward_pre_hook(
-                    lambda _m, args, s=static: (_group_fake_quant(args[0], group or args[0].shape[-1]) if s is None
-                                                else _static_fake_quant(args[0], s),) + tuple(args[1:]))
+                linear.register_forward_pre_hook(lambda m, args, s=static: (_fake_quant_input(m, args[0], group, s),)
+                                                 + tuple(args[1:]))
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return model_logits(self.model, token_ids)
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return model_greedy(self.model, prompt, max_new_tokens)
+
+
+def _fake_quant_input(linear, x: torch.Tensor, group: int | None, static: torch.Tensor | None) -> torch.Tensor:
+    """A quantized projection's input fake-quantized per token group, or with its ``static`` scale; the served model's
+    values where ``linear.served`` is set (tests/served_inputs.py)."""
+    x = getattr(linear, "served", lambda rows: rows)(x)
+    return _group_fake_quant(x, group or x.shape[-1]) if static is None else _static_fake_quant(x, static)
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -235,16 +241,18 @@ def _fp8_experts_forward(experts, hidden: torch.Tensor, ids: torch.Tensor, weigh
                          group: int | None, fake_quant=None,
                          static: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """transformers' experts with each product's input fake-quantized: fp8 per token in groups of ``group`` (None:
-    whole), or by ``fake_quant`` (int8 W8A8 experts), or fp8 with the ``static`` scales (gate/up's, down's)."""
+    whole), or by ``fake_quant`` (int8 W8A8 experts), or fp8 with the ``static`` scales (gate/up's, down's); the
+    values quantized are the served model's where ``experts.served`` is set (tests/served_inputs.py)."""
     fake_quant = fake_quant or (lambda t: _group_fake_quant(t, group or t.shape[-1]))
     quant_in, quant_act = (fake_quant, fake_quant) if static is None else (
         lambda t: _static_fake_quant(t, static[0]), lambda t: _static_fake_quant(t, static[1]))
+    served = getattr(experts, "served", lambda which, rows: rows)  # tests/served_inputs.py
     out = torch.zeros_like(hidden)
-    x = quant_in(hidden)
+    x = quant_in(served(0, hidden))
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         gate, up = torch.nn.functional.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        act = quant_act(experts.act_fn(gate) * up)
+        act = quant_act(served(1, experts.act_fn(gate) * up))
         out.index_add_(0, token, torch.nn.functional.linear(act, experts.down_proj[e]) * weights[token, slot, None])
     return out
 

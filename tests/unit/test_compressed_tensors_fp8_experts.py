@@ -20,6 +20,7 @@ from compressed_tensors_reference import write_ct_fp8_experts
 from fp8_checkpoint_reference import _EXPERT, _EXPERT_PART, _expert_input_scales, _fp8_experts_forward, _set_expert
 from hf_reference import model_logits
 from model_utils import PagedRun
+from served_inputs import ServedInputs, snap_reference
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -86,14 +87,17 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", CASES)
-def test_fp8_experts_equal_the_reference(checkpoint, strategy: str) -> None:
+def test_fp8_experts_equal_the_reference(checkpoint, strategy: str, monkeypatch) -> None:
     src, path, dequantized = checkpoint(strategy)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
     run = PagedRun(model, SEQUENCES)
     run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    served = ServedInputs(model, monkeypatch)
     ref = ExpertsReference(src, dequantized, CASES[strategy][2])
-    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+    served_logits = run.run([[6, 3], [5, 0]])
+    snap_reference(ref.model, served)
+    for seq, logits in zip(SEQUENCES, served_logits):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8 and experts.fp8_block == CASES[strategy][1]

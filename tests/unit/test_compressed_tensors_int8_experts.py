@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from compressed_tensors_reference import INT8_W8A8, write_ct_fp8_experts
 from fp8_checkpoint_reference import _fp8_experts_forward, routed_tokens
 from model_utils import PagedRun
+from served_inputs import ServedInputs, snap_reference
 from test_compressed_tensors_fp8_experts import ExpertsReference
 
 from asyncllm.config import EngineConfig
@@ -30,9 +31,8 @@ from asyncllm.models.registry import kv_cache_spec
 
 CPU = torch.device("cpu")
 SEQUENCES = [[5, 60, 7, 300, 9, 10, 41, 12], [12, 99, 4, 250, 31, 77, 8, 19, 3]]
-"""Sequences where, in both models, no value quantized to int8 lies within float32 summation noise of a rounding
-midpoint: in ``[7, 62, 8, 301, ...]`` and ``[100, 200, 300, 400, 500, 11]`` one does (with some schedules), and the
-flipped rounding moves a logit by up to 0.06."""
+"""The reference's experts quantize the served model's inputs (tests/served_inputs.py): a value within float32 noise
+of an int8 rounding midpoint would otherwise round apart on some machines, a logit moving up to 0.06."""
 VS_REFERENCE = 1e-4
 """|logits - reference|, float32: the same products of dequantized values, in another order."""
 ARCHS = {"qwen3_moe": "model.layers.0.mlp.experts", "mixtral": "model.layers.0.block_sparse_moe.experts"}
@@ -97,18 +97,21 @@ def test_the_reference_experts_are_compressed_tensors_forward() -> None:
 
 
 @pytest.mark.parametrize("arch, strategy", [("qwen3_moe", "channel"), ("mixtral", "channel"), ("qwen3_moe", "tensor")])
-def test_int8_experts_equal_the_reference(checkpoint, arch: str, strategy: str) -> None:
+def test_int8_experts_equal_the_reference(checkpoint, arch: str, strategy: str, monkeypatch) -> None:
     """Per row (W8A8) and per matrix (``strategy: tensor`` weights, served as `(I, K)` blocks)."""
     src, path, dequantized = checkpoint(arch, strategy)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
     run = PagedRun(model, SEQUENCES)
     run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    served = ServedInputs(model, monkeypatch)
     ref = ExpertsReference(src, dequantized, None)
     for module in ref.model.modules():
         if hasattr(module, "gate_up_proj"):
             module.forward = lambda hidden, ids, weights, m=module: _int8_forward(m, hidden, ids, weights)
-    for seq, logits in zip(SEQUENCES, run.run([[5, 4], [3, 5]])):
+    served_logits = run.run([[5, 4], [3, 5]])
+    snap_reference(ref.model, served)
+    for seq, logits in zip(SEQUENCES, served_logits):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.int8

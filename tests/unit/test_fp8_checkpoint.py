@@ -15,6 +15,7 @@ from asyncllm.kernels import reference
 from fp8_checkpoint_reference import Fp8Reference, quantize_blocks, write_fp8_checkpoint
 from hf_reference import hf_logits
 from model_utils import PagedRun, tiny_hf_config
+from served_inputs import ServedInputs, snap_reference
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
@@ -223,12 +224,17 @@ def test_a_static_scheme_without_an_input_scale_is_refused(tiny_llama: str, tmp_
 
 
 # ------------------------------------------------------------------ the loaded model
-def _logits(path: str, sequences: list[list[int]], **config) -> tuple[list[torch.Tensor], torch.nn.Module]:
+def _logits(path: str, sequences: list[list[int]], monkeypatch=None,
+            **config) -> tuple[list[torch.Tensor], torch.nn.Module]:
+    """The served logits and model; with ``monkeypatch``, ``model.served``: its quantized products' inputs, for
+    `snap_reference` (tests/served_inputs.py)."""
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, **config), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, sequences)
     run.new_kv_caches_for(spec, torch.float32)
+    if monkeypatch is not None:
+        model.served = ServedInputs(model, monkeypatch)
     return run.run([[6, 3], [5, 0]]), model
 
 
@@ -247,11 +253,12 @@ would saturate q/k/v's inputs past 2, gate's gate/up's past 3."""
     (None, ("layers.1.mlp",), None, STATIC_INPUT_SCALES),  # per tensor, static activation scales (AutoFP8's)
 ], ids=["block-32x48-ignored", "per-tensor", "per-tensor-static"])
 def test_the_loaded_model_equals_the_reference(tiny_llama: str, tmp_path, block, ignored, quantization,
-                                               input_scales) -> None:
+                                               input_scales, monkeypatch) -> None:
     path = tmp_path / "fp8"
     tensors = write_fp8_checkpoint(tiny_llama, path, block, ignored, input_scales=input_scales)
-    got, model = _logits(str(path), SEQUENCES, quantization=quantization)
+    got, model = _logits(str(path), SEQUENCES, monkeypatch, quantization=quantization)
     ref = Fp8Reference(tiny_llama, tensors, block)
+    snap_reference(ref.model, model.served)
     for seq, logits in zip(SEQUENCES, got):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
         assert float((logits - hf_logits(tiny_llama, seq)).abs().max()) > 0.1  # it does compute in fp8
@@ -282,15 +289,16 @@ def test_dummy_weights_take_the_checkpoints_format(tiny_llama: str, tmp_path) ->
 
 
 @pytest.mark.parametrize("ignored", [(), ("linear_attn",)], ids=["all", "linear-attention-float"])
-def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
+def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored, monkeypatch) -> None:
     """Qwen3.5's hybrid: the gated attention's and the MLPs' projections in block fp8, and the Gated DeltaNet's
     (``in_proj_qkv`` / ``z`` / ``a`` / ``b``, ``out_proj``) too or left float (the community checkpoints' choice)."""
     from asyncllm.tiny import tiny_checkpoint
 
     src, path = tiny_checkpoint("qwen3_5"), tmp_path / "fp8"
     tensors = write_fp8_checkpoint(src, path, (16, 16), ("lm_head", *ignored))
-    got, model = _logits(str(path), SEQUENCES)
+    got, model = _logits(str(path), SEQUENCES, monkeypatch)
     ref = Fp8Reference(src, tensors, (16, 16))
+    snap_reference(ref.model, model.served)
     for seq, logits in zip(SEQUENCES, got):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
     linear_dtype = torch.float32 if ignored else FP8
@@ -299,7 +307,7 @@ def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
     assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8
 
 
-def test_a_gemma4_checkpoint_equals_the_reference(tmp_path) -> None:
+def test_a_gemma4_checkpoint_equals_the_reference(tmp_path, monkeypatch) -> None:
     """Gemma 4 (the tiny E2B-style decoder): the sliding and global layers' projections in block fp8 (the global
     layers' k projection loaded as their values' too), the KV-sharing layers' q and o, the MLPs; the per-layer-input
     matrices float."""
@@ -307,8 +315,9 @@ def test_a_gemma4_checkpoint_equals_the_reference(tmp_path) -> None:
 
     src, path = tiny_checkpoint("gemma4"), tmp_path / "fp8"
     tensors = write_fp8_checkpoint(src, path, (16, 16), ("lm_head",))
-    got, model = _logits(str(path), SEQUENCES)
+    got, model = _logits(str(path), SEQUENCES, monkeypatch)
     ref = Fp8Reference(src, tensors, (16, 16))
+    snap_reference(ref.model, model.served)
     for seq, logits in zip(SEQUENCES, got):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
         assert float((logits - hf_logits(src, seq)).abs().max()) > 0.05  # it does compute in fp8
@@ -321,7 +330,7 @@ def test_a_gemma4_checkpoint_equals_the_reference(tmp_path) -> None:
                                             ("qwen3_5_moe", (8, 16)), ("minimax_m2", (16, 16)),
                                             ("glm4_moe", (8, 16)), ("dots1", (8, 16)), ("deepseek_v2", (8, 16)),
                                             ("deepseek_v3", (8, 8)), ("qwen3_next", (8, 16))])
-def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, arch, tp_block) -> None:
+def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, arch, tp_block, monkeypatch) -> None:
     """Block-fp8 mixtures of experts (Qwen3-MoE, Qwen3.5-MoE, MiniMax-M2, GLM-4.5, dots.llm1, DeepSeek-V2 / V3 with
     their latent attention's projections, Qwen3-Next with its fused in_proj_qkvz cut by block rows and in_proj_ba
     left float): every expert's gate, up and down in block fp8 with its scales (the router left float), stacked per
@@ -330,8 +339,9 @@ def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, 
 
     src, path = tiny_checkpoint(arch), tmp_path / "fp8"
     tensors = write_fp8_checkpoint(src, path, tp_block, ("lm_head", "shared_expert_gate", "in_proj_ba"))
-    got, model = _logits(str(path), SEQUENCES)
+    got, model = _logits(str(path), SEQUENCES, monkeypatch)
     ref = Fp8Reference(src, tensors, tp_block)
+    snap_reference(ref.model, model.served)
     bound = 2 * VS_REFERENCE if arch == "deepseek_v2" else VS_REFERENCE  # measured 1.1e-4: its 192-wide heads' sums
     for seq, logits in zip(SEQUENCES, got):
         assert float((logits - ref.logits(seq)).abs().max()) < bound

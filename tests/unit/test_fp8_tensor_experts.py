@@ -21,6 +21,7 @@ from fp8_checkpoint_reference import (
     write_fp8_checkpoint,
 )
 from model_utils import PagedRun
+from served_inputs import ServedInputs, snap_reference
 
 from asyncllm.config import EngineConfig
 from asyncllm.models import fp8_checkpoint, fp8_experts
@@ -57,15 +58,18 @@ def checkpoint(tmp_path_factory) -> tuple[str, str, dict[str, torch.Tensor]]:
     return src, str(path), tensors
 
 
-def test_a_per_tensor_moe_checkpoint_equals_the_reference(checkpoint) -> None:
+def test_a_per_tensor_moe_checkpoint_equals_the_reference(checkpoint, monkeypatch) -> None:
     src, path, tensors = checkpoint
     hf_config = load_hf_config(path)
     assert prequantized_fp8_config(hf_config, path, None) == Fp8CheckpointConfig(None)
     model = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
     run = PagedRun(model, SEQUENCES)
     run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    served = ServedInputs(model, monkeypatch)
     ref = Fp8Reference(src, tensors, None)
-    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+    served_logits = run.run([[6, 3], [5, 0]])
+    snap_reference(ref.model, served)
+    for seq, logits in zip(SEQUENCES, served_logits):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8 and experts.fp8_block == (160, 192)
