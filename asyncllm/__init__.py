@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,6 +77,22 @@ _HOMES = {
 }
 """Where each public name lives: imported on first use, so that ``import asyncllm`` imports nothing more (a
 command's Ctrl-C while it imports is its own: asyncllm/__main__.py)."""
+
+
+def _checkout_root() -> list[str]:
+    """The source checkout this package is imported from (``[]`` for an installed one): its root holds the
+    subpackages pyproject's package-dir maps (workers/, kernels/, integrations/: asyncllm.workers, ...), so a
+    script or server run from the root, whose ./asyncllm shadows the installed package, still finds them."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as pyproject:
+            names_us = 'name = "asyncllm"' in pyproject.read()
+    except OSError:
+        return []
+    return [root] if names_us and os.path.isdir(os.path.join(root, "workers")) else []
+
+
+__path__ += _checkout_root()
 
 
 def __getattr__(name: str) -> Any:

@@ -272,6 +272,10 @@ def add_engine_parser(commands: Any) -> None:
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Check the flags and build the app, bind the socket (as vLLM's `run_server`: a port in use fails before the
     model is downloaded or loaded), check the model, then start the engine and serve (asyncllm/cli_serve.py)."""
+    try:
+        import starlette, uvicorn  # noqa: F401, E401 - the server extra, not among asyncllm's own dependencies
+    except ModuleNotFoundError as exc:
+        sys.exit(f"asyncllm serve: the server is not installed ({exc}): pip install 'asyncllm[server]'")
     from asyncllm.cli_serve import bound_socket, serve_app
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -227,7 +227,7 @@ class EngineStats:
     """The level of the last sleep while sleeping (1 or 2), else 0; with data_parallel_size > 1 the highest."""
     awaiting_weights: bool = False
     """Woken after sleep(level=2) with no `update_weights` since: requests queue until one succeeds."""
-    replicas: list["EngineStats"] = field(default_factory=list)
+    replicas: list[EngineStats] = field(default_factory=list)
     """data_parallel_size > 1: one snapshot per replica (engine core), in replica order; the fields above are
     their sums (docs/parallelism.md). Empty with one engine core."""
 

@@ -63,11 +63,26 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     child_env[_PARENT_PID] = str(os.getpid())
     return _in_spawner_thread(lambda: subprocess.Popen(
-        [sys.executable, *safe_path, "-m", module, *args],
+        [child_executable(), *safe_path, "-m", module, *args],
         stdin=subprocess.PIPE,
         env=child_env,
         close_fds=True,
     ))
+
+
+def child_executable() -> str:
+    """The Python children run: multiprocessing's (`multiprocessing.set_executable` sets it for embedding hosts);
+    in a virtual environment whose interpreter lies outside it (uWSGI's sys.executable is the base Python, without
+    the venv's packages), the venv's bin/python."""
+    from multiprocessing import spawn
+
+    executable = os.fsdecode(spawn.get_executable())
+    if executable != sys.executable or sys.prefix == sys.base_prefix:
+        return executable  # set by multiprocessing.set_executable, or no venv to prefer
+    prefix = os.path.abspath(sys.prefix)
+    venv_python = os.path.join(prefix, "bin", "python")
+    outside = os.path.commonpath([os.path.abspath(executable), prefix]) != prefix
+    return venv_python if outside and os.access(venv_python, os.X_OK) else executable
 
 
 _spawner: queue.SimpleQueue | None = None

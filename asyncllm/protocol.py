@@ -80,7 +80,7 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """Mixed into the first block's hash: requests with different salts never share cached KV."""
     timeout: float | None = None
     """Seconds after the core receives this message at which it ends the request with finish_reason "timeout"."""
-    mm_items: list["MultiModalItem"] = []
+    mm_items: list[MultiModalItem] = []
     """Images of the prompt, in prompt order (asyncllm/mm/; empty for text prompts)."""
     num_samples: int = 1
     """The core requests the queue's limits count this one as (`check_queue_capacity`): an n > 1 request's n on its
@@ -90,7 +90,7 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """The request's adapter, checked by the host (``lora_path`` a local folder); None: the base model."""
     pooling: PoolingParams | None = None
     """An embedding request (`AsyncEngine.embed`): the worker returns the pooled hidden state with its token."""
-    prompt_embeds: "PromptEmbeds | None" = None
+    prompt_embeds: PromptEmbeds | None = None
     """A prompt given as embeddings (``enable_prompt_embeds``): ``prompt_token_ids`` are placeholders."""
     admission_group: str = ""
     """The admission group the request belongs to ("": none), "NAME/SIZE", the name unique to its host: a group

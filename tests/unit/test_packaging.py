@@ -1,8 +1,10 @@
-"""The wheel holds every package folder under asyncllm.* and nothing at a generic top level."""
+"""The wheel holds every package folder under asyncllm.* and nothing at a generic top level; a source checkout's
+./asyncllm finds the subpackages pyproject maps from top-level folders (workers/, kernels/, integrations/)."""
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,10 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_wheel_contains_every_package(tmp_path: pathlib.Path) -> None:
-    subprocess.run(
+    build = subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp_path), str(ROOT)],
-        check=True, capture_output=True,
+        check=True, capture_output=True, text=True,
     )
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr  # a data folder unlisted
     (wheel,) = tmp_path.glob("asyncllm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_levels = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
@@ -30,7 +33,22 @@ def test_wheel_contains_every_package(tmp_path: pathlib.Path) -> None:
             expected.add(f"asyncllm/{dest}/{py.relative_to(ROOT / src)}")
     for py in (ROOT / "asyncllm").rglob("*.py"):
         expected.add(str(py.relative_to(ROOT)))
-    for data in (ROOT / "asyncllm" / "data" / "tiny-llama").iterdir():  # the bundled model (package data)
-        expected.add(str(data.relative_to(ROOT)))
+    for data in [*(ROOT / "asyncllm" / "data" / "tiny-llama").iterdir(), *(ROOT / "asyncllm" / "bench" / "presets").iterdir()]:
+        expected.add(str(data.relative_to(ROOT)))  # package data: the bundled model, the bench's presets
     missing = sorted(expected - set(names))
     assert not missing, f"missing from the wheel: {missing}"
+
+
+def test_checkout_root_finds_the_mapped_subpackages(tmp_path: pathlib.Path) -> None:
+    """A script run from the root of a checkout imports its ./asyncllm, which shadows the installed package (or an
+    editable install's mapping): asyncllm.workers, .kernels and .integrations come from the checkout's folders."""
+    for folder in ("asyncllm", "workers", "kernels", "integrations"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "data"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    code = ("import importlib.util, asyncllm.integrations.sync as sync\n"
+            "print(importlib.util.find_spec('asyncllm.workers.worker').origin)\n"
+            "print(importlib.util.find_spec('asyncllm.kernels').origin)\nprint(sync.__file__)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(tmp_path / "workers" / "worker.py"), str(tmp_path / "kernels" / "__init__.py"),
+                                  str(tmp_path / "integrations" / "sync.py")]
