@@ -9,7 +9,7 @@ from typing import Any
 
 from asyncllm.attention.availability import ATTENTION_BACKENDS
 from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
-                                     check_sampling_fields)
+                                     check_sampling_fields, is_int)
 from asyncllm.engine.defaults import sampling_overrides
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pooling import check_pooler_config
@@ -146,7 +146,7 @@ class ModelConfig:
         check_choice("device", self.device, DEVICES)
         check_int("seed", self.seed, 0, _MAX_ENGINE_SEED)
         length = self.max_model_len
-        if length is not None and (not isinstance(length, int) or isinstance(length, bool)
+        if length is not None and (not is_int(length)
                                    or (length < 1 and length != AUTO_MAX_MODEL_LEN)):
             raise ConfigError("max_model_len", length, "an int >= 1, -1 (fitted to the KV cache; the CLI's 'auto') "
                               "or None (the model's maximum)")
@@ -185,7 +185,7 @@ def _check_mm_limits(limits: dict[str, int] | None) -> None:
         field_name = f"limit_mm_per_prompt.{modality}"
         if modality not in ("image", "video", "audio"):
             raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        if not is_int(count) or count < 0:
             raise ConfigError(field_name, count, "an int >= 0")
 
 
@@ -199,7 +199,7 @@ def _check_media_io(settings: dict[str, Any] | None) -> None:
         for key, value in values.items():
             if (modality, key) != ("video", "num_frames"):
                 raise NotBuiltError(f"media_io_kwargs.{modality}.{key}", value, "media_io_kwargs other than video num_frames")
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 768:
+            if not is_int(value) or not 1 <= value <= 768:
                 raise ConfigError("media_io_kwargs.video.num_frames", value, "an int in [1, 768]")
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Collection, Container, TypeVar
 
 import msgspec
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora_experts import fused_expert_names, is_expert_parameter, is_expert_path
 from asyncllm.lora_hybrid_shapes import KDA_TARGETS, MAMBA_TARGETS
@@ -78,7 +79,7 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     def validate(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise InvalidRequestError(_FIELD, f"lora_name must be a non-empty str, got {self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+        if not is_int(self.lora_int_id) \
                 or not 1 <= self.lora_int_id < 2**63:  # the wire's int64
             raise InvalidRequestError(_FIELD, f"lora_int_id must be an int in [1, 2**63 - 1], got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:

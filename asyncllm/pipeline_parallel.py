@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.deepseek_sparse_config import check_indexer_split
+from asyncllm.spec.config import SPEC_FIELD
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
@@ -117,7 +118,7 @@ def check_pipeline_config(config: EngineConfig) -> None:
     if pp == 1:
         return
     if config.speculative_config is not None:
-        raise NotBuiltError("speculative_config", config.speculative_config,
+        raise NotBuiltError(SPEC_FIELD, config.speculative_config,
                             f"speculative_config with pipeline_parallel_size={pp}")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.outputs import RequestMetrics
 
@@ -92,7 +93,7 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
             raise InvalidRequestError("dimensions", "applies to embeddings, not to classification")
         if self.dimensions is None:
             return
-        if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1:
+        if not is_int(self.dimensions) or self.dimensions < 1:
             raise InvalidRequestError("dimensions", f"must be a positive int, got {self.dimensions!r}")
         if hidden_size is not None and self.dimensions > hidden_size:
             raise InvalidRequestError("dimensions", f"is {self.dimensions}, but the model's embeddings have "

@@ -70,9 +70,6 @@ class ToolCall:
     arguments: str
     id: str = field(default_factory=tool_call_id)
 
-    def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
     def as_delta(self, index: int) -> ToolCallDelta:
         """The whole call as one piece, call number `index` of its reply."""
         return ToolCallDelta(index, self.arguments, self.name, self.id, done=True)

@@ -27,14 +27,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_max_tokens, text_prompt_ids
 from asyncllm.engine.validation import truncated_prompt
 from asyncllm.errors import InvalidRequestError, check_context_length
-from asyncllm.integrations.openai_http import EventStream
+from asyncllm.integrations.openai_http import EventStream, json_response
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,7 +165,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     for prompt_index, delta in deltas:
         choices.add(prompt_index, delta)
     body = {**meta, "choices": choices.final_choices(), "usage": choices.usage()}
-    return Response(msgspec.json.encode(body), media_type="application/json")
+    return json_response(body)
 
 
 async def _completion_prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None,

@@ -6,7 +6,6 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -15,6 +14,7 @@ from asyncllm.engine.chat_bounds import check_chat_size
 from asyncllm.engine.pooling_model import lowercases, lowered
 from asyncllm.engine.validation import max_prompt_chars
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
 from asyncllm.integrations.openai_request_log import log_under, route_id
@@ -48,7 +48,7 @@ async def chat_tokens(server: OpenAIServer, req: TokenizeRequest | EmbeddingRequ
 
 
 def tokenize_routes(server: OpenAIServer) -> list[Route]:
-    """The two routes, each wrapped in the server's API-key check and error mapping."""
+    """The two routes, each wrapped in the server's error mapping (the API key is checked before routing)."""
 
     async def tokenize(request: Request) -> Response:
         """The token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
@@ -68,7 +68,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
         log_under(server.request_log, route_id("tokn", request.headers),  # as vLLM's, once tokenized
                   [{"prompt": req.prompt, "prompt_token_ids": tokens}], None, lora, indexed=False)
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None  # as vLLM's
-        return _json({"count": len(tokens), "max_model_len": server.engine.config.max_model_len,
+        return json_response({"count": len(tokens), "max_model_len": server.engine.config.max_model_len,
                       "tokens": tokens, "token_strs": token_strs})
 
     async def detokenize(request: Request) -> Response:
@@ -84,11 +84,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
         if bad:
             raise InvalidRequestError("tokens", f"ids must be in [0, {bound}), got {bad[:5]}")
         ids = [t for t in req.tokens if t < known]
-        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, ids)})
+        return json_response({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, ids)})
 
     return [Route("/tokenize", server._guarded(tokenize), methods=["POST"]),
             Route("/detokenize", server._guarded(detokenize), methods=["POST"])]
-
-
-def _json(payload: dict) -> Response:
-    return Response(msgspec.json.encode(payload), media_type="application/json")

@@ -34,8 +34,6 @@ class DataParallelEncoder:
         self.model = model
         self.device = device
         self.tp = tp
-        self.num_encoded_here = 0
-        """Images this rank ran through the encoder (its shares only)."""
 
     def shares(self, items: list[MultiModalItem]) -> list[list[MultiModalItem]]:
         """Rank r's images, for every r."""
@@ -45,7 +43,6 @@ class DataParallelEncoder:
         shares = self.shares(items)
         mine = shares[self.tp.rank]
         features = encode_items(self.model, mine, self.device) if mine else []
-        self.num_encoded_here += len(mine)
         rows = self._gather_rows(len(items), [f.shape[0] for f in features])
         rows_per_rank = [sum(rows[rank :: self.tp.size]) for rank in range(self.tp.size)]
         padded = torch.zeros(max(rows_per_rank), hidden, dtype=dtype, device=self.device)

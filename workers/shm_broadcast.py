@@ -2,7 +2,7 @@
 
 Every step the core sends the same `SchedulerOutput` to every worker. A shared
 memory ring lets it write the bytes once, and each worker reads them without a
-socket hop. The layout (one `multiprocessing.shared_memory` segment)::
+socket hop. The layout (one shared-memory segment, asyncllm/shm_segment.py)::
 
     seq        int64[num_slots]              message number held by the slot (0 = never written)
     size       int64[num_slots]              payload length, or OVERFLOW
@@ -24,34 +24,32 @@ reader costs one wakeup per ``_MAX_SLEEP_S`` (a safety net): almost no CPU.
 
 The segment's name is unlinked as soon as every reader has mapped it, so a
 crash of any process, SIGKILL included, never leaves it in /dev/shm (a reader
-cannot join later: a restarted worker needs a new ring). Readers never
-register it with Python's resource_tracker, which would unlink it or warn.
+cannot join later: a restarted worker needs a new ring). No process
+registers it with Python's resource_tracker, which would start a tracker
+process, or unlink it or warn when a reader exits.
 
 Memory ordering: the writer stores data before ``seq`` and readers load
 ``seq`` before data (ordered on x86-TSO); the Dekker-style handshake on
 ``sleeping``/``seq`` needs a full barrier, taken from a lock acquire (a locked
-instruction), as vLLM's ring does.
+instruction, `asyncllm.shm_segment.fence`), as vLLM's ring does.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import threading
 import time
 from collections import deque
-from multiprocessing.shared_memory import SharedMemory
 
 import msgspec
 import numpy as np
 import zmq
 
-from asyncllm.shm_segment import attach_untracked
+from asyncllm.shm_segment import MappedSegment, OwnedSegment, align_up, attach_untracked, fence
 
 __all__ = ["RingHandle", "BroadcastWriter", "BroadcastReader"]
 
 OVERFLOW = -1
-_ALIGN = 64
 _MAX_SLEEP_S = 0.1
 """Longest a sleeping reader waits before re-checking the ring on its own."""
 _OVERFLOW_TOPIC = b"o"
@@ -71,16 +69,10 @@ def _doorbell_topic(reader: int) -> bytes:
     return b"d%05d" % reader
 
 
-def _fence(lock: threading.Lock) -> None:
-    """A full memory barrier: acquiring a lock executes a locked instruction."""
-    with lock:
-        pass
-
-
 class _RingView:
     """Numpy views of the ring's header and data, shared by writer and readers."""
 
-    def __init__(self, shm: SharedMemory, handle: RingHandle) -> None:
+    def __init__(self, shm: MappedSegment, handle: RingHandle) -> None:
         slots, readers = handle.num_slots, handle.num_readers
         buf = shm.buf
         self.seq = np.ndarray((slots,), dtype=np.int64, buffer=buf, offset=0)
@@ -103,8 +95,7 @@ class _RingView:
 
 
 def _header_bytes(num_slots: int, num_readers: int) -> int:
-    raw = 16 * num_slots + num_slots * num_readers + num_readers
-    return (raw + _ALIGN - 1) // _ALIGN * _ALIGN
+    return align_up(16 * num_slots + num_slots * num_readers + num_readers)
 
 
 class BroadcastWriter:
@@ -114,7 +105,7 @@ class BroadcastWriter:
         assert num_readers >= 1 and num_slots >= 1 and slot_bytes >= 1
         size = _header_bytes(num_slots, num_readers) + num_slots * slot_bytes
         # A new segment is zero-filled: every seq is 0 (never written), nobody sleeps.
-        self._shm = SharedMemory(name=f"asyncllm-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=size)
+        self._shm = OwnedSegment(f"asyncllm-{os.getpid()}-{secrets.token_hex(4)}", size)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per reader, duplicates included
@@ -123,10 +114,8 @@ class BroadcastWriter:
         self._pub.bind(pub_address)
         self.handle = RingHandle(self._shm.name, num_slots, slot_bytes, num_readers, pub_address)
         self._view = _RingView(self._shm, self.handle)
-        self._lock = threading.Lock()
         self._next_seq = 1
         self._subscriptions = 0
-        self._unlinked = False
         self._closed = False
 
     def wait_for_readers(self, timeout: float | None = None) -> None:
@@ -153,9 +142,7 @@ class BroadcastWriter:
         after mapping), so no crash, not even SIGKILL of every process, can
         leave a segment behind in /dev/shm.
         """
-        if not self._unlinked:
-            self._unlinked = True
-            self._shm.unlink()
+        self._shm.unlink()
 
     def enqueue(self, payload: bytes, timeout: float | None = None) -> None:
         """Publish one message to every reader.
@@ -178,9 +165,9 @@ class BroadcastWriter:
             self._pub.send_multipart([_OVERFLOW_TOPIC, seq.to_bytes(8, "little"), payload], copy=False)
             view.size[slot] = OVERFLOW
         view.read_flags[slot, :] = 0
-        _fence(self._lock)
+        fence()
         view.seq[slot] = seq
-        _fence(self._lock)
+        fence()
         self._next_seq = seq + 1
         # snapshot first: readers flip their flag concurrently, and numpy's nonzero
         # refuses an array whose count changes under it
@@ -228,7 +215,6 @@ class BroadcastReader:
         self._sub.setsockopt(zmq.SUBSCRIBE, _doorbell_topic(reader))
         self._sub.setsockopt(zmq.SUBSCRIBE, _OVERFLOW_TOPIC)
         self._sub.connect(handle.pub_address)
-        self._lock = threading.Lock()
         self._overflow: deque[tuple[int, bytes]] = deque()
         self._next_seq = 1
         self._closed = False
@@ -271,7 +257,7 @@ class BroadcastReader:
         """Mark this reader sleeping, re-check, then block on the doorbell."""
         view = self._view
         view.sleeping[self.reader] = 1
-        _fence(self._lock)
+        fence()
         try:
             if view.seq[slot] == seq:
                 return

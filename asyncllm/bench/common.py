@@ -18,7 +18,13 @@ from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_band
 from asyncllm.config import default_max_num_seqs
 from asyncllm.errors import ConfigError
 
-__all__ = ["add_common_args", "BenchContext", "make_context", "check_fits", "open_engine", "finish", "int_range"]
+__all__ = ["add_common_args", "BenchContext", "make_context", "check_fits", "open_engine", "finish", "int_range",
+           "compare_budget"]
+
+
+def compare_budget(args: argparse.Namespace, default_s: float) -> float:
+    """The peer's time limit: --compare-time-budget, else the benchmark's default."""
+    return args.compare_time_budget or default_s
 
 
 def int_range(text: str) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from asyncllm.bench.common import BenchContext
 from asyncllm.bench.peer_clock import PROGRESS_EVERY_S, PeerClock
 from asyncllm.bench.report import progress
 from asyncllm.bench.requests import BenchRequest, total_tokens
+from asyncllm.bench.roofline import sync_device
 
 __all__ = ["load_hf_model", "static_batching", "throughput_peers", "latency_peer", "throughput_result",
            "generation_config"]
@@ -41,11 +42,6 @@ __all__ = ["load_hf_model", "static_batching", "throughput_peers", "latency_peer
 _PAD_ID = 0
 STATIC_SHARE = 0.5
 """Static batching's share of the budget left once the model is built and warmed up."""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_hf_model(ctx: BenchContext, clock: PeerClock) -> Any:
@@ -57,7 +53,7 @@ def load_hf_model(ctx: BenchContext, clock: PeerClock) -> Any:
             model = AutoModelForCausalLM.from_pretrained(ctx.model.path, dtype=ctx.dtype)
         with clock.phase("move to the device", device=str(ctx.device)):
             model.to(ctx.device)
-            _sync(ctx.device)
+            sync_device(ctx.device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = _PAD_ID
     return model.eval()
@@ -179,10 +175,10 @@ def _static_batch(model: Any, batch: list[BenchRequest], name: str, clock: PeerC
     """One batch to its longest request (or the deadline): (new tokens per row, seconds)."""
     longest = max(r.output_len for r in batch)
     with clock.phase(name, requests=len(batch), longest_output=longest) as record:
-        _sync(model.device)
+        sync_device(model.device)
         start = time.perf_counter()
         tokens = _generate(model, batch, longest, _Deadline(deadline, clock, name, longest))
-        _sync(model.device)
+        sync_device(model.device)
         seconds = time.perf_counter() - start
         record["new_tokens"] = tokens
     return tokens, seconds
@@ -217,7 +213,7 @@ def _ready_model(ctx: BenchContext, requests: list[BenchRequest], clock: PeerClo
     model = load_hf_model(ctx, clock)
     with clock.phase("warm-up generate", requests=len(requests[:2]), new_tokens=2):
         _generate(model, requests[:2], 2)
-        _sync(model.device)
+        sync_device(model.device)
     return model
 
 
@@ -269,10 +265,10 @@ def _latency(ctx: BenchContext, request: BenchRequest, clock: PeerClock) -> dict
 
     def timed(name: str, new_tokens: int) -> tuple[float, int]:
         with clock.phase(name, new_tokens=new_tokens) as record:
-            _sync(ctx.device)
+            sync_device(ctx.device)
             start = time.perf_counter()
             tokens = _generate(model, [request], new_tokens, _Deadline(clock.deadline, clock, name, new_tokens))
-            _sync(ctx.device)
+            sync_device(ctx.device)
             seconds = time.perf_counter() - start
             record["generated"] = tokens
         return seconds, tokens

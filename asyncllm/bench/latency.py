@@ -84,16 +84,13 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     common.check_fits(ctx, longest_request(requests), f"--input-len {args.input_len} + --output-len {args.output_len}")
     metrics = worker_trace.run_traced(args, lambda: asyncio.run(run_engine(ctx, requests)))
     line = common.roofline(ctx, 1, args.input_len + args.output_len / 2)
+    budget = common.compare_budget(args, COMPARE_TIME_BUDGET_S)
     peers = None
     if args.compare == "hf":
         from asyncllm.bench import hf_peer
 
-        peers = hf_peer.latency_peer(ctx, requests[0], _budget(args))
+        peers = hf_peer.latency_peer(ctx, requests[0], budget)
     settings = {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters,
-                "compare_time_budget_s": _budget(args) if args.compare else None, "worker_trace": args.worker_trace}
+                "compare_time_budget_s": budget if args.compare else None, "worker_trace": args.worker_trace}
     return common.finish(ctx, "latency", settings, metrics, line, metrics["decode_tokens_per_s"],
                          peers, "decode_tokens_per_s")
-
-
-def _budget(args: argparse.Namespace) -> float:
-    return args.compare_time_budget or COMPARE_TIME_BUDGET_S

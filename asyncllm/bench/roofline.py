@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Roofline", "measure_copy_bandwidth", "model_bytes", "decode_roofline", "MXFP4_BYTES_PER_WEIGHT"]
+__all__ = ["Roofline", "measure_copy_bandwidth", "model_bytes", "decode_roofline", "MXFP4_BYTES_PER_WEIGHT",
+           "sync_device"]
 
 MXFP4_BYTES_PER_WEIGHT = 17 / 32
 """An MXFP4 weight's bytes: 4 bits, and a one-byte exponent per 32 weights."""
@@ -45,7 +46,8 @@ class Roofline:
         return asdict(self)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -57,11 +59,11 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
     dst = torch.empty_like(src)
     for _ in range(2):
         dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     start = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     elapsed = time.perf_counter() - start
     del src, dst
     if device.type == "cuda":

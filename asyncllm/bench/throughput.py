@@ -116,18 +116,15 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     prompt_tokens, output_tokens = total_tokens(requests)
     mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
     line = common.roofline(ctx, min(len(requests), common.max_num_seqs(args)), mean_context)
+    budget = common.compare_budget(args, COMPARE_TIME_BUDGET_S)
     peers = None
     if args.compare == "hf":
         from asyncllm.bench import hf_peer
 
-        peers = hf_peer.throughput_peers(ctx, requests[:num_compared], args.hf_batch_size, _budget(args))
+        peers = hf_peer.throughput_peers(ctx, requests[:num_compared], args.hf_batch_size, budget)
     settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
                 "output_len_range": list(args.output_len_range), "temperature": args.temperature,
                 "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size,
-                "compare_time_budget_s": _budget(args) if args.compare else None, "worker_trace": args.worker_trace}
+                "compare_time_budget_s": budget if args.compare else None, "worker_trace": args.worker_trace}
     return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
                          peers, "output_tokens_per_s")
-
-
-def _budget(args: argparse.Namespace) -> float:
-    return args.compare_time_budget or COMPARE_TIME_BUDGET_S

@@ -11,6 +11,7 @@ import msgspec
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
+from asyncllm.config_checks import is_int
 from asyncllm.engine.engine_weights import EngineWeights, every_replica
 from asyncllm.engine.replica import ReplicaSet
 from asyncllm.engine.sleep import check_level, check_tags
@@ -58,7 +59,7 @@ class EngineControl:
         again is checked and bound afresh, so it may name another folder, whose weights the workers read anew.
         Requests already running with it finish with it. Returns whether any replica knew the id (False: an
         unknown one, as vLLM's)."""
-        if isinstance(lora_id, bool) or not isinstance(lora_id, int):
+        if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
         await self.start()
         processors = await self._replicas.serving_processors()

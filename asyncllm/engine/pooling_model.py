@@ -32,7 +32,6 @@ __all__ = ["ClassifierHead", "Matryoshka", "MatryoshkaRefusal", "PoolingModel", 
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
-_ST_UNBUILT_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 _SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "classify", "Softmax": "classify"}
 """sentence-transformers' cross-encoder activations (``torch.nn.modules.*`` class names) asyncllm applies."""

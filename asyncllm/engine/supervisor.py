@@ -41,8 +41,6 @@ class CoreSupervisor:
         """What the log lines call the core ("engine core 1" for a data-parallel replica's)."""
         self._restart = restart
         self._task: asyncio.Task[None] | None = None
-        self.last_error: BaseException | None = None
-        """Why the latest restart failed (None while restarts succeed)."""
         self._cut_off = False
         """The latest restart never finished (its loop ended): the next one is its retry, on the budget it took."""
 
@@ -95,8 +93,6 @@ class CoreSupervisor:
             self._cut_off = True
             raise
         except Exception as exc:  # noqa: BLE001 - the engine stays dead and says why
-            self.last_error = exc
             logger.error("restarting the %s failed: %s", self.name, exc)
         else:
-            self.last_error = None
             logger.warning("%s restarted", self.name)

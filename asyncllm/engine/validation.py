@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncllm import protocol
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
 from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
 from asyncllm.pooling import PoolingParams
@@ -231,7 +232,7 @@ def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
 
 def check_priority(priority: Any) -> None:
     """`InvalidRequestError` unless ``priority`` is an int that fits the wire's int64."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if not is_int(priority):
         raise InvalidRequestError("priority", f"must be an int, got {priority!r}")
     if not -_PRIORITY_LIMIT <= priority < _PRIORITY_LIMIT:
         raise InvalidRequestError("priority", f"must fit in int64, got {priority}")

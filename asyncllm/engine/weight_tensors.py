@@ -20,7 +20,7 @@ import torch
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
-from asyncllm.shm_segment import OwnedSegment
+from asyncllm.shm_segment import ALIGN, OwnedSegment, align_up
 
 __all__ = ["FIELD", "PackedTensors", "WEIGHT_DTYPES", "pack_off_loop", "pack_tensors", "tensor_views"]
 
@@ -28,7 +28,6 @@ FIELD = "named_tensors"
 WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float64": torch.float64}
 """The dtypes a pushed weight may have (each is cast to the parameter's dtype as it is copied)."""
-_ALIGN = 64
 
 
 class PackedTensors:
@@ -53,8 +52,8 @@ def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
     tensors, size = [], 0
     for name, tensor in pairs:
         tensors.append(protocol.WeightTensor(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
-        size += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-    segment = OwnedSegment(f"asyncllm-weights-{secrets.token_hex(8)}", max(size, _ALIGN))
+        size += align_up(tensor.numel() * tensor.element_size())
+    segment = OwnedSegment(f"asyncllm-weights-{secrets.token_hex(8)}", max(size, ALIGN))
     try:
         for view, (_, tensor) in zip(tensor_views(segment.buf, tensors), pairs):
             view.copy_(tensor.detach())

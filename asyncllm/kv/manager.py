@@ -33,7 +33,7 @@ from asyncllm.kv.hashing import BlockHash, CacheSalt, MultiModalPlaceholder, ext
 from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 
-__all__ = ["KVCacheManager", "KVRequest"]
+__all__ = ["KVCacheManager", "KVRequest", "cdiv"]
 
 
 class KVRequest(Protocol):
@@ -58,7 +58,8 @@ class KVRequest(Protocol):
     def num_tokens(self) -> int: ...
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up (the blocks that ``a`` tokens take)."""
     return -(-a // b)
 
 
@@ -175,7 +176,7 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         num_held = len(hits) + (len(blocks) if blocks is not None else 0)
         num_tokens = request.num_computed_tokens + num_new_tokens + len(hits) * self.block_size
-        num_new_blocks = max(_cdiv(num_tokens, self.block_size) - num_held, 0)
+        num_new_blocks = max(cdiv(num_tokens, self.block_size) - num_held, 0)
         return num_new_blocks + sum(1 for block in hits if block.ref_cnt == 0)
 
     # ------------------------------------------------------------ actions
@@ -196,7 +197,7 @@ class KVCacheManager:
         num_needed = request.num_computed_tokens + num_new_tokens
         bs = self.block_size
         if blocks is not None and not new_computed_blocks:  # a running request: no hits, plain growth
-            num_new_blocks = -(-num_needed // bs) - len(blocks)
+            num_new_blocks = cdiv(num_needed, bs) - len(blocks)
             if num_new_blocks <= 0:
                 return []  # the decode fast path: the last block still has room
             if num_new_blocks == 1:  # a decode entering its next block
@@ -212,7 +213,7 @@ class KVCacheManager:
             return [block.block_id for block in appended]
         hits = new_computed_blocks or []
         num_held = len(hits) + (len(blocks) if blocks is not None else 0)
-        num_new_blocks = max(_cdiv(num_needed + len(hits) * bs, bs) - num_held, 0)
+        num_new_blocks = max(cdiv(num_needed + len(hits) * bs, bs) - num_held, 0)
         num_revived = sum(1 for block in hits if block.ref_cnt == 0)
         if not self.pool.can_allocate(num_new_blocks + num_revived):
             return None

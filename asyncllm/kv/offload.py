@@ -37,7 +37,6 @@ class CPUPrefixCache:
         """[gpu, cpu] copies out of this step."""
         self.loads: list[list[int]] = []
         """[gpu, cpu] copies in of this step."""
-        self.num_offloaded_blocks = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -55,7 +54,6 @@ class CPUPrefixCache:
         self._lru[block_hash] = (cpu_id, token_ids)
         self._pinned.add(cpu_id)  # written once a step: no later offload of the step takes it again
         self.offloads.append([gpu_block_id, cpu_id])
-        self.num_offloaded_blocks += 1
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> int | None:
         """The CPU block holding this block's KV (pinned for the step), or None."""

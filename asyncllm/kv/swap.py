@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncllm.kv.manager import cdiv
+
 __all__ = ["SwappedRequest", "SwapSpace"]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(slots=True)
@@ -61,7 +59,7 @@ class SwapSpace:
 
     def can_swap_out(self, num_computed_tokens: int) -> bool:
         """Whether the free CPU blocks hold `num_computed_tokens` tokens of KV."""
-        return _cdiv(num_computed_tokens, self.block_size) <= len(self._free)
+        return cdiv(num_computed_tokens, self.block_size) <= len(self._free)
 
     def swap_out(self, req_id: str, gpu_block_ids: list[int], num_computed_tokens: int) -> list[list[int]]:
         """Give the request CPU blocks for its computed tokens; the [gpu, cpu] pairs to copy out.
@@ -70,7 +68,7 @@ class SwapSpace:
         tokens the model has not run yet holds nothing worth keeping.
         """
         assert req_id not in self.swapped, req_id
-        num_blocks = _cdiv(num_computed_tokens, self.block_size)
+        num_blocks = cdiv(num_computed_tokens, self.block_size)
         assert num_blocks <= len(gpu_block_ids) and num_blocks <= len(self._free), (num_blocks, len(gpu_block_ids))
         cpu_block_ids = [self._free.pop() for _ in range(num_blocks)]
         self.swapped[req_id] = SwappedRequest(cpu_block_ids, num_computed_tokens)

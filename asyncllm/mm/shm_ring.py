@@ -17,8 +17,8 @@ generation the request carries, both before and after the copy::
 
 Before the host overwrites any byte of an entry it zeroes that entry's
 generation, so a reader that finds the same generation after copying read
-untouched data (the stores and loads are ordered on x86-TSO; the fences below
-are locked instructions, as in ``workers/shm_broadcast.py``). A mismatch is a
+untouched data (the stores and loads are ordered on x86-TSO; the fences are
+``asyncllm.shm_segment.fence``, a locked instruction, as in ``workers/shm_broadcast.py``). A mismatch is a
 cache miss: the host resends the request with its data (docs/multimodal.md).
 """
 
@@ -27,30 +27,22 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from multiprocessing.shared_memory import SharedMemory
 from typing import Generic, TypeVar
 
 import numpy as np
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.shm_segment import OwnedSegment, attach_untracked
+from asyncllm.shm_segment import ALIGN, MappedSegment, OwnedSegment, align_up, attach_untracked, fence
 
 __all__ = ["HEADER_BYTES", "RingEntry", "ShmRingReader", "ShmRingWriter", "check_ring_room", "key_digest"]
 
-HEADER_BYTES = 64
+HEADER_BYTES = ALIGN
+"""An entry's header: one aligned line, so the data after it is aligned too."""
 _KEY_BYTES = 16
-_FENCE = threading.Lock()
 
 M = TypeVar("M")
-
-
-def _fence() -> None:
-    """A full memory barrier: acquiring a lock executes a locked instruction."""
-    with _FENCE:
-        pass
 
 
 def key_digest(key: str) -> bytes:
@@ -58,7 +50,7 @@ def key_digest(key: str) -> bytes:
 
 
 def _padded(nbytes: int) -> int:
-    return HEADER_BYTES + (nbytes + HEADER_BYTES - 1) // HEADER_BYTES * HEADER_BYTES
+    return HEADER_BYTES + align_up(nbytes)
 
 
 @dataclass(frozen=True)
@@ -78,7 +70,7 @@ class RingEntry(Generic[M]):
 class _Header:
     """Typed views of the ring's words (generation and nbytes are aligned uint64)."""
 
-    def __init__(self, shm: SharedMemory | OwnedSegment) -> None:
+    def __init__(self, shm: MappedSegment) -> None:
         self.words = np.ndarray((shm.size // 8,), dtype=np.uint64, buffer=shm.buf)
         self.buf = shm.buf
 
@@ -93,7 +85,7 @@ class ShmRingWriter(Generic[M]):
     """The host's half: creates and owns the segment, writes entries, keeps the index."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        capacity = capacity_bytes // HEADER_BYTES * HEADER_BYTES
+        capacity = capacity_bytes // ALIGN * ALIGN
         check_ring_room(capacity)
         self._shm = OwnedSegment(f"asyncllm-{os.getpid()}-mm-{secrets.token_hex(4)}", capacity)
         self.capacity = capacity
@@ -103,7 +95,6 @@ class ShmRingWriter(Generic[M]):
         """Live entries, oldest first (which is also their order in the ring from `_head` on)."""
         self._head = 0
         self._next_generation = 1
-        self._unlinked = False
         self._closed = False
 
     def get(self, key: str) -> RingEntry[M] | None:
@@ -120,11 +111,11 @@ class ShmRingWriter(Generic[M]):
         self._next_generation += 1
         buf = self._view.buf
         self._view.words[offset // 8] = 0  # whatever bytes lay here, no reader may take them for a header yet
-        _fence()
+        fence()
         buf[offset + 8 : offset + 16] = nbytes.to_bytes(8, "little")
         buf[offset + 16 : offset + 16 + _KEY_BYTES] = key_digest(key)
         buf[offset + HEADER_BYTES : offset + HEADER_BYTES + nbytes] = data.cast("B")
-        _fence()
+        fence()
         self._view.words[offset // 8] = entry.generation  # published: readers may use it from now on
         self._index[key] = entry
         return entry
@@ -141,7 +132,7 @@ class ShmRingWriter(Generic[M]):
             self._drop_oldest_below(self.capacity)  # the tail left unused holds the oldest entries
             self._head = 0
         self._drop_oldest_below(self._head + size)
-        _fence()
+        fence()
         offset, self._head = self._head, self._head + size
         return offset
 
@@ -158,9 +149,7 @@ class ShmRingWriter(Generic[M]):
 
     def unlink(self) -> None:
         """Remove the segment's name (the core has mapped it, or never will); mappings stay valid."""
-        if not self._unlinked:
-            self._unlinked = True
-            self._shm.unlink()
+        self._shm.unlink()
 
     def close(self) -> None:
         """Unlink (if not yet) and unmap; idempotent."""
@@ -197,16 +186,16 @@ class ShmRingReader:
 
     def read(self, key: str, offset: int, generation: int, nbytes: int, field: str) -> bytes | None:
         """The entry's data if it still holds ``key`` at ``generation``; None if it was overwritten."""
-        if offset < 0 or offset % HEADER_BYTES or offset + HEADER_BYTES + nbytes > self.size or generation <= 0:
+        if offset < 0 or offset % ALIGN or offset + HEADER_BYTES + nbytes > self.size or generation <= 0:
             raise InvalidRequestError(field, f"ring location (offset {offset}, {nbytes} bytes, generation {generation}) "
                                       f"is outside the host's ring of {self.size} bytes")
         view = self._view
         if view.generation(offset) != generation:
             return None
-        _fence()
+        fence()
         header = bytes(view.buf[offset + 8 : offset + 16 + _KEY_BYTES])
         data = bytes(view.buf[offset + HEADER_BYTES : offset + HEADER_BYTES + nbytes])
-        _fence()
+        fence()
         if view.generation(offset) != generation:
             return None  # overwritten while we copied
         if int.from_bytes(header[:8], "little") != nbytes or header[8:] != key_digest(key):

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.images import to_rgb
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES, decode_video_file
@@ -147,7 +148,7 @@ def _with_timing(frames: np.ndarray, metadata: dict[str, Any] | None, field: str
         raise InvalidRequestError(f"{field}.metadata.frames_indices", f"one index >= 0 per frame ({count} frames)")
     total = metadata.get("total_num_frames")
     total = max(indices) + 1 if total is None else total
-    if isinstance(total, bool) or not isinstance(total, int) or total <= max(indices):
+    if not is_int(total) or total <= max(indices):
         raise InvalidRequestError(f"{field}.metadata.total_num_frames",
                                   f"an int above every frame index (largest {max(indices)}), got {total!r}")
     return Video(frames, float(fps), tuple(int(i) for i in indices), total)

@@ -14,7 +14,7 @@ from asyncllm.models.rope_config import rope_scaled_length
 
 __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
            "TEXT_ARCHITECTURES",
-           "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
+           "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
@@ -56,13 +56,6 @@ HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
 saved states, no swap preemption, speculative decoding with a snapshot per draft (docs/hybrid-models.md)."""
 STATE_SPACE_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
 """The hybrids without attention: state layers only."""
-GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                       "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM",
-                       "Gemma3nForConditionalGeneration", "VaultGemmaForCausalLM")
-"""Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images
-(asyncllm/models/gemma3_mm.py) or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
-PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
-"""Phi-3, Phi-3.5, Phi-4, Phi-4-mini (asyncllm/models/phi3.py): fused checkpoints and adapters (docs/phi3.md)."""
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",

@@ -43,6 +43,7 @@ from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, copy_w
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
 from asyncllm.models.mrope import MRopePositions, MRotaryEmbedding
+from asyncllm.spec.config import SPEC_FIELD
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "TargetReader",
            "eagle3_aux_layers", "load_head_config", "speculators_kind", "target_embeddings"]
@@ -80,7 +81,7 @@ def load_head_config(path: str) -> Any:
     if kind is None:
         return normalize_head_rope(load_hf_config(path))
     if kind != "eagle3":
-        raise NotBuiltError("speculative_config", path, f"a speculators-format {kind!r} head (its eagle3 heads are "
+        raise NotBuiltError(SPEC_FIELD, path, f"a speculators-format {kind!r} head (its eagle3 heads are "
                                                         "read)")
     layer = dict(raw.get("transformer_layer_config") or {})
     layer.pop("model_type", None)
@@ -275,7 +276,7 @@ class Eagle3LlamaForCausalLM(_EagleHead):
             try:
                 copy_weight(self.d2t, weight)
             except ValueError as exc:
-                raise ConfigError("speculative_config", "d2t",
+                raise ConfigError(SPEC_FIELD, "d2t",
                                   f"one entry per draft token (draft_vocab_size={self.draft_vocab_size}), but it {exc}")
             self.has_d2t = True
             return None
@@ -284,6 +285,6 @@ class Eagle3LlamaForCausalLM(_EagleHead):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         loaded = super().load_weights(weights)
         if self.draft_vocab_size != self.target_vocab_size and not self.has_d2t:
-            raise ConfigError("speculative_config", "d2t", f"an EAGLE-3 head over {self.draft_vocab_size} of the "
+            raise ConfigError(SPEC_FIELD, "d2t", f"an EAGLE-3 head over {self.draft_vocab_size} of the "
                                                             f"{self.target_vocab_size} tokens has their ids (d2t)")
         return loaded

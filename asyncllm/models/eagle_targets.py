@@ -36,6 +36,7 @@ import torch
 
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.rotary import rope_parameters
+from asyncllm.spec.config import SPEC_FIELD
 
 __all__ = ["MROPE_EAGLE_ARCHITECTURES", "MULTIMODAL_EAGLE_ARCHITECTURES", "causal", "chain_offsets",
            "check_multimodal_target", "head_mrope", "language_model_class", "normalize_head_rope", "target_decoder"]
@@ -48,8 +49,6 @@ MULTIMODAL_EAGLE_ARCHITECTURES = (*MROPE_EAGLE_ARCHITECTURES, "Llama4ForConditio
                                   "Mistral3ForConditionalGeneration", "Gemma3ForConditionalGeneration")
 """Image-text targets an EAGLE / EAGLE-3 head drafts for (the others are a `NotBuiltError` naming them)."""
 
-_FIELD = "speculative_config"
-
 
 def check_multimodal_target(spec_dict: dict, method: str, target_config: Any, arch: str | None = None) -> None:
     """`NotBuiltError` unless ``method`` is an EAGLE head (before its checkpoint is read) and the target (``arch``,
@@ -57,13 +56,13 @@ def check_multimodal_target(spec_dict: dict, method: str, target_config: Any, ar
     from asyncllm.models.architectures import architecture_of
 
     if method not in ("eagle", "eagle3"):
-        raise NotBuiltError(_FIELD, spec_dict, f"a draft model for a multimodal target (method={method!r}; EAGLE "
-                                               f"heads draft for {', '.join(MULTIMODAL_EAGLE_ARCHITECTURES)})")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"a draft model for a multimodal target (method={method!r}; EAGLE "
+                                                   f"heads draft for {', '.join(MULTIMODAL_EAGLE_ARCHITECTURES)})")
     arch = arch or architecture_of(target_config)
     if arch not in MULTIMODAL_EAGLE_ARCHITECTURES:
-        raise NotBuiltError(_FIELD, spec_dict, f"an {method} head for a multimodal {arch} target (built for "
-                                               f"{', '.join(MULTIMODAL_EAGLE_ARCHITECTURES)}; Qwen3-VL-MoE and other "
-                                               "image-text targets are not)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"an {method} head for a multimodal {arch} target (built for "
+                                                   f"{', '.join(MULTIMODAL_EAGLE_ARCHITECTURES)}; Qwen3-VL-MoE and other "
+                                                   "image-text targets are not)")
 
 
 def language_model_class(target_config: Any, arch: str) -> type | None:

@@ -30,7 +30,8 @@ from torch import nn
 
 from asyncllm.models.fp8_experts import attach_tensor_scales, quantize_per_matrix
 from asyncllm.models.moe import FusedMoE
-from asyncllm.models.quantization import FP8_DTYPE, QuantizationSummary, quantize_fp8_per_tensor, scaled_mm_supported
+from asyncllm.models.quantization import (FP8_DTYPE, QuantizationSummary, quantize_fp8_per_tensor, scaled_mm_supported,
+                                          tensors_nbytes)
 
 __all__ = ["takes_online_fp8", "online_fp8_expert_layers", "quantize_fp8_experts", "ExpertsReload"]
 
@@ -69,19 +70,15 @@ def _computes_fp8(device: torch.device) -> bool:
     return device.type != "cuda" or scaled_mm_supported(device)
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @torch.no_grad()
 def quantize_fp8_experts(decoder: nn.Module) -> QuantizationSummary:
     """Quantize the decoder's experts (`online_fp8_expert_layers`) to per-tensor fp8, in place."""
     layers = online_fp8_expert_layers(decoder)
     before = after = 0
     for moe in layers:
-        before += _nbytes(moe.w13_weight, moe.w2_weight)
+        before += tensors_nbytes(moe.w13_weight, moe.w2_weight)
         _quantize_layer(moe)
-        after += _nbytes(moe.w13_weight, moe.w2_weight, *(getattr(moe, name) for name in _SCALES))
+        after += tensors_nbytes(moe.w13_weight, moe.w2_weight, *(getattr(moe, name) for name in _SCALES))
     on_cpu = all(moe.w13_weight.device.type == "cpu" for moe in layers)
     return QuantizationSummary(len(layers), before, after, "dequantize" if on_cpu else "fused_moe")
 

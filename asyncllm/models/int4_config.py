@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, NotBuiltError
 
 __all__ = ["INT4_METHODS", "QUANTIZATION_NAMES", "Int4CheckpointConfig", "int4_checkpoint_config"]
@@ -77,7 +78,7 @@ def _not_built(model: str, what: str) -> NotBuiltError:
 
 def _group_size(section: dict[str, Any], names: tuple[str, ...], model: str) -> int:
     value = _field(section, names, 128)
-    if isinstance(value, bool) or not isinstance(value, int) or (value <= 0 and value != -1):
+    if not is_int(value) or (value <= 0 and value != -1):
         raise ConfigError("model", model, f"a quantization_config whose {names[0]} is a positive int or -1, "
                                           f"not {value!r}")
     return value

@@ -37,6 +37,7 @@ from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.quantization import FP8_DTYPE, fp8_to_float
 from asyncllm.models.quantized_layers import keep_float
+from asyncllm.spec.config import SPEC_FIELD
 
 __all__ = ["DEEPSEEK_MTP_ARCHITECTURES", "MTPLayerHead", "MTP_ARCHITECTURES", "QWEN_MTP_ARCHITECTURES",
            "float_entry_weights", "mtp_cache_config", "mtp_class", "mtp_layer_config", "mtp_target", "num_mtp_layers"]
@@ -153,7 +154,7 @@ def float_entry_weights(weights: Iterable[tuple[str, LoadedWeight]], proj: str,
             continue
         part = name.removeprefix(proj + ".")
         if part not in ("weight", "input_scale", *_FP8_SCALES):
-            raise NotBuiltError("speculative_config", "mtp", f"an MTP layer whose {proj} is stored quantized other "
+            raise NotBuiltError(SPEC_FIELD, "mtp", f"an MTP layer whose {proj} is stored quantized other "
                                                              f"than in fp8 ({name}; float or fp8 are served)")
         held[part] = weight if isinstance(weight, torch.Tensor) else weight[...]
     if "weight" not in held:
@@ -163,7 +164,7 @@ def float_entry_weights(weights: Iterable[tuple[str, LoadedWeight]], proj: str,
     if weight.dtype == FP8_DTYPE and not scales:
         raise ConfigError("model", proj, "an fp8 weight with its weight_scale_inv or weight_scale")
     if weight.dtype != FP8_DTYPE and (not weight.dtype.is_floating_point or weight.dtype.itemsize == 1):
-        raise NotBuiltError("speculative_config", "mtp", f"an MTP layer whose {proj} is stored as {weight.dtype} "
+        raise NotBuiltError(SPEC_FIELD, "mtp", f"an MTP layer whose {proj} is stored as {weight.dtype} "
                                                          f"({proj}.weight; float or float8_e4m3fn are served)")
     yield proj + ".weight", _dequantized(weight, scales[0], block, proj) if weight.dtype == FP8_DTYPE else weight
 
@@ -214,7 +215,7 @@ class MTPLayerHead(TargetReader, nn.Module):
         names = float_entry_weights(self.mtp_names(weights), f"model.layers.0.{self.entry_proj}", self.weight_block)
         loaded = super().load_weights(names)  # type: ignore[misc]
         if not loaded:
-            raise ConfigError("speculative_config", "mtp", f"a checkpoint with its multi-token-prediction layer "
+            raise ConfigError(SPEC_FIELD, "mtp", f"a checkpoint with its multi-token-prediction layer "
                                                             f"({self.mtp_names_hint()}); this one has none")
         return loaded
 

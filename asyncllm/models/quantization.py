@@ -56,6 +56,7 @@ __all__ = [
     "quantize_fp8_linears",
     "quantize_model",
     "scaled_mm_supported",
+    "tensors_nbytes",
 ]
 
 logger = logging.getLogger("asyncllm.models")
@@ -264,7 +265,8 @@ def disable_fused_decode(model: nn.Module) -> None:
             module.fused_decode_rows = 0
 
 
-def _nbytes(*tensors: torch.Tensor) -> int:
+def tensors_nbytes(*tensors: torch.Tensor) -> int:
+    """The bytes the tensors' elements take, all together."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -283,9 +285,9 @@ def quantize_fp8_linears(model: nn.Module) -> QuantizationSummary:
     before = after = 0
     methods = set()
     for layer in layers:
-        before += _nbytes(layer.weight)
+        before += tensors_nbytes(layer.weight)
         methods.add("_scaled_mm" if quantize_fp8_linear(layer).scaled_mm else "dequantize")
-        after += _nbytes(layer.weight, layer.weight_scale)
+        after += tensors_nbytes(layer.weight, layer.weight_scale)
     disable_fused_decode(decoder)
     devices = {layer.weight.device for layer in layers}
     if any(device.type == "cuda" for device in devices):

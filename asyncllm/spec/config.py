@@ -19,9 +19,10 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["SpeculativeConfig"]
+__all__ = ["SPEC_FIELD", "SpeculativeConfig"]
 
-_FIELD = "speculative_config"
+SPEC_FIELD = "speculative_config"
+"""The config field errors about speculative decoding name."""
 _NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 _DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len",
                "quantization", "revision")
@@ -70,23 +71,23 @@ class SpeculativeConfig:
         """Validate vLLM's dict form: ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``
         or ``{"model": "path/or/hub-id", "num_speculative_tokens": 5}``."""
         if not isinstance(value, dict):
-            raise ConfigError(_FIELD, value, "a dict such as {'method': 'ngram', 'num_speculative_tokens': 5}, or None")
+            raise ConfigError(SPEC_FIELD, value, "a dict such as {'method': 'ngram', 'num_speculative_tokens': 5}, or None")
         method = value.get("method")
         if method is None and value.get("model") is not None:
             method = "draft_model"  # vLLM: a model without a method is a draft model
         if method in _MODEL_METHODS:
-            raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram', "
-                                               "'draft_model', 'eagle', 'eagle3' and 'mtp')")
+            raise NotBuiltError(SPEC_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram', "
+                                                   "'draft_model', 'eagle', 'eagle3' and 'mtp')")
         method = "mtp" if method in _MTP_ALIASES else method
         if method not in ("ngram", "mtp") and method not in _HEAD_METHODS:
-            raise ConfigError(_FIELD, value, "method='ngram', 'mtp', or method='draft_model' / 'eagle' / 'eagle3' "
-                                             "with a 'model' (a draft checkpoint sharing the target's vocabulary)")
+            raise ConfigError(SPEC_FIELD, value, "method='ngram', 'mtp', or method='draft_model' / 'eagle' / 'eagle3' "
+                                                 "with a 'model' (a draft checkpoint sharing the target's vocabulary)")
         keys = {"ngram": _NGRAM_KEYS, "mtp": _MTP_KEYS}.get(method, _DRAFT_KEYS)
         unknown = sorted(set(value) - set(keys))
         if unknown:
             why = "; the MTP layer is the target checkpoint's own" if method == "mtp" else ""
-            raise ConfigError(_FIELD, value, f"with method={method!r} only the keys {', '.join(keys)} "
-                                             f"(unknown: {', '.join(unknown)}{why})")
+            raise ConfigError(SPEC_FIELD, value, f"with method={method!r} only the keys {', '.join(keys)} "
+                                                 f"(unknown: {', '.join(unknown)}{why})")
         num = value.get("num_speculative_tokens")
         _check_int(value, "num_speculative_tokens", num, 64, "(num_speculative_tokens is required)")
         if method == "mtp":
@@ -102,20 +103,20 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
         if lo > hi:
-            raise ConfigError(_FIELD, value, "prompt_lookup_min <= prompt_lookup_max")
+            raise ConfigError(SPEC_FIELD, value, "prompt_lookup_min <= prompt_lookup_max")
         return cls(num, lo, hi)
 
 
 def _draft_model_config(value: dict, num: int, method: str) -> SpeculativeConfig:
     model, revision, quantization = value.get("model"), value.get("revision"), value.get("quantization")
     if not isinstance(model, str) or not model:
-        raise ConfigError(_FIELD, value, f"method={method!r} with 'model': the draft checkpoint's folder or hub id")
+        raise ConfigError(SPEC_FIELD, value, f"method={method!r} with 'model': the draft checkpoint's folder or hub id")
     for key, item in (("revision", revision), ("quantization", quantization)):
         if item is not None and not isinstance(item, str):
-            raise ConfigError(_FIELD, value, f"{key} a string or None")
+            raise ConfigError(SPEC_FIELD, value, f"{key} a string or None")
     if quantization not in (None, "fp8") or (quantization is not None and method != "draft_model"):
         allowed = "None or 'fp8'" if method == "draft_model" else "None"
-        raise NotBuiltError(_FIELD, value, f"a {method} draft with quantization={quantization!r} ({allowed})")
+        raise NotBuiltError(SPEC_FIELD, value, f"a {method} draft with quantization={quantization!r} ({allowed})")
     max_len, draft_tp = value.get("max_model_len"), value.get("draft_tensor_parallel_size")
     if max_len is not None:
         _check_int(value, "max_model_len", max_len, 2**31)
@@ -127,4 +128,4 @@ def _draft_model_config(value: dict, num: int, method: str) -> SpeculativeConfig
 
 def _check_int(value: dict, key: str, n: Any, hi: int, more: str = "") -> None:
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= hi:
-        raise ConfigError(_FIELD, value, f"{key} an int in [1, {hi}] {more}".rstrip())
+        raise ConfigError(SPEC_FIELD, value, f"{key} an int in [1, {hi}] {more}".rstrip())

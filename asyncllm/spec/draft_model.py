@@ -18,11 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.spec.config import SpeculativeConfig
+from asyncllm.spec.config import SPEC_FIELD, SpeculativeConfig
 
 __all__ = ["DraftModelProposer", "prepare_draft_model"]
-
-_FIELD = "speculative_config"
 
 
 class DraftModelProposer:
@@ -60,11 +58,11 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
         return {"method": "mtp", "num_speculative_tokens": spec.num_speculative_tokens}
     draft_tp = spec.draft_tensor_parallel_size
     if draft_tp is not None and draft_tp not in (tensor_parallel_size, 1):
-        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than 1 or the target's "
-                                               f"tensor_parallel_size={tensor_parallel_size}")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than 1 or the target's "
+                                                   f"tensor_parallel_size={tensor_parallel_size}")
     if draft_tp == 1 and tensor_parallel_size > 1 and spec.method != "draft_model":
-        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size=1 for an {spec.method} head (it reads "
-                                               "the target's sharded embeddings and hidden states: the target's size)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"draft_tensor_parallel_size=1 for an {spec.method} head (it reads "
+                                                   "the target's sharded embeddings and hidden states: the target's size)")
     from asyncllm.models.eagle import load_head_config, speculators_kind
 
     path = resolve_model_path(spec.model, spec.revision, download_dir)  # type: ignore[arg-type]
@@ -75,20 +73,20 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     if method != "draft_model":
         _check_eagle_head(spec_dict, method, draft_config, target_config, arch or architecture_of(target_config))
     elif (arch := architecture_of(draft_config)) not in TEXT_ARCHITECTURES:
-        raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
-                                               f"{', '.join(TEXT_ARCHITECTURES)})")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
+                                                   f"{', '.join(TEXT_ARCHITECTURES)})")
     elif arch in HYBRID_ARCHITECTURES:
-        raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (its recurrent states would run ahead over "
-                                               "drafts; attention-only drafts)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"a {arch} draft model (its recurrent states would run ahead over "
+                                                   "drafts; attention-only drafts)")
     draft_vocab, target_vocab = draft_config.vocab_size, target_config.vocab_size
     if draft_vocab != target_vocab:
-        raise ConfigError(_FIELD, spec_dict, f"a draft model with the target's vocabulary: the draft {spec.model} has "
-                                             f"vocab_size={draft_vocab}, the target {target_vocab}")
+        raise ConfigError(SPEC_FIELD, spec_dict, f"a draft model with the target's vocabulary: the draft {spec.model} has "
+                                                 f"vocab_size={draft_vocab}, the target {target_vocab}")
     limit = max_positions(draft_config) or max_model_len
     draft_len = min(max_model_len, limit) if spec.max_model_len is None else spec.max_model_len
     if draft_len > limit:
-        raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings (times its "
-                                             f"rope scaling factor: {limit})")
+        raise ConfigError(SPEC_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings (times its "
+                                                 f"rope scaling factor: {limit})")
     return {**spec_dict, "method": method, "model": path, "revision": None, "max_model_len": draft_len}
 
 
@@ -102,22 +100,22 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     from asyncllm.models.llama import LlamaModel
 
     if target_arch in HYBRID_ARCHITECTURES:
-        raise NotBuiltError(_FIELD, spec_dict, f"an {method} head for a {target_arch} target (hybrids draft with "
-                                               "n-grams, a draft model or their own MTP layer: method='mtp')")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"an {method} head for a {target_arch} target (hybrids draft with "
+                                                   "n-grams, a draft model or their own MTP layer: method='mtp')")
 
     arch = (getattr(head_config, "architectures", None) or ["?"])[0]
     model_type = getattr(head_config, "model_type", None)
     if model_type != "llama":  # vLLM's EagleLlama4ForCausalLM, Llama 4 layers: a head kind asyncllm lacks
-        raise NotBuiltError(_FIELD, spec_dict, f"an {method} head of architecture {arch} (model_type={model_type!r}; "
-                                               "built: Llama-shaped heads, model_type='llama')")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"an {method} head of architecture {arch} (model_type={model_type!r}; "
+                                                   "built: Llama-shaped heads, model_type='llama')")
     if (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
         want = "LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"
-        raise ConfigError(_FIELD, spec_dict, f"a Llama-shaped {method} head (config.json naming {want}); "
-                                             f"{spec_dict.get('model')} names {arch}")
+        raise ConfigError(SPEC_FIELD, spec_dict, f"a Llama-shaped {method} head (config.json naming {want}); "
+                                                 f"{spec_dict.get('model')} names {arch}")
     hidden = getattr(head_config, "target_hidden_size", None) or head_config.hidden_size
     if hidden != target_config.hidden_size or (method == "eagle" and head_config.hidden_size != hidden):
-        raise ConfigError(_FIELD, spec_dict, f"a head for the target's hidden_size={target_config.hidden_size} "
-                                             f"(it reads {hidden})")
+        raise ConfigError(SPEC_FIELD, spec_dict, f"a head for the target's hidden_size={target_config.hidden_size} "
+                                                 f"(it reads {hidden})")
     if method == "eagle":
         return
     eagle_config = getattr(head_config, "eagle_config", None) or {}
@@ -125,11 +123,11 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
              "use_mtp_layernorm": False}  # ModelOpt's flags: EAGLE-3's own layout is the one built
     other = {key: eagle_config[key] for key, value in built.items() if eagle_config.get(key, value) != value}
     if other:
-        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head with eagle_config {other} (built: {built})")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"an EAGLE-3 head with eagle_config {other} (built: {built})")
     num_layers = target_config.num_hidden_layers
     layers = eagle3_aux_layers(head_config, num_layers)
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
-        raise ConfigError(_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
+        raise ConfigError(SPEC_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
                                              f"read; it names {list(layers)}")
     if target_arch in MROPE_EAGLE_ARCHITECTURES:  # their decoders keep the layers' inputs too
         return
@@ -138,9 +136,9 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     if (getattr(decoder_cls, "forward", None), getattr(decoder_cls, "embed", None)) != (LlamaModel.forward,
                                                                                           LlamaModel.embed):
         name = getattr(language_model, "__name__", target_config.model_type)
-        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {target_arch} target ({name}; Llama-style "
-                                               "decoders: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, "
-                                               "DeepSeek, Llama 4, ...)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"an EAGLE-3 head for a {target_arch} target ({name}; Llama-style "
+                                                   "decoders: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, "
+                                                   "DeepSeek, Llama 4, ...)")
 
 
 def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:
@@ -148,15 +146,15 @@ def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:
     from asyncllm.models.mtp import MTP_ARCHITECTURES, num_mtp_layers
 
     if arch not in MTP_ARCHITECTURES:
-        raise NotBuiltError(_FIELD, spec_dict, f"multi-token prediction for {arch} (built for "
-                                               f"{', '.join(MTP_ARCHITECTURES)})")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"multi-token prediction for {arch} (built for "
+                                                   f"{', '.join(MTP_ARCHITECTURES)})")
     layers = num_mtp_layers(target_config)
     if not layers:
-        raise ConfigError(_FIELD, spec_dict, "a target with multi-token-prediction layers (its config.json has "
-                                             "num_nextn_predict_layers / mtp_num_hidden_layers 0 or none)")
+        raise ConfigError(SPEC_FIELD, spec_dict, "a target with multi-token-prediction layers (its config.json has "
+                                                 "num_nextn_predict_layers / mtp_num_hidden_layers 0 or none)")
     if layers > 1:
-        raise NotBuiltError(_FIELD, spec_dict, f"{layers} MTP layers (one MTP layer, drafting again from its own "
-                                               "output)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, f"{layers} MTP layers (one MTP layer, drafting again from its own "
+                                                   "output)")
     if getattr(target_config, "mtp_use_dedicated_embeddings", False):
-        raise NotBuiltError(_FIELD, spec_dict, "an MTP layer with its own embeddings (mtp_use_dedicated_embeddings: "
-                                               "it reads the target's)")
+        raise NotBuiltError(SPEC_FIELD, spec_dict, "an MTP layer with its own embeddings (mtp_use_dedicated_embeddings: "
+                                                   "it reads the target's)")

@@ -14,12 +14,12 @@ import random
 import subprocess
 import sys
 import time
+from multiprocessing import resource_tracker
 
 import msgspec
 import pytest
 
 from asyncllm.procutil import private_ipc_dir, remove_dir
-from asyncllm import shm_segment
 from asyncllm.workers.shm_broadcast import BroadcastReader, BroadcastWriter, RingHandle
 
 SLOT_BYTES = 4096
@@ -180,9 +180,7 @@ if __name__ == "__main__":
     _reader_main(sys.argv[1:])
 
 
-def test_has_message_tells_whether_dequeue_would_return_at_once(ipc_dir, monkeypatch):
-    # A reader in the writer's process: its attach must not drop the writer's tracker registration.
-    monkeypatch.setattr(shm_segment.resource_tracker, "unregister", lambda *args: None)
+def test_has_message_tells_whether_dequeue_would_return_at_once(ipc_dir):
     writer = _writer(ipc_dir, num_readers=1, num_slots=2)
     reader = BroadcastReader(writer.handle, 0)
     try:
@@ -198,3 +196,17 @@ def test_has_message_tells_whether_dequeue_would_return_at_once(ipc_dir, monkeyp
     finally:
         reader.close()
         writer.close()
+
+
+def test_neither_side_tells_the_resource_tracker(ipc_dir, monkeypatch):
+    # Registering starts a tracker process (it outlives the engine in the host), and a reader's would unlink the ring.
+    registered: list[str] = []
+    monkeypatch.setattr(resource_tracker, "register", lambda name, rtype: registered.append(name))
+    writer = _writer(ipc_dir, num_readers=1)
+    reader = BroadcastReader(writer.handle, 0)
+    writer.wait_for_readers(timeout=10)
+    writer.enqueue(b"hello", timeout=5)
+    assert reader.dequeue(timeout=5) == b"hello"
+    reader.close()
+    writer.close()
+    assert registered == []
