@@ -52,3 +52,22 @@ def test_checkout_root_finds_the_mapped_subpackages(tmp_path: pathlib.Path) -> N
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [str(tmp_path / "workers" / "worker.py"), str(tmp_path / "kernels" / "__init__.py"),
                                   str(tmp_path / "integrations" / "sync.py")]
+
+
+@pytest.mark.slow
+def test_sdist_carries_the_docs_and_tests(tmp_path: pathlib.Path) -> None:
+    """Error messages name docs/ pages (docs/integrations/task-runners.md, ...): the sdist holds them, the tests and
+    the examples beside the sources."""
+    import tarfile
+
+    source = tmp_path / "src"  # a copy without this checkout's egg-info, whose SOURCES.txt an sdist would reuse
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "*.egg-info", "build", "dist", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(tmp_path), str(source)],
+                   check=True, capture_output=True, text=True)
+    (sdist,) = tmp_path.glob("asyncllm-*.tar.gz")
+    names = {name.split("/", 1)[1] for name in tarfile.open(sdist).getnames() if "/" in name}
+    for folder in ("docs", "tests", "examples"):
+        expected = {str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*")
+                    if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+        missing = sorted(expected - names)
+        assert not missing, f"missing from the sdist: {missing[:10]}"
