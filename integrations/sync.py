@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncllm.errors import EngineDeadError
@@ -28,10 +28,11 @@ from asyncllm.procutil import check_not_forked, forked
 if TYPE_CHECKING:
     from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
     from asyncllm.engine.async_engine import AsyncEngine
-    from asyncllm.engine.stream import RequestStream
+    from asyncllm.lora import LoRARequest
     from asyncllm.outputs import EngineStats, RequestOutput, StreamDelta
-    from asyncllm.pooling import EmbeddingOutput, PoolingParams
+    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
     from asyncllm.sampling import SamplingParams
+    from asyncllm.speech_segments import Segment
 
 __all__ = ["SyncEngine"]
 
@@ -148,6 +149,23 @@ class SyncEngine:
         """The embedding of a prompt (options as for `AsyncEngine.embed`)."""
         return self.run(self._engine.embed(prompt, pooling_params, **options))
 
+    def classify(self, prompt: Any, **options: Any) -> ClassificationOutput:
+        """A classifier's verdict on a prompt (options as for `AsyncEngine.classify`)."""
+        return self.run(self._engine.classify(prompt, **options))
+
+    def score(self, text_1: str | list[str], text_2: str | list[str], **options: Any) -> list[ScoringOutput]:
+        """vLLM's ``LLM.score``: one `ScoringOutput` per pair (see `AsyncEngine.score`)."""
+        return self.run(self._engine.score(text_1, text_2, **options))
+
+    def transcribe(self, audio: Any, **options: Any) -> Iterator[str]:
+        """Iterate the text of `audio` as it comes (Whisper; options as for `AsyncEngine.transcribe`); leaving the
+        loop early aborts what still runs."""
+        return self._iterate(lambda: self._engine.transcribe(audio, **options))
+
+    def transcribe_segments(self, audio: Any, **options: Any) -> list[Segment]:
+        """`transcribe` with timestamps (see `AsyncEngine.transcribe_segments`)."""
+        return self.run(self._engine.transcribe_segments(audio, **options))
+
     def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                       max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """A batch job, results in input order (see `AsyncEngine.generate_many`)."""
@@ -159,12 +177,36 @@ class SyncEngine:
         return self._iterate(lambda: self._engine.stream(prompt, params, **options))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
-        """Iterate the deltas of a reply to chat `messages` (see `stream`)."""
+        """Iterate the deltas of a reply to chat `messages` (see `stream`; options as for `AsyncEngine.chat`, vLLM's
+        `sampling_params` among them)."""
         return self._iterate(lambda: self._engine.chat(messages, params, **options))
 
     def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
         """Beam search (see `AsyncEngine.beam_search`)."""
         return self.run(self._engine.beam_search(prompt, params, **options))
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by id, from any thread: their streams end with finish_reason "abort" (see
+        `AsyncEngine.abort`; an unknown or finished id is ignored)."""
+        self.run(self._engine.abort(request_id))
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer, the engine started if needed (see `AsyncEngine.get_tokenizer`)."""
+        return self.run(self._engine.get_tokenizer())
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without `SamplingParams` runs with, the engine started if needed (see
+        `AsyncEngine.default_sampling_params`)."""
+        self.start()
+        return self._engine.default_sampling_params()
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check a LoRA adapter now and bind its id (see `AsyncEngine.add_lora`)."""
+        self.run(self._engine.add_lora(lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget LoRA adapter id `lora_id`; whether any replica knew it (see `AsyncEngine.remove_lora`)."""
+        return self.run(self._engine.remove_lora(lora_id))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (see `AsyncEngine.reset_prefix_cache`)."""
@@ -200,9 +242,10 @@ class SyncEngine:
         return self._call(coro)
 
     # ------------------------------------------------------------ internals
-    def _iterate(self, make_stream: Any) -> Iterator[StreamDelta]:
+    def _iterate(self, make_stream: Any) -> Iterator[Any]:
+        """A sync iterator over an async one made on demand (a `RequestStream`, or `transcribe`'s generator)."""
         self._check_open()
-        stream: RequestStream = make_stream()
+        stream: AsyncIterator[Any] = make_stream()
         try:
             while True:
                 try:
@@ -210,13 +253,13 @@ class SyncEngine:
                 except StopAsyncIteration:
                     return
                 except EngineDeadError:
-                    if self._stopping and stream.exhausted:
+                    if self._stopping and getattr(stream, "exhausted", False):
                         return  # closed after its last delta (close() aborts it: finish_reason "abort"): it ends
                     raise
                 yield delta
         finally:  # break, exception or garbage collection of the generator: abort the request
             if not self._closed:
-                self._finish(stream.aclose())
+                self._finish(stream.aclose())  # type: ignore[attr-defined] - streams and async generators have it
 
     def _finish(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` on the loop: waited for, unless this is the loop's own thread (a generator in a reference

@@ -345,7 +345,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
 
     async def _submit_accepted(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
                                chat: bool, trace_context: Any) -> RequestCollector:
-        check_prompt(prompt, chat)
+        check_prompt(prompt, chat, getattr(options.pooling, "task", None))  # (a bad `pooling` is refused below)
         if params is None:
             await self.start()
             params = self.default_sampling_params()

@@ -1,10 +1,13 @@
 """`EngineRequests`: the request methods of `AsyncEngine` (asyncllm/engine/async_engine.py), a mixin, with the
 defaults of a request given no `SamplingParams` (`default_sampling_params`): `stream`,
 `chat`, `generate`, and the pooling (`embed`, `classify`, `score`), speech (`transcribe`), batch (`generate_many`)
-and beam-search forms built on them. Each goes through the engine's `_submit` (by `RequestStream`)."""
+and beam-search forms built on them, and vLLM's `abort` (by request id) and `get_tokenizer`. Each request goes through
+the engine's `_submit` (by `RequestStream`)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
@@ -13,7 +16,7 @@ from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.stream import RequestOptions, RequestStream
-from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
@@ -30,8 +33,14 @@ class EngineRequests:
     if TYPE_CHECKING:
         _default_sampling: dict[str, Any] | None
         _drain: EngineDrain
+        _in_flight: weakref.WeakSet[RequestCollector]
+        tokenizer: Any
 
         async def start(self) -> None: ...
+
+        def _check_loop(self) -> None: ...
+
+        def _abort(self, request_id: str) -> None: ...
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
@@ -75,7 +84,8 @@ class EngineRequests:
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False,
-             chat_template_content_format: str = "auto", add_special_tokens: bool | None = None) -> RequestStream:
+             chat_template_content_format: str = "auto", add_special_tokens: bool | None = None,
+             sampling_params: SamplingParams | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -89,14 +99,15 @@ class EngineRequests:
         reaches the template: "string" (text parts joined with "\\n"), "openai" (a list of ``{"type": "text",
         "text": ...}`` and media parts) or "auto" (the default: "openai" when the template loops over a message's
         content; asyncllm/chat_content.py). `add_special_tokens` (vLLM's; None: False, the template writes them)
-        True adds the tokenizer's special tokens to the rendered text's as well.
+        True adds the tokenizer's special tokens to the rendered text's as well. `sampling_params` is vLLM's name
+        for `params` (give one of them).
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request, data_parallel_rank=data_parallel_rank,
                                  mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens,
                                  chat_template_content_format=chat_template_content_format,
                                  add_special_tokens=add_special_tokens)
-        return RequestStream(self, messages, _checked_params(params), options, chat=True)
+        return RequestStream(self, messages, _checked_params(_one_params(params, sampling_params)), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *,
                        sampling_params: SamplingParams | None = None, **options: Any) -> RequestOutput:
@@ -208,6 +219,27 @@ class EngineRequests:
         return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency,
                                    lora_request=lora_request)
 
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests by their ``request_id`` (vLLM's ``AsyncLLM.abort``): each one's stream ends as a stream
+        left early does, every unfinished sample's last delta with finish_reason "abort" (its `generate` returns
+        them), and the core frees its KV blocks. An id unknown here, or of a finished request, is ignored (as
+        vLLM's); other requests run on."""
+        ids = _request_ids(request_id)
+        self._check_loop()  # collectors belong to the engine's loop
+        for collector in list(self._in_flight):
+            if collector.request_id in ids and not collector.finished:
+                self._abort(collector.request_id)  # as `RequestStream._abort`: the core's abort, then the deltas
+                collector.abort()
+
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer that prompts are encoded with (vLLM's ``AsyncLLM.get_tokenizer``; the Hugging Face
+        tokenizer, also `engine.tokenizer` once started). It is loaded as the engine starts, which this starts
+        if needed; ``skip_tokenizer_init=True`` loads none: a `ConfigError` naming it."""
+        await self.start()
+        if self.tokenizer is None:
+            raise ConfigError("skip_tokenizer_init", True, "False for get_tokenizer() (no tokenizer was loaded)")
+        return self.tokenizer
+
     async def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
         """Beam search (vLLM's ``LLM.beam_search``): the `params.beam_width` most likely continuations, best first
         (asyncllm/beam_search.py). `options` (priority, lora_request, ...) apply to every step's requests."""
@@ -226,6 +258,17 @@ def _prompt_text(prompt: Any) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _request_ids(request_id: str | Iterable[str]) -> set[str]:
+    """`abort`'s ids: one str or an iterable of them (vLLM's form)."""
+    if isinstance(request_id, str):
+        return {request_id}
+    ids = list(request_id) if isinstance(request_id, Iterable) else [request_id]
+    if not all(isinstance(i, str) for i in ids):
+        raise InvalidRequestError("request_id", f"must be a request id (str) or an iterable of them, got "
+                                                f"{request_id!r}")
+    return set(ids)
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams | None:

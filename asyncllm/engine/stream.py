@@ -236,20 +236,33 @@ class RequestStream:
             pass
 
 
-def check_prompt(prompt: Any, chat: bool) -> None:
-    """Cheap type checks on the loop; tokenization happens on the processor thread."""
+def check_prompt(prompt: Any, chat: bool, pooling_task: str | None = None) -> None:
+    """Cheap type checks on the loop; tokenization happens on the processor thread. A text prompt may be empty (""):
+    with the tokenizer's special tokens its ids are [BOS], which generate as vLLM's do; empty ids are refused there.
+    `pooling_task` ("embed", "classify"; None: a generation) names the call in the error for a list of prompts."""
     if chat:
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError("messages", "must be a non-empty list of {'role': ..., 'content': ...} dicts")
         return
     if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt", "the prompt is empty")
         return
     if isinstance(prompt, dict):
         return  # {"prompt": str, "images": [...]}, vLLM's prompt dicts: checked on the processor thread (asyncllm/mm/)
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")
+        if isinstance(prompt[0], (str, dict, list, tuple)):
+            raise InvalidRequestError("prompt", _one_prompt_only(len(prompt), pooling_task))
         return
     raise InvalidRequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")
+
+
+def _one_prompt_only(count: int, pooling_task: str | None) -> str:
+    """The error for a list of prompts given where one is taken (vLLM's ``LLM.generate`` / ``LLM.embed`` take a
+    list): the batch call to use instead."""
+    if pooling_task is None:
+        return (f"takes one prompt (a str, a prompt dict or a list of token ids), got a list of {count} prompts: "
+                f"`await engine.generate_many(prompts, params)` runs a batch (vLLM's LLM.generate takes a list)")
+    return (f"{pooling_task} takes one prompt (a str or a list of token ids), got a list of {count} prompts: there "
+            f"is no batch {pooling_task} call; `asyncio.gather(*(engine.{pooling_task}(p) for p in prompts))` runs "
+            f"them together (vLLM's LLM.{pooling_task} takes a list)")

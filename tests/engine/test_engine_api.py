@@ -284,7 +284,7 @@ async def test_a_chat_rendered_past_max_prompt_chars_is_refused_untokenized(engi
 @pytest.mark.parametrize(
     "prompt, params, field",
     [
-        ("", None, "prompt"),
+        ([[1, 2], [3]], None, "prompt"),  # a list of prompts (generate_many's); "" is [BOS]: test_vllm_api_gaps.py
         ([], None, "prompt"),
         ([1, 2, 10**9], None, "prompt"),
         (12, None, "prompt"),

@@ -1,0 +1,111 @@
+"""vLLM's `AsyncLLM` API on a real engine (the tiny Llama): `chat(sampling_params=...)`, `abort(request_id)`,
+`get_tokenizer()`, an empty text prompt (its [BOS] generates, as vLLM's) and a list of prompts refused with the name of
+the batch call. The SyncEngine's forms: tests/engine/test_sync_engine_vllm_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from engine_helpers import wait_idle
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str):
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=1024) as engine:
+        yield engine
+
+
+async def test_chat_takes_vllms_sampling_params(engine: AsyncEngine) -> None:
+    deltas = [d async for d in engine.chat(CHAT, sampling_params=SHORT)]
+    assert sum(len(d.token_ids) for d in deltas) == 6 and deltas[-1].finish_reason == "length"
+    with pytest.raises(InvalidRequestError) as info:
+        engine.chat(CHAT, SHORT, sampling_params=SHORT)
+    assert info.value.field == "sampling_params"
+
+
+async def test_abort_ends_that_stream_and_others_run_on(engine: AsyncEngine) -> None:
+    """vLLM's `abort(request_id)` from another task: that stream's last delta says "abort" and the core frees it; a
+    concurrent request finishes whole; unknown and finished ids are no-ops."""
+    aborted_before = engine.stats().request_success_total.get("abort", 0)
+    other = asyncio.ensure_future(engine.generate("import os\n", SamplingParams(temperature=0.0, max_tokens=60,
+                                                                                ignore_eos=True)))
+    stream = engine.stream("def main():", LONG, request_id="victim")
+    async with stream:
+        first = await stream.__anext__()
+        await asyncio.ensure_future(engine.abort("victim"))  # from another task
+        rest = await asyncio.wait_for(_read(stream), 30)  # (the core's abort alone would leave it waiting)
+    deltas = [first, *rest]
+    assert deltas[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in deltas) < 400
+    out = await other
+    assert (len(out.token_ids), out.finish_reason) == (60, "length")
+    await wait_idle(engine)
+    assert engine.stats().request_success_total.get("abort", 0) == aborted_before + 1  # counted once, by the core
+    await engine.abort("victim")  # finished now: a no-op
+    await engine.abort(["no-such-request", "victim"])
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.abort(["ok", 3])
+    assert info.value.field == "request_id"
+
+
+async def test_abort_of_a_generate_returns_its_output_so_far(engine: AsyncEngine) -> None:
+    task = asyncio.ensure_future(engine.generate("x = 1\n", LONG, request_id="gen-victim"))
+    async def submitted() -> None:  # its collector exists (generate hands out no delta to wait on)
+        while not any(c.request_id == "gen-victim" for c in engine._in_flight):
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(submitted(), 30)
+    await engine.abort(iter(["gen-victim"]))
+    out = await asyncio.wait_for(task, 30)
+    assert out.finish_reason == "abort" and len(out.token_ids) < 400
+
+
+async def _read(stream) -> list:
+    return [d async for d in stream]
+
+
+async def test_get_tokenizer_starts_the_engine(tiny_llama: str) -> None:
+    """Works on an engine just constructed, as vLLM's (whose engine is running once constructed)."""
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True)
+    try:
+        tokenizer = await engine.get_tokenizer()
+        assert engine.started and tokenizer is engine.tokenizer
+        assert tokenizer("def f():").input_ids == AutoTokenizer.from_pretrained(tiny_llama)("def f():").input_ids
+    finally:
+        await engine.aclose()
+
+
+async def test_an_empty_text_prompt_generates_from_bos(engine: AsyncEngine) -> None:
+    tokenizer = await engine.get_tokenizer()
+    assert tokenizer("").input_ids == [tokenizer.bos_token_id]  # the tiny Llama's tokenizer adds BOS
+    out = await engine.generate("", SHORT)
+    assert out.prompt_token_ids == [tokenizer.bos_token_id] and len(out.token_ids) == 6
+    with pytest.raises(InvalidRequestError, match="no tokens") as info:
+        await engine.generate("", SHORT, add_special_tokens=False)  # no ids at all
+    assert info.value.field == "prompt"
+
+
+@pytest.mark.parametrize("prompts", [["def f():", "import os"], [{"prompt": "a"}], [[1, 2], [3, 4]], ("a", "b")])
+async def test_a_list_of_prompts_names_the_batch_call(engine: AsyncEngine, prompts) -> None:
+    with pytest.raises(InvalidRequestError, match="generate_many") as info:
+        await engine.generate(prompts, SHORT)
+    assert info.value.field == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"no batch embed call.*asyncio\.gather") as info:
+        await engine.embed(prompts)
+    assert info.value.field == "prompt" and "generate_many" not in str(info.value)
+
+
+async def test_token_ids_stay_one_prompt(engine: AsyncEngine) -> None:
+    out = await engine.generate([1, 5, 9], SHORT)
+    assert out.prompt_token_ids == [1, 5, 9] and len(out.token_ids) == 6
