@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -79,20 +81,44 @@ _HOMES = {
 command's Ctrl-C while it imports is its own: asyncllm/__main__.py)."""
 
 
-def _checkout_root() -> list[str]:
-    """The source checkout this package is imported from (``[]`` for an installed one): its root holds the
-    subpackages pyproject's package-dir maps (workers/, kernels/, integrations/: asyncllm.workers, ...), so a
-    script or server run from the root, whose ./asyncllm shadows the installed package, still finds them."""
+_MAPPED = ("workers", "kernels", "integrations")
+"""asyncllm.<name> packages whose folders pyproject's package-dir maps from the checkout root."""
+
+
+class _CheckoutFinder:
+    """Finds asyncllm.workers, .kernels and .integrations in the source checkout this package is imported from (a
+    script or server run from its root, whose ./asyncllm shadows an installed package, or an editable install):
+    those three folders only, not the root's others (tests/, docs/, asyncllm/ itself)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        package, _, sub = name.partition(".")
+        if package != __name__ or sub not in _MAPPED:
+            return None
+        folder = os.path.join(self.root, sub)
+        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+
+
+def _checkout_root() -> str | None:
+    """The root of the source checkout this package is imported from: its pyproject.toml's [project] names asyncllm
+    and the mapped folders lie beside it (None for an installed package)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         with open(os.path.join(root, "pyproject.toml"), encoding="utf-8") as pyproject:
-            names_us = 'name = "asyncllm"' in pyproject.read()
+            text = pyproject.read()
     except OSError:
-        return []
-    return [root] if names_us and os.path.isdir(os.path.join(root, "workers")) else []
+        return None
+    project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    names_us = project is not None and re.search(r'^name\s*=\s*"asyncllm"\s*$', project[1], re.M) is not None
+    mapped = all(os.path.isfile(os.path.join(root, sub, "__init__.py")) for sub in _MAPPED)
+    return root if names_us and mapped else None
 
 
-__path__ += _checkout_root()
+if (_root := _checkout_root()) is not None:
+    sys.meta_path.insert(0, _CheckoutFinder(_root))
 
 
 def __getattr__(name: str) -> Any:

@@ -7,9 +7,11 @@ host that exits without ``aclose()``). Never earlier: other hosts may attach to 
 leaves its parent's folders (the parent may still serve with them); a killed process (SIGKILL) leaves its own, which
 the next host to make a folder in the same parent sweeps (`sweep_dead_dirs`): a folder is named
 ``asyncllm-<pid>-<4 hex digits>`` by the process that made it (short: a socket's path holds 107 bytes at most), and
-goes once that pid is dead, the folder is this user's, and no socket in it takes connections (a core its dead owner
-started, still serving the hosts attached to it while it ends). A reused pid reads as alive: its folder waits for a
-later sweep.
+goes once that pid is dead, no process holds the folder's ``owner.lock`` (asyncllm/owner_lock.py: the maker holds it
+while it lives, so a live host in another pid namespace, whose pid reads as dead here, keeps its folder; a folder
+without one goes once a minute old), the folder is this user's, and no socket in it takes connections (a core its
+dead owner started, still serving the hosts attached to it while it ends). A reused pid reads as alive: its folder
+waits for a later sweep.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import socket
 import stat
 import tempfile
 
-from asyncllm import envs
+from asyncllm import envs, owner_lock
 
 __all__ = ["private_ipc_dir", "remove_dir", "sweep_dead_dirs"]
 
@@ -34,6 +36,12 @@ older folders without a pid)."""
 
 _swept: set[tuple[int, str]] = set()
 """The (pid, parent folder) pairs swept: once a process and parent."""
+
+_LOCK = "owner.lock"
+"""The file in each folder its maker holds (`owner_lock.hold`) while it lives."""
+
+_locks: dict[str, int] = {}
+"""The folders this process made -> the descriptor holding their ``owner.lock``."""
 
 _held: dict[str, int] = {}
 """The folders `private_ipc_dir` made that `remove_dir` did not remove yet: path -> the pid of the process that made
@@ -56,6 +64,9 @@ def private_ipc_dir() -> str:
     else:
         raise FileExistsError(f"no free asyncllm-{os.getpid()}-* name in {parent}")
     os.chmod(path, 0o700)
+    lock = os.open(os.path.join(path, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+    owner_lock.hold(lock)
+    _locks[path] = lock
     _held[path] = os.getpid()
     return path
 
@@ -63,6 +74,9 @@ def private_ipc_dir() -> str:
 def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _held.pop(path, None)
+    lock = _locks.pop(path, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def sweep_dead_dirs(parent: str) -> list[str]:
@@ -84,27 +98,17 @@ def sweep_dead_dirs(parent: str) -> list[str]:
 
 
 def _abandoned(path: str, pid: int) -> bool:
-    """A folder of this user's, made by a dead process, with no socket taking connections."""
+    """A folder of this user's, made by a dead process that holds it no more, with no socket taking connections."""
     try:
         info = os.lstat(path)
     except OSError:  # gone: another sweep took it
         return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _alive(pid):
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or owner_lock.pid_alive(pid):
+        return False
+    held = owner_lock.is_held(os.path.join(path, _LOCK))
+    if held or (held is None and not owner_lock.old_enough(info.st_mtime)):
         return False
     return not _serving(path)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (another user's too, and any pid that is not one: kept)."""
-    if pid <= 0 or pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # PermissionError: another user's process; no pid that large
-        return True
-    return True
 
 
 def _serving(path: str) -> bool:

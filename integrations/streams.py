@@ -70,9 +70,13 @@ async def _merge_one(stream: RequestStream, taken: list[tuple[int, StreamDelta]]
         yield item
     reader: asyncio.Task | None = None
     """The task waiting in a read, if one is (each read's own: a generator may be advanced from several tasks)."""
+    hung_up = False
+    """Whether `hang_up` cancelled a read: only that cancellation becomes `ClientDisconnected`."""
 
     def hang_up(_watch: asyncio.Future) -> None:
+        nonlocal hung_up
         if reader is not None:
+            hung_up = True
             reader.cancel()
 
     watcher = asyncio.ensure_future(until()) if until is not None else None
@@ -81,12 +85,13 @@ async def _merge_one(stream: RequestStream, taken: list[tuple[int, StreamDelta]]
     try:
         while watcher is None or not watcher.done():
             reader = task = asyncio.current_task()
+            entry = task.cancelling() if task is not None else 0
             try:
                 delta = await stream.__anext__()
             except StopAsyncIteration:
                 return
-            except asyncio.CancelledError:
-                if watcher is not None and watcher.done() and task is not None and task.uncancel() == 0:
+            except asyncio.CancelledError:  # ours alone (as asyncio.timeout: counted from the read's start)
+                if hung_up and task is not None and task.uncancel() <= entry:
                     raise ClientDisconnected() from None
                 raise
             finally:

@@ -3,15 +3,17 @@ and never a live process's folder, another user's, or one whose socket still ser
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from asyncllm import ipc_dirs
+from asyncllm import ipc_dirs, owner_lock
 
 CHILD = "from asyncllm.ipc_dirs import private_ipc_dir; print(private_ipc_dir(), flush=True); input()"
 
@@ -77,3 +79,35 @@ def test_a_folder_gone_mid_sweep_is_skipped(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(ipc_dirs.os, "listdir", listed_then_removed)
     assert ipc_dirs.sweep_dead_dirs(str(tmp_path)) == [] and not os.path.exists(folder)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+def test_a_live_owner_whose_pid_reads_dead_keeps_its_folder(tmp_path) -> None:
+    """A host in another pid namespace (containers sharing /tmp): its pid reads as dead here, but it holds its
+    folder's owner.lock (asyncllm/owner_lock.py) while it lives."""
+    folder = tmp_path / f"asyncllm-{_dead_pid()}-beef"
+    folder.mkdir(mode=0o700)
+    lock = os.open(folder / "owner.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        old = time.time() - 3600
+        os.utime(folder, (old, old))
+        assert ipc_dirs.sweep_dead_dirs(str(tmp_path)) == [] and folder.is_dir()
+    finally:
+        os.close(lock)  # the owner ends: its lock goes with it
+    assert ipc_dirs.sweep_dead_dirs(str(tmp_path)) == [str(folder)] and not folder.exists()
+
+
+def test_a_folder_without_a_lock_goes_once_a_minute_old(tmp_path) -> None:
+    """Made by an older asyncllm, or its maker is between mkdir and taking the lock: kept while young."""
+    folder = tmp_path / f"asyncllm-{_dead_pid()}-cafe"
+    folder.mkdir(mode=0o700)
+    assert ipc_dirs.sweep_dead_dirs(str(tmp_path)) == [] and folder.is_dir()
+    old = time.time() - owner_lock.ABANDONED_AFTER_S - 1
+    os.utime(folder, (old, old))
+    assert ipc_dirs.sweep_dead_dirs(str(tmp_path)) == [str(folder)] and not folder.exists()

@@ -41,13 +41,15 @@ def test_wheel_contains_every_package(tmp_path: pathlib.Path) -> None:
 
 def test_checkout_root_finds_the_mapped_subpackages(tmp_path: pathlib.Path) -> None:
     """A script run from the root of a checkout imports its ./asyncllm, which shadows the installed package (or an
-    editable install's mapping): asyncllm.workers, .kernels and .integrations come from the checkout's folders."""
+    editable install's mapping): asyncllm.workers, .kernels and .integrations come from the checkout's folders, and
+    only those (no asyncllm.tests, nor asyncllm.asyncllm: a second copy of the package)."""
     for folder in ("asyncllm", "workers", "kernels", "integrations"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "data"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     code = ("import importlib.util, asyncllm.integrations.sync as sync\n"
             "print(importlib.util.find_spec('asyncllm.workers.worker').origin)\n"
-            "print(importlib.util.find_spec('asyncllm.kernels').origin)\nprint(sync.__file__)")
+            "print(importlib.util.find_spec('asyncllm.kernels').origin)\nprint(sync.__file__)\n"
+            "assert [importlib.util.find_spec(f'asyncllm.{n}') for n in ('tests', 'docs', 'asyncllm')] == [None] * 3")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == [str(tmp_path / "workers" / "worker.py"), str(tmp_path / "kernels" / "__init__.py"),

@@ -122,3 +122,37 @@ async def test_merge_streams_one_stream_disconnect():
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert cancelled.closed
+
+
+async def test_merge_streams_one_stream_takes_back_only_its_own_cancellation():
+    """As ``asyncio.timeout``: a cancellation from elsewhere in the disconnect's loop turn (a server's own
+    disconnect handling, a TaskGroup) propagates, and a task already cancelling at the read still gets
+    `ClientDisconnected` for the disconnect alone."""
+
+    async def read(gone: asyncio.Event, cancels_before: int = 0) -> str:
+        task = asyncio.current_task()
+        for _ in range(cancels_before):  # a cancellation this task swallowed earlier, still counted
+            task.cancel()
+            try:
+                await asyncio.sleep(1)
+            except asyncio.CancelledError:
+                pass
+        try:
+            async for _ in merge_streams([_Stream(["x"])], until=gone.wait):
+                pass
+        except ClientDisconnected:
+            return "disconnected"
+        return "ended"
+
+    gone = asyncio.Event()
+    reader = asyncio.ensure_future(read(gone))
+    await asyncio.sleep(0.01)
+    gone.set()
+    reader.cancel()  # the same loop turn: the watcher completes, its hang-up has not run
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    gone = asyncio.Event()
+    reader = asyncio.ensure_future(read(gone, cancels_before=1))
+    await asyncio.sleep(0.01)
+    gone.set()
+    assert await asyncio.wait_for(reader, 10) == "disconnected"

@@ -1,0 +1,64 @@
+"""Shared-memory segments a killed process left (a core SIGKILLed before its workers mapped its broadcast ring, a
+host's multimodal ring) are unlinked by the next process that makes one (asyncllm/shm_segment.py), never a segment a
+live process holds, even one whose pid reads as dead here (another pid namespace), nor a young one."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+from asyncllm import owner_lock, shm_segment
+
+CHILD = ("import os, secrets; from asyncllm.shm_segment import OwnedSegment\n"
+         "s = OwnedSegment(f'asyncllm-{os.getpid()}-{secrets.token_hex(4)}', 4096); print(s.name, flush=True); input()")
+
+
+def _age(path: str) -> None:
+    old = time.time() - owner_lock.ABANDONED_AFTER_S - 1
+    os.utime(path, (old, old))
+
+
+def test_a_killed_owners_segment_is_unlinked_by_the_next_maker() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name = child.stdout.readline().strip()
+    path = os.path.join(shm_segment.SHM_DIR, name)
+    try:
+        _age(path)
+        assert name not in shm_segment.sweep_dead_segments() and os.path.exists(path)  # its owner lives
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert os.path.exists(path)  # left behind: no resource tracker
+        assert name in shm_segment.sweep_dead_segments() and not os.path.exists(path)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdin.close()
+        child.stdout.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_held_or_young_segment_of_a_dead_pid_is_kept() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    name = f"asyncllm-{dead.pid}-mm-{secrets.token_hex(4)}"
+    path = os.path.join(shm_segment.SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        assert name not in shm_segment.sweep_dead_segments() and os.path.exists(path)  # young
+        _age(path)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a live owner in another pid namespace
+        assert name not in shm_segment.sweep_dead_segments() and os.path.exists(path)
+        os.close(fd)
+        fd = -1
+        assert name in shm_segment.sweep_dead_segments() and not os.path.exists(path)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(path):
+            os.unlink(path)
