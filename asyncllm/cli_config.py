@@ -17,7 +17,7 @@ import argparse
 import json
 from typing import Any
 
-from asyncllm.cli_vllm import VLLM_FLAGS
+from asyncllm.cli_vllm import VLLM_FLAGS, known_vllm_flags
 
 __all__ = ["dash_flag_names", "expand_config_file"]
 
@@ -84,8 +84,14 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
 
 def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:
     flag = "--" + key.replace("_", "-")
-    if isinstance(VLLM_FLAGS.get(flag), str):  # a vLLM flag asyncllm refuses: its reason, as on the command line
-        command.error(f"vLLM's {flag} (the key {key!r} of --config {path}): {VLLM_FLAGS[flag]}")
+    if flag in VLLM_FLAGS or flag == "--structured-outputs-config":  # vLLM's own: read as on the command line
+        if value is None or value is False or value == []:  # vLLM's defaults (null, false, []): left unset
+            return []
+        refused = VLLM_FLAGS.get(flag)
+        if isinstance(refused, str) and flag != "--guided-decoding-backend":  # (a backend's value decides)
+            command.error(f"vLLM's {flag} (the key {key!r} of --config {path}): {refused}")
+        words = [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        return known_vllm_flags(words, command)
     if flag not in command._option_string_actions or flag == "--config":  # argparse would take a flag's prefix
         command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path}; one config file)")
     if value is None:  # YAML's null: the option left unset

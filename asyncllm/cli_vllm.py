@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncllm.cli_args import is_json_object_flag
 
-__all__ = ["vllm_argv", "VLLM_FLAGS"]
+__all__ = ["known_vllm_flags", "vllm_argv", "VLLM_FLAGS"]
 
 _NO_COMPILE = ("not built in asyncllm: it has no torch.compile levels or compilation config; CUDA graphs are captured "
                "where they apply (docs/kernels.md), --enforce-eager turns them off")
@@ -45,7 +45,7 @@ def vllm_argv(argv: list[str], command: argparse.ArgumentParser) -> list[str]:
     words, rest = argv[:end], argv[end:]
     if words[0] in ("serve", "engine"):
         words = _model_flag(words)
-    words = _known_vllm_flags(words, command)
+    words = known_vllm_flags(words, command)
     return _dotted_json(words, command) + rest
 
 
@@ -61,7 +61,7 @@ def _model_flag(words: list[str]) -> list[str]:
     return words
 
 
-def _known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list[str]:
+def known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(words):

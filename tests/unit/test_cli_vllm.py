@@ -248,3 +248,17 @@ def test_a_revision_with_a_local_model_is_ignored_with_a_warning(tmp_path, capsy
     assert engine_kwargs(_parse(["serve", str(tmp_path), "--revision", "main", "--seed", "1"])) == {"seed": 1}
     assert "--revision main ignored: the model is a local folder" in capsys.readouterr().err
     assert engine_kwargs(_parse(["serve", "org/hub-model", "--revision", "main"])) == {"revision": "main"}
+
+
+def test_vllm_flags_in_a_config_file_are_read_as_on_the_command_line(tmp_path, capsys) -> None:
+    """A backend of xgrammar is accepted, another refused; vLLM's defaults (null, [], false) leave a flag unset."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("guided-decoding-backend: xgrammar\nallowed-media-domains: []\nstructured-outputs-config: "
+                      "{disable_any_whitespace: true}\ndisable-mm-preprocessor-cache: true\n")
+    args = _parse(["serve", "/m", "--config", str(config)])
+    assert args.structured_output_disable_any_whitespace is True and args.mm_processor_cache_gb == 0
+    config.write_text("allowed-media-domains: null\ndisable-mm-preprocessor-cache: false\n")
+    assert getattr(_parse(["serve", "/m", "--config", str(config)]), "mm_processor_cache_gb", None) is None
+    config.write_text("guided-decoding-backend: outlines\n")
+    assert _refused(["serve", "/m", "--config", str(config)], capsys).endswith(
+        "'outlines': not built in asyncllm: structured output always uses xgrammar (auto or xgrammar are accepted)")
