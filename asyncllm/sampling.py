@@ -311,7 +311,8 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
     """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: `SamplingParams`' structured_outputs and
     guided_decoding, the server's ``structured_outputs``. Unset fields (None; False but for a kind) and private
     (``_backend``) attributes are dropped, as vLLM ignores them; ``json_object`` true (or 1, as vLLM's pydantic reads
-    it) is the schema ``{"type": "object"}`` (not with json); another field set is an InvalidRequestError naming it.
+    it) is the schema ``{"type": "object"}`` (not with json); `StructuredOutputs`' own fields (start_after, ...) are
+    taken as given; another field set is an InvalidRequestError naming it.
     More than one kind is left for validate() to name."""
     if isinstance(value, StructuredOutputs):
         return value
@@ -319,10 +320,10 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
     settings = {key: item for key, item in items.items() if item is not None and not str(key).startswith("_")
                 and (item is not False or key in KINDS)}
     json_object = settings.pop("json_object", False)
-    unknown = sorted(map(str, set(settings) - set(KINDS)))
+    unknown = sorted(map(str, set(settings) - set(StructuredOutputs.__struct_fields__)))
     if unknown:
         raise InvalidRequestError(field, f"{', '.join(unknown)}: not built in asyncllm (it reads json, regex, choice, "
-                                  "grammar and json_object)")
+                                  "grammar and json_object, and asyncllm's own start_after)")
     if json_object not in (True, False):  # (1 and 0 too)
         raise InvalidRequestError(field, f"json_object must be true or false, got {json_object!r}")
     if json_object:

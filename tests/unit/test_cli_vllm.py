@@ -184,6 +184,9 @@ def test_sampling_params_take_vllms_structured_outputs() -> None:
     assert SamplingParams(guided_decoding={"json_object": True}).structured.json == {"type": "object"}
     with pytest.raises(InvalidRequestError, match="structural_tag: not built in asyncllm"):
         SamplingParams(structured_outputs={"structural_tag": "x"})
+    for name in ("structured_outputs", "guided_decoding"):  # asyncllm's own fields pass through as in `structured`
+        params = SamplingParams(**{name: {"json": {"type": "object"}, "start_after": "</think>"}})
+        assert params.structured.start_after == "</think>" and params.structured.json == {"type": "object"}
 
 
 def _sampling_reads(value: dict):
@@ -199,12 +202,13 @@ def _server_reads(value: dict):
 @pytest.mark.parametrize("read", [_sampling_reads, _server_reads])
 def test_sampling_params_and_the_server_read_structured_outputs_alike_as_vllm(read) -> None:
     """One reader (`from_vllm_structured`): vLLM ignores an unset field ({"foo": None}, its dataclass's False flags)
-    and reads json_object 1 as true; a field asyncllm does not build, set, is refused naming it."""
+    and reads json_object 1 as true; asyncllm's own fields (start_after) are taken; a field asyncllm does not build,
+    set, is refused naming it."""
     assert read({"regex": "a", "foo": None, "disable_any_whitespace": False}).regex == "a"
     assert read({"json_object": 1}).json == {"type": "object"}
     assert read({"json_object": 0, "choice": ["x"]}).choice == ["x"]
-    for bad, named in [({"foo": "x"}, "foo: not built"), ({"regex": "a", "start_after": "</think>"}, "start_after"),
-                       ({"json_object": "yes"}, "json_object must be true or false")]:
+    assert read({"regex": "a", "start_after": "</think>"}).start_after == "</think>"  # asyncllm's own field
+    for bad, named in [({"foo": "x"}, "foo: not built"), ({"json_object": "yes"}, "json_object must be true or false")]:
         with pytest.raises(InvalidRequestError, match=f"^structured_outputs: {named}"):
             read(bad)
 
