@@ -54,7 +54,8 @@ _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_mode
 ``text_model``) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
                       "vision_model.",  # Llama 4's tower (its image-text checkpoints serve text)
-                      "model.vision_model.", "model.connector.", "model.embed_vision.")  # Idefics3's, Gemma 4's
+                      "model.vision_model.", "model.connector.", "model.embed_vision.",  # Idefics3's, Gemma 4's
+                      "model.vision_encoder.", "model.vision_projection.")  # LightOnOCR's
 _TENSOR_NAME = re.compile(
     r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|encoder_attn|mixer)\.([\w.]+)\.lora_([AB])\.weight")
 """A decoder layer's adapter matrix (``encoder_attn``: Whisper's cross-attention; ``mixer``: Mamba's): layer, block,

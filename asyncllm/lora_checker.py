@@ -33,10 +33,15 @@ FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text
 whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
 
 
+GATED_ATTENTION_TYPES = frozenset({"afmoe"})
+"""Model types whose attention has its own ``self_attn.gate_proj`` (an output gate), beside the MLP's."""
+
+
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(input features, output features) of every adaptable projection of the model, by projection name
     (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`, ``gate_up_proj``
-    for `FUSED_MLP_LORA_ARCHITECTURES`)."""
+    for `FUSED_MLP_LORA_ARCHITECTURES`); a block's own projection of a name another block uses too, by
+    ``block.name`` (``self_attn.gate_proj``)."""
     state_space = state_space_shapes(hf_config)
     if state_space is not None:  # Mamba's mixers (no attention, no MLP)
         return state_space
@@ -53,6 +58,8 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     if hasattr(hf_config, "kv_lora_rank"):  # latent attention (DeepSeek): its own projections
         return {**mlp, **shared, **latent_attention_shapes(hf_config)}
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), **mlp, **shared}
+    if getattr(hf_config, "model_type", None) in GATED_ATTENTION_TYPES:  # the attention's own output gate
+        shapes["self_attn.gate_proj"] = (hidden, q)
     return {**shapes, **_linear_attention_shapes(hf_config, hidden, q)} if hasattr(hf_config, "linear_num_key_heads") \
         else shapes
 
@@ -173,7 +180,7 @@ class AdapterChecker:
             if match.group(2) == "mlp" and self._check_experts(adapter.path, name, module, layer, projection):
                 continue
             shapes = self._shapes if self._layer_shapes is None else self._layer_shapes[layer]
-            expected = shapes.get(projection)
+            expected = shapes.get(f"{match.group(2)}.{projection}", shapes.get(projection))  # block's own first
             if expected is None:
                 where = self._arch if self._layer_shapes is None else f"layer {layer} of {self._arch}"
                 _fail(adapter.path, f"{name}: {where} has no {projection} to adapt (its projections: "

@@ -39,7 +39,8 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "PhimoeForCausalLM", "DbrxForCausalLM", "Dots1ForCausalLM", "Glm4MoeForCausalLM",
                           "MiniMaxM2ForCausalLM",
                           "ExaoneMoeForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
-                          "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Llama4ForCausalLM", "DeepseekV2ForCausalLM",
+                          "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "AfmoeForCausalLM", "Llama4ForCausalLM",
+                          "DeepseekV2ForCausalLM",
                           "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",
                           "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                           "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",  # their latent and indexer caches per stage
@@ -62,6 +63,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen2_5_VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                           "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
                           "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                          "LightOnOcrForConditionalGeneration",
                           "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
                           "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                           "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
@@ -71,9 +73,11 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen3OmniMoeThinkerForConditionalGeneration",
                           "Qwen3OmniMoeForConditionalGeneration",
                           "Ernie4_5_VLMoeForConditionalGeneration",  # its rows by modality on every stage
+                          "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
                           # audio-text: the audio encoder on the first stage
                           "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                           "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
+                          "VoxtralForConditionalGeneration",
                           "GraniteSpeechForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
 norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder; a decoder with its own ``run_stage``) that run

@@ -46,7 +46,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
               "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
-              "zamba2", "kimi_linear", "bloom", "mpt", "deepseek_v32", "glm_moe_dsa", "minimax")
+              "zamba2", "kimi_linear", "bloom", "mpt", "deepseek_v32", "glm_moe_dsa", "minimax", "afmoe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -300,8 +300,7 @@ def _build_config(
         "deepseek_v3": "DeepseekV3Config", "glm4_moe": "Glm4MoeConfig",
         "qwen3_5": "Qwen3_5TextConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
         "qwen3_next": "Qwen3NextConfig", "minimax_m2": "MiniMaxM2Config",
-        "granitemoehybrid": "GraniteMoeHybridConfig", "lfm2": "Lfm2Config",
-        "lfm2_moe": "Lfm2MoeConfig",
+        "granitemoehybrid": "GraniteMoeHybridConfig", "lfm2": "Lfm2Config", "lfm2_moe": "Lfm2MoeConfig",
         "nemotron_h": "NemotronHConfig", "bamba": "BambaConfig",
         "ernie4_5_moe": "Ernie4_5_MoeConfig", "hunyuan_v1_moe": "HunYuanMoEV1Config",
         "dots1": "Dots1Config", "llama4": "Llama4TextConfig",
@@ -321,7 +320,7 @@ def _build_config(
         "dbrx": "DbrxConfig", "zamba2": "Zamba2Config",
         "kimi_linear": "KimiLinearConfig", "bloom": "BloomConfig",
         "mpt": "MptConfig", "deepseek_v32": "DeepseekV32Config",
-        "glm_moe_dsa": "GlmMoeDsaConfig", "minimax": "MiniMaxConfig",
+        "glm_moe_dsa": "GlmMoeDsaConfig", "minimax": "MiniMaxConfig", "afmoe": "AfmoeConfig",
     }[arch])
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -386,8 +385,9 @@ def _build_model(config: Any, seed: int) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias", "q_norm.weight",
-                                                 "k_norm.weight", "forget_gate.A_log")):  # Command R+'s per-head
-                # norms are 2-D; Kimi-Linear's A_log [1, 1, H, 1] (FLA's init decays by up to e^-16 a token)
+                                                 "k_norm.weight", "forget_gate.A_log", "router.gate.weight")):
+                # Command R+'s per-head norms are 2-D; Kimi-Linear's A_log [1, 1, H, 1] (FLA's init decays by up to
+                # e^-16 a token); AFMoE's router (zeros at init: every token would score the experts alike)
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routing corrections (zeros at init)

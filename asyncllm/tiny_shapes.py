@@ -141,6 +141,11 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     # attention
     "solar_open": dict(moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                        n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    # AFMoE (Trinity): a sliding layer (rotating) with a dense MLP, then a global one (no positions) with experts
+    # (sigmoid scores, the bias choosing, scaled) and a shared expert; embeddings times sqrt(hidden) (muP)
+    "afmoe": dict(global_attn_every_n_layers=2, sliding_window=8, num_dense_layers=1, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=24, num_shared_experts=1, route_scale=2.5,
+                  mup_enabled=True),
     # Sarvam-30B: GLM-4.5's layers (biased fused q/k/v, q/k norms, a dense first layer), the whole head rotated,
     # saved under Sarvam's names
     "sarvam_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),

@@ -107,7 +107,7 @@ class MRopePositions:
     def positions(self, spans: list[ScheduledSpan], flat: np.ndarray, device: torch.device) -> torch.Tensor | None:
         """The rope positions of a step whose token indices are ``flat``: None when no span has images; ``[T]``
         (``index + delta``) when none of theirs is in its prompt (decode steps: the CUDA graphs take them);
-        else ``[3, T]``."""
+        else ``[axes, T]`` (the model's table's rows)."""
         spans = [span for span in spans if span.req_id in self.requests]
         if not spans:
             return None
@@ -116,7 +116,8 @@ class MRopePositions:
             for span in spans:  # after the prompt: the three axes are equal, one shifted position
                 out[span.flat_offset : span.flat_offset + span.length] += self.requests[span.req_id][1]
             return torch.from_numpy(out).to(device)
-        out = np.repeat(flat[None, :], 3, axis=0)
+        axes = self.requests[spans[0].req_id][0].shape[0]  # 3 for M-RoPE; HunYuan VL's XD-RoPE: 3 or 4
+        out = np.repeat(flat[None, :], axes, axis=0)
         for span in spans:
             table, delta = self.requests[span.req_id]
             index = flat[span.flat_offset : span.flat_offset + span.length]

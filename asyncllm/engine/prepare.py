@@ -249,6 +249,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                                  "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                                  "Lfm2VlForConditionalGeneration", "GlmAsrForConditionalGeneration",
+                                 "VoxtralForConditionalGeneration",
                                  "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration",
                                  "GraniteSpeechForConditionalGeneration", "PaliGemmaForConditionalGeneration",
                                  "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
@@ -259,10 +260,12 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",
                                  "Gemma3ForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
+                                 "LightOnOcrForConditionalGeneration",
                                  "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
                                  "Gemma3nForConditionalGeneration", "MllamaForConditionalGeneration",
                                  "Phi4MultimodalForCausalLM",
                                  "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
+                                 "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
                                  "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused); their hooks are the decoder's (asyncllm/models/decoder_lora.py; Whisper's its own)."""

@@ -45,7 +45,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
                       "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                       "PhimoeForCausalLM", "MiniCPM3ForCausalLM", "DbrxForCausalLM", "Zamba2ForCausalLM",
-                      "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MiniMaxForCausalLM")
+                      "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MiniMaxForCausalLM",
+                      "AfmoeForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
@@ -70,7 +71,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
                      "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM", "MiniMaxForCausalLM",
                      "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
-                     "Ernie4_5_VLMoeForConditionalGeneration")
+                     "Ernie4_5_VLMoeForConditionalGeneration", "AfmoeForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaNextVideoForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
@@ -78,6 +79,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "SmolVLMForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                            "LightOnOcrForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
                             "PaliGemmaForConditionalGeneration", "Gemma3nForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
@@ -87,15 +89,18 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Cohere2VisionForConditionalGeneration",
                             "Lfm2VlForConditionalGeneration", "WhisperForConditionalGeneration",
                             "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
+                            "VoxtralForConditionalGeneration",
                             "GraniteSpeechForConditionalGeneration",
                             "Llama4ForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration",
                             "Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
                             "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
-                            "MllamaForConditionalGeneration", "Phi4MultimodalForCausalLM")
+                            "MllamaForConditionalGeneration", "Phi4MultimodalForCausalLM",
+                            "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only), as LLaVA-NeXT-Video does."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                        "WhisperForConditionalGeneration", "GlmAsrForConditionalGeneration",
+                       "VoxtralForConditionalGeneration",
                        "Qwen3ASRForConditionalGeneration", "GraniteSpeechForConditionalGeneration",
                        "Gemma3nForConditionalGeneration")
 """Of those, the ones that take audio (and no images: docs/multimodal.md#audio; Whisper, an encoder-decoder:

@@ -24,7 +24,6 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.kernels import reference
 from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import (
@@ -68,7 +67,7 @@ class HunYuanAttention(LlamaAttention):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
                metadata: AttentionMetadata) -> torch.Tensor:
         query, key, value = self.qkv_proj.split_qkv(qkv)
-        query, key = reference.apply_rotary(query, key, positions, self.rope.cos_sin_cache)
+        query, key = self.rope(positions, query, key)  # the torch reference rotation (HunYuan VL's: XD-RoPE)
         query, key = self.query_layernorm(query), self.key_layernorm(key)
         rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)  # the identity: already turned
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))

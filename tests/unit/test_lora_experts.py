@@ -36,6 +36,7 @@ FAMILIES = {"qwen3_moe": ATTENTION, "qwen2_moe": [*ATTENTION, "shared_expert.gat
             "gpt_oss": ATTENTION, "glm4_moe": ["q_proj", "shared_experts.gate_proj", "shared_experts.up_proj"],
             "dots1": ATTENTION, "ernie4_5_moe": ["o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"], "hunyuan_v1_moe": ATTENTION,
             "minimax_m2": ATTENTION, "exaone_moe": ATTENTION, "solar_open": ATTENTION, "sarvam_moe": ATTENTION,
+            "afmoe": ATTENTION,
             "deepseek_v3": ["kv_b_proj", "shared_experts.gate_proj", "shared_experts.up_proj"],
             "mistral4": ["q_b_proj", "kv_b_proj"], "deepseek_v2": ["kv_b_proj"],
             "flex_olmo": ATTENTION, "llama4": ["q_proj", "feed_forward.gate_proj", "feed_forward.up_proj",

@@ -62,7 +62,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # mixtures of experts: the attention's projections (their experts and routers take none)
     **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
-         "solar_open", "sarvam_moe"))},
+         "solar_open", "sarvam_moe", "afmoe"))},
     "granitemoeshared": dict(seed=70, rank=8, alpha=32, targets=ATTENTION),
     # hybrids: the attention layers' projections (their state layers take none; Qwen3.5's: tests/unit/test_lora.py)
     "bamba": dict(seed=80, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),
@@ -277,11 +277,16 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
     "cohere2_vision": ("cohere2_vision_utils", "make_tiny_cohere2_vision", {}, "Cohere2Vision", OLDER),
     "gemma3": ("gemma3_mm_utils", "make_tiny_gemma3_mm", {}, "Gemma3", OLDER),
     "mistral3": ("mistral3_utils", "make_tiny_mistral3", {}, "Mistral3", OLDER),
+    "lighton_ocr": ("lighton_ocr_utils", "make_tiny_lighton_ocr", {}, "LightOnOcr", None),  # Qwen3's decoder
     "gemma4": ("gemma4_mm_utils", "make_tiny_gemma4_mm", {}, "Gemma4", None),
     "qwen3_omni": ("qwen3_omni_utils", "make_tiny_qwen3_omni", {}, "Qwen3OmniMoeThinker",
                    ("model.language_model.", "thinker.model.")),  # the released checkpoints' layout
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {}, "Gemma3n", OLDER),  # audio-text
     "ernie4_5_vl": ("ernie_vl_utils", "make_tiny_ernie_vl", {}, "Ernie4_5_VLMoe", None),  # its dense MLP's too
+    "paddleocr_vl": ("paddleocr_vl_utils", "make_tiny_paddleocr_vl", {}, "PaddleOCRVL",
+                     ("model.language_model.", "model.")),  # the released checkpoints' decoder names
+    "hunyuan_vl": ("hunyuan_vl_utils", "make_tiny_hunyuan_vl", {}, "HunYuanVL",
+                   ("model.language_model.", "model.")),  # the released checkpoints' decoder names
     "phi4_multimodal": ("phi4_mm_utils", "make_tiny_phi4_mm", {}, "Phi4MultimodalForCausalLM", None),  # Phi-3's fused
     "mllama": ("mllama_utils", "make_tiny_mllama", {}, "Mllama", OLDER),  # self-attention and MLPs
 }

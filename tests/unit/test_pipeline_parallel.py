@@ -102,7 +102,7 @@ CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), (
              "olmo", "jais2", "stablelm", "phi", "gpt_neox", "gptj", "falcon", "granitemoe", "olmoe", "flex_olmo",
              "phimoe", "dbrx", "dots1", "glm4_moe", "minimax_m2", "exaone_moe", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open",
              "sarvam_moe", "llama4", "deepseek_v2", "deepseek_v3", "granitemoeshared", "youtu", "minicpm3", "mistral4",
-             "glm4_moe_lite", "cohere", "cohere2", "gpt2", "gpt_bigcode", "opt", "bloom", "mpt"))]
+             "glm4_moe_lite", "cohere", "cohere2", "gpt2", "gpt_bigcode", "opt", "bloom", "mpt", "afmoe"))]
 """(family, layers, stages): the odd splits on Llama, every family of PIPELINE_ARCHITECTURES (Granite and Gemma
 tie their LM head to the embeddings, the MoE families load per-expert tensors, DeepSeek's latent attention keeps a
 one-part cache per stage); Qwen2-MoE as Qwen3-MoE."""
@@ -196,7 +196,8 @@ def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) ->
     _assert_two_stages_equal_the_unsplit_model(config, load_hf_config(path), 2)
 
 
-@pytest.mark.parametrize("maker", ["mm_utils:make_tiny_llava", "llava_next_video_utils:make_tiny_llava_next_video"])
+@pytest.mark.parametrize("maker", ["mm_utils:make_tiny_llava", "llava_next_video_utils:make_tiny_llava_next_video",
+                                   "lighton_ocr_utils:make_tiny_lighton_ocr"])
 def test_an_image_text_model_keeps_its_encoder_on_the_first_stage(tmp_path, maker) -> None:
     """LLaVA (and LLaVA-NeXT-Video) over two stages: the first holds the vision tower and projector with its layer,
     the second only its layer, the norm and the LM head, and reads none of the tower's tensors (the first stage's
@@ -219,7 +220,7 @@ def test_an_image_text_model_keeps_its_encoder_on_the_first_stage(tmp_path, make
         held.append({name for name, _ in model.named_parameters()})
         read: set[str] = set()
         model.load_weights((n, ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
-        assert any("vision_tower" in n for n in read) == (rank == 0)
+        assert any("vision_tower" in n or "vision_encoder" in n for n in read) == (rank == 0)  # LightOnOCR's
     assert encoder <= held[0] and not encoder & held[1]
     assert held[0] | held[1] == full
 
@@ -286,6 +287,8 @@ MM_STAGES = {
     "granite_speech": ("test_pipeline_parallel", "_tiny_granite_speech", {}),
     "aya_vision": ("aya_vision_utils", "make_tiny_aya_vision", {}),
     "cohere2_vision": ("cohere2_vision_utils", "make_tiny_cohere2_vision", {}),
+    "paddleocr_vl": ("paddleocr_vl_utils", "make_tiny_paddleocr_vl", {}),
+    "hunyuan_vl": ("hunyuan_vl_utils", "make_tiny_hunyuan_vl", {}),  # XD-RoPE's four-axis positions
     "qwen3_omni": ("test_pipeline_parallel", "_tiny_qwen3_omni", {}),
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {"num_kv_shared_layers": 0}),  # any split
 }
