@@ -74,6 +74,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen3OmniMoeForConditionalGeneration",
                           "Ernie4_5_VLMoeForConditionalGeneration",  # its rows by modality on every stage
                           "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
+                          "AriaForConditionalGeneration",  # its MoE decoder's layers as Qwen-MoE's
                           # audio-text: the audio encoder on the first stage
                           "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                           "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",

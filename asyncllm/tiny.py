@@ -45,7 +45,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
-              "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
+              "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx", "longcat_flash",
               "zamba2", "kimi_linear", "bloom", "mpt", "deepseek_v32", "glm_moe_dsa", "minimax", "afmoe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
@@ -318,7 +318,7 @@ def _build_config(
         "falcon": "FalconConfig", "olmo": "OlmoConfig", "jais2": "Jais2Config",
         "cwm": "CwmConfig", "youtu": "YoutuConfig", "phimoe": "PhimoeConfig",
         "dbrx": "DbrxConfig", "zamba2": "Zamba2Config",
-        "kimi_linear": "KimiLinearConfig", "bloom": "BloomConfig",
+        "kimi_linear": "KimiLinearConfig", "bloom": "BloomConfig", "longcat_flash": "LongcatFlashConfig",
         "mpt": "MptConfig", "deepseek_v32": "DeepseekV32Config",
         "glm_moe_dsa": "GlmMoeDsaConfig", "minimax": "MiniMaxConfig", "afmoe": "AfmoeConfig",
     }[arch])

@@ -70,6 +70,11 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
                      scale_emb=12.0, scale_depth=0.3, dim_model_base=32, rope_parameters={"rope_type": "longrope",
                      "rope_theta": 10_000.0, "original_max_position_embeddings": 64,
                      "short_factor": [1.0, 1.3, 1.8, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0]}),
+    # LongCat-Flash: two decoder layers (four latent attention blocks), 6 routed experts and 2 identity ones, top 3
+    "longcat_flash": dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=12,
+                          q_lora_rank=24, num_hidden_layers=4, n_routed_experts=6, zero_expert_num=2, moe_topk=3,
+                          expert_ffn_hidden_size=32, routed_scaling_factor=2.5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}),
     # Kimi-Linear: a KDA layer (4 heads of 16, a decay per key channel) with the dense MLP, latent attention without
     # positions with experts, a KDA layer with experts
     "kimi_linear": dict({k: v for k, v in _DEEPSEEK_LATENT.items() if k != "n_routed_experts"}, num_local_experts=8,

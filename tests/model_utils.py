@@ -259,6 +259,21 @@ def tp_worker(
             torch.save(run.run(schedule), os.path.join(out_dir, f"rank{rank}_{index}.pt"))
 
 
+def assert_tp2_logits_match_checkpoint(path: str, out_dir: Any, seq_lens: list[int], schedule: list[list[int]],
+                                       seed: int, atol: float = 1e-4) -> None:
+    """Two spawned gloo ranks (`tp_worker`) run random sequences of ``seq_lens`` tokens by ``schedule``: every
+    rank's float32 logits equal transformers' for the checkpoint at ``path`` within ``atol``."""
+    import torch.multiprocessing as mp
+    from hf_reference import hf_logits as hf_path_logits
+
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
+    mp.spawn(tp_worker, args=(2, free_port(), [path], str(out_dir), sequences, schedule), nprocs=2, join=True)
+    for rank in range(2):
+        for tokens, logits in zip(sequences, torch.load(os.path.join(str(out_dir), f"rank{rank}_0.pt")), strict=True):
+            torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=atol, rtol=0)
+
+
 class MaskedRun(PagedRun):
     """`PagedRun` that sets each step's LoRA mask: sequence i's tokens use slot ``slots[i]`` of ``num_slots``
     (-1: none); ``context.experts`` on, so an adapter's expert matrices count too."""

@@ -234,8 +234,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ENCODER_ARCHITECTURES
-"""The encoders take no adapters. The state-space models without attention (Mamba, Falcon Mamba, Mamba2) take them
+_NO_LORA = ENCODER_ARCHITECTURES + ("LongcatFlashForCausalLM",)
+"""The encoders take no adapters, nor LongCat-Flash (its two attention blocks per layer: not built). The state-space
+models without attention (Mamba, Falcon Mamba, Mamba2) take them
 on their mixers' projections (``in_proj``, ``out_proj``; Mamba's ``x_proj``, ``dt_proj`` too: asyncllm/models/mamba.py).
 Every other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused
@@ -266,6 +267,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Phi4MultimodalForCausalLM",
                                  "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
                                  "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
+                                 "AriaForConditionalGeneration",  # its attention (the experts take none)
                                  "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused); their hooks are the decoder's (asyncllm/models/decoder_lora.py; Whisper's its own)."""

@@ -46,7 +46,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                       "PhimoeForCausalLM", "MiniCPM3ForCausalLM", "DbrxForCausalLM", "Zamba2ForCausalLM",
                       "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MiniMaxForCausalLM",
-                      "AfmoeForCausalLM")
+                      "AfmoeForCausalLM", "LongcatFlashForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
@@ -71,7 +71,9 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
                      "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM", "MiniMaxForCausalLM",
                      "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
-                     "Ernie4_5_VLMoeForConditionalGeneration", "AfmoeForCausalLM")
+                     "AriaForConditionalGeneration",
+                     "Ernie4_5_VLMoeForConditionalGeneration", "AfmoeForCausalLM",
+                     "LongcatFlashForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaNextVideoForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
@@ -95,7 +97,8 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
                             "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                             "MllamaForConditionalGeneration", "Phi4MultimodalForCausalLM",
-                            "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration")
+                            "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
+                            "AriaForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only), as LLaVA-NeXT-Video does."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",

@@ -3,8 +3,7 @@ ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, 
 attention of gpt-oss, Llama 4 and the other mixtures of experts, DBRX's fused ``Wqkv``; latent attention's every
 projection: DeepSeek-V2 / V3, GLM-4.7-Flash, Mistral 4, Youtu, MiniCPM3; Kimi-Linear's every matrix, its KDA layers'
 too; MiniMax's lightning and softmax attention and experts; every image-text family's decoder, Qwen3-Omni's
-experts too): every position's
-logits equal PEFT's (fp32, 1e-4), for a
+experts too): every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -289,6 +288,7 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
                    ("model.language_model.", "model.")),  # the released checkpoints' decoder names
     "phi4_multimodal": ("phi4_mm_utils", "make_tiny_phi4_mm", {}, "Phi4MultimodalForCausalLM", None),  # Phi-3's fused
     "mllama": ("mllama_utils", "make_tiny_mllama", {}, "Mllama", OLDER),  # self-attention and MLPs
+    "aria": ("aria_utils", "make_tiny_aria", {}, "Aria", OLDER),  # its attention (its MLPs are experts)
 }
 """Idefics3's and SmolVLM's decoder is ``model.text_model`` in either layout; Gemma 4 has transformers 5's alone."""
 

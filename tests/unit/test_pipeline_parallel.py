@@ -289,6 +289,7 @@ MM_STAGES = {
     "cohere2_vision": ("cohere2_vision_utils", "make_tiny_cohere2_vision", {}),
     "paddleocr_vl": ("paddleocr_vl_utils", "make_tiny_paddleocr_vl", {}),
     "hunyuan_vl": ("hunyuan_vl_utils", "make_tiny_hunyuan_vl", {}),  # XD-RoPE's four-axis positions
+    "aria": ("aria_utils", "make_tiny_aria", {}),  # stacked experts cut per expert on each stage
     "qwen3_omni": ("test_pipeline_parallel", "_tiny_qwen3_omni", {}),
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {"num_kv_shared_layers": 0}),  # any split
 }

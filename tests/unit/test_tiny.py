@@ -35,12 +35,13 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
     four = ("nemotron_h", "gemma4", "gemma3n")  # Nemotron-H: 4 one-mixer layers; Gemma 4 / 3n: two sharing the others' KV
+    four += ("longcat_flash",)  # LongCat-Flash: 2 layers of 2 attention blocks (num_hidden_layers counts the blocks)
     # Zamba2: 2 Mamba2 layers and 3 hybrid ones (two shared blocks, one of them invoked twice); Kimi-Linear: KDA
     # (dense MLP), latent attention (experts), KDA (experts)
     layers = 4 if arch in four else 5 if arch == "zamba2" else 3 if arch == "kimi_linear" else 2
     assert model.config.num_hidden_layers == layers
     latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "youtu", "minicpm3", "kimi_linear",
-                                                                 "glm_moe_dsa")
+                                                                 "glm_moe_dsa", "longcat_flash")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
                 else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
                 else model.config.num_kv_heads if arch == "falcon"  # its own name
