@@ -178,6 +178,11 @@ class LongcatFlashForCausalLM(DeepseekV2ForCausalLM):
                        renormalize=False, weights_in_model_dtype=False)
 
     @classmethod
+    def dense_mlp_sizes(cls, hf_config: Any) -> dict[str, int]:
+        """The two dense MLPs of every layer, beside its experts (`registry.check_tensor_parallel` splits them)."""
+        return {"ffn_hidden_size": int(hf_config.ffn_hidden_size)}
+
+    @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
         return LongcatMoE(cls.moe_spec(b.hf_config, layer_idx), b)
 

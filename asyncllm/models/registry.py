@@ -356,6 +356,8 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
         problems.append(f"intermediate_size={sizes}")
     for spec in set(specs) - {None}:
         problems += [p for p in moe_parallel_problems(spec, tp_size, expert_parallel) if p not in problems]
+    beside = getattr(model_cls, "dense_mlp_sizes", None)  # dense MLPs beside every layer's experts (LongCat-Flash)
+    problems += [f"{name}={size}" for name, size in (beside(hf_config) if beside else {}).items() if size % tp_size]
     if problems:
         raise ConfigError("tensor_parallel_size", tp_size, "a size that divides the model's " + ", ".join(problems))
 

@@ -136,3 +136,16 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     """Two gloo ranks, each holding half the heads of both attention blocks, half of both dense MLPs' rows and of
     every expert's; the identity experts whole on each: every rank's logits equal transformers'."""
     assert_tp2_logits_match_checkpoint(tiny_checkpoint("longcat_flash"), tmp_path, SEQ_LENS, SCHEDULE, seed=2)
+
+
+def test_a_tensor_parallel_size_that_does_not_split_the_dense_mlps_is_refused_up_front() -> None:
+    """The two dense MLPs beside each layer's experts are split over the ranks too: checked on the host, naming
+    ffn_hidden_size, before any model is built."""
+    from asyncllm.errors import ConfigError
+    from asyncllm.models.registry import check_tensor_parallel
+
+    hf_config = load_hf_config(tiny_checkpoint("longcat_flash"))
+    check_tensor_parallel(hf_config, 2)
+    hf_config.ffn_hidden_size = 66  # splits over 2 ranks, not 4 (the heads and experts do)
+    with pytest.raises(ConfigError, match=r"ffn_hidden_size=66"):
+        check_tensor_parallel(hf_config, 4)
