@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
-from asyncllm.models.clip import CLIPEncoder
+from asyncllm.models.clip import CLIPEncoder, activation
 from asyncllm.models.hunyuan import HunYuanDecoderLayer, HunYuanDenseV1ForCausalLM, ntk_alpha_config
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild
@@ -121,12 +121,15 @@ class HunYuanVLVisionEmbeddings(nn.Module):
         self.patch_embedding = nn.Conv2d(self.channels, cfg.hidden_size, kernel_size=self.patch, stride=self.patch)
         self.edge = int(cfg.max_image_size) // self.patch
         self.position_embedding = nn.Embedding(self.edge ** 2 + 1, cfg.hidden_size)  # row 0 unused
+        self.mode = getattr(cfg, "interpolate_mode", "bilinear")  # transformers' F.interpolate mode, align_corners off
+        if self.mode not in ("bilinear", "bicubic"):
+            raise NotBuiltError("vision_config.interpolate_mode", self.mode, "bilinear or bicubic")
 
     def positions(self, rows: int, cols: int) -> torch.Tensor:
         """The table (past its first row) resized to ``rows x cols``, row by row: ``[rows * cols, hidden]``."""
         table = self.position_embedding.weight
         grid = table[1:].reshape(1, self.edge, self.edge, -1).permute(0, 3, 1, 2).float()
-        resized = F.interpolate(grid, size=(rows, cols), mode="bilinear", align_corners=False)
+        resized = F.interpolate(grid, size=(rows, cols), mode=self.mode, align_corners=False)
         return resized.permute(0, 2, 3, 1).reshape(rows * cols, -1).to(table.dtype)
 
     def forward(self, patches: torch.Tensor, n: int, rows: int, cols: int) -> torch.Tensor:
@@ -151,11 +154,12 @@ class HunYuanVLPatchMerger(nn.Module):
         self.image_end = nn.Parameter(torch.empty(text_hidden, dtype=dtype), requires_grad=False)
         self.image_sep = nn.Parameter(torch.empty(text_hidden, dtype=dtype), requires_grad=False)  # unused, loaded
         self.after_rms = RMSNorm(text_hidden, cfg.rms_norm_eps, dtype)
+        self.act = activation(cfg.hidden_act, "vision_config.hidden_act")  # the tower's, as transformers' merger
 
     def forward(self, hidden: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         x = self.before_rms(hidden)
         n = x.shape[0]
-        x = self.proj_out(F.gelu(self.proj_conv(x.transpose(1, 2).reshape(n, -1, rows, cols))))
+        x = self.proj_out(self.act(self.proj_conv(x.transpose(1, 2).reshape(n, -1, rows, cols))))
         newline = self.image_newline.to(x.dtype).view(1, -1, 1, 1).expand(n, -1, x.shape[2], 1)
         x = self.mlp(torch.cat([x, newline], -1).flatten(2).transpose(1, 2))
         ends = [edge.to(x.dtype).view(1, 1, -1).expand(n, 1, -1) for edge in (self.image_begin, self.image_end)]
@@ -249,11 +253,6 @@ class HunYuanVLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         """The prompt's ``[axes, prompt_len]`` XD-RoPE positions and the delta of every later token (0)."""
         images = [(item.offset, item.length, tuple(item.shape[:3])) for item in items]
         return xd_positions(prompt_len, images, self.merge, self.num_axes)
-
-    @staticmethod
-    def checkpoint_module_name(name: str) -> str:
-        """Our decoder's module names -> the released checkpoint's (what a quantization_config names)."""
-        return name.removeprefix("language_model.")
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return load_vision_language_weights(self, weights, normalize_hunyuan_vl_name, "HunYuan VL")

@@ -87,3 +87,35 @@ def test_step_rotation_equals_transformers(checkpoint: str) -> None:
 ])
 def test_checkpoint_names_in_either_layout(theirs: str, ours: str) -> None:
     assert normalize_hunyuan_vl_name(theirs) == ours
+
+
+@pytest.mark.parametrize("setting", [{}, {"interpolate_mode": "bicubic"}, {"hidden_act": "gelu_pytorch_tanh"}])
+def test_patch_embedding_and_merger_follow_their_vision_config(setting: dict) -> None:
+    """The position table resampled by ``interpolate_mode`` and the merger's activation the tower's ``hidden_act``,
+    as transformers' modules on the same weights; a mode transformers' call cannot take is refused."""
+    from transformers.models.hunyuan_vl.configuration_hunyuan_vl import HunYuanVLVisionConfig
+    from transformers.models.hunyuan_vl.modeling_hunyuan_vl import HunYuanVLVisionPatchEmbed, HunYuanVLVisionPatchMerger
+
+    from asyncllm.errors import NotBuiltError
+    from asyncllm.models.hunyuan_vl import HunYuanVLPatchMerger, HunYuanVLVisionEmbeddings
+
+    torch.manual_seed(0)
+    cfg = HunYuanVLVisionConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64, patch_size=8,
+                                max_image_size=64, spatial_merge_size=2, text_hidden_size=48, **setting)
+    theirs, ours = HunYuanVLVisionPatchEmbed(cfg).eval(), HunYuanVLVisionEmbeddings(cfg)
+    for param in theirs.parameters():
+        param.data.normal_()
+    ours.load_state_dict(theirs.state_dict(), strict=False)
+    rows, cols, patches = 6, 4, torch.randn(24, 3 * 8 * 8)
+    merger_theirs, merger_ours = HunYuanVLVisionPatchMerger(cfg).eval(), HunYuanVLPatchMerger(cfg, 48, torch.float32)
+    for param in merger_theirs.parameters():
+        param.data.normal_()
+    merger_ours.load_state_dict({k.replace("proj.0", "proj_conv").replace("proj.2", "proj_out"): v
+                                 for k, v in merger_theirs.state_dict().items()}, strict=False)
+    hidden = torch.randn(1, rows * cols, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(patches, 1, rows, cols)[0], theirs(patches, [[1, rows, cols]])[0])
+        torch.testing.assert_close(merger_ours(hidden, rows, cols), merger_theirs(hidden, (rows, cols)))
+    cfg.interpolate_mode = "nearest"
+    with pytest.raises(NotBuiltError, match="interpolate_mode"):
+        HunYuanVLVisionEmbeddings(cfg)
