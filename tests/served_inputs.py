@@ -30,7 +30,7 @@ class ServedInputs:
     undoes the recording."""
 
     def __init__(self, model, monkeypatch) -> None:
-        self.rows: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.rows: dict[tuple[int, int | str, int], list[torch.Tensor]] = {}
         self.layer = -1
         for layer, block in enumerate(model.model.layers):
             for module in block.modules():

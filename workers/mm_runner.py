@@ -86,14 +86,15 @@ def attend_limit(items: dict[str, list[Any]], spans: list[ScheduledSpan], flat: 
 
 
 class MRopePositions:
-    """Each image-holding request's M-RoPE positions (asyncllm/models/mrope.py), and a step's ``[3, T]`` positions.
+    """Each image-holding request's M-RoPE positions (asyncllm/models/mrope.py), and a step's ``[axes, T]`` positions
+    (3 axes; HunYuan VL's XD-RoPE 3 or 4).
 
-    Requests without images keep ``[T]`` positions: their three axes are equal, so the ordinary rope is theirs."""
+    Requests without images keep ``[T]`` positions: their axes are equal, so the ordinary rope is theirs."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
         self.requests: dict[str, tuple[np.ndarray, int]] = {}
-        """request id -> (its prompt's ``[3, prompt_len]`` positions, the delta of every later token)."""
+        """request id -> (its prompt's ``[axes, prompt_len]`` positions, the delta of every later token)."""
 
     def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any]) -> str | None:
         """Lay out the request's positions; the error when its items' placeholders disagree with their grids (the

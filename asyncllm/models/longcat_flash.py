@@ -12,7 +12,7 @@ per layer, beside dense MLPs and a shortcut-connected mixture of experts with id
   the normed key-value latent times ``sqrt(hidden / kv_lora_rank)`` before it is cached (so the keys' no-rope
   part and the values scale, the shared rotary key not), as transformers does; the rope always interleaved.
 - **Experts.** A float32 softmax over ``n_routed_experts + zero_expert_num`` router logits (``router.classifier``,
-  its bias unread as transformers leaves it); the top ``moe_topk`` by score plus ``e_score_correction_bias``,
+  its ``router_bias`` refused as transformers never adds it); the top ``moe_topk`` by score plus ``e_score_correction_bias``,
   weighted by the plain scores times ``routed_scaling_factor``, not renormalized. Ids past ``n_routed_experts`` are
   identity experts: they add the token's input times their weight (every rank whole, after the routed experts'
   all-reduce). The checkpoint's gate/up rows for those ids (transformers stacks ``gate_up_proj`` over every id)
@@ -26,7 +26,7 @@ leaves them.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.deepseek import DeepseekAttention, DeepseekV2ForCausalLM
 from asyncllm.models.embedding import VocabParallelEmbedding
-from asyncllm.models.layers import LoadedWeight, RMSNorm, new_param, norm_in
+from asyncllm.models.layers import RMSNorm, new_param, norm_in
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, LlamaModel
 from asyncllm.models.moe import FusedMoE, MoESpec
 
@@ -209,9 +209,6 @@ class LongcatFlashForCausalLM(DeepseekV2ForCausalLM):
     def _on_this_rank(self, ckpt_name: str) -> bool:
         """Stacked experts cut per id (`MoECausalLM._per_expert`) include the identity ids: not read."""
         return not self.unread_weight(ckpt_name) and super()._on_this_rank(ckpt_name)
-
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights((name, w) for name, w in weights if not self.unread_weight(name))
 
 
 def check_longcat(hf_config: Any) -> None:

@@ -241,6 +241,11 @@ class PaddleOCRVLForConditionalGeneration(Qwen2VLForConditionalGeneration):
             return "mlp_AR." + name.removeprefix("projector.")
         return name.removeprefix("language_model.")
 
+    def unread_weight(self, name: str) -> bool:
+        """Whether the loader leaves a checkpoint tensor unread: the tower's pooling head and packing table (as
+        transformers; a pushed one is refused, workers/weight_update.py), or the decoder's own."""
+        return any(part in name for part in _UNREAD) or super().unread_weight(name)
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        read = ((name, weight) for name, weight in weights if not any(part in name for part in _UNREAD))
+        read = ((name, weight) for name, weight in weights if not self.unread_weight(name))
         return load_vision_language_weights(self, read, normalize_paddleocr_vl_name, "PaddleOCR-VL")
