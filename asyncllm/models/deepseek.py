@@ -276,11 +276,11 @@ class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
 
     @torch.inference_mode()
     def refresh_derived_weights(self) -> None:
-        """Recompute each layer's absorbed expansions from its ``kv_b_proj`` now, in place (after a weight update,
-        before the CUDA graphs that read them replay)."""
-        for layer in self.model.layers:
-            if isinstance(getattr(layer, "self_attn", None), DeepseekAttention) and layer.self_attn.absorbed is not None:
-                layer.self_attn.expansions(refresh=True)
+        """Recompute every latent attention's absorbed expansions from its ``kv_b_proj`` now, in place (after a weight
+        update, before the CUDA graphs that read them replay): each layer's, LongCat-Flash's two a layer."""
+        for module in self.model.modules():
+            if isinstance(module, DeepseekAttention) and module.absorbed is not None:
+                module.expansions(refresh=True)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

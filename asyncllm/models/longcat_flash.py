@@ -190,14 +190,6 @@ class LongcatFlashForCausalLM(DeepseekV2ForCausalLM):
         check_longcat(hf_config)
         super().__init__(hf_config, **kwargs)
 
-    @torch.inference_mode()
-    def refresh_derived_weights(self) -> None:
-        """Both attention blocks' absorbed expansions, recomputed in place (`DeepseekV2ForCausalLM`'s, per block)."""
-        for layer in self.model.layers:
-            for attn in layer.self_attn:
-                if attn.absorbed is not None:
-                    attn.expansions(refresh=True)
-
     def unread_weight(self, name: str) -> bool:
         """The multi-token-prediction weights (``model.mtp.*``) and the identity experts' gate/up rows (ids past
         ``n_routed_experts``), besides DeepSeek's unread ones."""
