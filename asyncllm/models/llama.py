@@ -60,7 +60,8 @@ def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
 def check_silu(hf_config: Any) -> None:
     """`NotBuiltError` unless the MLPs' activation is SiLU (the gated SiLU MLP is the one built)."""
     if hf_config.hidden_act != "silu":
-        raise NotBuiltError("model", hf_config.hidden_act, f"the {hf_config.hidden_act!r} MLP activation (only 'silu')")
+        raise NotBuiltError("hidden_act", hf_config.hidden_act,
+                            f"the {hf_config.hidden_act!r} MLP activation (only 'silu')")
 
 
 @dataclass(frozen=True)

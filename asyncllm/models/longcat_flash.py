@@ -37,7 +37,7 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.models.deepseek import DeepseekAttention, DeepseekV2ForCausalLM
 from asyncllm.models.embedding import VocabParallelEmbedding
 from asyncllm.models.layers import RMSNorm, new_param, norm_in
-from asyncllm.models.llama import DecoderBuild, LlamaMLP, LlamaModel
+from asyncllm.models.llama import DecoderBuild, LlamaMLP, LlamaModel, check_silu
 from asyncllm.models.moe import FusedMoE, MoESpec
 
 __all__ = ["LongcatFlashForCausalLM"]
@@ -219,5 +219,4 @@ def check_longcat(hf_config: Any) -> None:
     if head_dim is not None and head_dim != hf_config.qk_rope_head_dim:
         raise NotBuiltError("head_dim", head_dim, f"LongCat's rope as wide as qk_rope_head_dim "
                                                   f"({hf_config.qk_rope_head_dim}): transformers' rotary reads head_dim")
-    if hf_config.hidden_act != "silu":
-        raise NotBuiltError("hidden_act", hf_config.hidden_act, "LongCat with SiLU MLPs")
+    check_silu(hf_config)

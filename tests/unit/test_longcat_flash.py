@@ -107,7 +107,7 @@ def test_stacked_experts_load_as_the_per_expert_ones(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [("router_bias", True), ("zero_expert_type", "const"),
-                                              ("mla_scale_q_lora", False), ("head_dim", 16)])
+                                              ("mla_scale_q_lora", False), ("head_dim", 16), ("hidden_act", "gelu")])
 def test_settings_transformers_does_not_run_are_refused(field: str, value: object) -> None:
     path = tiny_checkpoint("longcat_flash")
     hf_config = load_hf_config(path)
