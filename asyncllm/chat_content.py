@@ -53,7 +53,7 @@ def content_format_of(given: str, tokenizer: Any, chat_template: str | None = No
     if chat_template is None:
         try:
             chat_template = tokenizer.get_chat_template(None, tools=tools)
-        except (ValueError, AttributeError):  # no template: rendering says so
+        except (ValueError, AttributeError, NotImplementedError):  # no template (mistral_common's has none)
             return "string"
     return detect_content_format(chat_template)
 

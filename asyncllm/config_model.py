@@ -26,7 +26,7 @@ AUTO_MAX_MODEL_LEN = -1
 _MAX_ENGINE_SEED = 2**64 - 1
 """torch's ``manual_seed`` takes a uint64 (a request's seed is an int64: `SamplingParams.seed`)."""
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
-TOKENIZER_MODES = ("auto", "hf", "slow")
+TOKENIZER_MODES = ("auto", "hf", "slow", "mistral")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf", "mxfp4")
 """Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
@@ -42,8 +42,10 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer folder or hub id; defaults to `model`."""
     tokenizer_mode: str = "auto"
-    """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
-    mistral (mistral_common) and custom are not built."""
+    """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``),
+    mistral Mistral's own files (tekken.json, tokenizer.model.v<N>) with mistral_common (the ``mistral`` extra);
+    auto takes mistral for a folder with such a file and no Hugging Face tokenizer (docs/tokenizers.md). custom
+    is not built."""
     trust_remote_code: bool = False
     """vLLM's: let transformers run the checkpoint's own Python code for its config and tokenizer (``auto_map``;
     only from checkpoints you trust; an image processor's own code is not run). The model itself is always
@@ -129,9 +131,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a local folder or a hub id (non-empty string)")
-        if self.tokenizer_mode in ("mistral", "custom"):
+        if self.tokenizer_mode == "custom":
             raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
-                                                                       "(auto, hf or slow: transformers' tokenizers)")
+                                                                       "(auto, hf, slow or mistral)")
         check_choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_bool("enable_prompt_embeds", self.enable_prompt_embeds)

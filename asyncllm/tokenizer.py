@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
 from asyncllm.config_checks import is_int
-from asyncllm.errors import ConfigError, InvalidRequestError, check_remote_code
+from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError, check_remote_code
+from asyncllm.mistral_tokenizer import (MistralChat, is_mistral, load_mistral_tokenizer, render_mistral_chat,
+                                        uses_mistral)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,9 +72,12 @@ def load_chat_template(value: str) -> str:
 def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "auto",
                    trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer with `AutoTokenizer` (its own code run only with `trust_remote_code`; ``mode`` "slow":
-    the Python one); a ``.gguf`` file's from its metadata."""
+    the Python one); a ``.gguf`` file's from its metadata; Mistral's tokenizer files with mistral_common
+    (`asyncllm.mistral_tokenizer.uses_mistral`)."""
     from transformers import AutoTokenizer
 
+    if uses_mistral(name_or_path, mode):  # before AutoTokenizer, which reads tekken.json without its control tokens
+        return load_mistral_tokenizer(name_or_path, revision)
     try:
         if os.path.isfile(name_or_path) and name_or_path.lower().endswith(".gguf"):
             folder, name = os.path.split(os.path.abspath(name_or_path))
@@ -226,6 +231,11 @@ def render_chat(
                                       placeholder)
     messages = template_messages(messages)
     kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
+    if is_mistral(tokenizer):
+        if lower:
+            raise NotBuiltError("tokenizer_mode", "mistral", "a lowercasing embedding model's chat with "
+                                                             "tokenizer_mode='mistral'")
+        return render_mistral_chat(tokenizer, messages, kwargs)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages", f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
@@ -244,7 +254,10 @@ def render_chat(
 
 def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
     """A rendered chat's token ids as transformers' ``apply_chat_template(tokenize=True)`` makes them: the template
-    wrote the special tokens itself (BOS included), so none are added unless `add_special_tokens` (vLLM's)."""
+    wrote the special tokens itself (BOS included), so none are added unless `add_special_tokens` (vLLM's); a
+    `MistralChat`'s are mistral_common's own (BOS included)."""
+    if isinstance(text, MistralChat):
+        return list(text.token_ids)
     try:
         token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     except Exception as exc:  # noqa: BLE001 - a 400, as vLLM's

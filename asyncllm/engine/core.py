@@ -96,7 +96,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, self.executor.vocab_size, config.structured_output_compile_timeout_s,
             config.tokenizer_revision, max_drafts=spec.num_speculative_tokens if spec else 0,
-            trust_remote_code=config.trust_remote_code, any_whitespace=not config.structured_output_disable_any_whitespace)
+            trust_remote_code=config.trust_remote_code, any_whitespace=not config.structured_output_disable_any_whitespace,
+            tokenizer_mode=config.tokenizer_mode)
         # restarted workers get the same config JSON (no config.json read, no transformers import); after an
         # update_weights it is still the served architecture's, which the running workers keep using too
         self.restarter = WorkerRestarter(self.executor.config, self.num_gpu_blocks, self.num_cpu_blocks,

@@ -22,7 +22,7 @@ __all__ = ["resolve_model_path", "hub_unanswered", "names_a_path"]
 
 logger = logging.getLogger(__name__)
 
-_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.model.v*", "*.tiktoken", "*.txt", "*.jinja"]
 """A snapshot's configs and tokenizer files (all a tokenizer's has; `resolve_model_path` adds weights and code)."""
 _PATH_PREFIXES = ("/", ".", "~")
 """How a string that names a folder begins (a hub id never begins with one: huggingface_hub's check refuses it)."""

@@ -141,8 +141,8 @@ class GrammarCompilerPool:
     """Compiles constraints in background threads; `submit` returns the shared future of a compiled grammar."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, revision: str | None = None,
-                 trust_remote_code: bool = False, any_whitespace: bool = True) -> None:
-        self._tokenizer_path = tokenizer_path
+                 trust_remote_code: bool = False, any_whitespace: bool = True, tokenizer_mode: str = "auto") -> None:
+        self._tokenizer_path, self._tokenizer_mode = tokenizer_path, tokenizer_mode
         self._any_whitespace = any_whitespace
         """A JSON schema's grammar lets the model write any JSON whitespace, as vLLM's xgrammar backend by default
         (``any_whitespace=not disable_any_whitespace``); False: xgrammar's compact layout."""
@@ -272,8 +272,8 @@ class GrammarCompilerPool:
 
         from asyncllm.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(self._tokenizer_path, self._revision, trust_remote_code=self._trust_remote_code)
-        info = self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size or None)
+        tokenizer = load_tokenizer(self._tokenizer_path, self._revision, self._tokenizer_mode, self._trust_remote_code)
+        info = self._tokenizer_info = _tokenizer_info(tokenizer, self._vocab_size or None)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def _compile(self, key: tuple[str, str]) -> Any:
@@ -294,6 +294,21 @@ class GrammarCompilerPool:
             message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()  # the client sees the message only
             message = _XGRAMMAR_CHECK_PREFIX.sub("", message)
             raise InvalidRequestError("structured", f"invalid {kind}: {message}") from None
+
+
+def _tokenizer_info(tokenizer: Any, vocab_size: int | None) -> Any:
+    """xgrammar's view of the vocabulary: read from a Hugging Face tokenizer, or mistral_common's spelled out
+    (`xgrammar_vocab`; a sentencepiece model's pieces add the prefix space, as xgrammar's own reading does)."""
+    import xgrammar as xgr
+
+    from asyncllm.mistral_tokenizer import is_mistral, xgrammar_vocab
+
+    if not is_mistral(tokenizer):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    vocab, tekken = xgrammar_vocab(tokenizer)
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW if tekken else xgr.VocabType.BYTE_FALLBACK,
+                             vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id],
+                             add_prefix_space=not tekken)
 
 
 def _check_lark_support(compiler: Any) -> None:

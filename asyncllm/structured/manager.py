@@ -63,8 +63,9 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float, revision: str | None = None,
                  clock: Callable[[], float] = time.monotonic, max_drafts: int = 0,
-                 trust_remote_code: bool = False, any_whitespace: bool = True) -> None:
+                 trust_remote_code: bool = False, any_whitespace: bool = True, tokenizer_mode: str = "auto") -> None:
         self._tokenizer_path, self._vocab_size, self._revision = tokenizer_path, vocab_size, revision
+        self._tokenizer_mode = tokenizer_mode
         self._trust_remote_code = trust_remote_code
         self._any_whitespace = any_whitespace
         """JSON schemas let the model write any JSON whitespace (not ``structured_output_disable_any_whitespace``)."""
@@ -96,7 +97,8 @@ class StructuredOutputManager:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
         if self._compilers is None:
             self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision,
-                                                  self._trust_remote_code, any_whitespace=self._any_whitespace)
+                                                  self._trust_remote_code, any_whitespace=self._any_whitespace,
+                                                  tokenizer_mode=self._tokenizer_mode)
         structured = request.params.structured
         assert structured is not None
         self.pending[request.request_id] = _Pending(request, self._compilers.submit(structured), self._clock())

@@ -114,7 +114,7 @@ def test_unknown_field_is_refused() -> None:
     [
         ("quantization", "bitsandbytes"),
         ("speculative_config", {"method": "medusa", "num_speculative_tokens": 3}),
-        ("tokenizer_mode", "mistral"),
+        ("tokenizer_mode", "custom"),
         ("prefix_caching_hash_algo", "sha256_cbor"),  # vLLM's others; sha256 (its default) is what asyncllm does
         ("prefix_caching_hash_algo", "xxhash"),
     ],

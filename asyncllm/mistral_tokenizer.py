@@ -1,0 +1,137 @@
+"""``tokenizer_mode="mistral"``: Mistral's own tokenizer files (``tekken.json``, ``tokenizer.model.v3``...) read by
+mistral_common, through transformers' `MistralCommonBackend` (a `PreTrainedTokenizerBase`, so prompts, decoding,
+stop strings and logprobs take it as any tokenizer).
+
+What differs from a Hugging Face tokenizer, and is handled here:
+
+- chat: mistral_common encodes the conversation to ids itself (its control tokens are never parsed out of text),
+  so a chat renders to a `MistralChat`, the ids with their decoded text (for ``max_prompt_chars``), not to text
+  that is tokenized again. There is no Jinja template: a request's ``chat_template`` or template variables are
+  refused by name.
+- structured outputs: xgrammar gets the vocabulary as mistral_common spells it (`xgrammar_vocab`).
+- ``auto`` picks this mode for a folder with a Mistral tokenizer file and no Hugging Face one
+  (`uses_mistral`); docs/tokenizers.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["MistralChat", "uses_mistral", "load_mistral_tokenizer", "is_mistral", "render_mistral_chat",
+           "xgrammar_vocab"]
+
+_MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
+"""Tokenizer files only Mistral's checkpoints ship (a bare ``tokenizer.model`` is any sentencepiece model's)."""
+
+_HF_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+_CHAT_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "reasoning_effort"})
+"""The request's template variables mistral_common's chat encoding takes."""
+
+INSTALL_HINT = "pip install 'asyncllm[mistral]' (mistral_common)"
+
+
+class MistralChat(str):
+    """A chat mistral_common encoded: the text is its ids decoded (control tokens kept), `token_ids` the ids."""
+
+    token_ids: list[int]
+
+    def __new__(cls, text: str, token_ids: list[int]) -> MistralChat:
+        chat = super().__new__(cls, text)
+        chat.token_ids = token_ids
+        return chat
+
+
+def uses_mistral(name_or_path: str, mode: str) -> bool:
+    """Whether the tokenizer loads with mistral_common: ``mode`` "mistral", or "auto" for a local folder holding a
+    Mistral tokenizer file (``tekken.json``, ``tokenizer.model.v<N>``) and none of Hugging Face's."""
+    if mode == "mistral":
+        return True
+    if mode != "auto" or not os.path.isdir(name_or_path):
+        return False
+    files = os.listdir(name_or_path)
+    return any(_MISTRAL_FILE.fullmatch(name) for name in files) and not any(name in files for name in _HF_FILES)
+
+
+def load_mistral_tokenizer(name_or_path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """The folder's (or hub id's) Mistral tokenizer as transformers' `MistralCommonBackend`; a `ConfigError` when
+    mistral_common is not installed or no Mistral tokenizer file loads."""
+    try:
+        import mistral_common  # noqa: F401 - transformers imports it lazily; a clear error first
+    except ImportError as exc:
+        raise ConfigError("tokenizer_mode", "mistral", f"mistral_common installed: {INSTALL_HINT}") from exc
+    try:
+        return _tokenizer_class().from_pretrained(name_or_path, revision=revision or "main")
+    except Exception as exc:  # noqa: BLE001 - mistral_common raises ValueError, AssertionError, OSError...
+        raise ConfigError("tokenizer", name_or_path, f"a folder or hub id with a Mistral tokenizer file (tekken.json "
+                                                     f"or tokenizer.model.v<N>) for tokenizer_mode='mistral' "
+                                                     f"({type(exc).__name__}: {exc})") from exc
+
+
+@functools.cache
+def _tokenizer_class() -> type:
+    """transformers' `MistralCommonBackend`, except that an id past the vocabulary decodes to nothing, as a Hugging
+    Face tokenizer's does (mistral_common raises; a model may sample such an id when its vocabulary is padded)."""
+    from transformers.tokenization_mistral_common import MistralCommonBackend
+
+    class MistralTokenizer(MistralCommonBackend):
+        def _decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
+            if isinstance(token_ids, int):
+                token_ids = [token_ids]
+            return super()._decode([t for t in token_ids if 0 <= t < self.vocab_size], *args, **kwargs)
+
+        def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
+            if isinstance(ids, int):
+                return super().convert_ids_to_tokens(ids, skip_special_tokens) if 0 <= ids < self.vocab_size else ""
+            return [self.convert_ids_to_tokens(int(i), skip_special_tokens) for i in ids]
+
+    return MistralTokenizer
+
+
+def is_mistral(tokenizer: object) -> bool:
+    """Whether ``tokenizer`` is mistral_common's (checked without importing it)."""
+    return any(cls.__name__ == "MistralCommonBackend" for cls in type(tokenizer).__mro__)
+
+
+def render_mistral_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                        kwargs: dict[str, Any]) -> MistralChat:
+    """``messages`` encoded by mistral_common (``kwargs``: `asyncllm.tokenizer.template_arguments`' for the
+    request); what it refuses (a conversation it does not take, an unknown role) an `InvalidRequestError`."""
+    if "chat_template" in kwargs:
+        raise InvalidRequestError("chat_template", "tokenizer_mode='mistral' has no Jinja template to replace: "
+                                                   "mistral_common encodes the chat")
+    unknown = sorted(set(kwargs) - _CHAT_KWARGS - {"tools"})
+    if unknown:
+        raise InvalidRequestError("chat_template_kwargs", f"{unknown} are not read by mistral_common's chat "
+                                                          f"encoding (it takes {sorted(_CHAT_KWARGS)})")
+    if kwargs.get("continue_final_message"):
+        kwargs = {**kwargs, "add_generation_prompt": False}
+    try:
+        token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - mistral_common's validation errors: a 400, as vLLM's
+        raise InvalidRequestError("messages", f"mistral_common refused them ({type(exc).__name__}: {exc})") from exc
+    token_ids = [int(t) for t in token_ids]
+    return MistralChat(tokenizer.decode(token_ids), token_ids)
+
+
+def xgrammar_vocab(tokenizer: PreTrainedTokenizerBase) -> tuple[list[bytes], bool]:
+    """The vocabulary xgrammar reads, one entry per id: tekken's byte strings (raw) or sentencepiece's pieces
+    (byte fallback), control tokens as b"" so that no grammar emits one; and whether it is tekken's."""
+    from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    inner = tokenizer.tokenizer.instruct_tokenizer.tokenizer
+    control = set(tokenizer.all_special_ids)
+    if isinstance(inner, Tekkenizer):
+        return [b"" if i in control else inner.id_to_byte_piece(i, SpecialTokenPolicy.KEEP)
+                for i in range(inner.n_words)], True
+    pieces = tokenizer.convert_ids_to_tokens(list(range(inner.n_words)))
+    return [b"" if i in control else piece.encode() for i, piece in enumerate(pieces)], False

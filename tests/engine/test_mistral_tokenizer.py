@@ -1,0 +1,125 @@
+"""A checkpoint that ships only Mistral's tekken.json: mistral_common tokenizes its prompts and chats, greedy equals
+transformers', and what mistral_common cannot do is refused by name (asyncllm/mistral_tokenizer.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, StructuredOutputs
+from asgi_helpers import asgi_client
+from hf_reference import hf_greedy
+from tekken_utils import tekken_checkpoint
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Beautiful is better"},
+        {"role": "assistant", "content": "than ugly"}, {"role": "user", "content": "Explicit?"}]
+
+
+@pytest.fixture(scope="module")
+def tekken_model(tiny_llama: str, tmp_path_factory) -> str:
+    return tekken_checkpoint(tiny_llama, str(tmp_path_factory.mktemp("tekken")))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tekken_model: str):
+    async with AsyncEngine(tekken_model, disable_log_stats=True, max_model_len=512) as engine:
+        yield engine
+
+
+def mistral_common_chat(path: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The chat's ids as mistral_common itself encodes them (not through transformers)."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    tokenizer = MistralTokenizer.from_file(f"{path}/tekken.json")
+    return tokenizer.encode_chat_completion(ChatCompletionRequest.from_openai(messages, tools)).tokens
+
+
+def tekken_ids(path: str, text: str) -> list[int]:
+    """``text`` as mistral_common's tekkenizer encodes a prompt: BOS, then its tokens."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    return Tekkenizer.from_file(f"{path}/tekken.json").encode(text, bos=True, eos=False)
+
+
+async def test_auto_loads_mistral_common_and_greedy_equals_transformers(engine: AsyncEngine, tekken_model: str) -> None:
+    from asyncllm.mistral_tokenizer import is_mistral
+
+    tokenizer = await engine.get_tokenizer()
+    assert is_mistral(tokenizer) and engine.eos_token_ids == [2]
+    prompt = "Beautiful is better than ugly."
+    out = await engine.generate(prompt, GREEDY)
+    assert out.prompt_token_ids == tekken_ids(tekken_model, prompt)
+    assert out.token_ids == hf_greedy(tekken_model, out.prompt_token_ids, 12)
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    deltas = [d async for d in engine.stream(prompt, GREEDY)]
+    assert "".join(d.text for d in deltas) == out.text
+
+
+async def test_control_token_text_in_a_prompt_stays_text(engine: AsyncEngine, tekken_model: str) -> None:
+    """mistral_common never reads "[INST]" written in a prompt as the control token (transformers' conversion of
+    tekken.json, which ``auto`` would otherwise load, does, and has no BOS)."""
+    out = await engine.generate("[INST] hi [/INST]", SamplingParams(max_tokens=1))
+    assert out.prompt_token_ids == tekken_ids(tekken_model, "[INST] hi [/INST]")
+    assert 3 not in out.prompt_token_ids and 4 not in out.prompt_token_ids
+
+
+async def test_chat_is_encoded_by_mistral_common(engine: AsyncEngine, tekken_model: str) -> None:
+    [last] = [d async for d in engine.chat(CHAT, GREEDY, tools=TOOLS)][-1:]
+    expected = mistral_common_chat(tekken_model, CHAT, TOOLS)
+    assert expected[:2] == [1, 17] and 5 in expected  # BOS, [SYSTEM_PROMPT], [AVAILABLE_TOOLS]
+    out = await engine.generate(expected, GREEDY)
+    assert last.finish_reason == "length" and out.token_ids == hf_greedy(tekken_model, expected, 12)
+    chat = [d async for d in engine.chat(CHAT, GREEDY, tools=TOOLS)]
+    assert [t for d in chat for t in d.token_ids] == out.token_ids
+    prefix = [{"role": "user", "content": "Explicit?"}, {"role": "assistant", "content": "Better than"}]
+    continued = [d async for d in engine.chat(prefix, SamplingParams(max_tokens=1),
+                                              chat_template_kwargs={"continue_final_message": True})]
+    assert continued[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("messages, options, field", [
+    (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
+    (CHAT, {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ([{"role": "assistant", "content": "first"}], {}, "messages"),
+], ids=["jinja-template", "template-variable", "assistant-first"])
+async def test_what_mistral_common_does_not_take_is_refused(engine: AsyncEngine, messages, options, field) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        _ = [d async for d in engine.chat(messages, SamplingParams(max_tokens=2), **options)]
+    assert raised.value.field == field
+    out = await engine.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3
+
+
+async def test_structured_output_and_stop_strings_read_tekken_bytes(engine: AsyncEngine) -> None:
+    regex = StructuredOutputs(regex=r"(yes|no), [a-z]{3,8}\.")
+    out = await engine.generate("Is it?", SamplingParams(temperature=0.0, max_tokens=20, structured=regex))
+    assert re.fullmatch(r"(yes|no), [a-z]{3,8}\.", out.text), out.text
+    choice = StructuredOutputs(choice=["Beautiful is better", "Explicit"])
+    out = await engine.generate("Which?", SamplingParams(temperature=0.0, max_tokens=20, structured=choice))
+    assert out.text in ("Beautiful is better", "Explicit") and out.finish_reason == "stop"
+    free = await engine.generate("Now", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    stop = free.text[5:8]
+    stopped = await engine.generate("Now", SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]))
+    assert stopped.text == free.text[:free.text.index(stop)] and stopped.finish_reason == "stop"
+
+
+async def test_the_server_serves_chat_and_tokenize(engine: AsyncEngine, tekken_model: str) -> None:
+    from asyncllm.integrations.openai_server import create_app
+
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        chat = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0.0})
+        tokenize = await client.post("/tokenize", json={"messages": CHAT})
+        detokenize = await client.post("/detokenize", json={"tokens": tekken_ids(tekken_model, "Beautiful")})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(
+        mistral_common_chat(tekken_model, CHAT))
+    assert tokenize.json()["tokens"] == mistral_common_chat(tekken_model, CHAT)
+    assert detokenize.json()["prompt"] == "<s>Beautiful"
