@@ -8,6 +8,7 @@ warning, instead of hanging.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
@@ -16,9 +17,9 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.st_dense import dense_pickle_patterns
+from asyncllm.models.st_dense import dense_folders, dense_pickle_patterns
 
-__all__ = ["resolve_model_path", "hub_unanswered", "names_a_path"]
+__all__ = ["resolve_model_path", "hub_unanswered", "names_a_path", "safetensors_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +68,17 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
             unreachable = hub_unanswered(model, revision)
         hub: dict[str, Any] = dict(revision=revision, cache_dir=cache_dir,
                                    local_files_only=offline or unreachable is not None)
-        pt = weights and load_format == "pt"  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
         files = [*_TOKENIZER_PATTERNS, *(["*.py"] if trust_remote_code else [])]
-        path = snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"] if pt
-                                 else [*files, "*.safetensors"] if weights else files)
-        pickles = [] if not weights or pt else (
-            dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"])
+        path = snapshot_download(model, **hub, allow_patterns=files)  # configs and the weights' index first
+        if not weights:
+            return path
+        if load_format == "pt":  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
+            return snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"])
+        tensors = safetensors_patterns(path)
+        path = snapshot_download(model, **hub, allow_patterns=[*files, *tensors])
+        pickles = dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"]
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
-            model, **hub, allow_patterns=[*files, "*.safetensors", *pickles])
+            model, **hub, allow_patterns=[*files, *tensors, *pickles])
     except HFValidationError as exc:
         raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
     except LocalEntryNotFoundError as exc:
@@ -85,6 +89,18 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                                           f"(`huggingface-cli download {model}`)") from exc
     except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
         raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def safetensors_patterns(path: str) -> list[str]:
+    """The safetensors a snapshot's weights are: those its ``model.safetensors.index.json`` names (and its
+    sentence-transformers Dense modules'), not the repo's other copies (Mistral's ``consolidated.safetensors``,
+    gpt-oss's ``original/``); every ``*.safetensors`` without an index."""
+    try:
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or a broken one the loader names
+        return ["*.safetensors"]
+    return [*names, *(f"{folder}/*.safetensors" for folder in dense_folders(path))]
 
 
 def names_a_path(model: str) -> bool:

@@ -81,9 +81,13 @@ def dense_pickle_patterns(path: str) -> list[str]:
     """The hub patterns of the PyTorch weights of the snapshot's Dense modules that have no safetensors in it (older
     sentence-transformers repos: a root ``model.safetensors`` beside ``2_Dense/pytorch_model.bin``), as vLLM
     fetches each Dense folder's ``model.safetensors`` else its ``pytorch_model.bin``."""
-    folders = [m.get("path", "") for m in st_modules(path) or [] if str(m.get("type", "")).endswith(".Dense")]
-    return [f"{folder}/{name}" for folder in folders if not glob.glob(os.path.join(path, folder, "*.safetensors"))
-            for name in ("*.bin", "*.pt")]
+    return [f"{folder}/{name}" for folder in dense_folders(path)
+            if not glob.glob(os.path.join(path, folder, "*.safetensors")) for name in ("*.bin", "*.pt")]
+
+
+def dense_folders(path: str) -> list[str]:
+    """The folders of the snapshot's Dense modules, as its ``modules.json`` names them."""
+    return [m.get("path", "") for m in st_modules(path) or [] if str(m.get("type", "")).endswith(".Dense")]
 
 
 def embedding_width(path: str | None, hidden_size: int) -> int:

@@ -1,0 +1,63 @@
+"""A hub snapshot fetches the safetensors its index names, not the repo's other copies of the weights
+(Mistral's consolidated.safetensors, gpt-oss's original/), and still every file without an index."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from asyncllm.models.hub import resolve_model_path
+from asyncllm.tiny import tiny_checkpoint
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """A repo folder and a snapshot_download that copies what huggingface_hub's own filter selects from it."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo, snapshot = tmp_path / "repo", tmp_path / "snapshot"
+    shutil.copytree(tiny_checkpoint("llama"), repo)
+    snapshot.mkdir()
+
+    def snapshot_download(model, allow_patterns, **_):
+        names = [str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()]
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(repo / name, snapshot / name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo, snapshot
+
+
+def _fetched(snapshot: Path) -> set[str]:
+    return {str(p.relative_to(snapshot)) for p in snapshot.rglob("*.safetensors")}
+
+
+def test_an_index_fetches_its_files_only(fake_hub) -> None:
+    repo, snapshot = fake_hub
+    (repo / "model.safetensors").rename(repo / "model-00001-of-00001.safetensors")
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
+    shutil.copy(repo / "model-00001-of-00001.safetensors", repo / "consolidated.safetensors")
+    (repo / "original").mkdir()
+    shutil.copy(repo / "consolidated.safetensors", repo / "original" / "model.safetensors")
+    (repo / "2_Dense").mkdir()
+    shutil.copy(repo / "consolidated.safetensors", repo / "2_Dense" / "model.safetensors")
+    (repo / "modules.json").write_text(json.dumps([{"idx": 2, "name": "2", "path": "2_Dense",
+                                                    "type": "sentence_transformers.models.Dense"}]))
+    assert resolve_model_path("some-org/mistral-like") == str(snapshot)
+    assert _fetched(snapshot) == {"model-00001-of-00001.safetensors", "2_Dense/model.safetensors"}
+
+
+def test_without_an_index_every_safetensors_is_fetched(fake_hub) -> None:
+    repo, snapshot = fake_hub
+    shutil.copy(repo / "model.safetensors", repo / "consolidated.safetensors")
+    resolve_model_path("some-org/unindexed")
+    assert _fetched(snapshot) == {"model.safetensors", "consolidated.safetensors"}
+    assert (snapshot / "config.json").is_file() and (snapshot / "tokenizer.json").is_file()
