@@ -25,7 +25,8 @@ AUTO_MAX_MODEL_LEN = -1
 (asyncllm/engine/kv_budget.py `fit_max_model_len`)."""
 _MAX_ENGINE_SEED = 2**64 - 1
 """torch's ``manual_seed`` takes a uint64 (a request's seed is an int64: `SamplingParams.seed`)."""
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "mistral")
+CONFIG_FORMATS = ("auto", "hf", "mistral")
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf", "mxfp4")
@@ -87,7 +88,11 @@ class ModelConfig:
     load_format: str = "auto"
     """auto reads the safetensors, else the PyTorch pickles (`pytorch_model*.bin`, `*.pt`); safetensors / pt read
     only those (pre-quantized checkpoints too; with pt a hub id fetches its `*.bin` / `*.pt`); dummy makes random
-    weights of the real shapes."""
+    weights of the real shapes; mistral reads Mistral's `consolidated*.safetensors` (auto does for a checkpoint
+    whose config is its params.json; docs/tokenizers.md#mistrals-checkpoint-format)."""
+    config_format: str = "auto"
+    """vLLM's: hf reads config.json, mistral Mistral's params.json (the dense text models), auto config.json, else
+    params.json (docs/tokenizers.md#mistrals-checkpoint-format)."""
     quantization: str | None = None
     """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
     with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
@@ -155,6 +160,7 @@ class ModelConfig:
         check_int("max_logprobs", self.max_logprobs, -1)
         check_bool("disable_sliding_window", self.disable_sliding_window)
         check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_choice("config_format", self.config_format, CONFIG_FORMATS)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             if not isinstance(self.quantization, str):
                 raise ConfigError("quantization", self.quantization,

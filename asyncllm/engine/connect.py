@@ -126,12 +126,12 @@ ATTACHED_FIELDS = frozenset({
     "tokenizer_revision", "hf_overrides", "enable_prompt_embeds", "generation_config", "override_generation_config",
     "max_logprobs", "logprobs_mode", "pooler_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     "mm_processor_kwargs", "media_io_kwargs", "limit_mm_per_prompt", "mm_max_image_pixels",
-    "dtype", "quantization", "load_format", "kv_cache_dtype", "seed", "speculative_config",
+    "dtype", "quantization", "load_format", "config_format", "kv_cache_dtype", "seed", "speculative_config",
     "structured_output_disable_any_whitespace",
 })
 """The core-side fields a restarted shared core must keep: those a host acted on when it attached (its tokenizer,
 chat template, generation defaults, logprobs, pooling, LoRA and media checks), and those that decide the weights
-and the tokens served (dtype, quantization, load_format, kv_cache_dtype, seed: dummy weights and unseeded sampling,
+and the tokens served (dtype, quantization, load_format, config_format, kv_cache_dtype, seed: dummy weights and unseeded sampling,
 speculative_config with its draft's folder, structured_output_disable_any_whitespace: a JSON schema's tokens).
 The others (memory, parallelism, scheduling, timeouts, kernels: attention_backend, device, enforce_eager; and
 max_model_len, fitted again as an owned core's) the host takes from the new core, download_dir too: the weights'

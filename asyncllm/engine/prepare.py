@@ -110,7 +110,7 @@ def import_transformers(multimodal: bool = False) -> None:
 def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format,
                               trust_remote_code=config.trust_remote_code)
-    hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
+    hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code, config.config_format)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
     multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, limits)

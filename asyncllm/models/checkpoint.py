@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["resolve_model_path", "load_hf_config", "apply_hf_overrides", "served_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
            "pretrained_config", "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
-def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+def load_hf_config(path: str, trust_remote_code: bool = False, config_format: str = "auto") -> PretrainedConfig:
     """The checkpoint's transformers config (its own code run only with `trust_remote_code`); a GGUF file's from
-    its metadata."""
+    its metadata; Mistral's params.json as a `MistralConfig` (asyncllm/models/mistral_format.py)."""
     from transformers import AutoConfig
 
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
@@ -43,6 +43,10 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConf
 
         return load_gguf_config(path)
 
+    from asyncllm.models.mistral_format import mistral_config, uses_mistral_config
+
+    if uses_mistral_config(path, config_format):
+        return mistral_config(path)
     from huggingface_hub.errors import StrictDataclassError  # a field of the wrong type (transformers' strict configs)
 
     try:
@@ -98,9 +102,10 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | 
     return hf_config
 
 
-def served_hf_config(path: str, overrides: dict[str, Any] | None, trust_remote_code: bool = False) -> PretrainedConfig:
+def served_hf_config(path: str, overrides: dict[str, Any] | None, trust_remote_code: bool = False,
+                     config_format: str = "auto") -> PretrainedConfig:
     """The checkpoint's config as the engine serves it: read (`load_hf_config`), ``hf_overrides`` applied."""
-    return apply_hf_overrides(load_hf_config(path, trust_remote_code), overrides)
+    return apply_hf_overrides(load_hf_config(path, trust_remote_code, config_format), overrides)
 
 
 _DERIVED = ("num_hidden_layers", "layer_types", "layers_block_type", "layers_num_experts")

@@ -74,7 +74,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
             return path
         if load_format == "pt":  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
             return snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"])
-        tensors = safetensors_patterns(path)
+        tensors = safetensors_patterns(path, load_format)
         path = snapshot_download(model, **hub, allow_patterns=[*files, *tensors])
         pickles = dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"]
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
@@ -91,10 +91,15 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
 
 
-def safetensors_patterns(path: str) -> list[str]:
+def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
     """The safetensors a snapshot's weights are: those its ``model.safetensors.index.json`` names (and its
     sentence-transformers Dense modules'), not the repo's other copies (Mistral's ``consolidated.safetensors``,
-    gpt-oss's ``original/``); every ``*.safetensors`` without an index."""
+    gpt-oss's ``original/``); every ``*.safetensors`` without an index; Mistral's own consolidated files where
+    those are read (`uses_mistral_weights`)."""
+    from asyncllm.models.mistral_format import uses_mistral_weights
+
+    if uses_mistral_weights(path, load_format):
+        return ["consolidated*.safetensors"]
     try:
         with open(os.path.join(path, "model.safetensors.index.json")) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))

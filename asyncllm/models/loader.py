@@ -28,6 +28,7 @@ from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpoin
 from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.kv_scales import take_kv_scales
 from asyncllm.models.layers import LoadedWeight, TensorParallel, params_on_meta
+from asyncllm.models.mistral_format import mistral_files, mistral_weights, uses_mistral_weights
 from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 from asyncllm.models.row_states import StateRows
@@ -249,7 +250,11 @@ def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
     Calibrated KV-cache scales (``k_scale`` / ``v_scale``) go to the attention layers with an fp8
     ``kv_cache_dtype`` and are dropped otherwise (asyncllm/models/kv_scales.py).
     """
-    weights = take_kv_scales(iterate_safetensors(checkpoint_files(path, load_format)), model, kv_cache_dtype)
+    if uses_mistral_weights(path, load_format):  # Mistral's names and rotary layout (asyncllm/models/mistral_format.py)
+        files = iterate_safetensors(mistral_files(path))
+        weights = take_kv_scales(mistral_weights(path, files), model, kv_cache_dtype)
+    else:
+        weights = take_kv_scales(iterate_safetensors(checkpoint_files(path, load_format)), model, kv_cache_dtype)
     loaded = model.load_weights(weights if weights_filter is None else weights_filter(weights))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:

@@ -11,7 +11,7 @@ import pytest_asyncio
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, StructuredOutputs
 from asgi_helpers import asgi_client
 from hf_reference import hf_greedy
-from tekken_utils import tekken_checkpoint
+from mistral_utils import tekken_checkpoint
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -11,7 +11,7 @@ import pytest
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.mistral_tokenizer import is_mistral, load_mistral_tokenizer, uses_mistral
 from asyncllm.tokenizer import load_tokenizer
-from tekken_utils import write_tekken
+from mistral_utils import write_tekken
 
 
 def _folder(tmp_path, *names: str) -> str:

@@ -1,0 +1,111 @@
+"""Mistral's own formats for tests: a tiny ``tekken.json`` trained on the fly, a checkpoint that ships only it, and a
+Hugging Face checkpoint written back as Mistral's ``params.json`` + ``consolidated.safetensors``."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import sysconfig
+
+NUM_SPECIAL = 100
+"""Control tokens at the front of the vocabulary (real files reserve 1000)."""
+
+PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+           r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|"
+           r"\s+(?!\S)|\s+")
+"""Tekken's pre-tokenizer regex (the one Mistral's files carry)."""
+
+SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+            "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]", "[THINK]",
+            "[/THINK]"]
+"""v13's control tokens in their ranks (v7 and v11 have a prefix of them)."""
+
+
+def write_tekken(folder: str, version: str = "v13", num_merges: int = 156) -> str:
+    """``folder``/tekken.json: a byte-level BPE of 256 + `num_merges` tokens trained on Python's own ``this.py``
+    (with `NUM_SPECIAL` control tokens: 512 ids, the tiny checkpoints' vocabulary, by default)."""
+    from tiktoken._educational import bpe_train
+
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), encoding="utf-8") as f:
+        text = f.read() * 2
+    ranks = bpe_train(text, 256 + num_merges, PATTERN, visualise=None)
+    vocab = [{"rank": rank, "token_bytes": base64.b64encode(piece).decode(), "token_str": None}
+             for piece, rank in sorted(ranks.items(), key=lambda item: item[1])]
+    specials = [{"rank": i, "token_str": name, "is_control": True} for i, name in enumerate(SPECIALS)]
+    config = {"pattern": PATTERN, "num_vocab_tokens": len(vocab), "default_vocab_size": NUM_SPECIAL + len(vocab),
+              "default_num_special_tokens": NUM_SPECIAL, "version": version}
+    data = {"config": config,
+            "vocab": vocab, "special_tokens": specials}
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "tekken.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    return folder
+
+
+def tekken_checkpoint(tiny_llama: str, folder: str, version: str = "v13") -> str:
+    """``tiny_llama``'s config and weights with only a tekken.json beside them (BOS 1, EOS 2, as Mistral's)."""
+    os.makedirs(folder, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_llama, name), folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}, f)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    return write_tekken(folder, version)
+
+
+_HF_TO_MISTRAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+                  "lm_head.weight": "output.weight", "input_layernorm": "attention_norm",
+                  "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attention.wq",
+                  "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+                  "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
+                  "mlp.down_proj": "feed_forward.w2", "mlp.up_proj": "feed_forward.w3"}
+
+
+def _mistral_name(name: str) -> str:
+    if name in _HF_TO_MISTRAL:
+        return _HF_TO_MISTRAL[name]
+    name = name.removeprefix("model.")
+    for hf, mistral in _HF_TO_MISTRAL.items():
+        name = name.replace(hf, mistral)
+    return name
+
+
+def _interleaved(weight, heads: int):
+    """transformers' rotary halves per head back to Mistral's interleaved pairs (the inverse of its conversion)."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+
+
+def mistral_format_checkpoint(hf_folder: str, folder: str, keep_hf: bool = False) -> str:
+    """``hf_folder``'s MistralForCausalLM as Mistral ships it: params.json, consolidated.safetensors (Mistral's names,
+    interleaved rotary rows) and a tekken.json; ``keep_hf``: its config.json and model.safetensors beside them."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        config = json.load(f)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    params = {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "head_dim": config["head_dim"],
+              "hidden_dim": config["intermediate_size"], "n_heads": heads, "n_kv_heads": kv_heads,
+              "norm_eps": config["rms_norm_eps"], "vocab_size": config["vocab_size"],
+              "rope_theta": config["rope_parameters"]["rope_theta"], "max_seq_len": config["max_position_embeddings"],
+              "sliding_window": config.get("sliding_window"), "tied_embeddings": False}
+    tensors = {}
+    for name, weight in load_file(os.path.join(hf_folder, "model.safetensors")).items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            weight = _interleaved(weight, heads if "q_proj" in name else kv_heads)
+        tensors[_mistral_name(name)] = weight
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "consolidated.safetensors"))
+    with open(os.path.join(folder, "params.json"), "w") as f:
+        json.dump(params, f)
+    if keep_hf:
+        shutil.copy(os.path.join(hf_folder, "model.safetensors"), folder)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}, f)
+    return write_tekken(folder)
