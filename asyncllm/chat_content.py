@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.mistral_tokenizer import is_mistral
 
 __all__ = ["CONTENT_FORMATS", "TEXT_PART_FIELDS", "check_content_format", "content_format_of", "detect_content_format",
            "formatted_messages", "is_text_part", "text_part_text", "with_text_parts"]
@@ -50,10 +51,12 @@ def content_format_of(given: str, tokenizer: Any, chat_template: str | None = No
     check_content_format(given)
     if given != "auto":
         return given
+    if chat_template is None and is_mistral(tokenizer):  # mistral_common reads the parts (vLLM's: it joins texts
+        return "openai"                                   # with a blank line)
     if chat_template is None:
         try:
             chat_template = tokenizer.get_chat_template(None, tools=tools)
-        except (ValueError, AttributeError, NotImplementedError):  # no template (mistral_common's has none)
+        except (ValueError, AttributeError):  # no template: rendering says so
             return "string"
     return detect_content_format(chat_template)
 

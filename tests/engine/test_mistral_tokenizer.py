@@ -21,6 +21,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string"}}}}}]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Beautiful is better"},
         {"role": "assistant", "content": "than ugly"}, {"role": "user", "content": "Explicit?"}]
+TOOL_CHAT = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "abcdefghi", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "abcdefghi", "content": "22C"},
+             {"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": "tomorrow?"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +123,11 @@ async def test_the_server_serves_chat_and_tokenize(engine: AsyncEngine, tekken_m
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
         chat = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "temperature": 0.0})
         tokenize = await client.post("/tokenize", json={"messages": CHAT})
+        tools = await client.post("/tokenize", json={"messages": TOOL_CHAT, "tools": TOOLS})
         detokenize = await client.post("/detokenize", json={"tokens": tekken_ids(tekken_model, "Beautiful")})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(
         mistral_common_chat(tekken_model, CHAT))
     assert tokenize.json()["tokens"] == mistral_common_chat(tekken_model, CHAT)
+    expected = mistral_common_chat(tekken_model, TOOL_CHAT, TOOLS)  # a tool call, its result, two text parts
+    assert 9 in expected and 7 in expected and tools.json()["tokens"] == expected
     assert detokenize.json()["prompt"] == "<s>Beautiful"

@@ -81,3 +81,19 @@ def test_a_model_with_media_is_refused_under_mistral(tmp_path) -> None:
     assert os.path.isfile(os.path.join(llava, "tekken.json"))
     with pytest.raises(NotBuiltError, match="mistral_common's tokenizer for LlavaForConditionalGeneration"):
         prepare(EngineConfig.create(llava, tokenizer_mode="mistral"))
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_tool_call_streams_with_its_control_tokens_kept(tmp_path, chunk: int) -> None:
+    """The mistral tool parser reads ``[TOOL_CALLS]name[ARGS]{...}``: the server keeps special tokens for it."""
+    from asyncllm import SamplingParams
+    from asyncllm.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = load_tokenizer(write_tekken(str(tmp_path)))
+    text = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    ids = [9, *text("get_weather"), 20, *text('{"city": "Paris"}')]
+    for skip, expected in ((False, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+                           (True, 'get_weather{"city": "Paris"}')):
+        detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip))
+        deltas = [detok.update(ids[i:i + chunk], False).text for i in range(0, len(ids), chunk)]
+        assert "".join(deltas) + detok.update([], True).text == expected
