@@ -45,8 +45,29 @@ def write_tekken(folder: str, version: str = "v13", num_merges: int = 156) -> st
     return folder
 
 
-def tekken_checkpoint(tiny_llama: str, folder: str, version: str = "v13") -> str:
-    """``tiny_llama``'s config and weights with only a tekken.json beside them (BOS 1, EOS 2, as Mistral's)."""
+def write_mistral_sentencepiece(folder: str, vocab_size: int = 512) -> str:
+    """``folder``/tokenizer.model.v3: a byte-fallback sentencepiece BPE with Mistral v3's control tokens (as
+    Mistral 7B v0.3's file), trained on Python's ``this.py``."""
+    import io
+
+    import sentencepiece
+
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), encoding="utf-8") as f:
+        lines = [line for line in f.read().splitlines() if line.strip()] * 3
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, control_symbols=SPECIALS[3:10], unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, character_coverage=1.0, minloglevel=2)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "tokenizer.model.v3"), "wb") as f:
+        f.write(model.getvalue())
+    return folder
+
+
+def tekken_checkpoint(tiny_llama: str, folder: str, version: str = "v13", sentencepiece: bool = False) -> str:
+    """``tiny_llama``'s config and weights with only a tekken.json beside them (BOS 1, EOS 2, as Mistral's);
+    `sentencepiece`: a tokenizer.model.v3 instead (`write_mistral_sentencepiece`)."""
     os.makedirs(folder, exist_ok=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny_llama, name), folder)
@@ -56,7 +77,7 @@ def tekken_checkpoint(tiny_llama: str, folder: str, version: str = "v13") -> str
         json.dump({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}, f)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-    return write_tekken(folder, version)
+    return write_mistral_sentencepiece(folder) if sentencepiece else write_tekken(folder, version)
 
 
 _HF_TO_MISTRAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
