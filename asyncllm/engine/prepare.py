@@ -20,6 +20,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of, source_of
 from asyncllm.lora import kept_lora_ids
 from asyncllm.mistral_tokenizer import is_mistral
+from asyncllm.models.mistral_format import mistral_files, uses_mistral_weights
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
@@ -111,6 +112,8 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     path = resolve_model_path(config.model, config.revision, config.download_dir, load_format=config.load_format,
                               trust_remote_code=config.trust_remote_code)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code, config.config_format)
+    if uses_mistral_weights(path, config.load_format):
+        mistral_files(path)  # a folder without Mistral's weight files: refused before spawning
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
     multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, limits)

@@ -77,3 +77,11 @@ def test_config_format_is_checked() -> None:
     with pytest.raises(ConfigError) as raised:
         EngineConfig.create("m", config_format="gguf")
     assert raised.value.field == "config_format"
+
+
+def test_load_format_mistral_without_consolidated_files_is_refused_before_spawning(tiny_llama: str) -> None:
+    from asyncllm.engine.prepare import prepare
+
+    with pytest.raises(ConfigError, match="consolidated") as raised:
+        prepare(EngineConfig.create(tiny_llama, load_format="mistral"))
+    assert raised.value.field == "load_format"
