@@ -35,7 +35,7 @@ from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import (
     DecoderBuild, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, check_silu, with_rope_only_in,
 )
-from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear, select_experts_by_scores
 from asyncllm.models.olmo2 import Olmo2RMSNorm
 
 __all__ = ["AfmoeForCausalLM", "check_afmoe"]
@@ -84,7 +84,7 @@ class AfmoeMoE(nn.Module):
     def __init__(self, spec: MoESpec, b: DecoderBuild) -> None:
         super().__init__()
         cfg = b.hf_config
-        self.top_k, self.route_scale = spec.top_k, float(cfg.route_scale)
+        self.spec, self.route_scale = spec, float(cfg.route_scale)
         self.router = nn.Module()
         self.router.gate = ReplicatedLinear(spec.num_experts, cfg.hidden_size, b.dtype)
         self.expert_bias = new_param(spec.num_experts, dtype=torch.float32)
@@ -93,9 +93,8 @@ class AfmoeMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = self.router.gate(x).float().sigmoid()
-        ids = (scores + self.expert_bias).topk(self.top_k, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale
+        weights, ids = select_experts_by_scores(scores, self.spec.top_k, renormalize=self.spec.renormalize,
+                                                scaling=self.route_scale, bias=self.expert_bias, ordered=True)
         out = self.experts(x, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 

@@ -38,7 +38,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel, weight_narrow, weight_shape
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM, LlamaMLP
-from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear, select_experts
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear, select_experts_by_spec
 from asyncllm.models.siglip import SiglipVisionEmbeddings, SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 
@@ -57,8 +57,8 @@ class AriaMoE(nn.Module):
         self.shared_experts = LlamaMLP(b, spec.shared_expert_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.router(x), self.spec.top_k, renormalize=True)
-        return self.experts(x, weights.to(x.dtype).float(), ids) + self.shared_experts(x)
+        weights, ids = select_experts_by_spec(self.spec, self.router(x), x.dtype)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
 
 
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(fc1\.weight|fc2\.weight|gate_up_proj|down_proj)$")

@@ -15,7 +15,7 @@ from torch import nn
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import new_param
 from asyncllm.models.llama import DecoderBuild, LlamaMLP
-from asyncllm.models.moe import FusedMoE, MoESpec
+from asyncllm.models.moe import FusedMoE, MoESpec, select_experts_by_scores
 
 __all__ = ["DeepseekMoE", "DeepseekRouter", "check_routing"]
 
@@ -38,32 +38,24 @@ class DeepseekRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight)
-        if self.v3:
-            scores = logits.sigmoid()
-            ids = self._top_k(scores + self.e_score_correction_bias, lambda g: g.topk(2, dim=-1)[0].sum(-1), -math.inf)
-            weights = scores.gather(1, ids)
-            if self.renormalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        else:
-            scores = logits.softmax(dim=-1)
-            if self.method == "group_limited_greedy":
-                ids = self._top_k(scores, lambda g: g.max(dim=-1).values, 0.0)
-            elif self.method == "mistral4":  # groups ranked by their two best scores, as V3 (no correction)
-                ids = self._top_k(scores, lambda g: g.topk(2, dim=-1)[0].sum(-1), 0.0)
-            else:
-                ids = scores.topk(self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-            if self.method == "mistral4" and self.renormalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        scores = logits.sigmoid() if self.v3 else logits.softmax(dim=-1)
+        bias = self.e_score_correction_bias if self.v3 else None
+        restrict = None if self.method == "greedy" else self._best_groups
+        return select_experts_by_scores(scores, self.top_k, renormalize=self.renormalize, scaling=self.scaling,
+                                        bias=bias, restrict=restrict)
 
-    def _top_k(self, scores: torch.Tensor, group_score: Any, fill: float) -> torch.Tensor:
-        """The top k experts among the ``topk_group`` groups that ``group_score`` ranks best."""
-        grouped = scores.view(-1, self.groups, self.num_experts // self.groups)
-        best = group_score(grouped).topk(self.topk_group, dim=-1, sorted=False)[1]
+    def _best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` with every expert outside the ``topk_group`` best groups masked: V2's ``group_limited_greedy``
+        ranks a group by its best score, V3 and Mistral 4 by their two best (V3 masks to -inf: its biased scores
+        may be negative; the others to 0, as transformers)."""
+        grouped = choice.view(-1, self.groups, self.num_experts // self.groups)
+        if self.method == "group_limited_greedy":
+            rank = grouped.max(dim=-1).values
+        else:
+            rank = grouped.topk(2, dim=-1)[0].sum(-1)
+        best = rank.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
-        masked = grouped.masked_fill(~keep.unsqueeze(-1), fill).view(-1, self.num_experts)
-        return masked.topk(self.top_k, dim=-1, sorted=False)[1]
+        return grouped.masked_fill(~keep.unsqueeze(-1), -math.inf if self.v3 else 0.0).view(-1, self.num_experts)
 
 
 class DeepseekMoE(nn.Module):

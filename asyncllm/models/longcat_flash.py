@@ -38,7 +38,7 @@ from asyncllm.models.deepseek import DeepseekAttention, DeepseekV2ForCausalLM
 from asyncllm.models.embedding import VocabParallelEmbedding
 from asyncllm.models.layers import RMSNorm, new_param, norm_in
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, LlamaModel, check_silu
-from asyncllm.models.moe import FusedMoE, MoESpec
+from asyncllm.models.moe import FusedMoE, MoESpec, select_experts_by_scores
 
 __all__ = ["LongcatFlashForCausalLM"]
 
@@ -77,17 +77,17 @@ class LongcatRouter(nn.Module):
     """Softmax scores over the routed and the identity experts (float32, as transformers keeps the classifier) ->
     (weights ``[T, k]`` float32, ids ``[T, k]``)."""
 
-    def __init__(self, cfg: Any, num_ids: int, top_k: int) -> None:
+    def __init__(self, cfg: Any, num_ids: int, spec: MoESpec) -> None:
         super().__init__()
-        self.top_k, self.scaling = top_k, float(cfg.routed_scaling_factor)
+        self.spec, self.scaling = spec, float(cfg.routed_scaling_factor)
         self.classifier = nn.Module()
         self.classifier.weight = new_param(num_ids, cfg.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = new_param(num_ids, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.classifier.weight).softmax(dim=-1)
-        ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)[1]
-        return scores.gather(1, ids) * self.scaling, ids
+        return select_experts_by_scores(scores, self.spec.top_k, renormalize=self.spec.renormalize,
+                                        scaling=self.scaling, bias=self.e_score_correction_bias)
 
 
 class LongcatMoE(nn.Module):
@@ -97,7 +97,7 @@ class LongcatMoE(nn.Module):
         super().__init__()
         cfg = b.hf_config
         self.num_routed = spec.num_experts
-        self.router = LongcatRouter(cfg, spec.num_experts + int(cfg.zero_expert_num or 0), spec.top_k)
+        self.router = LongcatRouter(cfg, spec.num_experts + int(cfg.zero_expert_num or 0), spec)
         self.experts = FusedMoE(spec, cfg.hidden_size, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ top ``k`` run, weighted by their softmax probabilities (renormalised over the
 k when the family does). The experts are stacked in two parameters, ``w13``
 ``[E, 2I, H]`` (gate rows then up rows) and ``w2`` ``[E, H, I]``, that the
 backend's ``fused_moe`` op consumes in one call (a Triton kernel on the GPU,
-`asyncllm.kernels.reference.fused_moe` on the CPU).
+`asyncllm.kernels.reference.fused_moe` on the CPU). Families that choose by sigmoid or softmax scores plus a
+correction bias and weigh by the plain scores (DeepSeek, AFMoE, LongCat-Flash) share `select_experts_by_scores`.
 Checkpoints name each expert's matrices (``experts.{e}.gate_proj.weight``); transformers 5's modules stack
 them as ``w13`` / ``w2`` are (``experts.gate_up_proj`` / ``down_proj``), which load too, cut per expert.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
 __all__ = ["MoESpec", "num_experts_of", "FusedMoE", "ReplicatedLinear", "SparseMoeBlock", "MoECausalLM",
-           "select_experts", "moe_parallel_problems"]
+           "select_experts", "select_experts_by_spec", "select_experts_by_scores", "moe_parallel_problems"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,36 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_by_spec(spec: MoESpec, router_logits: torch.Tensor,
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`select_experts` as ``spec`` routes: renormalized when it says, the weights rounded through the model's
+    ``dtype`` first when ``weights_in_model_dtype`` (Qwen's and Aria's order; Mixtral keeps float32)."""
+    weights, ids = select_experts(router_logits, spec.top_k, spec.renormalize)
+    return (weights.to(dtype).float() if spec.weights_in_model_dtype else weights), ids
+
+
+Restrict = Callable[[torch.Tensor], torch.Tensor]
+"""Masks the experts a token may not choose in its ``[T, E]`` choice scores (DeepSeek's groups)."""
+
+
+def select_experts_by_scores(scores: torch.Tensor, top_k: int, *, renormalize: bool, scaling: float = 1.0,
+                             bias: torch.Tensor | None = None, restrict: Restrict | None = None,
+                             ordered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``[T, E]`` scores (a family's sigmoid or softmax) -> (weights ``[T, k]``, ids ``[T, k]``): the top k
+    by score plus ``bias`` (a load-balancing correction that chooses but never weighs), among what ``restrict``
+    leaves (DeepSeek's expert groups: it masks the biased scores), weighted by the plain scores, renormalized
+    (``+ 1e-20``) when asked, times ``scaling``. ``ordered``: ids in score order (transformers' ``topk`` for AFMoE)
+    rather than unspecified."""
+    choice = scores if bias is None else scores + bias
+    if restrict is not None:
+        choice = restrict(choice)
+    ids = choice.topk(top_k, dim=-1, sorted=ordered)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def moe_parallel_problems(spec: MoESpec, tp_size: int, expert_parallel: bool) -> list[str]:
@@ -226,9 +257,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        weights, ids = select_experts(self.gate(x), spec.top_k, spec.renormalize)
-        if spec.weights_in_model_dtype:
-            weights = weights.to(x.dtype).float()
+        weights, ids = select_experts_by_spec(spec, self.gate(x), x.dtype)
         out = self.experts(x, weights, ids)
         if spec.shared_expert_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
