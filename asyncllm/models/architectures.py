@@ -15,7 +15,7 @@ from asyncllm.models.rope_config import rope_scaled_length
 __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
-           "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
+           "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -149,15 +149,24 @@ SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBED
                            + CLASSIFICATION_ARCHITECTURES)
 
 
+ARCHITECTURE_ALIASES = {"LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration"}
+"""Other spellings of a supported architecture -> ours: vLLM registers LightOnOCR under the first (and configs
+written for it name it so), transformers 5 under the second."""
+
+
 def architecture_of(hf_config: Any) -> str:
     """``hf_config.architectures[0]`` when asyncllm runs it; `NotBuiltError` naming the supported ones otherwise, a
-    `ConfigError` when config.json lists none (vLLM's "No model architectures are specified")."""
+    `ConfigError` when config.json lists none (vLLM's "No model architectures are specified"). An alias
+    (`ARCHITECTURE_ALIASES`) is rewritten to our name in ``hf_config.architectures`` itself, so that every later
+    lookup of the config (the registry's, the workers' reading the host's config) sees one name."""
     architectures = getattr(hf_config, "architectures", None) or []
     if not architectures:
         raise ConfigError("model", getattr(hf_config, "name_or_path", None) or None,
                           "a checkpoint whose config.json lists its architectures: it lists none (no model "
                           "architectures are specified; hf_overrides={'architectures': [...]} can name one)")
-    arch = architectures[0]
+    arch = ARCHITECTURE_ALIASES.get(architectures[0], architectures[0])
+    if arch != architectures[0]:
+        hf_config.architectures = [arch, *architectures[1:]]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise NotBuiltError("model", getattr(hf_config, "name_or_path", None) or arch,  # the folder given
                             f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["CLIPVisionTower", "activation"]
+__all__ = ["CLIPVisionTower", "activation", "check_encoder_split"]
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,18 @@ def activation(name: str, field: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in _ACTIVATIONS:
         raise NotBuiltError(field, name, f"the {name!r} activation (built: {', '.join(_ACTIVATIONS)})")
     return _ACTIVATIONS[name]
+
+
+def check_encoder_split(tp_size: int, sizes: dict[str, int]) -> None:
+    """`ConfigError` on ``tensor_parallel_size`` naming each of a vision encoder's sharded ``sizes`` (config field ->
+    value: its heads, MLP width, ...) that ``tp_size`` does not divide, before the shards are built (where
+    `TensorParallel.split` would only assert). Every family calling it also serves ``mm_encoder_tp_mode="data"``."""
+    problems = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
+    if problems:
+        raise ConfigError("tensor_parallel_size", tp_size,
+                          f"a size that divides the vision encoder's {', '.join(problems)} with "
+                          "mm_encoder_tp_mode='weights' (mm_encoder_tp_mode='data' keeps the encoder whole on every "
+                          "rank and takes any size)")
 
 
 class CLIPVisionEmbeddings(nn.Module):

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.clip import check_encoder_split
 from asyncllm.models.layers import RMSNorm, TensorParallel
 from asyncllm.models.qwen_vision import (
     QwenVisionBlock,
@@ -45,10 +46,8 @@ class ErnieVisionTower(nn.Module):
         if rope.get("rope_type", "axial") != "axial":
             raise NotBuiltError("vision_config.rope_parameters", rope, "a vision rotary embedding other than 'axial'")
         widths = _Widths(False, cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size)
-        if cfg.num_heads % tp.size or cfg.intermediate_size % tp.size:
-            raise ConfigError("tensor_parallel_size", tp.size, f"a size that divides the vision encoder's "
-                                                               f"num_heads={cfg.num_heads} and intermediate_size="
-                                                               f"{cfg.intermediate_size} (or mm_encoder_tp_mode='data')")
+        check_encoder_split(tp.size, {"vision_config.num_heads": cfg.num_heads,
+                                      "vision_config.intermediate_size": cfg.intermediate_size})
         self.rope_theta = float(rope.get("rope_theta", 10000.0))
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.merge = int(cfg.spatial_merge_size)

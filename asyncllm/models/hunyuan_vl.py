@@ -44,7 +44,7 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
-from asyncllm.models.clip import CLIPEncoder, activation
+from asyncllm.models.clip import CLIPEncoder, activation, check_encoder_split
 from asyncllm.models.hunyuan import HunYuanDecoderLayer, HunYuanDenseV1ForCausalLM, ntk_alpha_config
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild
@@ -171,6 +171,8 @@ class HunYuanVLVisionTower(nn.Module):
 
     def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
+        check_encoder_split(tp.size, {"vision_config.num_attention_heads": cfg.num_attention_heads,
+                                      "vision_config.intermediate_size": cfg.intermediate_size})
         self.embeddings = HunYuanVLVisionEmbeddings(cfg).to(dtype)
         self.encoder = CLIPEncoder(cfg, tp, dtype)
         self.merger = HunYuanVLPatchMerger(cfg, int(cfg.text_hidden_size), dtype)

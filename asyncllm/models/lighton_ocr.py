@@ -20,7 +20,7 @@ import torch
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
-from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
+from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration, merged_grid
 from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
@@ -48,13 +48,6 @@ def _projector_config(hf_config: Any) -> Any:
     return SimpleNamespace(vision_config=hf_config.vision_config, text_config=hf_config.text_config,
                            spatial_merge_size=hf_config.spatial_merge_size, projector_hidden_act="gelu",
                            multimodal_projector_bias=False)
-
-
-def _grids(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((rows, cols) of 14-pixel patches, (rows, cols) of merged patches) of an image of ``(3, H, W)`` pixels."""
-    patch, merge = hf_config.vision_config.patch_size, hf_config.spatial_merge_size
-    rows, cols = pixel_shape[-2] // patch, pixel_shape[-1] // patch
-    return (rows, cols), (rows // merge, cols // merge)
 
 
 class LightOnOcrForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
@@ -88,12 +81,15 @@ class LightOnOcrForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
 
     @staticmethod
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
-        rows, cols = _grids(hf_config, pixel_shape)[1]
+        """One token per merged patch (Mistral 3's grid, with no row breaks)."""
+        rows, cols = merged_grid(hf_config, pixel_shape)
         return rows * cols
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, H, W]`` images of one size -> ``[N, rows * cols, text hidden]``, merged patches row-major."""
-        (rows, cols), _ = _grids(self.hf_config, tuple(pixel_values.shape))
+        """``[N, 3, H, W]`` images of one size -> ``[N, rows * cols, text hidden]``, merged patches row-major; the
+        projector merges the tower's whole grid of patches (an odd side's last one dropped)."""
+        patch = self.hf_config.vision_config.patch_size
+        rows, cols = pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch
         return self.multi_modal_projector(self.vision_tower(pixel_values), rows, cols)
 
     # ---- weights

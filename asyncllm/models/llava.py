@@ -26,7 +26,7 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.clip import CLIPVisionTower, activation
+from asyncllm.models.clip import CLIPVisionTower, activation, check_encoder_split
 from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
@@ -83,18 +83,11 @@ def check_encoder_tensor_parallel(hf_config: Any, tp_size: int) -> None:
     """`ConfigError` unless the vision tower and the projector shard evenly over ``tp_size`` ranks
     (``mm_encoder_tp_mode="weights"``)."""
     vision = hf_config.vision_config
-    sizes = {
+    check_encoder_split(tp_size, {
         "vision_config.num_attention_heads": vision.num_attention_heads,
         "vision_config.intermediate_size": vision.intermediate_size,
         "text_config.hidden_size": hf_config.text_config.hidden_size,  # the projector's width
-    }
-    problems = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
-    if problems:
-        allowed = (
-            f"a size that divides the vision encoder's {', '.join(problems)} with mm_encoder_tp_mode='weights' "
-            "(mm_encoder_tp_mode='data' keeps the encoder whole on every rank and takes any size)"
-        )
-        raise ConfigError("tensor_parallel_size", tp_size, allowed)
+    })
 
 
 class LlavaMultiModalProjector(nn.Module):

@@ -30,7 +30,7 @@ from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
 from asyncllm.models.vision_language import (VisionLanguageModel, build_decoder, load_vision_language_weights,
                                              text_config_of, text_only_class)
 
-__all__ = ["Mistral3ForConditionalGeneration", "PixtralLlavaForConditionalGeneration"]
+__all__ = ["Mistral3ForConditionalGeneration", "PixtralLlavaForConditionalGeneration", "merged_grid"]
 
 IMAGE_BREAK, IMAGE_END = "[IMG_BREAK]", "[IMG_END]"
 
@@ -42,8 +42,9 @@ _DECODERS: dict[str, type[LlamaForCausalLM]] = {
 Mistral 4's (DeepSeek-V3's latent attention and experts, asyncllm/models/deepseek.py, deepseek_moe.py)."""
 
 
-def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels (Pixtral-12B merges none)."""
+def merged_grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels (Pixtral-12B merges none): a last row or
+    column of patches short of a merge is dropped (LightOnOCR's odd grids)."""
     unit = hf_config.vision_config.patch_size * getattr(hf_config, "spatial_merge_size", 1)
     return pixel_shape[-2] // unit, pixel_shape[-1] // unit
 
@@ -103,13 +104,13 @@ class Mistral3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
 
     @staticmethod
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
-        rows, cols = _grid(hf_config, pixel_shape)
+        rows, cols = merged_grid(hf_config, pixel_shape)
         return rows * (cols + 1)
 
     @staticmethod
     def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
         """``([IMG] * cols + [IMG_BREAK]) * rows``, the last break an ``[IMG_END]``."""
-        rows, cols = _grid(hf_config, pixel_shape)
+        rows, cols = merged_grid(hf_config, pixel_shape)
         image, brk, end = (Mistral3ForConditionalGeneration.mm_placeholder_token_id(hf_config),
                            *(int(tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_BREAK, IMAGE_END)))
         ids = ([image] * cols + [brk]) * rows
@@ -118,13 +119,13 @@ class Mistral3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
 
     def mm_text_rows(self, pixel_shape: tuple[int, ...]) -> np.ndarray:
         """The item's rows whose tokens keep their own embeddings (the breaks and the end)."""
-        rows, cols = _grid(self.hf_config, pixel_shape)
+        rows, cols = merged_grid(self.hf_config, pixel_shape)
         return np.arange(1, rows + 1) * (cols + 1) - 1
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, 3, H, W]`` images of one size -> ``[N, rows * (cols + 1), text hidden]``: each row of merged
         patches' features, then a zero row where its break (or the end) token keeps its embedding."""
-        rows, cols = _grid(self.hf_config, tuple(pixel_values.shape))
+        rows, cols = merged_grid(self.hf_config, tuple(pixel_values.shape))
         patches = self.vision_tower(pixel_values)
         merge = self.hf_config.spatial_merge_size
         features = self.multi_modal_projector(patches, rows * merge, cols * merge).view(len(pixel_values), rows, cols, -1)
@@ -158,7 +159,7 @@ class PixtralLlavaForConditionalGeneration(Mistral3ForConditionalGeneration):
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, 3, H, W]`` images of one size -> ``[N, rows * (cols + 1), text hidden]``, as Mistral 3's."""
-        rows, cols = _grid(self.hf_config, tuple(pixel_values.shape))
+        rows, cols = merged_grid(self.hf_config, tuple(pixel_values.shape))
         features = self.multi_modal_projector(self.vision_tower(pixel_values)).view(len(pixel_values), rows, cols, -1)
         out = torch.cat([features, features.new_zeros(len(pixel_values), rows, 1, features.shape[-1])], dim=2)
         return out.view(len(pixel_values), rows * (cols + 1), -1)

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.clip import CLIPAttention, CLIPEncoderLayer
+from asyncllm.models.clip import CLIPAttention, CLIPEncoderLayer, check_encoder_split
 from asyncllm.models.ernie_seed_arcee import Ernie4_5ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import DecoderFlags
@@ -128,10 +128,8 @@ class PaddleOCRVisionTransformer(nn.Module):
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "axial") != "axial":
             raise NotBuiltError("vision_config.rope_parameters", rope, "a vision rotary embedding other than 'axial'")
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(cfg, name) % tp.size:
-                raise ConfigError("tensor_parallel_size", tp.size, f"a size that divides the vision encoder's {name}="
-                                                                   f"{getattr(cfg, name)} (or mm_encoder_tp_mode='data')")
+        check_encoder_split(tp.size, {"vision_config.num_attention_heads": cfg.num_attention_heads,
+                                      "vision_config.intermediate_size": cfg.intermediate_size})
         self.rope_theta = float(rope.get("rope_theta", 10000.0))
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.embeddings = PaddleOCRVisionEmbeddings(cfg, dtype)

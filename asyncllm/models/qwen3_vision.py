@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.clip import activation
+from asyncllm.models.clip import activation, check_encoder_split
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.qwen_vision import QwenPatchEmbed, QwenVisionAttention, Segments, patch_layout, vision_rotary
@@ -49,12 +49,9 @@ def check_qwen3_vision_tensor_parallel(cfg: Any, tp_size: int) -> None:
     split evenly over ``tp_size`` ranks."""
     if cfg.model_type not in _MODEL_TYPES:
         raise NotBuiltError("vision_config.model_type", cfg.model_type, "a vision tower other than Qwen3-VL's")
-    sizes = {"vision_config.num_heads": cfg.num_heads, "vision_config.intermediate_size": cfg.intermediate_size,
-             "merger width": cfg.hidden_size * cfg.spatial_merge_size**2}
-    problems = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
-    if problems:
-        raise ConfigError("tensor_parallel_size", tp_size,
-                          f"a size that divides the vision encoder's {', '.join(problems)}")
+    check_encoder_split(tp_size, {"vision_config.num_heads": cfg.num_heads,
+                                  "vision_config.intermediate_size": cfg.intermediate_size,
+                                  "merger width": cfg.hidden_size * cfg.spatial_merge_size**2})
 
 
 def deepstack_indexes(cfg: Any) -> list[int]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.clip import activation
+from asyncllm.models.clip import activation, check_encoder_split
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, set_weight_loader, weight_narrow
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -73,12 +73,8 @@ def _widths(cfg: Any) -> _Widths:
 def check_vision_tensor_parallel(cfg: Any, tp_size: int) -> None:
     """`ConfigError` unless the tower's heads, MLP and merger split evenly over ``tp_size`` ranks."""
     widths = _widths(cfg)
-    sizes = {"vision_config.num_heads": cfg.num_heads, "MLP width": widths.mlp,
-             "merger width": widths.width * cfg.spatial_merge_size**2}
-    problems = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
-    if problems:
-        raise ConfigError("tensor_parallel_size", tp_size,
-                          f"a size that divides the vision encoder's {', '.join(problems)}")
+    check_encoder_split(tp_size, {"vision_config.num_heads": cfg.num_heads, "MLP width": widths.mlp,
+                                  "merger width": widths.width * cfg.spatial_merge_size**2})
 
 
 class Segments:
