@@ -15,9 +15,12 @@ What differs from a Hugging Face tokenizer, and is handled here:
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import os
 import re
+import wave
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -25,8 +28,8 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["MistralChat", "uses_mistral", "load_mistral_tokenizer", "is_mistral", "render_mistral_chat",
-           "xgrammar_vocab"]
+__all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
+           "render_mistral_chat", "xgrammar_vocab"]
 
 _MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
 """Tokenizer files only Mistral's checkpoints ship (a bare ``tokenizer.model`` is any sentencepiece model's)."""
@@ -37,6 +40,10 @@ _CHAT_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "re
 """The request's template variables mistral_common's chat encoding takes."""
 
 INSTALL_HINT = "pip install 'asyncllm[mistral]' (mistral_common)"
+
+AUDIO_TOKEN = "[AUDIO]"
+MEDIA_ARCHITECTURES = ("VoxtralForConditionalGeneration",)
+"""The models with media whose chats mistral_common encodes here (their audio parts: `_with_audio_stand_in`)."""
 
 
 class MistralChat(str):
@@ -114,12 +121,50 @@ def render_mistral_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
                                                           f"encoding (it takes {sorted(_CHAT_KWARGS)})")
     if kwargs.get("continue_final_message"):
         kwargs = {**kwargs, "add_generation_prompt": False}
+    audio_parts = [_with_audio_stand_in(i, m) for i, m in enumerate(messages)]
     try:
-        token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        token_ids = tokenizer.apply_chat_template(audio_parts, tokenize=True, return_dict=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - mistral_common's validation errors: a 400, as vLLM's
         raise InvalidRequestError("messages", f"mistral_common refused them ({type(exc).__name__}: {exc})") from exc
     token_ids = [int(t) for t in token_ids]
+    if audio_parts != messages:
+        token_ids = _one_audio_token_each(token_ids, tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
     return MistralChat(tokenizer.decode(token_ids), token_ids)
+
+
+def _with_audio_stand_in(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with each audio part (``{"type": "audio"}``, asyncllm/mm/inputs.py's) a short silence that
+    mistral_common encodes as Voxtral's ``[BEGIN_AUDIO]`` and a run of ``[AUDIO]`` (the host fills the run in:
+    `_one_audio_token_each`); image and video parts are refused."""
+    content = message.get("content")
+    if not isinstance(content, list) or all(part.get("type") == "text" for part in content):
+        return message
+    parts = []
+    for part in content:
+        kind = part.get("type")
+        if kind in ("image", "video"):
+            raise InvalidRequestError("messages", f"item {i}: {kind} parts with tokenizer_mode='mistral' are not "
+                                                  "built (audio is: Voxtral)")
+        parts.append({"type": "input_audio", "input_audio": {"data": _silence_wav(), "format": "wav"}}
+                     if kind == "audio" else part)
+    return {**message, "content": parts}
+
+
+def _one_audio_token_each(token_ids: list[int], audio_id: int) -> list[int]:
+    """Each run of ``[AUDIO]`` ids cut to one: the host repeats it once per row of that audio's features."""
+    return [t for k, t in enumerate(token_ids) if t != audio_id or k == 0 or token_ids[k - 1] != audio_id]
+
+
+@functools.cache
+def _silence_wav() -> str:
+    """A tenth of a second of 16 kHz silence as a base64 WAV file."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16_000)
+        out.writeframes(bytes(3_200))
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def xgrammar_vocab(tokenizer: PreTrainedTokenizerBase) -> tuple[list[bytes], bool]:

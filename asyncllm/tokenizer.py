@@ -227,8 +227,11 @@ def render_chat(
     from asyncllm.chat_content import content_format_of, formatted_messages
 
     if isinstance(messages, list):
-        messages = formatted_messages(messages, content_format_of(content_format, tokenizer, chat_template, tools),
-                                      placeholder)
+        form = content_format_of(content_format, tokenizer, chat_template, tools)
+        if form == "string" and placeholder is not None and is_mistral(tokenizer):  # media parts stay parts for it
+            raise InvalidRequestError("chat_template_content_format", "'string' writes media as text, which "
+                                                                      "mistral_common never reads as audio: 'auto'")
+        messages = formatted_messages(messages, form, placeholder)
     messages = template_messages(messages)
     kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
     if is_mistral(tokenizer):
@@ -257,6 +260,9 @@ def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_to
     wrote the special tokens itself (BOS included), so none are added unless `add_special_tokens` (vLLM's); a
     `MistralChat`'s are mistral_common's own (BOS included)."""
     if isinstance(text, MistralChat):
+        if add_special_tokens:
+            raise InvalidRequestError("add_special_tokens", "mistral_common writes a chat's special tokens itself "
+                                                            "(tokenizer_mode='mistral'): leave it False")
         return list(text.token_ids)
     try:
         token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids

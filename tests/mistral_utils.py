@@ -20,13 +20,15 @@ PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{L
 SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
             "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
             "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]", "[ARGS]", "[CALL_ID]", "[THINK]",
-            "[/THINK]"]
-"""v13's control tokens in their ranks (v7 and v11 have a prefix of them)."""
+            "[/THINK]", "[AUDIO]", "[BEGIN_AUDIO]", "[TRANSCRIBE]"]
+"""v13's control tokens in their ranks (v7 and v11 have a prefix of them), then Voxtral's audio markers."""
+AUDIO_ID, BEGIN_AUDIO_ID = SPECIALS.index("[AUDIO]"), SPECIALS.index("[BEGIN_AUDIO]")
 
 
-def write_tekken(folder: str, version: str = "v13", num_merges: int = 156) -> str:
+def write_tekken(folder: str, version: str = "v13", num_merges: int = 156, mel_bins: int | None = None) -> str:
     """``folder``/tekken.json: a byte-level BPE of 256 + `num_merges` tokens trained on Python's own ``this.py``
-    (with `NUM_SPECIAL` control tokens: 512 ids, the tiny checkpoints' vocabulary, by default)."""
+    (with `NUM_SPECIAL` control tokens: 512 ids, the tiny checkpoints' vocabulary, by default); `mel_bins`: with
+    an audio section, as Voxtral's."""
     from tiktoken._educational import bpe_train
 
     with open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), encoding="utf-8") as f:
@@ -39,6 +41,9 @@ def write_tekken(folder: str, version: str = "v13", num_merges: int = 156) -> st
               "default_num_special_tokens": NUM_SPECIAL, "version": version}
     data = {"config": config,
             "vocab": vocab, "special_tokens": specials}
+    if mel_bins is not None:  # Voxtral's: 16 kHz audio, 12.5 tokens a second, padded to 30 s windows
+        data["audio"] = {"sampling_rate": 16_000, "frame_rate": 12.5, "chunk_length_s": 30.0, "audio_encoding_config": {
+            "num_mel_bins": mel_bins, "hop_length": 160, "window_size": 400}}
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "tekken.json"), "w", encoding="utf-8") as f:
         json.dump(data, f)

@@ -29,24 +29,32 @@ WINDOW_ROWS = 375
 """Placeholders per 30 s window (1500 encoder rows stacked by 4)."""
 
 
-def make_tiny_voxtral(path: str | os.PathLike[str], seed: int = 7) -> str:
+def make_tiny_voxtral(path: str | os.PathLike[str], seed: int = 7, tekken: bool = False) -> str:
     """Save a tiny random ``VoxtralForConditionalGeneration`` (encoder width 32, rows stacked by 4, 16 mel bins)
-    with its feature extractor and tokenizer in ``path``."""
+    with its feature extractor and tokenizer in ``path``; `tekken`: only a tekken.json with an audio section, as
+    Mistral's releases ship (tests/mistral_utils.py), which transformers' ``VoxtralProcessor`` reads through
+    mistral_common."""
+    from mistral_utils import AUDIO_ID, write_tekken
     from mm_utils import random_model
     from transformers import LlamaConfig, VoxtralConfig, VoxtralEncoderConfig, VoxtralForConditionalGeneration, \
         WhisperFeatureExtractor
 
-    tokenizer = _tokenizer([AUDIO, BEGIN], TEMPLATE)
+    tokenizer = None if tekken else _tokenizer([AUDIO, BEGIN], TEMPLATE)
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=11) if tekken else dict(bos_token_id=0, eos_token_id=1,
+                                                                                    pad_token_id=2)
     encoder = VoxtralEncoderConfig(num_mel_bins=MEL_BINS, num_hidden_layers=2, num_attention_heads=2,
                                    hidden_size=32, intermediate_size=128, max_source_positions=1500)
-    decoder = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                          rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    decoder = LlamaConfig(vocab_size=512 if tekken else len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=4096, rope_theta=10000.0, **ids)
     config = VoxtralConfig(audio_config=encoder.to_dict(), text_config=decoder.to_dict(),
-                           audio_token_id=tokenizer.convert_tokens_to_ids(AUDIO))
+                           audio_token_id=AUDIO_ID if tekken else tokenizer.convert_tokens_to_ids(AUDIO))
     random_model(VoxtralForConditionalGeneration, config, seed).save_pretrained(path)
     WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tekken:
+        write_tekken(str(path), mel_bins=MEL_BINS)
+    else:
+        tokenizer.save_pretrained(path)
     return str(path)
 
 

@@ -32,6 +32,7 @@ from asyncllm.mm.media_items import MediaItems
 from asyncllm.mm.qwen_video import load_video_settings, video_grid, video_patches
 from asyncllm.mm.shm_ring import check_ring_room
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES
+from asyncllm.mistral_tokenizer import is_mistral
 from asyncllm.protocol import MultiModalItem
 from asyncllm.tokenizer import encode_prompt
 
@@ -41,6 +42,10 @@ __all__ = ["MultiModalProcessor"]
 
 _REQUEST_PROCESSORS = 8
 """Image processors kept for requests' distinct ``mm_processor_kwargs``."""
+
+
+_MISTRAL_TEXT = (" (tokenizer_mode='mistral' reads no control token from a text prompt: send a chat with audio "
+                 "parts, or prompt_token_ids with the placeholder ids)")
 
 
 def _input_field(locations: dict[str, list[str]], fields: dict[str, str], kind: str, index: int) -> str:
@@ -239,7 +244,8 @@ class MultiModalProcessor(MediaItems):
             if count != len(given):
                 raise InvalidRequestError(
                     fields[kind], f"the prompt has {count} {kind} placeholder tokens (id {token_of[kind]}) but "
-                                  f"{len(given)} {kind}s were given: put one placeholder per {kind}")
+                                  f"{len(given)} {kind}s were given: put one placeholder per {kind}"
+                                  + (_MISTRAL_TEXT if is_mistral(self.tokenizer) else ""))
         expanded: list[int] = []
         items: list[MultiModalItem] = []
         uuids: list[tuple[str, str] | None] = []  # per item: its input's field and uuid (`MultiModalPrompt.uuids`)

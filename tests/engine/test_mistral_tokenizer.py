@@ -94,8 +94,9 @@ async def test_chat_is_encoded_by_mistral_common(engine: AsyncEngine, tekken_mod
 @pytest.mark.parametrize("messages, options, field", [
     (CHAT, {"chat_template": "{{ messages }}"}, "chat_template"),
     (CHAT, {"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    (CHAT, {"add_special_tokens": True}, "add_special_tokens"),
     ([{"role": "assistant", "content": "first"}], {}, "messages"),
-], ids=["jinja-template", "template-variable", "assistant-first"])
+], ids=["jinja-template", "template-variable", "special-tokens-twice", "assistant-first"])
 async def test_what_mistral_common_does_not_take_is_refused(engine: AsyncEngine, messages, options, field) -> None:
     with pytest.raises(InvalidRequestError) as raised:
         _ = [d async for d in engine.chat(messages, SamplingParams(max_tokens=2), **options)]
