@@ -86,7 +86,8 @@ def load_mistral_tokenizer(name_or_path: str, revision: str | None = None) -> Pr
 @functools.cache
 def _tokenizer_class() -> type:
     """transformers' `MistralCommonBackend`, except that an id past the vocabulary decodes to nothing, as a Hugging
-    Face tokenizer's does (mistral_common raises; a model may sample such an id when its vocabulary is padded)."""
+    Face tokenizer's does (mistral_common raises; a model may sample such an id when its vocabulary is padded), and
+    its control tokens are its added tokens (transformers raises on ``added_tokens_decoder``)."""
     from transformers.tokenization_mistral_common import MistralCommonBackend
 
     class MistralTokenizer(MistralCommonBackend):
@@ -94,6 +95,14 @@ def _tokenizer_class() -> type:
             if isinstance(token_ids, int):
                 token_ids = [token_ids]
             return super()._decode([t for t in token_ids if 0 <= t < self.vocab_size], *args, **kwargs)
+
+        @property
+        def added_tokens_decoder(self) -> dict[int, Any]:  # transformers' raises NotImplementedError
+            """The control tokens as special added tokens (the detokenizer's `added_tokens` reads them)."""
+            from tokenizers import AddedToken
+
+            ids = sorted(self.all_special_ids)
+            return {i: AddedToken(t, special=True) for i, t in zip(ids, self.convert_ids_to_tokens(ids))}
 
         def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
             if isinstance(ids, int):

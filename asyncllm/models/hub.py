@@ -17,6 +17,7 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.mistral_format import uses_mistral_weights
 from asyncllm.models.st_dense import dense_folders, dense_pickle_patterns
 
 __all__ = ["resolve_model_path", "hub_unanswered", "names_a_path", "safetensors_patterns"]
@@ -76,6 +77,8 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
             return snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"])
         tensors = safetensors_patterns(path, load_format)
         path = snapshot_download(model, **hub, allow_patterns=[*files, *tensors])
+        if uses_mistral_weights(path, load_format):  # Mistral's safetensors or nothing: no pickles to fall back to
+            return path
         pickles = dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"]
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
             model, **hub, allow_patterns=[*files, *tensors, *pickles])
@@ -96,8 +99,6 @@ def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
     sentence-transformers Dense modules'), not the repo's other copies (Mistral's ``consolidated.safetensors``,
     gpt-oss's ``original/``); every ``*.safetensors`` without an index; Mistral's own consolidated files where
     those are read (`uses_mistral_weights`)."""
-    from asyncllm.models.mistral_format import uses_mistral_weights
-
     if uses_mistral_weights(path, load_format):
         return ["consolidated*.safetensors"]
     try:
@@ -105,7 +106,7 @@ def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
             names = sorted(set(json.load(f)["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or a broken one the loader names
         return ["*.safetensors"]
-    return [*names, *(f"{folder}/*.safetensors" for folder in dense_folders(path))]
+    return [*map(glob.escape, names), *(f"{folder}/*.safetensors" for folder in dense_folders(path))]
 
 
 def names_a_path(model: str) -> bool:

@@ -29,8 +29,11 @@ _CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "head_dim
                 "n_kv_heads": "num_key_value_heads", "norm_eps": "rms_norm_eps", "vocab_size": "vocab_size",
                 "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
                 "max_position_embeddings": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings",
-                "sliding_window": "sliding_window"}
+                "sliding_window": "sliding_window", "dtype": "dtype"}
 """params.json key -> `MistralConfig` argument."""
+
+_POSITION_KEYS = ("max_seq_len", "max_position_embeddings")
+"""params.json's lengths: the served one is the shorter of those given (vLLM's)."""
 
 _FIXED = {"model_type": "transformer", "activation": "silu", "use_biases": False}
 """Keys read only to check they hold the one value built."""
@@ -95,8 +98,10 @@ def mistral_config(path: str) -> Any:
                                                         f"text models' keys {sorted(_CONFIG_KEYS)})")
     if isinstance(params.get("sliding_window"), list):
         raise NotBuiltError("config_format", "mistral", f"{PARAMS}'s per-layer sliding_window list")
-    kwargs = {_CONFIG_KEYS[k]: v for k, v in params.items() if k in _CONFIG_KEYS}
-    kwargs.setdefault("max_position_embeddings", _DEFAULT_MAX_POSITIONS)
+    kwargs = {_CONFIG_KEYS[k]: v for k, v in params.items() if k in _CONFIG_KEYS and k not in _POSITION_KEYS}
+    lengths = [params[k] for k in _POSITION_KEYS if params.get(k) is not None]
+    kwargs["max_position_embeddings"] = min(lengths) if lengths else _DEFAULT_MAX_POSITIONS  # both: the shorter
+    kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))  # none given: one per head
     kwargs.setdefault("tie_word_embeddings", False)
     try:
         return MistralConfig(**kwargs, architectures=["MistralForCausalLM"], bos_token_id=1, eos_token_id=2)

@@ -41,10 +41,10 @@ def _fetched(snapshot: Path) -> set[str]:
 
 def test_an_index_fetches_its_files_only(fake_hub) -> None:
     repo, snapshot = fake_hub
-    (repo / "model.safetensors").rename(repo / "model-00001-of-00001.safetensors")
+    (repo / "model.safetensors").rename(repo / "model-[1]-of-00001.safetensors")  # brackets: no pattern syntax
     (repo / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}))
-    shutil.copy(repo / "model-00001-of-00001.safetensors", repo / "consolidated.safetensors")
+        "model.embed_tokens.weight": "model-[1]-of-00001.safetensors"}}))
+    shutil.copy(repo / "model-[1]-of-00001.safetensors", repo / "consolidated.safetensors")
     (repo / "original").mkdir()
     shutil.copy(repo / "consolidated.safetensors", repo / "original" / "model.safetensors")
     (repo / "2_Dense").mkdir()
@@ -52,7 +52,7 @@ def test_an_index_fetches_its_files_only(fake_hub) -> None:
     (repo / "modules.json").write_text(json.dumps([{"idx": 2, "name": "2", "path": "2_Dense",
                                                     "type": "sentence_transformers.models.Dense"}]))
     assert resolve_model_path("some-org/mistral-like") == str(snapshot)
-    assert _fetched(snapshot) == {"model-00001-of-00001.safetensors", "2_Dense/model.safetensors"}
+    assert _fetched(snapshot) == {"model-[1]-of-00001.safetensors", "2_Dense/model.safetensors"}
 
 
 def test_without_an_index_every_safetensors_is_fetched(fake_hub) -> None:
@@ -61,3 +61,17 @@ def test_without_an_index_every_safetensors_is_fetched(fake_hub) -> None:
     resolve_model_path("some-org/unindexed")
     assert _fetched(snapshot) == {"model.safetensors", "consolidated.safetensors"}
     assert (snapshot / "config.json").is_file() and (snapshot / "tokenizer.json").is_file()
+
+
+def test_load_format_mistral_fetches_consolidated_files_and_never_pickles(fake_hub) -> None:
+    """A repo without Mistral's files: nothing but configs comes (the loader then names load_format), not the
+    PyTorch pickles an auto load falls back to."""
+    import torch
+
+    repo, snapshot = fake_hub
+    torch.save({}, repo / "pytorch_model.bin")
+    resolve_model_path("some-org/no-consolidated", load_format="mistral")
+    assert _fetched(snapshot) == set() and not list(snapshot.glob("*.bin"))
+    shutil.copy(repo / "model.safetensors", repo / "consolidated.safetensors")
+    resolve_model_path("some-org/no-consolidated", load_format="mistral")
+    assert _fetched(snapshot) == {"consolidated.safetensors"}

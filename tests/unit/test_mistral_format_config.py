@@ -32,6 +32,11 @@ def test_params_json_is_a_mistral_config(tmp_path) -> None:
     assert config.rope_parameters["rope_theta"] == 1e6 and config.rms_norm_eps == 1e-5
     assert (config.sliding_window, config.max_position_embeddings, config.tie_word_embeddings) == (32, 128_000, False)
     assert mistral_config(_folder(tmp_path, {**PARAMS, "max_seq_len": 4096})).max_position_embeddings == 4096
+    no_kv = {k: v for k, v in PARAMS.items() if k != "n_kv_heads"}
+    assert mistral_config(_folder(tmp_path, {**no_kv, "dtype": "bfloat16"})).num_key_value_heads == 4  # = n_heads
+    for lengths in ({"max_seq_len": 40960, "max_position_embeddings": 131072},
+                    {"max_position_embeddings": 131072, "max_seq_len": 40960}):  # the shorter, in either order
+        assert mistral_config(_folder(tmp_path, {**PARAMS, **lengths})).max_position_embeddings == 40960
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -83,9 +83,11 @@ def test_a_model_with_media_is_refused_under_mistral(tmp_path) -> None:
         prepare(EngineConfig.create(llava, tokenizer_mode="mistral"))
 
 
+@pytest.mark.parametrize("spaces", [True, False])
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_a_tool_call_streams_with_its_control_tokens_kept(tmp_path, chunk: int) -> None:
-    """The mistral tool parser reads ``[TOOL_CALLS]name[ARGS]{...}``: the server keeps special tokens for it."""
+def test_a_tool_call_streams_with_its_control_tokens_kept(tmp_path, chunk: int, spaces: bool) -> None:
+    """The mistral tool parser reads ``[TOOL_CALLS]name[ARGS]{...}``: the server keeps special tokens for it (with
+    ``spaces_between_special_tokens`` False too: the control tokens are the tokenizer's added tokens)."""
     from asyncllm import SamplingParams
     from asyncllm.engine.detokenizer import IncrementalDetokenizer
 
@@ -94,6 +96,7 @@ def test_a_tool_call_streams_with_its_control_tokens_kept(tmp_path, chunk: int) 
     ids = [9, *text("get_weather"), 20, *text('{"city": "Paris"}')]
     for skip, expected in ((False, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
                            (True, 'get_weather{"city": "Paris"}')):
-        detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip))
+        detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip,
+                                                                      spaces_between_special_tokens=spaces))
         deltas = [detok.update(ids[i:i + chunk], False).text for i in range(0, len(ids), chunk)]
         assert "".join(deltas) + detok.update([], True).text == expected
