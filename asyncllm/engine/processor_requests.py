@@ -94,9 +94,8 @@ class ProcessorRequests:
         collector = job.collector
         core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
         if collector.request_id in self._samples:
-            error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
-            self._observer.on_rejected(job, error, time.time())
-            self._deliver([(collector, error)], None)
+            self._reject(job, collector, errors.InvalidRequestError(
+                "request_id", f"{collector.request_id!r} is already in flight"))
             return
         try:
             if self._pooling_model is not None:
@@ -120,10 +119,9 @@ class ProcessorRequests:
             if job.params.structured is not None:  # its JSON schema as text: msgpack carries no int beyond 64 bits
                 job.params = msgspec.structs.replace(job.params, structured=job.params.structured.for_core())
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
-            error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
-                "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
-            self._observer.on_rejected(job, error, time.time())
-            self._deliver([(collector, error)], None)
+            field, why = "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})"
+            self._reject(job, collector, exc if isinstance(exc, errors.InvalidRequestError)
+                         else errors.InvalidRequestError(field, why))
             return
         collector.prompt_token_ids = token_ids
         options = job.options
@@ -131,7 +129,12 @@ class ProcessorRequests:
         for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
-            detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
+            try:
+                detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
+            except Exception as exc:  # noqa: BLE001 - options this tokenizer cannot stream fail the request alone
+                self._reject(job, collector, errors.InvalidRequestError(
+                    "request", f"its output cannot be detokenized ({type(exc).__name__}: {exc})"))
+                return
             tracked = TrackedRequest(collector, detokenizer, index, buffer,
                                      cumulative_logprob=None if params.logprobs is None else 0.0,
                                      lora_int_id=0 if lora is None else lora.lora_int_id)
@@ -149,15 +152,19 @@ class ProcessorRequests:
             try:
                 frames.append((core_id, tracked, self._encoder.encode(message)))
             except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread
-                error = errors.InvalidRequestError("request", f"cannot be sent to the engine core ({exc})")
-                self._observer.on_rejected(job, error, time.time())
-                self._deliver([(collector, error)], None)
+                self._reject(job, collector, errors.InvalidRequestError(
+                    "request", f"cannot be sent to the engine core ({exc})"))
                 return
         self._samples[collector.request_id] = list(core_ids)
         for core_id, tracked, frame in frames:
             self._tracked[core_id] = tracked
             dealer.send(frame)
         self._observer.on_added(job)
+
+    def _reject(self, job: Submit, collector: RequestCollector, error: errors.InvalidRequestError) -> None:
+        """The request fails alone with `error` (counted as rejected); the thread and the other requests go on."""
+        self._observer.on_rejected(job, error, time.time())
+        self._deliver([(collector, error)], None)
 
     def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
         """The request's adapter with a local folder, checked against the model (once per adapter id;

@@ -132,3 +132,24 @@ async def test_the_server_serves_chat_and_tokenize(engine: AsyncEngine, tekken_m
     expected = mistral_common_chat(tekken_model, TOOL_CHAT, TOOLS)  # a tool call, its result, two text parts
     assert 9 in expected and 7 in expected and tools.json()["tokens"] == expected
     assert detokenize.json()["prompt"] == "<s>Beautiful"
+
+
+async def test_a_detokenizer_that_cannot_be_made_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:
+    """A tokenizer that cannot stream a request's options (a Mistral one lacked added tokens) fails that request,
+    not the processor thread every request shares."""
+    from asyncllm.engine import processor_requests
+
+    real = processor_requests.new_detokenizer
+
+    def refusing(tokenizer, token_ids, params):
+        if params.stop == ["BOOM"]:
+            raise NotImplementedError("no such stream")
+        return real(tokenizer, token_ids, params)
+
+    monkeypatch.setattr(processor_requests, "new_detokenizer", refusing)
+    with pytest.raises(InvalidRequestError, match="no such stream") as raised:
+        await engine.generate("hi", SamplingParams(max_tokens=2, stop=["BOOM"]))
+    assert raised.value.field == "request"
+    out = await engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True, skip_special_tokens=False,
+                                                     spaces_between_special_tokens=False))
+    assert len(out.token_ids) == 2
