@@ -8,6 +8,8 @@ What differs from a Hugging Face tokenizer, and is handled here:
   so a chat renders to a `MistralChat`, the ids with their decoded text (for ``max_prompt_chars``), not to text
   that is tokenized again. There is no Jinja template: a request's ``chat_template`` or template variables are
   refused by name.
+- transcription (Voxtral): the prompt is what mistral_common encodes for a transcription request
+  (`render_mistral_transcription`; asyncllm/speech.py serves it).
 - structured outputs: xgrammar gets the vocabulary as mistral_common spells it (`xgrammar_vocab`).
 - ``auto`` picks this mode for a folder with a Mistral tokenizer file and no Hugging Face one
   (`uses_mistral`); docs/tokenizers.md.
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
-           "render_mistral_chat", "xgrammar_vocab"]
+           "mistral_transcribes", "render_mistral_chat", "render_mistral_transcription", "xgrammar_vocab"]
 
 _MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
 """Tokenizer files only Mistral's checkpoints ship (a bare ``tokenizer.model`` is any sentencepiece model's)."""
@@ -139,6 +141,31 @@ def render_mistral_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
     if audio_parts != messages:
         token_ids = _one_audio_token_each(token_ids, tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
     return MistralChat(tokenizer.decode(token_ids), token_ids)
+
+
+def mistral_transcribes(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether mistral_common encodes a whole-utterance transcription request with ``tokenizer`` (Voxtral's
+    tekken.json: an audio section and a ``[TRANSCRIBE]`` token; not the streaming format of realtime models)."""
+    instruct = tokenizer.tokenizer.instruct_tokenizer
+    encoder = getattr(instruct, "audio_encoder", None)
+    return (encoder is not None and getattr(instruct, "TRANSCRIBE", None) is not None
+            and not getattr(encoder.audio_config, "is_streaming", False))
+
+
+def render_mistral_transcription(tokenizer: PreTrainedTokenizerBase, language: str | None) -> list[int]:
+    """The prompt ids of mistral_common's transcription request in ``language`` (an ISO-639-1 code; None: its form
+    without one, the model tells the language itself): ``<s>[INST][BEGIN_AUDIO][AUDIO][/INST]lang:xx[TRANSCRIBE]``,
+    the ``[AUDIO]`` run a stand-in silence got cut to one, as a chat's (`_one_audio_token_each`); a language
+    mistral_common refuses an `InvalidRequestError`."""
+    from mistral_common.protocol.transcription.request import TranscriptionRequest
+
+    audio = io.BytesIO(base64.b64decode(_silence_wav()))
+    try:
+        request = TranscriptionRequest.from_openai({"file": audio, "language": language})
+    except ValueError as exc:  # pydantic's ValidationError: not an ISO-639-1 code
+        raise InvalidRequestError("language", f"an ISO-639-1 code (e.g. 'en') or none, got {language!r}") from exc
+    token_ids = [int(t) for t in tokenizer.tokenizer.encode_transcription(request).tokens]
+    return _one_audio_token_each(token_ids, tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
 
 
 def _with_audio_stand_in(i: int, message: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""Speech to text with an encoder-decoder model (Whisper: asyncllm/models/whisper.py): what the engine tells its
-callers about the model's audio (`SpeechToText`, ``AsyncEngine.speech_to_text``), the decoder prompt of a task
-(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`, `SpeechToText.requests`)
-and their texts in order (`transcribe`, ``AsyncEngine.transcribe``) or timestamped segments (`transcribe_segments`,
-``AsyncEngine.transcribe_segments``; the pieces' segments assembled once, by `piece_segments`:
-asyncllm/speech_segments.py). The OpenAI server's ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` are
-built on them (integrations/openai_audio.py). Whether the checkpoint has timestamp tokens is decided with the workers'
-rules (asyncllm/generation_config.py)."""
+"""Speech to text with an encoder-decoder model (Whisper: asyncllm/models/whisper.py) or Voxtral with its Mistral
+tokenizer (`MistralTranscription`): what the engine tells its callers about the model's audio (`SpeechToText`,
+``AsyncEngine.speech_to_text``), the decoder prompt of a task (`SpeechToText.prompt`), long audio cut into the
+pieces one request hears (`split_audio`, `SpeechToText.requests`) and their texts in order (`transcribe`,
+``AsyncEngine.transcribe``) or timestamped segments (`transcribe_segments`, ``AsyncEngine.transcribe_segments``;
+the pieces' segments assembled once, by `piece_segments`: asyncllm/speech_segments.py). The OpenAI server's
+``/v1/audio/transcriptions`` and ``/v1/audio/translations`` are built on them (integrations/openai_audio.py).
+Whether the checkpoint has timestamp tokens is decided with the workers' rules (asyncllm/generation_config.py)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ import numpy as np
 from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError
 from asyncllm.generation_config import timestamp_rules
+from asyncllm.mistral_tokenizer import is_mistral, mistral_transcribes, render_mistral_transcription
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech_segments import Segment, segments_of
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
 
-__all__ = ["SpeechToText", "piece_segments", "speech_to_text_of", "split_audio", "transcribe", "transcribe_segments"]
+__all__ = ["MistralTranscription", "SpeechToText", "piece_segments", "speech_to_text_of", "split_audio", "transcribe",
+           "transcribe_segments"]
 
 logger = logging.getLogger("asyncllm.engine")
 
@@ -43,7 +45,8 @@ class SpeechToText:
     decoder's task tokens (Whisper's)."""
 
     sampling_rate: int
-    chunk_seconds: float
+    chunk_seconds: float | None
+    """None: the whole audio in one request (Voxtral: the host cuts its 30 s windows, as mistral_common does)."""
     multilingual: bool
     """False for the English-only checkpoints (``*.en``): their prompt has no language or task token."""
     vocab: frozenset[str]
@@ -78,11 +81,13 @@ class SpeechToText:
                                                   f"{language!r}")
         return head + f"<|startoftranscript|><|{language}|><|{task}|>" + last
 
-    def requests(self, prompt: str, waveform: np.ndarray) -> list[dict[str, Any]]:
-        """The prompts of a waveform at `sampling_rate`: one per piece of at most `chunk_seconds` (`split_audio`),
-        each ``prompt`` with its piece."""
-        return [{"prompt": prompt, "multi_modal_data": {"audio": (piece, self.sampling_rate)}}
-                for piece in split_audio(waveform, self.sampling_rate, self.chunk_seconds)]
+    def requests(self, prompt: str | list[int], waveform: np.ndarray) -> list[dict[str, Any]]:
+        """The prompts of a waveform at `sampling_rate`: one per piece of at most `chunk_seconds` (`split_audio`;
+        None: one piece), each ``prompt`` (a text, or `MistralTranscription`'s ids) with its piece."""
+        key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+        pieces = [waveform] if self.chunk_seconds is None else split_audio(waveform, self.sampling_rate,
+                                                                             self.chunk_seconds)
+        return [{key: prompt, "multi_modal_data": {"audio": (piece, self.sampling_rate)}} for piece in pieces]
 
     def piece_times(self, requests: list[dict[str, Any]]) -> list[tuple[float, float]]:
         """(offset, seconds) of each request's piece in the whole audio (`requests`' order)."""
@@ -97,12 +102,39 @@ class SpeechToText:
                            skip=eos_token_ids)
 
 
+@dataclass(frozen=True)
+class MistralTranscription(SpeechToText):
+    """Voxtral's transcription with a Mistral tokenizer: the prompt is mistral_common's transcription request's
+    (asyncllm/mistral_tokenizer.py), the whole audio in one request as vLLM's Voxtral (its windows fill the
+    ``[AUDIO]`` run, so a long audio is bounded by ``max_model_len``: 375 tokens per 30 s); no translation, context
+    prompt or timestamps, which the request does not have."""
+
+    tokenizer: Any = None
+    """The engine's `MistralCommonBackend`."""
+
+    def prompt(self, task: str, language: str | None, context: str | None, timestamps: bool = False) -> list[int]:
+        """The prompt ids of a transcription in ``language`` (None: the model tells it); what the request cannot
+        say is an `InvalidRequestError` naming it."""
+        if task != "transcribe":
+            raise InvalidRequestError("task", "'transcribe': mistral_common's transcription request (Voxtral) has no "
+                                              "translation; ask for one in a chat")
+        if context:
+            raise InvalidRequestError("prompt", "none: mistral_common's transcription request (Voxtral) takes no "
+                                                "prompt text")
+        if timestamps:
+            raise InvalidRequestError("timestamps", "a checkpoint with timestamp tokens: Voxtral has none")
+        return render_mistral_transcription(self.tokenizer, language)
+
+
 def speech_to_text_of(mm: Any, generation: Mapping[str, Any], vocab_size: int) -> SpeechToText | None:
-    """The `SpeechToText` of a model whose host processor needs an audio per prompt (Whisper), else None;
+    """The `SpeechToText` of a model whose host processor needs an audio per prompt (Whisper), or the
+    `MistralTranscription` of an audio model whose Mistral tokenizer encodes transcriptions (Voxtral), else None;
     ``generation`` is its generation_config.json's keys (asyncllm/generation_config.py), whose timestamp tokens the
     workers' rules use too (`timestamp_rules`, with the model's ``vocab_size``)."""
-    if mm is None or getattr(mm, "needs_audio", None) is None:
+    if mm is None:
         return None
+    if getattr(mm, "needs_audio", None) is None:
+        return _mistral_transcription(mm)
     extractor = mm.feature_extractor
     special = {token for token in mm.tokenizer.get_vocab() if token.startswith("<|") and token.endswith("|>")}
     timestamps = timestamp_rules(generation, vocab_size)
@@ -112,6 +144,17 @@ def speech_to_text_of(mm: Any, generation: Mapping[str, Any], vocab_size: int) -
     return SpeechToText(int(extractor.sampling_rate), float(extractor.chunk_length),
                         bool(generation.get("is_multilingual", True)), frozenset(special),
                         None if timestamps is None else timestamps.timestamp_begin)
+
+
+def _mistral_transcription(mm: Any) -> MistralTranscription | None:
+    """Voxtral's transcription when its tokenizer is mistral_common's and encodes one (`mistral_transcribes`); a
+    transformers tokenizer has no transcription request to follow: None."""
+    if getattr(mm, "audio_token_id", None) is None or not is_mistral(mm.tokenizer):
+        return None
+    if not mistral_transcribes(mm.tokenizer):
+        return None
+    return MistralTranscription(int(mm.feature_extractor.sampling_rate), None, True, frozenset(),
+                                tokenizer=mm.tokenizer)
 
 
 def split_audio(waveform: np.ndarray, rate: int, seconds: float) -> list[np.ndarray]:
@@ -219,5 +262,6 @@ async def _speech_audio(engine: AsyncEngine, audio: Any, task: str) -> tuple[Spe
     await engine.start()
     speech = engine.speech_to_text
     if speech is None:
-        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this engine's model does not transcribe")
+        raise InvalidRequestError("model", "a speech-to-text model (Whisper, or Voxtral with tokenizer_mode="
+                                           "'mistral'): this engine's model does not transcribe")
     return speech, (await anyio.to_thread.run_sync(read_audio, audio, "audio", speech.sampling_rate)).waveform

@@ -1,5 +1,6 @@
 """OpenAI's speech-to-text routes for a Whisper engine: ``POST /v1/audio/transcriptions`` and
-``/v1/audio/translations`` (multipart forms, as OpenAI's and vLLM's).
+``/v1/audio/translations`` (multipart forms, as OpenAI's and vLLM's); a Voxtral engine with a Mistral tokenizer
+answers transcriptions of the whole audio in one request (asyncllm/speech.py's `MistralTranscription`).
 
 The uploaded file (any format PyAV decodes, at most `ServerLimits.max_audio_bytes`) is decoded off the event loop
 and resampled to the model's rate; an audio longer than the model hears at once (Whisper: 30 s) is cut at its quiet
@@ -74,8 +75,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
         await server.engine.start()
     speech = server.engine.speech_to_text
     if speech is None:
-        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this server's model does not transcribe "
-                                           "audio")
+        raise InvalidRequestError("model", "a speech-to-text model (Whisper, or Voxtral with tokenizer_mode="
+                                           "'mistral'): this server's model does not transcribe audio")
     form = await _form(request, server.limits.max_audio_bytes)
     model, lora = server._model(form.get("model"))
     response_format = form.get("response_format", "json")
