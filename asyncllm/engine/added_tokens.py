@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AddedTokensApart", "AddedTokensJoined", "added_tokens", "special_ids"]
+__all__ = ["AddedTokensApart", "AddedTokensJoined", "added_tokens", "in_vocabulary", "special_ids"]
 
 
 def added_tokens(tokenizer: Any) -> dict[int, str]:
@@ -22,6 +22,14 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
                        lambda: frozenset(getattr(tokenizer, "all_special_ids", ())))
     return _cached(tokenizer, "_asyncllm_special_ids",
                    lambda: frozenset(i for i, t in _added(tokenizer).items() if t.special))
+
+
+def in_vocabulary(tokenizer: Any, ids: list[int]) -> list[int]:
+    """``ids`` less those past the tokenizer (a padded model samples them, or allowed_token_ids / logit_bias force
+    them): a fast tokenizer's decode skips them, a slow one's raises (sentencepiece's IndexError); vLLM's slow
+    detokenizer gives them no text."""
+    size = _cached(tokenizer, "_asyncllm_len", lambda: len(tokenizer))
+    return ids if all(0 <= i < size for i in ids) else [i for i in ids if 0 <= i < size]
 
 
 def _added(tokenizer: Any) -> dict[int, Any]:

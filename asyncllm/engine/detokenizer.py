@@ -56,7 +56,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from asyncllm.engine.added_tokens import AddedTokensApart, AddedTokensJoined, added_tokens, special_ids
+from asyncllm.engine.added_tokens import (AddedTokensApart, AddedTokensJoined, added_tokens, in_vocabulary,
+                                          special_ids)
 from asyncllm.engine.spaces_cleanup import SpacesCleanup, cleanup_applies
 from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
@@ -377,5 +378,6 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
         return _WindowStream(decode, skipped)
 
     def decode_slow(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return tokenizer.decode(in_vocabulary(tokenizer, ids), skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
     return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow))

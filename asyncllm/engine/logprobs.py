@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from asyncllm.engine.added_tokens import in_vocabulary
 from asyncllm.engine.detokenizer import REPLACEMENT_CHAR
 from asyncllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from asyncllm.protocol import LogprobsArrays
@@ -95,7 +96,8 @@ class LogprobsDecoder:
         text = self._decode([token_id])
         if self._marker is None:
             return text
-        piece = self._tokenizer.convert_ids_to_tokens(token_id) or ""
+        piece = (self._tokenizer.convert_ids_to_tokens(token_id) if in_vocabulary(self._tokenizer, [token_id])
+                 else None) or ""
         missing = (len(piece) - len(piece.lstrip(self._marker))) - (len(text) - len(text.lstrip(" ")))
         return " " * missing + text if missing > 0 else text
 
@@ -120,7 +122,7 @@ class LogprobsDecoder:
         return ""
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tokenizer.decode(in_vocabulary(self._tokenizer, token_ids), skip_special_tokens=False)
 
     def decode(self, arrays: LogprobsArrays, with_text: bool = True, preceding: Sequence[int] = ()) -> SampleLogprobs:
         """One dict per row: the row's own token with its rank, then the top-N with ranks 1..N (``decoded_token``

@@ -68,3 +68,23 @@ def test_random_ids_lose_and_repeat_nothing(gpt_sw3: Any) -> None:
         streamed = _stream(gpt_sw3, ids, rng, skip_special_tokens=False)
         assert streamed.replace(" ", "") == gpt_sw3.decode(ids).replace(" ", ""), ids  # only spaces may differ
         assert _stream(gpt_sw3, ids, rng) == gpt_sw3.decode(ids, skip_special_tokens=True), ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_past_a_slow_tokenizer_have_no_text(gpt_sw3: Any, skip: bool) -> None:
+    """A padded model's ids past its slow tokenizer (sampled, or forced by allowed_token_ids / logit_bias) stream
+    and get logprobs as no text, as in vLLM, where sentencepiece's decode raises (it killed the processor thread)."""
+    import numpy as np
+
+    from asyncllm.engine.logprobs import LogprobsDecoder
+    from asyncllm.protocol import LogprobsArrays
+
+    past = len(gpt_sw3)
+    word = _ids(gpt_sw3, "Hello world")
+    assert _stream(gpt_sw3, [*word, past, past + 90, *word], random.Random(2), skip_special_tokens=skip) == \
+        gpt_sw3.decode([*word, *word], skip_special_tokens=skip)
+    ids = np.array([[past, word[0]]], dtype=np.int32)
+    arrays = LogprobsArrays(2, ids.astype("<i4").tobytes(), np.zeros((1, 2), "<f4").tobytes(),
+                            np.array([3], "<i4").tobytes())
+    [row] = LogprobsDecoder(gpt_sw3).decode(arrays, preceding=[word[-1]])
+    assert row[past].decoded_token == "" and row[word[0]].decoded_token == gpt_sw3.decode([word[0]])
