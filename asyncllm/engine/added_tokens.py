@@ -27,9 +27,9 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
 def in_vocabulary(tokenizer: Any, ids: list[int]) -> list[int]:
     """``ids`` less those past the tokenizer (a padded model samples them, or allowed_token_ids / logit_bias force
     them): a fast tokenizer's decode skips them, a slow one's raises (sentencepiece's IndexError); vLLM's slow
-    detokenizer gives them no text."""
-    size = _cached(tokenizer, "_asyncllm_len", lambda: len(tokenizer))
-    return ids if all(0 <= i < size for i in ids) else [i for i in ids if 0 <= i < size]
+    detokenizer gives them no text. A tokenizer without a length (a duck-typed one) is taken as it is."""
+    size = _cached(tokenizer, "_asyncllm_len", lambda: len(tokenizer) if hasattr(tokenizer, "__len__") else -1)
+    return ids if size < 0 or all(0 <= i < size for i in ids) else [i for i in ids if 0 <= i < size]
 
 
 def _added(tokenizer: Any) -> dict[int, Any]:
