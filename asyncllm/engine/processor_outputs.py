@@ -156,8 +156,10 @@ class ProcessorOutputs:
                 try:
                     dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
                     return
-                except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
-                    out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
+                except Exception as exc:  # noqa: BLE001 - an image that cannot be read again fails its request alone
+                    failed = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
+                        "prompt", f"its media could not be sent again ({type(exc).__name__}: {exc})")
+                    out = msgspec.structs.replace(out, error=str(failed), error_type=type(failed).__name__)
                     aborts.append(out.request_id)  # the core keeps an n > 1 sample 0's miss until it is aborted
         is_prefilling, tracked.is_prefilling = tracked.is_prefilling, tracked.is_prefilling and not out.new_token_ids
         item = self._process_output(tracked, out, now, aborts)

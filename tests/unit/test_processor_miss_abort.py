@@ -23,9 +23,13 @@ def _cannot_resend(*_args) -> None:
     raise errors.InvalidRequestError("image", "cannot be read again")
 
 
-def _host_aborts(monkeypatch: pytest.MonkeyPatch, unfinished: list[str]) -> list[str]:
+def _resend_bug(*_args) -> None:
+    raise RuntimeError("an unexpected failure")
+
+
+def _host_aborts(monkeypatch: pytest.MonkeyPatch, unfinished: list[str], resend=_cannot_resend) -> list[str]:
     """Sample 0 of request "r" (n=3) misses; its resend fails. What the host aborts, `unfinished` still tracked."""
-    monkeypatch.setattr(processor_outputs, "resend_with_data", _cannot_resend)
+    monkeypatch.setattr(processor_outputs, "resend_with_data", resend)
     processor = Processor.__new__(Processor)
     collector = SimpleNamespace(request_id="r")
     processor._tracked = {core_id: TrackedRequest(collector, None, int(core_id[-1])) for core_id in unfinished}
@@ -53,3 +57,9 @@ def test_a_failed_resend_aborts_sample_0_and_the_core_forgets_its_miss(monkeypat
     assert sorted(aborts) == unfinished
     core._handle(b"h", protocol.AbortRequests(aborts))
     assert core.samples._missed == core.samples._resent == set() and core.samples._refused == {}
+
+
+def test_any_failure_of_a_resend_fails_its_request_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only an image that cannot be read: whatever the resend raises fails that request, never the processor
+    thread every request shares."""
+    assert sorted(_host_aborts(monkeypatch, SAMPLES[:1], _resend_bug)) == SAMPLES[:1]
