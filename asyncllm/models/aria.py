@@ -39,7 +39,7 @@ from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel, weight_narrow, weight_shape
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM, LlamaMLP
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear, select_experts_by_spec
-from asyncllm.models.siglip import SiglipVisionEmbeddings, SiglipVisionTower
+from asyncllm.models.siglip import MaskedSiglipVisionEmbeddings, SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 
 __all__ = ["AriaForConditionalGeneration", "AriaTextForCausalLM", "queries_of"]
@@ -141,30 +141,6 @@ def queries_of(hf_config: Any, side: int) -> int:
     return table[patches]
 
 
-class AriaVisionEmbeddings(SiglipVisionEmbeddings):
-    """SigLIP's patches with transformers' Idefics3 positions: each crop's patches that are the image's bucketized
-    over the tower's ``image_size // patch_size`` positions a side (padding patches take position 0)."""
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.per_side = cfg.image_size // cfg.patch_size
-
-    def forward(self, pixel_values: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
-        n, rows, cols = patch_mask.shape
-        boundaries = torch.arange(1 / self.per_side, 1.0, 1 / self.per_side, device=patches.device)
-
-        def buckets(size: int, valid: torch.Tensor) -> torch.Tensor:
-            index = torch.arange(size, device=patches.device, dtype=torch.float32)
-            coords = torch.clamp(index[None, :] * (1.0 / valid)[:, None], max=1.0 - 1e-6)
-            return torch.bucketize(coords, boundaries, right=True)
-
-        ids = (buckets(rows, patch_mask[:, :, 0].sum(1)) * self.per_side)[:, :, None] \
-            + buckets(cols, patch_mask[:, 0, :].sum(1))[:, None, :]
-        ids = torch.where(patch_mask, ids, torch.zeros_like(ids)).reshape(n, -1)
-        return patches + self.position_embedding(ids)
-
-
 class AriaCrossAttention(nn.Module):
     """transformers' ``AriaCrossAttention`` (its names): LayerNormed queries and patches, projected, through
     ``nn.MultiheadAttention``, then a biased linear."""
@@ -232,7 +208,7 @@ class AriaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
                                             dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position,
                                             **decoder_options)
         self.vision_tower = SiglipVisionTower(vision, TensorParallel(), dtype, feature_layer=layer,
-                                              embeddings=AriaVisionEmbeddings(vision))
+                                              embeddings=MaskedSiglipVisionEmbeddings(vision))
         self.multi_modal_projector = AriaProjector(hf_config, dtype)
         self.hf_config = hf_config
 
@@ -268,18 +244,9 @@ class AriaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
         per_side = side // patch
         mask = flat[:, 3, : per_side * patch, : per_side * patch] > 0.5
         patch_mask = mask.reshape(-1, per_side, patch, per_side, patch).any(dim=4).any(dim=2)
-        features = self._tower(flat[:, :3], patch_mask)
+        features = self.vision_tower(flat[:, :3], patch_mask)  # padding patches left out of the attention
         out = self.multi_modal_projector(features, patch_mask.flatten(1), queries_of(self.hf_config, side))
         return out.reshape(n, crops * out.shape[1], out.shape[2])
-
-    def _tower(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
-        """The tower's feature layer over the patches, padding patches left out of the attention."""
-        tower = self.vision_tower
-        hidden = tower.embeddings(pixels, patch_mask)
-        attend = patch_mask.flatten(1)[:, None, None, :]
-        for layer in tower.encoder.layers[: tower.num_layers_run]:
-            hidden = layer(hidden, attend)
-        return tower.post_layernorm(hidden) if tower.normed else hidden
 
     # ---- weights
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:

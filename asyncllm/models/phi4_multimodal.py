@@ -2,7 +2,7 @@
 images and audios in, text out, over the Phi-3 decoder (phi3.py: fused q/k/v and gate/up, partial rotary, LongRoPE).
 
 Images (asyncllm/mm/phi4_mm_images.py makes an item of each: its global view and its 448-pixel HD crops with their
-patch masks): a SigLIP-like tower (CLIP's layers, clip.py, their attention masked to each crop's real patches;
+patch masks): siglip.py's SigLIP tower (CLIP's layers, clip.py, their attention masked to each crop's real patches;
 positions bucketized over a view's real patches, as Idefics3's) read at ``vision_config.feature_layer`` (-2: the
 last layer, the norm and the pooling head are not run, their weights not read), each view's patches averaged 2 x 2,
 then transformers' layout: the crops' features stitched into one grid cut to its real rows and columns, each row
@@ -30,12 +30,11 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.mm.phi4_mm_images import Phi4MultimodalImages, unpack_views
-from asyncllm.models.clip import CLIPEncoder
 from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.phi4_mm_audio import Phi4AudioEmbedding, audio_rows, audio_values
-from asyncllm.models.siglip import SiglipVisionEmbeddings
+from asyncllm.models.siglip import MaskedSiglipVisionEmbeddings, SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights
 
 __all__ = ["Phi4MultimodalForCausalLM", "image_rows"]
@@ -63,50 +62,6 @@ def image_rows(masks: np.ndarray | torch.Tensor, cols: int) -> tuple[int, int]:
     return int(rows), int(columns)
 
 
-class Phi4VisionEmbeddings(SiglipVisionEmbeddings):
-    """SigLIP's patch convolution and position table; each patch's position bucketized from its place among the
-    view's real patches (transformers' fractional coordinates)."""
-
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(cfg)
-        self.side = cfg.image_size // cfg.patch_size
-
-    def forward(self, pixel_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, S, S]`` views and ``[N, P, P]`` bool patch masks -> ``[N, P * P, hidden]``."""
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
-        n, side = mask.shape[0], self.side
-        boundaries = torch.arange(1 / side, 1.0, 1 / side, device=mask.device)
-        index = torch.arange(mask.shape[1], device=mask.device, dtype=torch.float32)
-
-        def buckets(count: torch.Tensor) -> torch.Tensor:
-            coords = torch.clamp(index[None, :] * (1.0 / count)[:, None], max=1.0 - 1e-6)
-            return torch.bucketize(coords, boundaries, right=True)
-
-        ids = buckets(mask[:, :, 0].sum(1))[:, :, None] * side + buckets(mask[:, 0, :].sum(1))[:, None, :]
-        ids = torch.where(mask.reshape(n, -1), ids.reshape(n, -1), 0)
-        return patches + self.position_embedding(ids)
-
-
-class Phi4VisionTower(nn.Module):
-    """``[N, 3, S, S]`` views and their patch masks -> ``feature_layer``'s hidden states (transformers'
-    ``hidden_states[feature_layer]``: 0 the embeddings), attention masked to each view's real patches."""
-
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        layers = int(cfg.num_hidden_layers)
-        run = copy.copy(cfg)
-        run.num_hidden_layers = int(cfg.feature_layer) % (layers + 1)
-        self.embeddings = Phi4VisionEmbeddings(cfg).to(dtype)
-        self.encoder = CLIPEncoder(run, TensorParallel(), dtype)
-
-    def forward(self, pixel_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(pixel_values, mask)
-        keys = mask.reshape(mask.shape[0], 1, 1, -1)
-        for layer in self.encoder.layers:
-            hidden = layer(hidden, keys)
-        return hidden
-
-
 class Phi4ImageEmbedding(nn.Module):
     """transformers' ``Phi4MultimodalImageEmbedding``: the tower, 2 x 2 pooling, the HD layout, the projection."""
 
@@ -115,7 +70,8 @@ class Phi4ImageEmbedding(nn.Module):
         vision, hidden = hf_config.vision_config, hf_config.hidden_size
         width = vision.hidden_size
         self.size, self.patches = int(vision.crop_size), vision.image_size // vision.patch_size
-        self.img_processor = Phi4VisionTower(vision, dtype)
+        self.img_processor = SiglipVisionTower(vision, TensorParallel(), dtype, feature_layer=int(vision.feature_layer),
+                                               embeddings=MaskedSiglipVisionEmbeddings(vision), build_unused=False)
         self.img_projection_up = nn.Linear(width, hidden, dtype=dtype)
         self.img_projection_down = nn.Linear(hidden, hidden, dtype=dtype)
         self.global_img_feature_extensor = nn.Parameter(torch.zeros(1, 1, width, dtype=dtype))
@@ -179,7 +135,7 @@ class Phi4MultimodalForCausalLM(DecoderLoRA, VisionLanguageModel):
         self.image_embed = Phi4ImageEmbedding(hf_config, dtype)
         self.audio_embed = Phi4AudioEmbedding(hf_config, dtype)
         self.hf_config = hf_config
-        self.vision_layers_run = len(self.image_embed.img_processor.encoder.layers)
+        self.vision_layers_run = self.image_embed.img_processor.num_layers_run
         """The tower's layers up to ``feature_layer``; the checkpoint's later ones are not read."""
 
     # ---- multimodal hooks (asyncllm/mm/)

@@ -118,7 +118,8 @@ class Qwen2AudioEncoder(nn.Module):
     def forward(self, features: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
         """``features`` ``[B, mel, 3000]``, ``frames`` ``[B]`` each audio's unpadded frames (None: every frame
         attended)."""
-        x = convolved_frames(self, features) + self.embed_positions.weight
+        x = convolved_frames(self, features)
+        x = (x + self.embed_positions.weight).to(x.dtype)  # summed in the table's dtype (Voxtral's is float32)
         kept = None if frames is None else (
             torch.arange(x.shape[1], device=x.device)[None, :] < ((frames - 1) // 2 + 1)[:, None])
         for layer in self.layers:

@@ -24,7 +24,7 @@ from torch import nn
 
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.llama import LlamaForCausalLM
-from asyncllm.models.qwen2_audio import Qwen2AudioEncoder, Qwen2AudioForConditionalGeneration, convolved_frames
+from asyncllm.models.qwen2_audio import Qwen2AudioEncoder, Qwen2AudioForConditionalGeneration
 from asyncllm.models.vision_language import text_config_of
 
 __all__ = ["VoxtralEncoder", "VoxtralForConditionalGeneration", "voxtral_stack"]
@@ -44,21 +44,14 @@ def voxtral_stack(cfg: Any) -> int:
 
 
 class VoxtralEncoder(Qwen2AudioEncoder):
-    """transformers' ``VoxtralEncoder``: Whisper's (no pooling, no mask), its positions added in float32."""
+    """transformers' ``VoxtralEncoder``: Whisper's (no pooling, no mask), its positions kept and added in float32
+    (`Qwen2AudioEncoder.forward` sums in the table's dtype), the rows cast back to the model's."""
 
     pooled = False
 
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__(cfg, dtype)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.hidden_size, dtype=torch.float32)
-
-    def forward(self, features: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
-        """``[W, mel, 3000]`` windows -> ``[W, 1500, hidden]`` (``frames`` unused: every frame attended)."""
-        x = convolved_frames(self, features)
-        x = (x + self.embed_positions.weight).to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, None)
-        return self.layer_norm(x)
 
 
 class VoxtralProjector(nn.Module):
