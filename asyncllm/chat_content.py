@@ -51,8 +51,8 @@ def content_format_of(given: str, tokenizer: Any, chat_template: str | None = No
     check_content_format(given)
     if given != "auto":
         return given
-    if chat_template is None and is_mistral(tokenizer):  # mistral_common reads the parts (vLLM's: it joins texts
-        return "openai"                                   # with a blank line)
+    if chat_template is None and is_mistral(tokenizer):  # mistral_common reads the parts itself, as in vLLM
+        return "openai"
     if chat_template is None:
         try:
             chat_template = tokenizer.get_chat_template(None, tools=tools)

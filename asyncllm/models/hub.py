@@ -20,7 +20,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.mistral_format import uses_mistral_weights
 from asyncllm.models.st_dense import dense_folders, dense_pickle_patterns
 
-__all__ = ["resolve_model_path", "hub_unanswered", "names_a_path", "safetensors_patterns"]
+__all__ = ["resolve_model_path", "hub_unanswered", "index_names", "names_a_path", "safetensors_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +102,22 @@ def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
     if uses_mistral_weights(path, load_format):
         return ["consolidated*.safetensors"]
     try:
-        with open(os.path.join(path, "model.safetensors.index.json")) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none, or a broken one the loader names
+        names = index_names(path, "model.safetensors.index.json")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a broken index: the loader names it
+        names = None
+    if names is None:
         return ["*.safetensors"]
     return [*map(glob.escape, names), *(f"{folder}/*.safetensors" for folder in dense_folders(path))]
+
+
+def index_names(path: str, index_name: str) -> list[str] | None:
+    """The file names a checkpoint's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``)
+    maps its weights to, each once; None without one."""
+    index_path = os.path.join(path, index_name)
+    if not os.path.exists(index_path):
+        return None
+    with open(index_path) as f:
+        return sorted(set(json.load(f)["weight_map"].values()))
 
 
 def names_a_path(model: str) -> bool:

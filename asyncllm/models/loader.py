@@ -251,10 +251,10 @@ def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
     ``kv_cache_dtype`` and are dropped otherwise (asyncllm/models/kv_scales.py).
     """
     if uses_mistral_weights(path, load_format):  # Mistral's names and rotary layout (asyncllm/models/mistral_format.py)
-        files = iterate_safetensors(mistral_files(path))
-        weights = take_kv_scales(mistral_weights(path, files), model, kv_cache_dtype)
+        weights = mistral_weights(path, iterate_safetensors(mistral_files(path)))
     else:
-        weights = take_kv_scales(iterate_safetensors(checkpoint_files(path, load_format)), model, kv_cache_dtype)
+        weights = iterate_safetensors(checkpoint_files(path, load_format))
+    weights = take_kv_scales(weights, model, kv_cache_dtype)
     loaded = model.load_weights(weights if weights_filter is None else weights_filter(weights))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:

@@ -27,13 +27,12 @@ PARAMS = "params.json"
 _CONFIG_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "head_dim": "head_dim",
                 "hidden_dim": "intermediate_size", "n_heads": "num_attention_heads",
                 "n_kv_heads": "num_key_value_heads", "norm_eps": "rms_norm_eps", "vocab_size": "vocab_size",
-                "rope_theta": "rope_theta", "max_seq_len": "max_position_embeddings",
-                "max_position_embeddings": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings",
+                "rope_theta": "rope_theta", "tied_embeddings": "tie_word_embeddings",
                 "sliding_window": "sliding_window", "dtype": "dtype"}
 """params.json key -> `MistralConfig` argument."""
 
 _POSITION_KEYS = ("max_seq_len", "max_position_embeddings")
-"""params.json's lengths: the served one is the shorter of those given (vLLM's)."""
+"""params.json's lengths (`MistralConfig`'s max_position_embeddings): the shorter of those given (vLLM's)."""
 
 _FIXED = {"model_type": "transformer", "activation": "silu", "use_biases": False}
 """Keys read only to check they hold the one value built."""
@@ -92,13 +91,14 @@ def mistral_config(path: str) -> Any:
     for key, built in _FIXED.items():
         if params.get(key, built) != built:
             raise NotBuiltError("config_format", "mistral", f"{PARAMS}'s {key}={params[key]!r} (built: {built!r})")
-    unknown = sorted(k for k in params if k not in _CONFIG_KEYS and k not in _FIXED and params[k] not in (None, {}))
+    known = {*_CONFIG_KEYS, *_POSITION_KEYS, *_FIXED}
+    unknown = sorted(k for k in params if k not in known and params[k] not in (None, {}))
     if unknown:
         raise NotBuiltError("config_format", "mistral", f"{PARAMS} with {', '.join(unknown)} (built: the dense "
-                                                        f"text models' keys {sorted(_CONFIG_KEYS)})")
+                                                        f"text models' keys {sorted(known)})")
     if isinstance(params.get("sliding_window"), list):
         raise NotBuiltError("config_format", "mistral", f"{PARAMS}'s per-layer sliding_window list")
-    kwargs = {_CONFIG_KEYS[k]: v for k, v in params.items() if k in _CONFIG_KEYS and k not in _POSITION_KEYS}
+    kwargs = {_CONFIG_KEYS[k]: v for k, v in params.items() if k in _CONFIG_KEYS}
     lengths = [params[k] for k in _POSITION_KEYS if params.get(k) is not None]
     kwargs["max_position_embeddings"] = min(lengths) if lengths else _DEFAULT_MAX_POSITIONS  # both: the shorter
     kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))  # none given: one per head

@@ -9,7 +9,6 @@ memory-mapped where its format allows, so a rank touches only the rows it copies
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Iterator
 
@@ -27,12 +26,12 @@ _NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler
 def indexed_files(path: str, index_name: str) -> list[str] | None:
     """The files a checkpoint's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) names;
     None without one; `ConfigError` when one it names is absent."""
-    index_path = os.path.join(path, index_name)
-    if not os.path.exists(index_path):
+    from asyncllm.models.hub import index_names
+
+    names = index_names(path, index_name)
+    if names is None:
         return None
-    with open(index_path) as f:
-        weight_map: dict[str, str] = json.load(f)["weight_map"]
-    files = sorted({os.path.join(path, name) for name in weight_map.values()})
+    files = [os.path.join(path, name) for name in names]
     absent = [os.path.basename(file) for file in files if not os.path.exists(file)]
     if absent:
         raise ConfigError("model", path, f"a complete checkpoint; its index names absent files {absent}")
