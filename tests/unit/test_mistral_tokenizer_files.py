@@ -100,3 +100,13 @@ def test_a_tool_call_streams_with_its_control_tokens_kept(tmp_path, chunk: int, 
                                                                       spaces_between_special_tokens=spaces))
         deltas = [detok.update(ids[i:i + chunk], False).text for i in range(0, len(ids), chunk)]
         assert "".join(deltas) + detok.update([], True).text == expected
+
+
+def test_a_lowercased_chat_is_refused_under_mistral(tmp_path) -> None:
+    """A lowercasing embedding model renders its chat as text first (vLLM's); mistral_common's ids cannot be."""
+    from asyncllm.tokenizer import render_chat
+
+    tokenizer = load_tokenizer(write_tekken(str(tmp_path)))
+    with pytest.raises(NotBuiltError, match="lowercasing"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}], lower=True)
+    assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}]).token_ids[:2] == [1, 3]
