@@ -30,7 +30,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
+__all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "encodes_media", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
            "mistral_transcribes", "render_mistral_chat", "render_mistral_transcription", "xgrammar_vocab"]
 
 _MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
@@ -44,8 +44,9 @@ _CHAT_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "re
 INSTALL_HINT = "pip install 'asyncllm[mistral]' (mistral_common)"
 
 AUDIO_TOKEN = "[AUDIO]"
-MEDIA_ARCHITECTURES = ("VoxtralForConditionalGeneration",)
-"""The models with media whose chats mistral_common encodes here (their audio parts: `_with_audio_stand_in`)."""
+MEDIA_ARCHITECTURES = ("VoxtralForConditionalGeneration", "Mistral3ForConditionalGeneration")
+"""The models with media whose chats mistral_common encodes here (their media parts: `_with_stand_ins`), with LLaVA
+over a Pixtral tower (Pixtral-12B: `encodes_media`)."""
 
 
 class MistralChat(str):
@@ -57,6 +58,14 @@ class MistralChat(str):
         chat = super().__new__(cls, text)
         chat.token_ids = token_ids
         return chat
+
+
+def encodes_media(arch: str, hf_config: Any) -> bool:
+    """Whether mistral_common encodes the chats of ``arch`` with their media: Voxtral's audio, Pixtral's images
+    (Mistral 3, and LLaVA with a Pixtral tower: Pixtral-12B)."""
+    if arch == "LlavaForConditionalGeneration":
+        return getattr(getattr(hf_config, "vision_config", None), "model_type", None) == "pixtral"
+    return arch in MEDIA_ARCHITECTURES
 
 
 def uses_mistral(name_or_path: str, mode: str) -> bool:
@@ -78,11 +87,31 @@ def load_mistral_tokenizer(name_or_path: str, revision: str | None = None) -> Pr
     except ImportError as exc:
         raise ConfigError("tokenizer_mode", "mistral", f"mistral_common installed: {INSTALL_HINT}") from exc
     try:
-        return _tokenizer_class().from_pretrained(name_or_path, revision=revision or "main")
+        tokenizer = _tokenizer_class().from_pretrained(name_or_path, revision=revision or "main")
     except Exception as exc:  # noqa: BLE001 - mistral_common raises ValueError, AssertionError, OSError...
         raise ConfigError("tokenizer", name_or_path, f"a folder or hub id with a Mistral tokenizer file (tekken.json "
                                                      f"or tokenizer.model.v<N>) for tokenizer_mode='mistral' "
                                                      f"({type(exc).__name__}: {exc})") from exc
+    instruct = tokenizer.tokenizer.instruct_tokenizer
+    if getattr(instruct, "image_encoder", None) is not None:
+        instruct.image_encoder = _image_placeholder_class()(instruct.image_encoder.image_config,
+                                                            instruct.image_encoder.special_ids)
+    return tokenizer
+
+
+@functools.cache
+def _image_placeholder_class() -> type:
+    """mistral_common's image encoder writing one ``[IMG]`` per image, which the host expands to the image's rows
+    (``[IMG] * cols + [IMG_BREAK]``, the last ``[IMG_END]``: asyncllm/models/mistral3.py) from the pixels
+    transformers' Pixtral processor prepares; the image itself is neither read nor resized here."""
+    import numpy as np
+    from mistral_common.tokens.tokenizers.image import ImageEncoder, ImageEncoding
+
+    class ImagePlaceholder(ImageEncoder):
+        def __call__(self, content: Any) -> Any:
+            return ImageEncoding(tokens=[self.special_ids.img], image=np.zeros((3, 1, 1), np.float32))
+
+    return ImagePlaceholder
 
 
 @functools.cache
@@ -132,13 +161,13 @@ def render_mistral_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
                                                           f"encoding (it takes {sorted(_CHAT_KWARGS)})")
     if kwargs.get("continue_final_message"):
         kwargs = {**kwargs, "add_generation_prompt": False}
-    audio_parts = [_with_audio_stand_in(i, m) for i, m in enumerate(messages)]
+    stand_ins = [_with_stand_ins(tokenizer, i, m) for i, m in enumerate(messages)]
     try:
-        token_ids = tokenizer.apply_chat_template(audio_parts, tokenize=True, return_dict=False, **kwargs)
+        token_ids = tokenizer.apply_chat_template(stand_ins, tokenize=True, return_dict=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - mistral_common's validation errors: a 400, as vLLM's
         raise InvalidRequestError("messages", f"mistral_common refused them ({type(exc).__name__}: {exc})") from exc
     token_ids = [int(t) for t in token_ids]
-    if audio_parts != messages:
+    if stand_ins != messages:
         token_ids = _one_audio_token_each(token_ids, tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
     return MistralChat(tokenizer.decode(token_ids), token_ids)
 
@@ -168,27 +197,47 @@ def render_mistral_transcription(tokenizer: PreTrainedTokenizerBase, language: s
     return _one_audio_token_each(token_ids, tokenizer.convert_tokens_to_ids(AUDIO_TOKEN))
 
 
-def _with_audio_stand_in(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` with each audio part (``{"type": "audio"}``, asyncllm/mm/inputs.py's) a short silence that
-    mistral_common encodes as Voxtral's ``[BEGIN_AUDIO]`` and a run of ``[AUDIO]`` (the host fills the run in:
-    `_one_audio_token_each`); image and video parts are refused."""
+def _with_stand_ins(tokenizer: PreTrainedTokenizerBase, i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with each media part (``{"type": "audio"}`` / ``"image"``, asyncllm/mm/inputs.py's) a stand-in
+    mistral_common encodes: a short silence, which Voxtral's encoder writes as ``[BEGIN_AUDIO]`` and a run of
+    ``[AUDIO]`` (cut to one: `_one_audio_token_each`), and a 1-pixel image, which the placeholder encoder writes as
+    one ``[IMG]`` (`_image_placeholder_class`); the host fills each in. A kind the tokenizer has no section for, and
+    video, is refused."""
     content = message.get("content")
     if not isinstance(content, list) or all(part.get("type") == "text" for part in content):
         return message
+    instruct = tokenizer.tokenizer.instruct_tokenizer
     parts = []
     for part in content:
         kind = part.get("type")
-        if kind in ("image", "video"):
-            raise InvalidRequestError("messages", f"item {i}: {kind} parts with tokenizer_mode='mistral' are not "
-                                                  "built (audio is: Voxtral)")
-        parts.append({"type": "input_audio", "input_audio": {"data": _silence_wav(), "format": "wav"}}
-                     if kind == "audio" else part)
+        encoder = {"audio": "audio_encoder", "image": "image_encoder"}.get(kind)
+        if kind == "video":
+            raise InvalidRequestError("messages", f"item {i}: video parts with tokenizer_mode='mistral' are not "
+                                                  "built (audio and images are)")
+        if encoder is not None and getattr(instruct, encoder, None) is None:
+            raise InvalidRequestError("messages", f"item {i}: {kind} parts for a model whose Mistral tokenizer file "
+                                                  f"has no {kind} section")
+        if kind == "audio":
+            part = {"type": "input_audio", "input_audio": {"data": _silence_wav(), "format": "wav"}}
+        elif kind == "image":
+            part = {"type": "image_url", "image_url": {"url": _one_pixel_png()}}
+        parts.append(part)
     return {**message, "content": parts}
 
 
 def _one_audio_token_each(token_ids: list[int], audio_id: int) -> list[int]:
     """Each run of ``[AUDIO]`` ids cut to one: the host repeats it once per row of that audio's features."""
     return [t for k, t in enumerate(token_ids) if t != audio_id or k == 0 or token_ids[k - 1] != audio_id]
+
+
+@functools.cache
+def _one_pixel_png() -> str:
+    """A 1 x 1 black PNG as a data URL (the placeholder encoder never reads it; mistral_common checks its form)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 @functools.cache

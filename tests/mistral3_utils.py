@@ -6,11 +6,15 @@ import io
 import os
 from pathlib import Path
 
+from mistral_utils import write_tekken
 from mm_utils import random_model
 
-__all__ = ["IMAGE", "hf_mistral3_greedy", "make_tiny_mistral3", "make_tiny_pixtral_llava"]
+__all__ = ["IMAGE", "TEKKEN_IMAGE", "hf_mistral3_greedy", "make_tiny_mistral3", "make_tiny_pixtral_llava"]
 
 IMAGE, IMAGE_BREAK, IMAGE_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+
+TEKKEN_IMAGE = {"image_patch_size": 14, "max_image_size": 112, "spatial_merge_size": 2}
+"""The tekken.json image section of the tiny Mistral 3 (its processor's: 14-pixel patches merged 2 x 2, 112 at most)."""
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -24,10 +28,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str = "mistral") -> str:
+def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str = "mistral",
+                       tekken: bool = False) -> str:
     """Save a tiny random ``Mistral3ForConditionalGeneration`` with its tokenizer and Pixtral image processor (longest
     edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``; ``decoder`` "ministral3": Ministral 3's
-    (a YaRN rope, the attention temperature from position 16 on); "mistral4": Mistral 4's.
+    (a YaRN rope, the attention temperature from position 16 on); "mistral4": Mistral 4's. ``tekken``: Mistral's
+    vocabulary only, a tekken.json with an image section (`TEKKEN_IMAGE`; [IMG] 10, BOS 1, EOS 2) and a SiLU
+    tower, as Mistral Small 3.1 ships.
 
     ``unit`` in `hf_mistral3_greedy`: the pixels of one image token (28: Mistral 3's merged patches; 14: the tiny
     Pixtral-12B's patches)."""
@@ -49,6 +56,8 @@ def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if tekken:
+        shape.update(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=11, tie_word_embeddings=False)
     if decoder == "mistral4":  # Mistral 4: DeepSeek-V3's latent attention and experts, the temperature past 16
         from transformers import Mistral4Config
 
@@ -71,27 +80,35 @@ def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str
     else:
         text = MistralConfig(**shape, sliding_window=None)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 patch_size=14, image_size=112)
-    config = Mistral3Config(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+                                 patch_size=14, image_size=112, hidden_act="silu" if tekken else "gelu")
+    config = Mistral3Config(vision_config=vision, text_config=text,
+                            image_token_id=10 if tekken else tokenizer.convert_tokens_to_ids(IMAGE),
                             spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=False)
     random_model(Mistral3ForConditionalGeneration, config, seed).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    if tekken:
+        write_tekken(str(path), image=TEKKEN_IMAGE)
+    else:
+        tokenizer.save_pretrained(path)
     PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
     return str(path)
 
 
-def make_tiny_pixtral_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
+def make_tiny_pixtral_llava(path: str | os.PathLike[str], seed: int = 0, tekken: bool = False) -> str:
     """Save a tiny random Pixtral-12B-style ``LlavaForConditionalGeneration`` (the tiny Mistral 3's tower, no patch
-    merging, LLaVA's projector, a Mistral decoder) with its tokenizer and image processor in ``path``."""
+    merging, LLaVA's projector, a Mistral decoder) with its tokenizer and image processor in ``path``; ``tekken``:
+    as `make_tiny_mistral3`'s, the tekken.json's patches 14 pixels, unmerged."""
     from transformers import AutoConfig, AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration, PixtralImageProcessorPil
 
-    reference = Path(make_tiny_mistral3(Path(path) / "mistral3", seed))
+    reference = Path(make_tiny_mistral3(Path(path) / "mistral3", seed, tekken=tekken))
     mistral3 = AutoConfig.from_pretrained(reference)
     config = LlavaConfig(vision_config=mistral3.vision_config, text_config=mistral3.text_config,
                          image_token_index=mistral3.image_token_id, vision_feature_layer=-1,
                          vision_feature_select_strategy="full", projector_hidden_act="gelu")
     random_model(LlavaForConditionalGeneration, config, seed).save_pretrained(path)
-    AutoTokenizer.from_pretrained(reference).save_pretrained(path)
+    if tekken:
+        write_tekken(str(path), image={**TEKKEN_IMAGE, "spatial_merge_size": 1})
+    else:
+        AutoTokenizer.from_pretrained(reference).save_pretrained(path)
     PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
     return str(path)
 

@@ -25,10 +25,12 @@ SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[
 AUDIO_ID, BEGIN_AUDIO_ID = SPECIALS.index("[AUDIO]"), SPECIALS.index("[BEGIN_AUDIO]")
 
 
-def write_tekken(folder: str, version: str = "v13", num_merges: int = 156, mel_bins: int | None = None) -> str:
+def write_tekken(folder: str, version: str = "v13", num_merges: int = 156, mel_bins: int | None = None,
+                 image: dict | None = None) -> str:
     """``folder``/tekken.json: a byte-level BPE of 256 + `num_merges` tokens trained on Python's own ``this.py``
     (with `NUM_SPECIAL` control tokens: 512 ids, the tiny checkpoints' vocabulary, by default); `mel_bins`: with
-    an audio section, as Voxtral's."""
+    an audio section, as Voxtral's; `image`: an image section (``image_patch_size``, ``max_image_size``,
+    ``spatial_merge_size``), as Pixtral's and Mistral Small 3.1's."""
     from tiktoken._educational import bpe_train
 
     with open(os.path.join(sysconfig.get_paths()["stdlib"], "this.py"), encoding="utf-8") as f:
@@ -44,6 +46,8 @@ def write_tekken(folder: str, version: str = "v13", num_merges: int = 156, mel_b
     if mel_bins is not None:  # Voxtral's: 16 kHz audio, 12.5 tokens a second, padded to 30 s windows
         data["audio"] = {"sampling_rate": 16_000, "frame_rate": 12.5, "chunk_length_s": 30.0, "audio_encoding_config": {
             "num_mel_bins": mel_bins, "hop_length": 160, "window_size": 400}}
+    if image is not None:
+        data["image"] = image
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "tekken.json"), "w", encoding="utf-8") as f:
         json.dump(data, f)
@@ -135,3 +139,61 @@ def mistral_format_checkpoint(hf_folder: str, folder: str, keep_hf: bool = False
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump({**config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}, f)
     return write_tekken(folder)
+
+
+_TOWER_TO_MISTRAL = {"vision_tower.": "vision_encoder.", "attention.q_proj": "attention.wq",
+                     "attention.k_proj": "attention.wk", "attention.v_proj": "attention.wv",
+                     "attention.o_proj": "attention.wo", "feed_forward.gate_proj": "feed_forward.w1",
+                     "feed_forward.down_proj": "feed_forward.w2", "feed_forward.up_proj": "feed_forward.w3",
+                     "multi_modal_projector.linear_1": "vision_language_adapter.w_in",
+                     "multi_modal_projector.linear_2": "vision_language_adapter.w_out",
+                     "multi_modal_projector.patch_merger.": "patch_merger.",
+                     "multi_modal_projector.norm.": "pre_mm_projector_norm."}
+"""transformers' names of the Pixtral tower and the adapters -> Mistral's (the inverse of transformers' scripts)."""
+
+
+def mistral_vision_checkpoint(hf_folder: str, folder: str) -> str:
+    """``hf_folder``'s Mistral 3 or Pixtral-LLaVA (with a tekken.json) as Mistral ships Mistral Small 3.1 and
+    Pixtral-12B-2409: params.json with a ``vision_encoder`` section, consolidated.safetensors under Mistral's names
+    (the tower's query and key rows interleaved too), the tekken.json, and no config.json or image processor."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(hf_folder, "config.json")) as f:
+        config = json.load(f)
+    text, vision = config["text_config"], config["vision_config"]
+    merge = config.get("spatial_merge_size", 1)
+    params = {"dim": text["hidden_size"], "n_layers": text["num_hidden_layers"], "head_dim": text["head_dim"],
+              "hidden_dim": text["intermediate_size"], "n_heads": text["num_attention_heads"],
+              "n_kv_heads": text["num_key_value_heads"], "norm_eps": text["rms_norm_eps"],
+              "vocab_size": text["vocab_size"], "rope_theta": text["rope_parameters"]["rope_theta"],
+              "max_seq_len": text["max_position_embeddings"], "vision_encoder": {
+                  "hidden_size": vision["hidden_size"], "num_channels": 3, "image_size": vision["image_size"],
+                  "max_image_size": vision["image_size"], "patch_size": vision["patch_size"],
+                  "rope_theta": vision["rope_parameters"]["rope_theta"],
+                  "intermediate_size": vision["intermediate_size"], "num_hidden_layers": vision["num_hidden_layers"],
+                  "num_attention_heads": vision["num_attention_heads"],
+                  "adapter_bias": config["multimodal_projector_bias"], "image_token_id": 10,
+                  "image_break_token_id": 12, "image_end_token_id": 13,
+                  **({"mm_projector_id": "patch_merge", "spatial_merge_size": merge,
+                      "add_pre_mm_projector_layer_norm": True} if merge > 1 else {})}}
+    tensors = {}
+    for name, weight in load_file(os.path.join(hf_folder, "model.safetensors")).items():
+        if name.startswith("language_model."):
+            name = name.removeprefix("language_model.")
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight = _interleaved(weight, text["num_attention_heads"] if "q_proj" in name
+                                      else text["num_key_value_heads"])
+            tensors[_mistral_name(name)] = weight
+            continue
+        if name.endswith(("attention.q_proj.weight", "attention.k_proj.weight")):
+            weight = _interleaved(weight, vision["num_attention_heads"])
+        for hf, mistral in _TOWER_TO_MISTRAL.items():
+            name = name.replace(hf, mistral)
+        tensors[name] = weight
+    tensors.setdefault("output.weight", tensors["tok_embeddings.weight"].clone())  # a tied checkpoint's head
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "consolidated.safetensors"))
+    with open(os.path.join(folder, "params.json"), "w") as f:
+        json.dump(params, f)
+    shutil.copy(os.path.join(hf_folder, "tekken.json"), folder)
+    return folder

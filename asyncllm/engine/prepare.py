@@ -19,7 +19,7 @@ from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import SuppressedTokens, read_generation_config, sampling_fields_of, source_of
 from asyncllm.lora import kept_lora_ids
-from asyncllm.mistral_tokenizer import MEDIA_ARCHITECTURES, is_mistral
+from asyncllm.mistral_tokenizer import encodes_media, is_mistral
 from asyncllm.models.mistral_format import mistral_files, uses_mistral_weights
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
@@ -133,7 +133,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     if config.skip_tokenizer_init and multimodal:
         raise ConfigError("skip_tokenizer_init", True, f"False for {arch} with images (its processor places image "
                                                        "tokens with the tokenizer)")
-    if multimodal and is_mistral(tokenizer) and arch not in MEDIA_ARCHITECTURES:  # docs/tokenizers.md
+    if multimodal and is_mistral(tokenizer) and not encodes_media(arch, hf_config):  # docs/tokenizers.md
         raise NotBuiltError("tokenizer_mode", config.tokenizer_mode, f"mistral_common's tokenizer for {arch} with media")
     if getattr(text_config, "classifier_from_token", None) is not None:
         if tokenizer is None:

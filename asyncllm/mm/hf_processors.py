@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 from asyncllm.errors import ConfigError
@@ -21,7 +22,7 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
     copies: Qwen-VL's writes its ``max_pixels`` into a ``size`` dict it is given)."""
     from transformers import AutoImageProcessor
 
-    loader = processor_cls or AutoImageProcessor
+    loader = processor_cls or (_MistralImages if _mistral_images(model_path) else AutoImageProcessor)
     processor = loader.from_pretrained(model_path, **copy.deepcopy(overrides))  # Qwen-VL's rewrites a given size dict
     for key, value in (defaults or {}).items():
         if getattr(processor, key, None) is None:
@@ -34,6 +35,24 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
                 raise ConfigError(f"mm_processor_kwargs.{key}", value,
                                   f"a setting of the model's {type(processor).__name__}")
     return processor
+
+
+def _mistral_images(model_path: str) -> bool:
+    """Whether the checkpoint's image settings are only its params.json's (Mistral's format: Pixtral-12B-2409)."""
+    def has(name: str) -> bool:
+        return os.path.isfile(os.path.join(model_path, name))
+
+    return not has("preprocessor_config.json") and has("params.json")
+
+
+class _MistralImages:
+    """`load_image_processor`'s loader for Mistral's format (asyncllm/models/mistral_vision_format.py)."""
+
+    @staticmethod
+    def from_pretrained(model_path: str, **overrides: Any) -> Any:
+        from asyncllm.models.mistral_format import mistral_image_processor
+
+        return mistral_image_processor(model_path, **overrides)
 
 
 def load_feature_extractor(model_path: str, extractor_cls: Any = None) -> Any:

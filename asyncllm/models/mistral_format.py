@@ -4,8 +4,9 @@ for the config, ``consolidated*.safetensors`` for the weights, under Mistral's n
 The config becomes transformers' `MistralConfig` (so the rest of the engine, the workers included, sees the
 checkpoint as a Hugging Face one), and each weight its Hugging Face name, the query and key projections permuted
 from Mistral's interleaved rotary halves to transformers' (the conversion transformers' own script makes). Built for
-the dense text models (Mistral 7B, Nemo, Small / Devstral / Magistral text decoders); a params.json section for
-experts, images, audio, quantization or another rope is a `NotBuiltError` naming it (docs/tokenizers.md).
+the dense text models (Mistral 7B, Nemo, Small / Devstral / Magistral) and, with a ``vision_encoder`` section, their
+Pixtral image tower (asyncllm/models/mistral_vision_format.py: Pixtral-12B, Mistral Small 3.1 / 3.2); a params.json
+section for experts, audio, quantization or another rope is a `NotBuiltError` naming it (docs/tokenizers.md).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.mistral_vision_format import VISION, image_processor, vision_config, vision_name
 
 __all__ = ["uses_mistral_config", "uses_mistral_weights", "mistral_config", "mistral_files",
-           "mistral_weights"]
+           "mistral_weights", "mistral_image_processor"]
 
 PARAMS = "params.json"
 
@@ -83,15 +85,16 @@ def _params(path: str) -> dict[str, Any]:
 
 
 def mistral_config(path: str) -> Any:
-    """params.json as transformers' `MistralConfig` (architectures ``MistralForCausalLM``); a key it does not map
-    is a `NotBuiltError` naming it, never dropped."""
+    """params.json as transformers' `MistralConfig` (architectures ``MistralForCausalLM``), under a `Mistral3Config`
+    or `LlavaConfig` when it has a ``vision_encoder`` section; a key it does not map is a `NotBuiltError` naming it,
+    never dropped."""
     from transformers import MistralConfig
 
     params = _params(path)
     for key, built in _FIXED.items():
         if params.get(key, built) != built:
             raise NotBuiltError("config_format", "mistral", f"{PARAMS}'s {key}={params[key]!r} (built: {built!r})")
-    known = {*_CONFIG_KEYS, *_POSITION_KEYS, *_FIXED}
+    known = {*_CONFIG_KEYS, *_POSITION_KEYS, *_FIXED, VISION}
     unknown = sorted(k for k in params if k not in known and params[k] not in (None, {}))
     if unknown:
         raise NotBuiltError("config_format", "mistral", f"{PARAMS} with {', '.join(unknown)} (built: the dense "
@@ -104,9 +107,10 @@ def mistral_config(path: str) -> Any:
     kwargs.setdefault("num_key_value_heads", kwargs.get("num_attention_heads"))  # none given: one per head
     kwargs.setdefault("tie_word_embeddings", False)
     try:
-        return MistralConfig(**kwargs, architectures=["MistralForCausalLM"], bos_token_id=1, eos_token_id=2)
+        text = MistralConfig(**kwargs, architectures=["MistralForCausalLM"], bos_token_id=1, eos_token_id=2)
     except (TypeError, ValueError) as exc:
         raise ConfigError("config_format", "mistral", f"a {PARAMS} transformers' MistralConfig takes ({exc})") from exc
+    return vision_config(params[VISION], text) if params.get(VISION) else text
 
 
 def mistral_files(path: str) -> list[str]:
@@ -118,16 +122,23 @@ def mistral_files(path: str) -> list[str]:
 
 
 def mistral_weights(path: str, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """Mistral-named weights under transformers' names, wq and wk (read whole) permuted to transformers' rotary
-    layout; the head counts are params.json's."""
+    """Mistral-named weights under transformers' names (the decoder's under ``language_model.`` beside an image
+    tower), wq and wk (read whole) permuted to transformers' rotary layout; the head counts are params.json's."""
     params = _params(path)
     heads = int(params["n_heads"])
     kv_heads = int(params.get("n_kv_heads") or heads)
+    tower_heads = int((params.get(VISION) or {}).get("num_attention_heads", 16))
     for name, weight in weights:
+        hf_name = vision_name(name)
+        if hf_name is not None:
+            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight = _rotary_halves(weight[:], tower_heads)
+            yield hf_name, weight
+            continue
         hf_name = _hf_name(name)
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _rotary_halves(weight[:], heads if hf_name.endswith("q_proj.weight") else kv_heads)
-        yield hf_name, weight
+        yield ("language_model." + hf_name if params.get(VISION) else hf_name), weight
 
 
 def _hf_name(name: str) -> str:
@@ -135,6 +146,11 @@ def _hf_name(name: str) -> str:
         if pattern.fullmatch(name):
             return pattern.sub(replacement, name)
     return name
+
+
+def mistral_image_processor(path: str, **overrides: Any) -> Any:
+    """The image processor of a folder whose image settings are only params.json's (`image_processor`)."""
+    return image_processor(_params(path), **overrides)
 
 
 def _rotary_halves(weight: Any, heads: int) -> Any:
