@@ -60,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     for field in (f for f in _flag_fields() if f.name not in skip):
         flags = ["--" + field.name.replace("_", "-")] + ([_SHORT_FLAGS[field.name]] if field.name in _SHORT_FLAGS else [])
         help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
-        parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int))
+        parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int), _DICT_PARSERS.get(field.name, json_object))
         if parse is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)
@@ -85,12 +85,13 @@ def _local_model(args: argparse.Namespace) -> bool:
     return os.path.exists(model) if model is not None else getattr(args, "connect", None) is None
 
 
-def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callable[[str], Any] | type[bool]:
+def _parser_for(annotation: str, integer: Callable[[str], int] = int,
+                mapping: Callable[[str], dict[str, Any]] | None = None) -> Callable[[str], Any] | type[bool]:
     optional = "None" in annotation.replace(" ", "").split("|")
     kind = _kind(annotation)
     if kind == "bool":
         return bool
-    convert: Callable[[str], Any] = {"int": integer, "float": float, "dict": json_object}.get(kind, str)
+    convert: Callable[[str], Any] = {"int": integer, "float": float, "dict": mapping or json_object}.get(kind, str)
 
     def parse(raw: str) -> Any:
         if optional and raw.lower() == "none":
@@ -145,6 +146,21 @@ def json_object(raw: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {raw!r}")
     return value
+
+
+def modality_counts(raw: str) -> dict[str, Any]:
+    """`json_object`, or vLLM's older ``image=10,video=1`` (Mistral's model cards still write it): each count an
+    int."""
+    if raw.lstrip().startswith("{"):
+        return json_object(raw)
+    pairs = [pair.partition("=") for pair in raw.split(",")]
+    if not all(key.strip() and equals for key, equals, _ in pairs):
+        raise argparse.ArgumentTypeError(f"not a JSON object or KEY=COUNT,...: {raw!r}")
+    return {key.strip(): int(count) for key, _, count in pairs}
+
+
+_DICT_PARSERS = {"limit_mm_per_prompt": modality_counts}
+"""Object flags that take another spelling besides JSON."""
 
 
 def is_json_object_flag(action: argparse.Action) -> bool:

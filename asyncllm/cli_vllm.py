@@ -156,13 +156,21 @@ def _dotted_json(words: list[str], command: argparse.ArgumentParser) -> list[str
             out.append((base,))
         if dot:
             _put(merged[base], keys.split("."), _value(value), name, command)
-        else:  # the JSON form: a base that dotted keys given after it update
-            whole = _value(value)
-            if not isinstance(whole, dict):
-                command.error(f"argument {base}: not a JSON object: {value!r}")
-            merged[base] = _deep_merge(merged[base], whole)
+        else:  # the JSON form (or the flag's other spelling): a base that dotted keys given after it update
+            merged[base] = _deep_merge(merged[base], _whole(base, value, command))
     return [word for item in out for word in ([item[0], json.dumps(merged[item[0]])] if isinstance(item, tuple)
                                               else [item])]
+
+
+def _whole(base: str, raw: str, command: argparse.ArgumentParser) -> dict[str, Any]:
+    """The object ``base VALUE`` gives, read by the flag's own type (``--limit-mm-per-prompt image=2`` too)."""
+    try:
+        whole = command._option_string_actions[base].type(raw)
+    except (argparse.ArgumentTypeError, ValueError, TypeError):
+        whole = None
+    if not isinstance(whole, dict):
+        command.error(f"argument {base}: not a JSON object: {raw!r}")
+    return whole
 
 
 def _value(raw: str) -> Any:

@@ -110,6 +110,18 @@ def test_dotted_json_flags_merge_into_the_object() -> None:
     assert dash_flag_names(["--hf_overrides.max_position_embeddings=1"]) == ["--hf-overrides.max_position_embeddings=1"]
 
 
+def test_limit_mm_per_prompt_takes_mistral_model_cards_key_value_counts(capsys) -> None:
+    """``--limit_mm_per_prompt 'image=10'`` as Mistral's model cards write it (vLLM's older form), beside JSON and a
+    dotted key; a count that is not a number is the flag's error."""
+    argv = ["serve", "/m", "--tokenizer_mode", "mistral", "--limit_mm_per_prompt", "image=10"]
+    assert _parse(dash_flag_names(argv)).limit_mm_per_prompt == {"image": 10}
+    args = _parse(["serve", "/m", "--limit-mm-per-prompt", "image=2, video=1", "--limit-mm-per-prompt.audio", "0"])
+    assert args.limit_mm_per_prompt == {"image": 2, "video": 1, "audio": 0}
+    with pytest.raises(SystemExit):
+        _parse(["serve", "/m", "--limit-mm-per-prompt", "image=many"])
+    assert "--limit-mm-per-prompt" in capsys.readouterr().err
+
+
 def test_serve_json_object_flags_take_dotted_keys_and_one_parser_refuses_what_is_not_an_object(capsys) -> None:
     """--default-chat-template-kwargs (typed `json_object`) takes dotted keys as the engine's dict fields do; a value
     that is no JSON object is each flag's error (the engine's naming its type)."""
