@@ -15,7 +15,7 @@ from torch import nn
 from asyncllm.models.layers import new_param
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.mixtral import MixtralForCausalLM
-from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, num_experts_of
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, num_experts_of, select_experts_by_scores
 from asyncllm.models.olmoe import OlmoeModel
 
 __all__ = ["MiniMaxM2ForCausalLM"]
@@ -39,9 +39,8 @@ class MiniMaxM2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scores = F.linear(x, self.gate.weight).float().sigmoid()
-        ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        return self.experts(x, weights / weights.sum(dim=-1, keepdim=True), ids)
+        weights, ids = select_experts_by_scores(scores, self.top_k, renormalize=True, bias=self.e_score_correction_bias)
+        return self.experts(x, weights, ids)
 
 
 class MiniMaxM2ForCausalLM(MoECausalLM, LlamaForCausalLM):
