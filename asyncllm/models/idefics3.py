@@ -55,7 +55,7 @@ class Idefics3VisionEmbeddings(SiglipVisionEmbeddings):
         self.register_buffer("position_ids", (buckets[:, None] * n + buckets[None, :]).reshape(-1), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype)).flatten(2).transpose(1, 2)
+        patches = self.patches(pixel_values)
         if patches.shape[1] != self.num_patches:
             raise ValueError(f"{patches.shape[1]} patches, the Idefics3 tower expects {self.num_patches}")
         return patches + self.position_embedding(self.position_ids)
