@@ -230,7 +230,7 @@ def render_chat(
         form = content_format_of(content_format, tokenizer, chat_template, tools)
         if form == "string" and placeholder is not None and is_mistral(tokenizer):  # media parts stay parts for it
             raise InvalidRequestError("chat_template_content_format", "'string' writes media as text, which "
-                                                                      "mistral_common never reads as audio: 'auto'")
+                                                                      "mistral_common never reads as media: 'auto'")
         messages = formatted_messages(messages, form, placeholder)
     messages = template_messages(messages)
     kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
