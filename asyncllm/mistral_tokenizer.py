@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "encodes_media", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
-           "mistral_transcribes", "render_mistral_chat", "render_mistral_transcription", "xgrammar_vocab"]
+           "mistral_transcribes", "one_placeholder_each", "render_mistral_chat", "render_mistral_transcription", "xgrammar_vocab"]
 
 _MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
 """Tokenizer files only Mistral's checkpoints ship (a bare ``tokenizer.model`` is any sentencepiece model's)."""
@@ -223,6 +223,33 @@ def _with_stand_ins(tokenizer: PreTrainedTokenizerBase, i: int, message: dict[st
             part = {"type": "image_url", "image_url": {"url": _one_pixel_png()}}
         parts.append(part)
     return {**message, "content": parts}
+
+
+def one_placeholder_each(tokenizer: PreTrainedTokenizerBase, token_ids: list[int]) -> list[int]:
+    """``token_ids`` as mistral_common encodes media (vLLM's ``prompt_token_ids`` for Pixtral and Voxtral) with each
+    image's rows (``[IMG]`` and ``[IMG_BREAK]`` up to its ``[IMG_END]``) and each ``[AUDIO]`` run cut to the one
+    placeholder the host expands; ``token_ids`` itself when it holds no such run."""
+    image, brk, end, audio = (_control_id(tokenizer, t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]", AUDIO_TOKEN))
+    out, k = [], 0
+    while k < len(token_ids):
+        stop = k
+        if image is not None and token_ids[k] == image:
+            while stop < len(token_ids) and token_ids[stop] in (image, brk):
+                stop += 1
+        if stop > k and stop < len(token_ids) and token_ids[stop] == end:  # a whole image's rows, its end
+            out.append(image)
+            k = stop + 1
+            continue
+        out.append(token_ids[k])
+        k += 1
+    out = out if audio is None else _one_audio_token_each(out, audio)
+    return token_ids if len(out) == len(token_ids) else out  # cutting only shortens
+
+
+def _control_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
+    """The id of control token ``token``, None when the vocabulary has none (not its unknown token's id)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 def _one_audio_token_each(token_ids: list[int], audio_id: int) -> list[int]:

@@ -32,7 +32,7 @@ from asyncllm.mm.media_items import MediaItems
 from asyncllm.mm.qwen_video import load_video_settings, video_grid, video_patches
 from asyncllm.mm.shm_ring import check_ring_room
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES
-from asyncllm.mistral_tokenizer import is_mistral
+from asyncllm.mistral_tokenizer import is_mistral, one_placeholder_each
 from asyncllm.protocol import MultiModalItem
 from asyncllm.tokenizer import encode_prompt
 
@@ -44,8 +44,8 @@ _REQUEST_PROCESSORS = 8
 """Image processors kept for requests' distinct ``mm_processor_kwargs``."""
 
 
-_MISTRAL_TEXT = (" (tokenizer_mode='mistral' reads no control token from a text prompt: send a chat with audio "
-                 "parts, or prompt_token_ids with the placeholder ids)")
+_MISTRAL_TEXT = (" (tokenizer_mode='mistral' reads no control token from a text prompt: send a chat with media "
+                 "parts, or prompt_token_ids with one placeholder id each or as mistral_common encodes them)")
 
 
 def _input_field(locations: dict[str, list[str]], fields: dict[str, str], kind: str, index: int) -> str:
@@ -223,6 +223,8 @@ class MultiModalProcessor(MediaItems):
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = request_kwargs = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
+        written = token_ids  # mistral_common's rows of each image (its encoding, vLLM's prompts): one placeholder each
+        token_ids = one_placeholder_each(self.tokenizer, token_ids) if is_mistral(self.tokenizer) else token_ids
         with_audio = {**self._engine_own, **overrides}.get("use_audio_in_video", False)
         """Each video takes the next audio (its track), interleaved with its frames (`_video_with_audio`)."""
         if "use_audio_in_video" in self._own_kwargs and not isinstance(with_audio, bool):
@@ -274,6 +276,10 @@ class MultiModalProcessor(MediaItems):
             uuids += [(where(kind, index), uuid) if owned else None] * (len(items) - len(uuids))
             previous = slot + 1
         self._join(expanded, token_ids[previous:])
+        if token_ids is not written and expanded != list(written):
+            raise InvalidRequestError("prompt_token_ids", "media rows as mistral_common wrote them, and they differ "
+                                                          "from this engine's for those inputs: give one placeholder "
+                                                          "id each, which the engine expands")
         if self.needs_audio is not None and len(items) != 1:
             raise InvalidRequestError(fields["audio"], f"{len(items)} audios; the model takes {self.needs_audio}")
         if self._prompt_items is not None:

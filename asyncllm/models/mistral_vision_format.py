@@ -117,5 +117,5 @@ def image_processor(params: dict[str, Any], **overrides: Any) -> Any:
     longest = int(section.get("max_image_size") or section.get("image_size") or 1024)
     cls = getattr(transformers, "PixtralImageProcessor" if importlib.util.find_spec("torchvision")
                   else "PixtralImageProcessorPil")
-    kwargs = {"size": {"longest_edge": longest}, "patch_size": int(section.get("patch_size", 16)), **overrides}
-    return cls(**kwargs)
+    settings = {"size": {"longest_edge": longest}, "patch_size": int(section.get("patch_size", 16))}
+    return cls.from_dict(settings, **overrides)  # a key it does not read dropped, as from_pretrained drops it

@@ -107,3 +107,35 @@ async def test_video_parts_are_refused_and_the_engine_serves_on(engine) -> None:
     with pytest.raises(InvalidRequestError):
         _ = [d async for d in engine.chat([{"role": "user", "content": [video]}], GREEDY)]
     assert len([d async for d in engine.chat([{"role": "user", "content": "hello"}], GREEDY)]) > 0
+
+
+async def test_mistral_commons_own_prompt_ids_with_their_rows_are_served_as_vllm_does(engine, checkpoint) -> None:
+    """vLLM's offline Pixtral prompts: mistral_common's encoding (each image's rows written out) as
+    prompt_token_ids beside the images; rows that differ from the engine's for that image are refused."""
+    image = make_image(84, 56, seed=6)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(image)}},
+                                             {"type": "text", "text": "Describe it"}]}]
+    encoded = mistral_common_ids(checkpoint[0], messages)
+    out = await engine.generate({"prompt_token_ids": encoded, "multi_modal_data": {"image": [image]}}, GREEDY)
+    assert out.prompt_token_ids == encoded and out.outputs[0].token_ids == hf_greedy(checkpoint[1], encoded, [image],
+                                                                                     checkpoint[2])
+    short = encoded[:3] + encoded[4:]  # a row one [IMG] short
+    with pytest.raises(InvalidRequestError, match="mistral_common"):
+        await engine.generate({"prompt_token_ids": short, "multi_modal_data": {"image": [image]}}, GREEDY)
+
+
+async def test_processor_settings_it_does_not_read_are_refused(checkpoint) -> None:
+    """A key of mm_processor_kwargs the Pixtral processor does not read (a typo, params.json's own name) is refused
+    as for a checkpoint in transformers' layout; one it reads is taken."""
+    from asyncllm import ConfigError
+
+    for kwargs in ({"do_rezise": False}, {"max_image_size": 56}):
+        with pytest.raises(ConfigError, match=next(iter(kwargs))):
+            async with AsyncEngine(checkpoint[0], tokenizer_mode="mistral", mm_processor_kwargs=kwargs):
+                pass
+    async with AsyncEngine(checkpoint[0], tokenizer_mode="mistral", mm_processor_kwargs={
+            "size": {"longest_edge": 56}}, disable_log_stats=True) as small:
+        stream = small.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _url(make_image(112, 112, seed=7))}}]}], GREEDY)
+        _ = [d async for d in stream]
+    assert stream.collector.prompt_token_ids.count(10) == (56 // checkpoint[2]) ** 2

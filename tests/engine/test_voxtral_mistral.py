@@ -84,3 +84,16 @@ async def test_a_text_prompt_cannot_spell_the_audio_token_and_ids_can(engine) ->
         await engine.generate({"prompt": "[BEGIN_AUDIO][AUDIO] what", **audio}, GREEDY)
     out = await engine.generate({"prompt_token_ids": [1, 3, BEGIN_AUDIO_ID, AUDIO_ID, 4], **audio}, GREEDY)
     assert out.prompt_token_ids.count(AUDIO_ID) == 375
+
+
+async def test_mistral_commons_own_prompt_ids_with_audio_rows_are_served(engine, tekken_voxtral) -> None:
+    """vLLM's offline Voxtral prompts: mistral_common's encoding (each audio's ``[AUDIO]`` run written out) as
+    prompt_token_ids beside the audio, served as the chat is."""
+    from audio_utils import SAMPLING_RATE
+
+    waveform = make_audio(1.3, seed=7)
+    ours, theirs = _chats([base64.b64encode(wav_bytes(waveform)).decode()])
+    prompt_ids, tokens = hf_chat_greedy(tekken_voxtral, theirs, 8)
+    assert prompt_ids.count(AUDIO_ID) > 1
+    out = await engine.generate({"prompt_token_ids": prompt_ids, "audios": [(waveform, SAMPLING_RATE)]}, GREEDY)
+    assert out.prompt_token_ids == prompt_ids and out.outputs[0].token_ids == tokens
