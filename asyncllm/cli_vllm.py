@@ -30,6 +30,19 @@ VLLM_FLAGS: dict[str, list[str] | str] = {
                                "and audio as data: URLs, or as file:// URLs with --allowed-local-media-path "
                                "(docs/security.md)",
 }
+_NO_EFFECT = {
+    "--disable-fastapi-docs": "asyncllm's server has no /docs, /redoc or /openapi.json pages to disable",
+    "--disable-frontend-multiprocessing": "asyncllm's server always runs in the process that serves HTTP, its engine "
+                                          "core in its own process (docs/architecture.md)",
+}
+"""vLLM flags (taking no value) whose setting asyncllm already has: accepted, a note says why."""
+VLLM_FLAGS.update({
+    "--api-server-count": "not built in asyncllm: `asyncllm serve` is one server process; several share one engine "
+                          "core as `asyncllm engine` plus one `asyncllm serve --connect ADDRESS` each "
+                          "(docs/integrations/shared-engine.md)",
+    "--enable-log-outputs": "not built in asyncllm: --enable-log-requests logs each request's prompt and "
+                            "parameters, not its output",
+})
 """vLLM flag -> our arguments (the same setting; a note says so) or the reason it is refused. vLLM's
 ``--structured-outputs-config`` is read by `_structured_outputs` (its one setting: disable_any_whitespace); a backend
 (``--guided-decoding-backend``'s too) of auto or xgrammar is accepted, another refused with the reason above."""
@@ -70,6 +83,10 @@ def known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list
         key = ""  # --structured-outputs-config.KEY's
         if _O_LEVEL.fullmatch(word) and not _takes_this_value(out[-1:], command):
             name = "-O"  # -O, -O0 ... -O3, -O=N: vLLM's optimisation level
+        elif name in _NO_EFFECT and not equals:
+            print(f"[asyncllm] vLLM's {name} has no effect here: {_NO_EFFECT[name]}", file=sys.stderr)
+            i += 1
+            continue
         elif name.split(".")[0] in VLLM_FLAGS or name.split(".")[0] == "--structured-outputs-config":
             name, _, key = name.partition(".")
         else:

@@ -147,7 +147,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     log_prompts(server.request_log, req, "chatcmpl" if chat else "cmpl", prompts, params, lora, indexed=not chat)
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
-                      token_ids_as_text=server.token_ids_as_text,
+                      token_ids_as_text=server.ids_as_text(req),
                       include_reasoning=not chat or req.include_reasoning,
                       chat_role=chat_role(req, server.response_role) if chat else "assistant",
                       reasoning_end=server.reasoning_end() if chat else None,

@@ -125,6 +125,8 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs' tokens as ``token_id:N``; None: the server's --return-tokens-as-token-ids."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: cut the prompt to k tokens (-1: as many as max_model_len allows): token ids keep their last k, a
     text prompt is cut by the tokenizer on the left, its special tokens kept (BOS, then the text's last tokens)."""
@@ -246,10 +248,11 @@ _NAMED_FIELD = re.compile(r"field `([^`]+)`")
 
 
 def decode_request(body: bytes, request_type: Any) -> Any:
-    """Decode and type-check a JSON body (a Struct, or `Any`: any JSON); msgspec's error becomes an
+    """Decode and type-check a JSON body (a Struct, or `Any`: any JSON) as vLLM's pydantic models read it (a whole
+    float or a numeric string for an int, "true" for a bool; 4.5 for an int is refused); msgspec's error becomes an
     `InvalidRequestError` naming the field."""
     try:
-        return msgspec.json.decode(body, type=request_type)
+        return msgspec.json.decode(body, type=request_type, strict=False)  # pydantic's lax reading, vLLM's: 4.0, "4"
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _AT_FIELD.search(text) or _NAMED_FIELD.search(text)

@@ -23,6 +23,7 @@ bodies (openai_http.py); without the API key every path but /health, /ping, /met
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -236,8 +237,9 @@ class OpenAIServer:
             streams = [self.engine.stream(p, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
                                           check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req),
                                           add_special_tokens=req.add_special_tokens) for p in prompts]
-        choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
-                          token_ids_as_text=self.token_ids_as_text,
+        as_ids = self.ids_as_text(req)
+        choices = Choices(len(prompts), params.n, params.logprobs, chat=False,
+                          token_text=functools.partial(self._token_text, as_ids=as_ids), token_ids_as_text=as_ids,
                           echo_only=echo_only(req), num_prompt_logprobs=req.prompt_logprobs,
                           return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
@@ -327,7 +329,7 @@ class OpenAIServer:
                                     chat_template_content_format=self.content_format,
                                     add_special_tokens=req.add_special_tokens)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
-                          token_ids_as_text=self.token_ids_as_text,
+                          token_ids_as_text=self.ids_as_text(req),
                           num_prompt_logprobs=req.prompt_logprobs,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
@@ -366,17 +368,24 @@ class OpenAIServer:
     async def _body(self, request: Request) -> bytes:
         return await read_body(request, self.limits.max_body_bytes)
 
-    def _token_text(self, token_id: int) -> str:
+    def ids_as_text(self, req: Any) -> bool:
+        """vLLM's ``return_tokens_as_token_ids``: the request's when it sets it, else the server's flag."""
+        own = getattr(req, "return_tokens_as_token_ids", None)
+        return self.token_ids_as_text if own is None else own
+
+    def _token_text(self, token_id: int, as_ids: bool = False) -> str:
         """A logprobs entry's token: its text, or vLLM's ``token_id:N`` (without a tokenizer, or asked for)."""
-        if self.engine.tokenizer is None or self.token_ids_as_text:
+        if self.engine.tokenizer is None or as_ids:
             return token_id_text(token_id)
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _model(self, model: str | None) -> tuple[str, LoRARequest | None]:
-        """The name a response carries and the adapter a request runs with: a served name (or none) is the
-        base model, a LoRA module's name its adapter; any other name is a 404."""
-        if not model or model in self.model_names:  # "" too, as vLLM
+        """The name a response carries and the adapter a request runs with: a served name is the base model under
+        that name (none: the first), a LoRA module's name its adapter; any other name is a 404."""
+        if not model:  # "" too, as vLLM
             return self.model_name, None
+        if model in self.model_names:  # the name asked for, as vLLM's (the first for none)
+            return model, None
         lora = self.loras.get(model)
         if lora is None:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "

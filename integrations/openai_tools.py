@@ -51,7 +51,7 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
     ids = parser.new_call_id if parser is not None else tool_call_id
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
-    if tool_choice == "none":
+    if tool_choice == "none" or tools == [] and tool_choice in ("auto", "required"):  # [] calls none: OpenAI's, vLLM's
         return ToolMode("none")
     if not tools:
         raise InvalidRequestError("tool_choice", f"{tool_choice!r} needs tools")

@@ -332,9 +332,11 @@ async def test_several_served_model_names(bundled_engine) -> None:
     async with asgi_client(app) as client:
         models = (await client.get("/v1/models")).json()["data"]
         alias = await client.post("/v1/completions", json={**GREEDY, "model": "tiny-alias", "prompt": "x"})
+        unnamed = await client.post("/v1/completions", json={"max_tokens": 2, "prompt": "x"})
         other = await client.post("/v1/completions", json={**GREEDY, "model": "asyncllm-tiny", "prompt": "x"})
     assert [m["id"] for m in models] == ["tiny", "tiny-alias"]
-    assert alias.status_code == 200 and alias.json()["model"] == "tiny"
+    assert alias.status_code == 200 and alias.json()["model"] == "tiny-alias"  # the name asked for, as vLLM's
+    assert unnamed.json()["model"] == "tiny"
     assert other.status_code == 404 and "tiny-alias" in other.json()["error"]["message"]
 
 

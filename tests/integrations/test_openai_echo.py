@@ -141,3 +141,23 @@ async def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(bundle
     assert all(key.startswith("token_id:") for top in done["top_logprobs"][1:] for key in top)
     assert all(entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
                and all(t["token"].startswith("token_id:") for t in entry["top_logprobs"]) for entry in chat)
+
+
+async def test_a_requests_return_tokens_as_token_ids_overrides_the_servers(bundled_engine, bundled_tokenizer) -> None:
+    """vLLM's request field: true on a server without the flag names tokens by id (an echoed prompt's too), false
+    on a server with it names them by text."""
+    from asyncllm.integrations.openai_server import create_app
+
+    body = {**GREEDY, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "echo": True}
+    async with _client(create_app(bundled_engine, manage_engine=False)) as client:
+        by_id = (await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True})).json()
+        chat = (await client.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+            "return_tokens_as_token_ids": True})).json()["choices"][0]["logprobs"]["content"]
+    async with _client(create_app(bundled_engine, manage_engine=False, return_tokens_as_token_ids=True)) as client:
+        by_text = (await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False})).json()
+    prompt_ids = bundled_tokenizer(PROMPT).input_ids
+    tokens = by_id["choices"][0]["logprobs"]["tokens"]
+    assert tokens[:len(prompt_ids)] == [f"token_id:{t}" for t in prompt_ids] and len(tokens) == len(prompt_ids) + 3
+    assert all(entry["token"].startswith("token_id:") for entry in chat)
+    assert not any(t.startswith("token_id:") for t in by_text["choices"][0]["logprobs"]["tokens"])

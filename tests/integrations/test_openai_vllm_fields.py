@@ -61,11 +61,15 @@ def test_nullable_fields_take_their_defaults() -> None:
     assert (chat.stream, chat.n, chat.logprobs, chat.presence_penalty, chat.frequency_penalty) == (
         False, 1, False, 0.0, 0.0)
     assert decode_request(b'{"prompt": "x", "return_token_strs": null}', TokenizeRequest).return_token_strs is False
+    lax = decode_request(b'{"messages": [], "n": "2", "max_tokens": 4.0, "seed": 1.0, "stream": "true"}',
+                         ChatCompletionRequest)  # pydantic's lax reading, vLLM's: a whole float, a numeric string
+    assert (lax.n, lax.max_tokens, lax.seed, lax.stream) == (2, 4, 1, True)
+    assert decode_request(b'{"prompt": "x", "logprobs": "1"}', CompletionRequest).logprobs == 1
     for body, kind, field in ((b'{"prompt": "x", "n": null}', CompletionRequest, "n"),  # vLLM's n: int = 1
                               (b'{"prompt": "x", "ignore_eos": null}', CompletionRequest, "ignore_eos"),
                               (b'{"prompt": "x", "stream": "yes"}', CompletionRequest, "stream"),
-                              (b'{"messages": [], "n": "2"}', ChatCompletionRequest, "n"),
-                              (b'{"prompt": "x", "logprobs": "1"}', CompletionRequest, "logprobs"),
+                              (b'{"prompt": "x", "max_tokens": 4.5}', CompletionRequest, "max_tokens"),
+                              (b'{"prompt": "x", "stop": 5}', CompletionRequest, "stop"),
                               (b'{"messages": [], "n": true}', ChatCompletionRequest, "n")):  # bools: counts only
         with pytest.raises(InvalidRequestError) as caught:
             decode_request(body, kind)

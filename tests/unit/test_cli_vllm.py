@@ -110,6 +110,15 @@ def test_dotted_json_flags_merge_into_the_object() -> None:
     assert dash_flag_names(["--hf_overrides.max_position_embeddings=1"]) == ["--hf-overrides.max_position_embeddings=1"]
 
 
+def test_vllm_flags_with_no_effect_are_noted_and_those_not_built_refused(capsys) -> None:
+    args = _parse(["serve", "/m", "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--port", "9"])
+    assert args.port == 9 and capsys.readouterr().err.count("has no effect here") == 2
+    for flag in (["--api-server-count", "2"], ["--enable-log-outputs"]):
+        with pytest.raises(SystemExit):
+            _parse(["serve", "/m", *flag])
+        assert f"vLLM's {flag[0]}: not built" in capsys.readouterr().err
+
+
 def test_limit_mm_per_prompt_takes_mistral_model_cards_key_value_counts(capsys) -> None:
     """``--limit_mm_per_prompt 'image=10'`` as Mistral's model cards write it (vLLM's older form), beside JSON and a
     dotted key; a count that is not a number is the flag's error."""

@@ -110,6 +110,7 @@ def test_tool_modes_refuse_what_they_cannot_take() -> None:
     assert tool_mode(None, None, None, None).kind == "none"
     assert tool_mode([WEATHER], "none", None, None).kind == "none"
     assert tool_mode([WEATHER], None, None, parser).kind == "auto"  # auto is the default with tools
+    assert [tool_mode([], choice, None, None).kind for choice in ("required", "auto")] == ["none", "none"]  # vLLM's
     cases = [([WEATHER], None, None, "enable-auto-tool-choice"), (None, "required", parser, "needs tools"),
              ([WEATHER], {"type": "function", "function": {"name": "add"}}, parser, "not among"),
              ([WEATHER], "sometimes", parser, "must be")]
