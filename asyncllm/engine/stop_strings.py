@@ -8,19 +8,23 @@ __all__ = ["StopStringMatcher"]
 class StopStringMatcher:
     """Finds stop strings across pushes, holding back text that may begin one.
 
-    The held-back tail is shorter than the longest stop string, so each push
-    costs O(new text + longest stop string) whatever the length of the output.
+    The held-back tail is shorter than the longest stop string, and each stop string's partial match is kept as a
+    Knuth-Morris-Pratt state advanced over the new text only, so each push costs O(number of stop strings x (new
+    text + longest stop string)) whatever the length of the output or of the stop strings' repeats.
     """
 
     def __init__(self, stop: list[str], include_stop_str_in_output: bool) -> None:
         self._stop = stop
         self._include = include_stop_str_in_output
         self._held = ""
+        self._prefixes = [_Prefix(s) for s in stop if s]
 
     def push(self, text: str, match: bool = True) -> tuple[str, str | None]:
         """Return (text safe to emit, matched stop string or None). A match must end in ``text`` (what is held back
         was pushed before); with ``match`` false (the first min_tokens tokens' text) none is looked for, but text that
         may begin one is still held back."""
+        for prefix in self._prefixes:
+            prefix.advance(text)
         buffer = self._held + text
         match = self._earliest_match(buffer, len(self._held)) if match else None
         if match is not None:
@@ -47,13 +51,32 @@ class StopStringMatcher:
 
     def _partial_match_len(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""
-        if not buffer:
-            return 0
-        longest = 0
-        last = buffer[-1]
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if stop[k - 1] == last and buffer.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return min(len(buffer), max((prefix.proper() for prefix in self._prefixes), default=0))
+
+
+class _Prefix:
+    """One stop string's longest prefix that ends the text pushed so far (a Knuth-Morris-Pratt automaton)."""
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.state = 0
+        self.border = [0] * len(stop)
+        """``border[i]``: the longest proper prefix of ``stop[: i + 1]`` that is also its suffix."""
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.border[k - 1]
+            k += stop[i] == stop[k]
+            self.border[i] = k
+
+    def advance(self, text: str) -> None:
+        stop, border, k = self.stop, self.border, self.state
+        for char in text:
+            while k and (k == len(stop) or stop[k] != char):
+                k = border[k - 1]
+            k += stop[k] == char
+        self.state = k
+
+    def proper(self) -> int:
+        """The longest proper prefix of the stop string that ends the text (a whole match falls back to its border)."""
+        return self.border[-1] if self.state == len(self.stop) else self.state

@@ -382,6 +382,22 @@ def test_matcher_picks_earliest_start_then_shortest() -> None:
     assert StopStringMatcher(["abc", "ab"], True).push("xabcd") == ("xab", "ab")
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=7), min_size=1, max_size=3),
+       st.lists(st.text("abc", max_size=4), max_size=10), st.integers(0, 4))
+def test_matcher_holds_exactly_the_longest_partial_prefix_of_the_whole_text(stops, pushes, unmatched) -> None:
+    """Whatever the repeats (the automaton's borders), the held tail is the longest suffix of everything pushed that
+    is a proper prefix of a stop string (a whole stop string inside the first pushes, not matched, included)."""
+    matcher, text = StopStringMatcher(stops, False), ""
+    for i, piece in enumerate(pushes):
+        text += piece
+        _, stop = matcher.push(piece, match=i >= unmatched)
+        if stop is not None:
+            return
+        longest = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        assert matcher._held == text[len(text) - longest:]
+
+
 def test_matcher_holds_longest_partial_prefix_only() -> None:
     matcher = StopStringMatcher(["hello", "lol"], False)
     assert matcher.push("xxhel") == ("xx", None)  # "hel" may start "hello"
