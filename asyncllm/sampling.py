@@ -56,7 +56,8 @@ class RequestOutputKind(enum.IntEnum):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
-    """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
+    """Sampling and stopping parameters of one request (vLLM's names and defaults, but for ``output_kind``: DELTA,
+    what a stream wants, where vLLM's is CUMULATIVE; `AsyncEngine.generate` collects whole outputs either way)."""
 
     n: int = 1
     """Number of samples of the prompt; they share its prefix-cached KV blocks."""
@@ -148,7 +149,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.structured = _structured_from_dict(self.structured)
 
     def validate(self) -> None:
-        """Raise `InvalidRequestError` naming the first bad field."""
+        """Raise `InvalidRequestError` naming the first bad field (numpy scalars taken as Python numbers first)."""
+        self._plain_numbers()
         if self.structured_outputs is not None or self.guided_decoding is not None:  # set after construction
             _take_structured_alias(self)
         _check_int("n", self.n, 1, 2**31 - 1)
@@ -182,6 +184,17 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                                               "(stop_token_ids work without it)")
         self._validate_logits_params()
         self._validate_outputs()
+
+    def _plain_numbers(self) -> None:
+        """numpy's scalars (an ``np.linspace`` sweep's temperatures, ``np.int64`` seeds) as Python's int and float,
+        as vLLM takes them: the wire encodes those only."""
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if _numpy_number(value):
+                setattr(self, name, value.item())
+        if isinstance(self.logit_bias, dict) and any(map(_numpy_number, [*self.logit_bias, *self.logit_bias.values()])):
+            self.logit_bias = {(k.item() if _numpy_number(k) else k): (v.item() if _numpy_number(v) else v)
+                               for k, v in self.logit_bias.items()}
 
     def _validate_logits_params(self) -> None:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
@@ -360,6 +373,12 @@ def _distinct(token_ids: list[int]) -> list[int]:
     """`token_ids` without repeats, in first-seen order (the same list when it has none)."""
     distinct = list(dict.fromkeys(token_ids))
     return token_ids if len(distinct) == len(token_ids) else distinct
+
+
+def _numpy_number(value: object) -> bool:
+    """A numpy integer or floating scalar (not numpy's bool: a bool field takes Python's only)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "item") and type(value).__name__ != "bool_" \
+        and isinstance(value.item(), (int, float))
 
 
 def _check_int(field: str, value: object, lo: int, hi: int, why: str = "") -> None:

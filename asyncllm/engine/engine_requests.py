@@ -122,6 +122,7 @@ class EngineRequests:
             await self.start()
             params = self.default_sampling_params()
         if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params.validate()  # a bad output_kind (a typo) is refused even here, where none applies
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.stream(prompt, params, **options)
         outputs: dict[int, CompletionOutput] = {}

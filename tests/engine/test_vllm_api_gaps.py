@@ -106,6 +106,19 @@ async def test_a_list_of_prompts_names_the_batch_call(engine: AsyncEngine, promp
     assert info.value.field == "prompt" and "generate_many" not in str(info.value)
 
 
+async def test_generate_many_refuses_a_bad_params_before_running_any_prompt(engine: AsyncEngine) -> None:
+    """As vLLM's LLM.generate: a bad SamplingParams anywhere in the batch is refused before any prompt runs."""
+    await wait_idle(engine)
+    before = engine.stats().generation_tokens_total
+    params = [SHORT] * 5 + [SamplingParams(max_tokens=4, temperature=-1.0)]
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.generate_many([[1, 2 + i] for i in range(6)], params, max_concurrency=1)
+    await asyncio.sleep(0.2)  # stats ride on outputs: any that ran would have counted by now
+    assert info.value.field == "temperature" and engine.stats().generation_tokens_total == before
+    with pytest.raises(InvalidRequestError, match="output_kind"):  # generate collects whole outputs, but a typo is
+        await engine.generate([1, 2], SamplingParams(max_tokens=1, output_kind="bogus"))  # still refused
+
+
 async def test_token_ids_stay_one_prompt(engine: AsyncEngine) -> None:
     out = await engine.generate([1, 5, 9], SHORT)
     assert out.prompt_token_ids == [1, 5, 9] and len(out.token_ids) == 6

@@ -163,3 +163,20 @@ def test_bad_words_bounds_follow_the_environment(monkeypatch: pytest.MonkeyPatch
     for sequences in ([[1], [2], [3]], [[1, 2], [3, 4]]):
         with pytest.raises(InvalidRequestError, match="bad_words_token_ids"):
             SamplingParams(bad_words_token_ids=sequences).validate()
+
+
+def test_numpy_scalars_are_taken_as_python_numbers() -> None:
+    """An ``np.linspace`` sweep's temperature, numpy seeds and logit_bias entries validate and cross the wire as
+    Python numbers (vLLM takes them); a numpy value out of range is still refused by name."""
+    import msgspec
+    import numpy as np
+
+    params = SamplingParams(temperature=np.linspace(0, 1, 5)[2], top_p=np.float32(0.5), seed=np.int64(7),
+                            max_tokens=np.int32(3), logit_bias={np.int64(4): np.float64(-1.5)})
+    params.validate()
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.5, 0.5, 7, 3)
+    assert [type(v) for v in (params.temperature, params.seed)] == [float, int] and params.logit_bias == {4: -1.5}
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams).logit_bias == {4: -1.5}
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(top_p=np.float64(1.5)).validate()
+    assert info.value.field == "top_p"
