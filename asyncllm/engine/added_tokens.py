@@ -93,6 +93,11 @@ class AddedTokensJoined:
         self._added_tokens = added_tokens
         self._last_added = False
 
+    def prime(self, prompt_token_ids: list[int]) -> None:
+        """The wrapped stream continues the prompt, whose last id counts as the token before the first output."""
+        self._stream.prime(prompt_token_ids)
+        self._last_added = bool(prompt_token_ids) and prompt_token_ids[-1] in self._added_tokens
+
     def step(self, token_id: int) -> str:
         text = self._stream.step(token_id)
         content = self._added_tokens.get(token_id)

@@ -45,9 +45,14 @@ the text before and after the run is decode()'s). vLLM's DecodeStream drops such
 tokenizer whose decode writes before text it wrote for earlier ids (GPT-SW3's
 puts a space before the text that precedes a special token): that text is
 shown already, so the stream decodes added tokens apart instead (vLLM's slow
-path), and lacks those spaces. The prompt is deliberately not used as decoding context: with
-sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
-space of the first output token, which ``decode(output_token_ids)`` drops.
+path), and lacks those spaces.
+
+The prompt's end is the decoding context, as vLLM primes its DecodeStream: the stream starts after the last 4 (up
+to 23) prompt ids whose text decodes whole (`_prompt_suffix`), so the first output token's text is what it adds to
+the prompt's. With byte-level tokenizers that is ``decode(output_token_ids)``; with SentencePiece ones whose decoder
+drops a text's leading space (Llama 2, Mistral 7B) the first token's space is kept (" Paris", not "Paris"), so the
+prompt and the output text add up to the decoding of both, as vLLM's. A prompt given as embeddings (its ids are
+placeholders) primes nothing.
 """
 
 from __future__ import annotations
@@ -97,12 +102,13 @@ class DetokenizerUpdate(NamedTuple):
 
 _NO_TEXT = DetokenizerUpdate("")
 
-def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int],
-                    params: SamplingParams) -> "IncrementalDetokenizer | TokenIdsOnly":
+def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                    prime: bool = True) -> "IncrementalDetokenizer | TokenIdsOnly":
     """The request's detokenizer: none that decodes with ``detokenize=False`` or without a tokenizer
-    (``skip_tokenizer_init``: token ids only, as vLLM's)."""
+    (``skip_tokenizer_init``: token ids only, as vLLM's); ``prime``: its text continues the prompt's (false for a
+    prompt of embeddings, whose ids are placeholders)."""
     if params.detokenize and tokenizer is not None:
-        return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, params, prime)
     return TokenIdsOnly(prompt_token_ids)
 
 
@@ -131,14 +137,17 @@ class IncrementalDetokenizer:
 
     decodes = True
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 prime: bool = True) -> None:
         self.prompt_token_ids = prompt_token_ids
-        """Kept for the caller; the text deliberately does not depend on it (see the module docstring)."""
+        """Kept for the caller; its last ids are the decoding context (`prime`, the module docstring)."""
         self.token_ids: list[int] = []
         """Output ids consumed so far (up to the token that completed a stop string; see `num_final`)."""
         self.stop_string: str | None = None
         """The stop string that ended the request, once one matched."""
         self._stream = _make_stream(tokenizer, params)
+        if prime and prompt_token_ids:
+            self._stream.prime(prompt_token_ids)
         self._cleanup = SpacesCleanup(tokenizer.clean_up_tokenization) if cleanup_applies(tokenizer) else None
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._min_tokens = params.min_tokens
@@ -263,6 +272,12 @@ class _WindowStream:
         self._prefix: str | None = None
         """``decode(context)``, computed once per context."""
 
+    def prime(self, prompt_token_ids: list[int]) -> None:
+        """Decode what follows as the continuation of the prompt's last ids (`_prompt_suffix`), as vLLM's stream."""
+        self._context = self._anchor = [t for t in _prompt_suffix(self._decode, prompt_token_ids)
+                                        if t not in self._skipped]
+        self._prefix = None
+
     def step(self, token_id: int) -> str:
         if token_id in self._skipped:
             return ""
@@ -338,6 +353,14 @@ class _FastStream(_WindowStream):
         self._backend = backend
         self._decode_stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
 
+    def prime(self, prompt_token_ids: list[int]) -> None:
+        super().prime(prompt_token_ids)
+        try:
+            for token_id in self._context:
+                self._decode_stream.step(self._backend, token_id)
+        except Exception:  # noqa: BLE001 - as in `step`: the window decodes from here
+            self._decode_stream = None
+
     def step(self, token_id: int) -> str:
         if self._decode_stream is None or token_id in self._skipped:
             return super().step(token_id)
@@ -354,6 +377,18 @@ class _FastStream(_WindowStream):
             return ""
         self._decode_stream = None
         return self._cut(held_text)
+
+
+def _prompt_suffix(decode: Callable[[list[int]], str], prompt_token_ids: list[int]) -> list[int]:
+    """The prompt's ids a stream continues (vLLM's choice): all of a prompt of 4 or fewer, else the shortest of its
+    last 4 to 23 whose text decodes whole (no U+FFFD); none when none does (the output decoded alone)."""
+    if len(prompt_token_ids) <= 4:
+        return list(prompt_token_ids)
+    for length in range(4, min(len(prompt_token_ids), 23) + 1):
+        suffix = list(prompt_token_ids[-length:])
+        if REPLACEMENT_CHAR not in decode(suffix):
+            return suffix
+    return []
 
 
 def _make_stream(tokenizer: Any, params: SamplingParams) -> _WindowStream | AddedTokensJoined:

@@ -130,7 +130,7 @@ class ProcessorRequests:
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             try:
-                detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
+                detokenizer = new_detokenizer(self._tokenizer, token_ids, params, prime=job.embeds is None)
             except Exception as exc:  # noqa: BLE001 - options this tokenizer cannot stream fail the request alone
                 self._reject(job, collector, errors.InvalidRequestError(
                     "request", f"its output cannot be detokenized ({type(exc).__name__}: {exc})"))

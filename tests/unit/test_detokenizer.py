@@ -107,7 +107,7 @@ def _chunks(ids: list[int], rng: random.Random | None) -> list[list[int]]:
 
 def stream(tokenizer: Any, ids: list[int], rng: random.Random | None = None,
            **params: Any) -> tuple[list[DetokenizerUpdate], IncrementalDetokenizer]:
-    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], SamplingParams(**params))
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(**params))  # the output alone: decode(ids)
     updates = [detok.update(chunk, False) for chunk in _chunks(ids, rng)]
     updates.append(detok.update([], True))
     return updates, detok
@@ -223,13 +223,32 @@ def test_a_byte_run_is_shown_as_each_character_completes(tokenizers: dict[str, A
 
 
 def test_leading_space_of_first_output_token_matches_hf_decode(tokenizers: dict[str, Any]) -> None:
-    """Sentencepiece-style: decode(["▁Hello", ...]) drops the first space; streaming must too."""
+    """Sentencepiece-style: decode(["▁Hello", ...]) drops the first space; an output with no prompt before it too."""
     tokenizer = tokenizers["llama2"]
     ids = tokenizer("quick brown", add_special_tokens=False).input_ids
     assert tokenizer.convert_ids_to_tokens(ids)[0].startswith("▁")
     updates, detok = stream(tokenizer, ids)
     assert detok.output_text == "quick brown"
     assert updates[0].text == "quick"
+
+
+@pytest.mark.parametrize("name", ["byte_level", "llama2", "metaspace"])
+@pytest.mark.parametrize("prompt_text", ["The", "The very", "Émile said: 😂"])
+def test_the_output_continues_the_prompts_text_as_vllms(tokenizers: dict[str, Any], name: str,
+                                                         prompt_text: str) -> None:
+    """vLLM primes its stream with the prompt's end: the prompt's text and the output's add up to the decoding of
+    both (SentencePiece's first space kept: " quick brown"), whatever the prompt's length; a prompt of embeddings
+    (``prime=False``) decodes the output alone."""
+    tokenizer = tokenizers[name]
+    prompt = tokenizer(prompt_text).input_ids
+    output = tokenizer(" quick brown 😂 fox", add_special_tokens=False).input_ids
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
+        text = "".join(detok.update([t], False).text for t in output) + detok.update([], True).text
+        whole, alone = (tokenizer.decode(ids, skip_special_tokens=skip) for ids in (prompt + output, prompt))
+        assert alone + text == whole and text.startswith(" ") and "quick brown" in text
+    unprimed = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(), prime=False)
+    assert unprimed.update(output, True).text == tokenizer.decode(output, skip_special_tokens=True)
 
 
 def test_decode_stream_failure_falls_back_to_window(byte_level: Any) -> None:

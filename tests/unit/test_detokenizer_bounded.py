@@ -55,7 +55,7 @@ def _run(tokenizer: Any, ids: list[int], skip: bool = True,
     """Step ``ids`` one by one; the texts (the finishing flush last), the detokenizer and the most ids its decode
     stream held after a step (at most `BOUND`) or decoded as context (the ids of the last piece: one more).
     ``window``: a fast tokenizer's stream on the Python window, as after DecodeStream refused a step."""
-    detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams(skip_special_tokens=skip))
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
     if window:
         detok._stream._decode_stream = None
     texts, held = [], 0
