@@ -79,6 +79,9 @@ def _content_part(i: int, part: object, images: bool, media_root: Path | None) -
     `text_part_text` reads it); None for one vLLM skips (a text or refusal part whose text is None)."""
     if images and _is_image_part(part):
         return _image_part(i, part, media_root)
+    if _is_image_part(part):  # a route that reads text only (embeddings' and pooling's messages)
+        raise InvalidRequestError("messages", f"item {i}: {part['type']} parts are not built on this route (text "
+                                              f"only: media parts are taken by chat completions)")
     if not is_text_part(part):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         raise InvalidRequestError("messages", f"item {i}: only text ({', '.join(TEXT_PART_FIELDS)}), image_url, "

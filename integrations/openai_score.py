@@ -54,6 +54,17 @@ class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
     cache_salt: CacheSalt = None
     """Requests with different salts never share prefix-cached KV."""
+    use_activation: bool | None = None
+    """vLLM's: false returns a classification's raw logits as its ``probs`` and a cross-encoder's raw logit as its
+    score; null or true the activated ones (a bi-encoder's cosine similarity has no activation)."""
+    softmax: bool | None = None
+    """vLLM's older name of ``use_activation`` (read first)."""
+    activation: bool | None = None
+    """vLLM's older name of ``use_activation`` (read before it)."""
+
+    def activated(self) -> bool:
+        """The first of ``softmax``, ``activation`` and ``use_activation`` set (vLLM's order), else true."""
+        return next((v for v in (self.softmax, self.activation, self.use_activation) if v is not None), True)
 
 
 class ClassificationRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
@@ -91,7 +102,7 @@ class RerankRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
 def score_routes(server: OpenAIServer) -> list[Route]:
     """The routes, each wrapped in the server's error mapping `guard` (the API key is checked before routing:
     openai_auth.py's `ApiKeyGate`)."""
-    handlers = _Handlers(server)
+    handlers = server.score_handlers = _Handlers(server)  # /invocations dispatches to them too
     guard = server._guarded
     scoring = [Route(path, guard(handlers.score), methods=["POST"]) for path in ("/score", "/v1/score")]
     rerank = [Route(path, guard(handlers.rerank), methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")]
@@ -102,29 +113,31 @@ class _Handlers:
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
 
-    async def classify(self, request: Request) -> Response:
-        req = decode_request(await self.server._body(request), ClassificationRequest)
+    async def classify(self, request: Request, body: bytes | None = None) -> Response:
+        req = decode_request(await self.server._body(request) if body is None else body, ClassificationRequest)
         model, lora = self.server._model(req.model)
         prompts = input_prompts(req.input, self.server.limits, "classify")
         request_id = route_id("classify", request.headers)
         outputs = await classify_all(self.server.engine, prompts, pooling_options(req, lora),
                                      until=lambda: wait_disconnect(request), request_log=self.server.request_log,
                                      request_id=request_id)
-        data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
-                for i, out in enumerate(outputs)]
+        activated = req.activated()
+        data = [{"index": i, "label": out.label, "probs": out.probs if activated else out.logits,
+                 "num_classes": out.num_classes} for i, out in enumerate(outputs)]
         return json_response(pooling_listing(request_id, model, data, outputs))
 
-    async def score(self, request: Request) -> Response:
-        req = decode_request(await self.server._body(request), ScoreRequest)
+    async def score(self, request: Request, body: bytes | None = None) -> Response:
+        req = decode_request(await self.server._body(request) if body is None else body, ScoreRequest)
         model, lora = self.server._model(req.model)
         _check_count("text_2", req.text_2, self.server.limits.max_prompts)
         request_id = route_id("score", request.headers)
-        outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora))
+        outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora),
+                                    activated=req.activated())
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
         return json_response(pooling_listing(request_id, model, data, outputs))
 
-    async def rerank(self, request: Request) -> Response:
-        req = decode_request(await self.server._body(request), RerankRequest)
+    async def rerank(self, request: Request, body: bytes | None = None) -> Response:
+        req = decode_request(await self.server._body(request) if body is None else body, RerankRequest)
         model, lora = self.server._model(req.model)
         if not req.documents:
             raise InvalidRequestError("documents", "is empty: give at least one document to rank")
@@ -134,7 +147,8 @@ class _Handlers:
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         request_id = route_id("rerank", request.headers)
         try:
-            outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora), "rerank")
+            outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora), "rerank",
+                                        req.activated())
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
@@ -144,12 +158,13 @@ class _Handlers:
                               "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
 
     async def _score(self, request: Request, request_id: str, text_1: Any, text_2: Any, options: dict[str, Any],
-                     api: str = "score") -> list[ScoringOutput]:
+                     api: str = "score", activated: bool = True) -> list[ScoringOutput]:
         """`AsyncEngine.score`, with `api` naming the route in a context-length error (vLLM's words: a rerank's is
         "embedding generation", `errors.POOLING_OPERATIONS`); its prompts logged under `request_id`."""
         await self._log_scoring(request_id, text_1, text_2, options["lora_request"])
         truncate = options.pop("truncate_prompt_tokens")
-        call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate)
+        call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate,
+                             activated)
         return (await gather_until([call], lambda: wait_disconnect(request)))[0]
 
     async def _log_scoring(self, request_id: str, text_1: Any, text_2: Any, lora: LoRARequest | None) -> None:

@@ -41,6 +41,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError, renamed_fields
 from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, embedding_response
+from asyncllm.integrations.openai_invocations import invocation_route
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_auth import ApiKeyGate
@@ -172,6 +173,8 @@ class OpenAIServer:
         self._model_names = model_names
         """The names clients may send as ``model``; [None] until a shared core's model is known."""
         self.limits = limits
+        self.score_handlers: Any = None
+        """/classify's, /score's and /rerank's handlers (openai_score.py sets them), which /invocations takes too."""
         self._api_keys = api_key_bytes(api_key)
         self.created = int(time.time())
         """When the server started: its /v1/models cards' ``created``."""
@@ -272,14 +275,11 @@ class OpenAIServer:
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,
-        one with ``input`` an embedding."""
+        one with ``input`` an embedding (a classification on a classifier), ``text_1`` and ``text_2`` a score,
+        ``query`` and ``documents`` a rerank (openai_invocations.py)."""
         body = await self._body(request)
-        keys = decode_request(body, Any)
-        for key, route in (("messages", self.chat_completions), ("prompt", self.completions), ("input", self.embeddings)):
-            if isinstance(keys, dict) and key in keys:
-                return await route(request, body)
-        raise InvalidRequestError("body", "an invocation has 'messages' (a chat completion), 'prompt' (a completion) "
-                                          "or 'input' (embeddings)")
+        route = await invocation_route(self, decode_request(body, Any))
+        return await route(request, body)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""

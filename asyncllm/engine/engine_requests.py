@@ -168,15 +168,18 @@ class EngineRequests:
     async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,
                     timeout: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None) -> list[ScoringOutput]:
+                    truncate_prompt_tokens: int | None = None, use_activation: bool | None = None) -> list[ScoringOutput]:
         """vLLM's ``LLM.score``: how well each text of `text_2` matches `text_1` (one text for all, 1:N; or
         one per text, N:N), one `ScoringOutput` per pair in `text_2`'s order. A cross-encoder (a classifier
-        with one label) reads each pair as one prompt (sigmoid of its logit); any other model scores the
-        cosine similarity of the two embeddings (docs/pooling.md)."""
+        with one label) reads each pair as one prompt (sigmoid of its logit; ``use_activation=False``, vLLM's
+        pooling switch: the raw logit); any other model scores the cosine similarity of the two embeddings
+        (docs/pooling.md)."""
         from asyncllm.engine.scoring import score
 
+        if use_activation not in (None, True, False):
+            raise InvalidRequestError("use_activation", f"must be true, false or None, got {use_activation!r}")
         options = RequestOptions(priority, None, timeout, cache_salt, lora_request=lora_request, pooling_api="score")
-        return await score(self, text_1, text_2, options, truncate_prompt_tokens)
+        return await score(self, text_1, text_2, options, truncate_prompt_tokens, use_activation is not False)
 
     async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None) -> RequestCollector:
         """Run a pooling request (`options.pooling` set) to its end; its collector holds the pooled vector."""

@@ -49,17 +49,20 @@ async def classify(engine: AsyncEngine, prompt: Any, options: RequestOptions,
 
 
 async def score(engine: AsyncEngine, text_1: Any, text_2: Any, options: RequestOptions,
-                truncate_prompt_tokens: int | None) -> list[ScoringOutput]:
+                truncate_prompt_tokens: int | None, activated: bool = True) -> list[ScoringOutput]:
     firsts, seconds = score_pairs(text_1, text_2)
     await engine.start()
     assert engine.pooling_model is not None, "set by start"
     head = engine.pooling_model.classifier
     if head is None:
+        if not activated:
+            raise InvalidRequestError("use_activation", "false reads a cross-encoder's raw logit; this model scores "
+                                                        "by the cosine similarity of embeddings, which has no activation")
         return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens)
     if head.num_labels != 1:
         raise InvalidRequestError("model", f"score needs a cross-encoder (a classification model with one label); "
                                            f"this one has {head.num_labels}: use classify()")
-    pairs = [_cross_encode(engine, head, first, second, options, truncate_prompt_tokens)
+    pairs = [_cross_encode(engine, head if activated else None, first, second, options, truncate_prompt_tokens)
              for first, second in zip(firsts, seconds)]
     return await _gather(pairs)
 
@@ -80,11 +83,14 @@ def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:
     return sum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
 
 
-async def _cross_encode(engine: AsyncEngine, head: ClassifierHead, text_1: str, text_2: str, options: RequestOptions,
-                        truncate_prompt_tokens: int | None) -> ScoringOutput:
+async def _cross_encode(engine: AsyncEngine, head: ClassifierHead | None, text_1: str, text_2: str,
+                        options: RequestOptions, truncate_prompt_tokens: int | None) -> ScoringOutput:
+    """A pair's score: its logit through ``head``'s score activation (None: the raw logit, vLLM's
+    ``use_activation=False``)."""
     pair = dataclasses.replace(options, pooling=_CLASSIFY, text_pair=text_2)
     collector = await engine._pool(text_1, pair, truncate_prompt_tokens)
-    value = activate(collector.embedding or [], head.score_activation)[0]
+    logits = collector.embedding or []
+    value = (logits if head is None else activate(logits, head.score_activation))[0]
     return ScoringOutput(value, collector.prompt_token_ids, collector.request_id)
 
 

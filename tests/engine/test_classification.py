@@ -118,6 +118,27 @@ async def test_the_server_classifies_scores_and_reranks(engine: AsyncEngine, rer
         assert response.status_code == 400 and "classification and scores only" in response.json()["error"]["message"]
 
 
+async def test_activation_switches_and_sagemaker_invocations(engine: AsyncEngine, reranker: str) -> None:
+    """vLLM's ``use_activation`` (and its older ``softmax`` / ``activation``) on /classify, /score and /rerank: false
+    gives the raw logits; SageMaker's /invocations routes ``input`` to /classify on a classifier, ``text_1`` /
+    ``text_2`` to /score and ``query`` / ``documents`` to /rerank."""
+    query, docs, prompt = "how do I sort a list?", ["sorted(items)", "import os"], [5, 9, 14]
+    logit = hf_classifier_logits(reranker, prompt)[0]
+    raw = {doc: (await engine.score(query, doc, use_activation=False))[0].score for doc in docs}
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        classified = [(await client.post(path, json={"input": [prompt], **switch})).json()["data"][0]["probs"][0]
+                      for path, switch in (("/classify", {"use_activation": False}), ("/classify", {"softmax": False}),
+                                           ("/invocations", {}))]
+        scored = (await client.post("/invocations", json={"text_1": query, "text_2": docs, "activation": False})).json()
+        reranked = (await client.post("/invocations", json={"query": query, "documents": docs,
+                                                            "use_activation": False})).json()
+    assert abs(classified[0] - logit) < TOLERANCE and abs(classified[1] - logit) < TOLERANCE
+    assert abs(classified[2] - _sigmoid(logit)) < TOLERANCE
+    assert all(abs(raw[doc] - d["score"]) < TOLERANCE for d, doc in zip(scored["data"], docs))
+    assert all(abs(r["relevance_score"] - raw[docs[r["index"]]]) < TOLERANCE for r in reranked["results"])
+    assert abs((await engine.score(query, docs[0]))[0].score - _sigmoid(raw[docs[0]])) < TOLERANCE
+
+
 async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> None:
     """vLLM's /pooling on a classifier: its own task (classify) gives /classify's probs, ``use_activation`` false (or
     vLLM's older ``softmax``) the raw logits, ``score`` the cross-encoder's activation, chat ``messages`` classified
