@@ -141,10 +141,10 @@ async def test_a_detokenizer_that_cannot_be_made_fails_its_request_alone(engine:
 
     real = processor_requests.new_detokenizer
 
-    def refusing(tokenizer, token_ids, params):
+    def refusing(tokenizer, token_ids, params, **kwargs):
         if params.stop == ["BOOM"]:
             raise NotImplementedError("no such stream")
-        return real(tokenizer, token_ids, params)
+        return real(tokenizer, token_ids, params, **kwargs)
 
     monkeypatch.setattr(processor_requests, "new_detokenizer", refusing)
     with pytest.raises(InvalidRequestError, match="no such stream") as raised:

@@ -41,7 +41,7 @@ def test_params_json_is_a_mistral_config(tmp_path) -> None:
 
 @pytest.mark.parametrize("extra, named", [
     ({"moe": {"num_experts": 8}}, "moe"),
-    ({"vision_encoder": {"hidden_size": 8}}, "vision_encoder"),
+    ({"multimodal": {"whisper_model_args": {}}}, "multimodal"),  # vision_encoder: test_mistral_vision_format.py
     ({"quantization": {"qformat_weight": "fp8_e4m3"}}, "quantization"),
     ({"yarn": {"factor": 4}}, "yarn"),
     ({"activation": "gelu"}, "activation"),
