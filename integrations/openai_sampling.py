@@ -167,7 +167,7 @@ def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None
         include_stop_str_in_output=req.include_stop_str_in_output,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=_unset_or(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
-        logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        logit_bias=_clamped(req.logit_bias), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
         truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
@@ -206,4 +206,12 @@ def check_common(req: GenerationRequest) -> None:
 def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
     """A request's field; when unset (None), the engine's default for it, else `fallback`."""
     return value if value is not None else defaults.get(field, fallback)
+
+
+def _clamped(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """A request's biases clamped to OpenAI's [-100, 100], as vLLM's server clamps them (-1000 bans a token there
+    too); NaN is left for `SamplingParams.validate` to refuse by name."""
+    if not logit_bias:
+        return logit_bias
+    return {token: bias if bias != bias else min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
 

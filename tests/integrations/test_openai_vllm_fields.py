@@ -171,3 +171,12 @@ def test_an_empty_cache_salt_is_refused_as_vllm() -> None:
             decode_request(msgspec.json.encode({"model": "m", **body, "cache_salt": ""}), kind)
         assert info.value.field == "cache_salt", kind
         assert decode_request(msgspec.json.encode({"model": "m", **body, "cache_salt": "t"}), kind).cache_salt == "t"
+
+
+def test_logit_bias_is_clamped_to_openais_range_as_vllms() -> None:
+    """vLLM's server clamps each bias to [-100, 100] (a -1000 to ban a token is -100)."""
+    from asyncllm.integrations.openai_protocol import ServerLimits
+    from asyncllm.integrations.openai_sampling import completion_params
+
+    req = decode_request(b'{"prompt": "x", "logit_bias": {"5": -1000, "7": 250.5, "9": 3}}', CompletionRequest)
+    assert completion_params(req, ServerLimits()).logit_bias == {5: -100.0, 7: 100.0, 9: 3.0}
