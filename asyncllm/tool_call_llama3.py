@@ -8,6 +8,12 @@ __all__ = ["Llama3JsonStream", "PYTHON_TAG"]
 
 PYTHON_TAG = "<|python_tag|>"
 
+_RETRY_FACTOR, _RETRY_FLOOR = 16, 65_536
+"""At a reply's end, the characters read again for the ``{`` after each object the end cut off, at most this many
+times the text's length (plus the floor): each retry of deeply nested objects that never close reads the rest of
+the reply (a reply cut inside ``{"a": {"b": ...`` 3,000 deep took seconds on the event loop); past it the rest of
+the reply is text. A call starts at most that many characters into an unclosed object."""
+
 
 class Llama3JsonStream(ToolCallDeltaStream):
     """``llama3_json``: each JSON object of the reply that is ``{"name", "parameters" (or "arguments")}`` is a
@@ -38,7 +44,13 @@ class Llama3JsonStream(ToolCallDeltaStream):
 
     def finish(self) -> list[ReplyPart]:
         parts: list[ReplyPart] = []
+        budget = _RETRY_FACTOR * (len(self._buffer) + sum(map(len, self._object))) + _RETRY_FLOOR
         while self._call is not None:  # an object the reply's end cut off is text: the next "{" is tried
+            budget -= len(self._buffer) + sum(map(len, self._object))
+            if budget < 0:  # nested objects that never close, each retried: the rest is text (`_RETRY_FACTOR`)
+                self._buffer, self._object = "".join(self._object) + self._buffer, []
+                self._call = None
+                break
             self._not_json(parts)
             while self._read_object(parts) if self._call is not None else self._read_text(parts):
                 pass

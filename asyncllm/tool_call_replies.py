@@ -288,10 +288,11 @@ class GraniteStream(MistralStream):
 
 
 class Phi4MiniStream(MistralStream):
-    """``phi4_mini_json``: ``functools`` then a JSON list of ``{"name", "arguments"}`` objects (Phi-4-mini)."""
+    """``phi4_mini_json``: ``functools`` then a JSON list of ``{"name", "arguments"}`` objects (Phi-4-mini),
+    wherever it starts (vLLM searches the reply for it): text before it is content, as Mistral's, text after the
+    list is dropped."""
 
     OPENERS = (FUNCTOOLS,)
-    CONTENT_FIRST = TRAILING_IGNORED = False
 
 
 def pythonic_calls(text: str) -> list[tuple[str, str]] | None:

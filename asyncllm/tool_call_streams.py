@@ -186,6 +186,7 @@ class TaggedBlockStream(ToolCallDeltaStream):
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
         self._space = ""  # whitespace after a call, held until more content shows it is inside the content
+        self._after_call = False  # a call's piece came: whitespace from here on is held
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
@@ -254,15 +255,17 @@ class TaggedBlockStream(ToolCallDeltaStream):
     def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
         """Text between calls that is only whitespace (the newlines around blocks) is not content: after a call,
         whitespace is held back until more content follows it (then it is content, as in the whole reply) and
-        dropped if none does, however the reply was cut into pieces."""
-        content = "".join(p for p in parts if isinstance(p, str))
-        if self._calls and not content.strip():
-            self._space += content
-            return [p for p in parts if not isinstance(p, str)]
-        out = [p for p in parts if p != ""]
-        if self._space and content:
-            first = next(i for i, p in enumerate(out) if isinstance(p, str))
-            out[first], self._space = self._space + out[first], ""
+        dropped if a call or the end follows, part by part in order, so however the reply was cut into pieces."""
+        out: list[ReplyPart] = []
+        for part in parts:
+            if not isinstance(part, str):
+                self._space, self._after_call = "", True
+                out.append(part)
+            elif self._after_call and not part.strip():
+                self._space += part
+            elif part:
+                out.append(self._space + part)
+                self._space = ""
         return out
 
 

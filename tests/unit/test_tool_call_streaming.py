@@ -383,3 +383,17 @@ def test_mistral_keeps_only_what_may_start_its_opener_before_the_calls() -> None
     sent = [stream.feed("hello [TOOL")[0] for _ in range(2000)]
     held = "".join(stream._parts._text)
     assert held == "[TOOL" and "".join(sent) + held == "hello [TOOL" * 2000
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+@pytest.mark.parametrize("before, between", [("Hi ", "\n"), ("\n\n", "\n"), ("", " \n ")])
+def test_whitespace_around_calls_is_the_same_whole_and_streamed(parser: str, before: str, between: str) -> None:
+    """Text before the first call is content as written (vLLM's: whitespace too); whitespace between calls and after
+    the last is not, whether the reply came in one piece or token by token."""
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>' if parser == "hermes"
+            else "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>")
+    text = before + call + between + call + "\n"
+    whole, _ = _whole(text, parser=parser)
+    streamed = merge_deltas(_streamed(list(text), parser=parser)[0], tools=True)
+    assert whole["content"] == streamed["content"] == (before or None)
+    assert len(whole["tool_calls"]) == len(streamed["tool_calls"]) == 2
