@@ -7,13 +7,17 @@ no setting: the bundled tiny model) and starts with its first request::
     from asyncllm.integrations.django import get_engine, stream_response
 
     async def complete(request):
-        return stream_response(get_engine().stream(request.GET["prompt"], SamplingParams(max_tokens=64)))
+        return await stream_response(get_engine().stream(request.GET["prompt"], SamplingParams(max_tokens=64)),
+                                     request)
 
 Serve the project with an ASGI server (uvicorn, daphne, granian): under WSGI
-Django runs each async view on a fresh event loop, closed after it; the engine
-moves to the next loop once the one before closed (the test Client, one request
-at a time), but `get_engine` refuses a second loop while the first is still
-open (concurrent WSGI requests) with a clear error.
+Django runs each async view on a fresh event loop, closed after it, and reads an
+async response body on yet another loop, where the engine's stream cannot follow;
+so given a WSGI request, `stream_response` reads the whole text in the view and
+answers it at once. The engine moves to the next loop once the one before closed
+(the sync test Client, one WSGI request at a time), but `get_engine` refuses a
+second loop while the first is still open (concurrent WSGI requests) with a clear
+error.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.http import JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body
@@ -78,21 +82,36 @@ async def close_engine() -> None:
         await engine.aclose()
 
 
-async def stream_response(stream: RequestStream, *, content_type: str = "text/plain; charset=utf-8"
-                          ) -> StreamingHttpResponse | JsonResponse:
-    """A `StreamingHttpResponse` of the generated text (await it in an async view).
+async def stream_response(stream: RequestStream, request: HttpRequest | None = None, *,
+                          content_type: str = "text/plain; charset=utf-8"
+                          ) -> StreamingHttpResponse | HttpResponse | JsonResponse:
+    """A `StreamingHttpResponse` of the generated text (await it in an async view, passing its `request`).
 
     The first delta is awaited first, so a bad prompt or an overloaded engine
     is a 400 / 429 JSON error, not a broken 200. Django's ASGI handler stops
     the iterator when the client disconnects, which leaves the stream and
-    aborts the request.
+    aborts the request. A WSGI `request` (a WSGI server, the sync test Client) gets the whole text in one
+    `HttpResponse`: Django would read a streamed body on another event loop, where the stream cannot go.
     """
     try:
         first = await stream.__anext__()
+        if request is not None and not _asgi(request):
+            return HttpResponse(await _whole(stream, first), content_type=content_type)
     except AsyncLLMError as exc:
         await stream.aclose()
         return error_response(exc)
     return StreamingHttpResponse(_text(stream, first), content_type=content_type)
+
+
+def _asgi(request: HttpRequest) -> bool:
+    from django.core.handlers.asgi import ASGIRequest
+
+    return isinstance(request, ASGIRequest)
+
+
+async def _whole(stream: RequestStream, first: StreamDelta) -> str:
+    async with stream:
+        return first.text + "".join([delta.text async for delta in stream])
 
 
 def error_response(exc: AsyncLLMError) -> JsonResponse:

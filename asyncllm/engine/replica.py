@@ -352,7 +352,9 @@ def stop_forgotten(replicas: list[Replica], owner_pid: int) -> None:
     if forked(owner_pid):
         abandon(replicas)
         return
-    logger.warning("an AsyncEngine was garbage-collected without aclose(): stopping its engine core(s)")
+    owned = any(replica.core is not None for replica in replicas)  # an attached replica has no core of its own
+    logger.warning("an AsyncEngine was garbage-collected without aclose(): %s", "stopping its engine core(s)" if owned
+                   else "detaching from its shared engine core (which serves on)")
     start_daemon(_stop_and_retire, replicas, name="asyncllm-stop-forgotten")
 
 

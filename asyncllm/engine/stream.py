@@ -151,6 +151,8 @@ class RequestStream:
         """The event loop the request was submitted from: its deliveries go there (`_check_loop`)."""
         self._done = False
         """Left, or every delta handed out: nothing more is aborted, what the collector holds is still handed out."""
+        self._reading = False
+        """A task is inside `__anext__` (another one is refused)."""
 
     @property
     def request_id(self) -> str | None:
@@ -167,8 +169,12 @@ class RequestStream:
     async def __anext__(self) -> StreamDelta:
         if self.exhausted:
             raise StopAsyncIteration
+        if self._reading:  # one reader at a time: a second would submit the request again, or find none to wait on
+            raise RuntimeError("anext(): this stream is already being read by another task (read it from one "
+                               "task at a time, as an async generator)")
         if self.collector is not None:
             self._check_loop()
+        self._reading = True
         try:
             if self.collector is None:
                 collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat,
@@ -180,6 +186,8 @@ class RequestStream:
         except BaseException:
             self._leave()
             raise
+        finally:
+            self._reading = False
         if self.collector.done:  # every sample finished and was handed out
             self._done = True
         return delta

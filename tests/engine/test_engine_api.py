@@ -78,6 +78,22 @@ async def test_an_id_used_again_right_after_its_abort_gets_none_of_the_old_token
         assert out.request_id == "again" and out.token_ids == expected
 
 
+async def test_a_second_concurrent_reader_is_refused_and_the_request_runs_once(engine: AsyncEngine) -> None:
+    """Two tasks reading one stream at once (a prefetching ``anext`` beside an ``async for``): the second is refused
+    with RuntimeError, as an async generator's, and the request is submitted once; closing it frees everything."""
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    for started in (False, True):
+        stream = engine.stream([1, 2, 3], params)
+        if started:
+            await stream.__anext__()
+        results = await asyncio.gather(stream.__anext__(), stream.__anext__(), return_exceptions=True)
+        assert sorted(type(r).__name__ for r in results) == ["RuntimeError", "StreamDelta"]
+        await asyncio.sleep(0.1)
+        assert engine.stats().num_requests_running == 1
+        await stream.aclose()
+        await _wait_idle(engine)
+
+
 async def test_task_cancel_aborts(engine: AsyncEngine) -> None:
     started = asyncio.Event()
 

@@ -206,3 +206,45 @@ async def test_django_engine_moves_to_the_next_loop_once_the_first_closed() -> N
         await asyncio.to_thread(views)
     finally:
         django_adapter.use_engine(previous)
+
+
+_WSGI_SCRIPT = """
+import json, sys
+import django
+from django.conf import settings
+settings.configure(DEBUG=False, ROOT_URLCONF="__main__", ALLOWED_HOSTS=["*"], SECRET_KEY="t", INSTALLED_APPS=[],
+                   MIDDLEWARE=[], ASYNCLLM={"disable_log_stats": True})
+django.setup()
+from asgiref.sync import async_to_sync
+from django.test import Client
+from django.urls import path
+from asyncllm import SamplingParams
+from asyncllm.integrations.django import close_engine, get_engine, stream_response
+
+async def complete(request):
+    stream = get_engine().stream(request.GET["prompt"], SamplingParams(**json.loads(sys.argv[1])))
+    return await stream_response(stream, request)
+
+urlpatterns = [path("complete", complete)]
+client = Client()
+answers = [client.get("/complete", {"prompt": prompt}) for prompt in ("if x:", "if x:", "x " * 100000)]
+print(json.dumps([[a.status_code, a.content.decode()] for a in answers]))
+async_to_sync(close_engine)()
+"""
+
+
+async def test_django_under_wsgi_answers_the_whole_text(bundled_engine) -> None:
+    """The sync test Client (WSGI): each async view runs on a fresh loop that closes after it, and Django would read
+    a streamed body on another; given the request, `stream_response` answers the whole text (one request after
+    another, the engine taking each new loop over), an error still as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    result = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", _WSGI_SCRIPT, json.dumps(PARAMS)],
+                                     capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = await _expected(bundled_engine, "if x:")
+    assert answers[:2] == [[200, expected], [200, expected]] and expected
+    assert answers[2][0] == 400 and json.loads(answers[2][1])["error"]["param"] == "prompt"

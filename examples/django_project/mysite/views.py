@@ -14,7 +14,7 @@ from asyncllm.integrations.django import error_response, get_engine, stream_resp
 async def complete(request: HttpRequest):
     """GET /complete?prompt=...: the completion, streamed as plain text."""
     params = SamplingParams(max_tokens=int(request.GET.get("max_tokens", 64)), temperature=0.7)
-    return await stream_response(get_engine().stream(request.GET.get("prompt", "def main():"), params))
+    return await stream_response(get_engine().stream(request.GET.get("prompt", "def main():"), params), request)
 
 
 @csrf_exempt
