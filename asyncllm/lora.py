@@ -175,26 +175,53 @@ def read_adapter(path: str) -> Adapter:
     config = _read_config(path)
     shapes = _tensor_shapes(path)
     modules: dict[str, AdapterModule] = {}
-    for name, (key, a_shape, b_shape) in _named_experts(_pairs(shapes, path), config, path).items():
-        rows = a_shape[0]
-        if rows < 1:
-            _fail(path, f"{name}: lora_A has rank 0")
-        if b_shape[1] != rows:
-            _fail(path, f"{name}: lora_A has rank {rows} but lora_B {b_shape[1]}")
-        num_experts, rank = 0, rows
-        if name.rsplit(".", 2)[-2] == "experts":  # stacked experts: r from the config, A's rows r per expert
-            rank = int(_pattern_value(config.get("rank_pattern") or {}, name, config.get("r", 8)))
-            if rank < 1 or rows % rank:
-                _fail(path, f"{name}: lora_A's {rows} rows are not the experts' rows of rank r={rank}")
-            num_experts = rows // rank
-        alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
-        scale_rank = math.sqrt(rank) if config.get("use_rslora") else rank
-        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0], key,
-                                      num_experts)
+    try:
+        for name, (key, a_shape, b_shape) in _named_experts(_pairs(shapes, path), config, path).items():
+            modules[name] = _module(path, config, name, key, a_shape, b_shape)
+    except InvalidRequestError:
+        raise
+    except (TypeError, ValueError, AttributeError, re.error) as exc:  # a config value of the wrong type or form
+        _fail(path, f"its {CONFIG_FILE} has a value asyncllm cannot read ({type(exc).__name__}: {exc})")
     if not modules:
         _fail(path, "it holds no LoRA weights (of the language model)")
     unserved = tuple(key for key in shapes if key.removeprefix(_PEFT_PREFIX).startswith(_UNSERVED_PREFIXES))
     return Adapter(path, modules, unserved)
+
+
+def _module(path: str, config: dict[str, Any], name: str, key: str, a_shape: list[int],
+            b_shape: list[int]) -> AdapterModule:
+    """One projection's adapter: its rank (per expert for stacked experts) and scaling, ``rank_pattern`` and
+    ``alpha_pattern`` matched against the module's name in the file, as PEFT matches them (GPT-2's ``c_attn``)."""
+    rows = a_shape[0]
+    if rows < 1:
+        _fail(path, f"{name}: lora_A has rank 0")
+    if b_shape[1] != rows:
+        _fail(path, f"{name}: lora_A has rank {rows} but lora_B {b_shape[1]}")
+    source = key.removeprefix(_PEFT_PREFIX)
+    num_experts, rank = 0, rows
+    if name.rsplit(".", 2)[-2] == "experts":  # stacked experts: r from the config, A's rows r per expert
+        rank = int(_pattern_value(config.get("rank_pattern") or {}, (source, name), config.get("r", 8)))
+        if rank < 1 or rows % rank:
+            _fail(path, f"{name}: lora_A's {rows} rows are not the experts' rows of rank r={rank}")
+        num_experts = rows // rank
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, (source, name), config.get("lora_alpha", 8))
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"lora_alpha (or its alpha_pattern entry) must be a number, got {alpha!r}")
+    scale_rank = math.sqrt(rank) if config.get("use_rslora") else rank
+    return AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0], key, num_experts)
+
+
+def check_finite(adapter: Adapter) -> None:
+    """`InvalidRequestError` when a LoRA matrix holds NaN or infinity: every adapted projection adds all slots'
+    products, masked by multiplying (NaN times 0 is NaN), so such an adapter would corrupt every request batched
+    with it, and the slot's later steps."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(adapter.weights_path, framework="pt") as tensors:
+        for key in tensors.keys():
+            if ".lora_" in key and not bool(torch.isfinite(tensors.get_tensor(key)).all()):
+                _fail(adapter.path, f"tensor {key} holds NaN or infinity")
 
 
 def _read_config(path: str) -> dict[str, Any]:
@@ -213,6 +240,7 @@ def _read_config(path: str) -> dict[str, Any]:
         "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
         "trainable_token_indices": "trainable tokens", "layer_replication": "layer replication",
         "lora_bias": "LoRA biases",
+        "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter from its invocation tokens on)",
     }
     targets = config.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) and is_expert_parameter(t) for t in targets):
@@ -297,11 +325,13 @@ def _named_experts(pairs: dict[str, tuple[str, list[int], list[int]]], config: d
     return {renamed.get(module, module): value for module, value in pairs.items()}
 
 
-def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
-    """PEFT's per-module override: the first pattern matching the module name's end."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", name):
-            return value
+def _pattern_value(patterns: dict[str, Any], names: tuple[str, ...], default: Any) -> Any:
+    """PEFT's per-module override: the first pattern matching the end of the module's name in the file, else of
+    asyncllm's name for it (stacked experts': ``mlp.experts.gate_up_proj``, the parameter PEFT adapts)."""
+    for name in names:
+        for pattern, value in patterns.items():
+            if re.match(rf"(.*\.)?({pattern})$", name):
+                return value
     return default
 
 

@@ -17,7 +17,7 @@ import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.lora import (_FIELD, _TENSOR_NAME, KEPT_LORA_IDS, Adapter, AdapterModule, IdleIds, LoRARequest, _fail,
-                           read_adapter)
+                           check_finite, read_adapter)
 from asyncllm.lora_experts import ExpertLayer, expert_problem, is_expert_path
 from asyncllm.lora_hybrid_shapes import kimi_linear_shapes, minimax_shapes, state_space_shapes, zamba2_shapes
 from asyncllm.models.family_config import kv_heads, latent_attention_shapes, mlp_width
@@ -140,7 +140,9 @@ class AdapterChecker:
                                                   f"{checked.lora_name!r} at {checked.lora_path}: one id, one adapter")
             return checked
         resolved = msgspec.structs.replace(request, lora_path=_resolve(request.lora_path))
-        self._check_adapter(read_adapter(resolved.lora_path))
+        adapter = read_adapter(resolved.lora_path)
+        self._check_adapter(adapter)
+        check_finite(adapter)  # once per id, as the rest: a NaN would spread to every request batched with it
         with self._lock:
             self._checked[request.lora_int_id] = (request, resolved)
         return resolved

@@ -73,11 +73,14 @@ def read_image(image: ImageInput, field: str) -> bytes | Any:
 def data_url_bytes(url: str, field: str) -> bytes:
     """The image of a ``data:[<media type>];base64,<data>`` URL (RFC 2397; what OpenAI clients send), decoded.
 
-    Only base64 data of an ``image/*`` type (or none given) is taken. The bytes are the key's content, so the
-    same image as a data URL or as bytes is one cache entry."""
+    Only base64 data of an ``image/*`` type (any case), ``application/octet-stream`` (what clients send for an
+    uploaded file) or none given is taken: the bytes themselves must then be an image. The bytes are the key's
+    content, so the same image as a data URL or as bytes is one cache entry."""
     header, comma, payload = url.partition(",")
     params = header.removeprefix("data:").split(";")
-    if not comma or params[-1] != "base64" or (params[0] and not params[0].startswith("image/")):
+    kind = params[0].strip().lower()
+    if not comma or params[-1].lower() != "base64" or (kind and not kind.startswith("image/")
+                                                       and kind != "application/octet-stream"):
         raise InvalidRequestError(field, f"a data: URL must be 'data:image/<type>;base64,<data>', got {header!r:.60}")
     try:
         return base64.b64decode(payload, validate=True)

@@ -392,5 +392,5 @@ class MultiModalProcessor(MediaItems):
         check_processed_size(processor, image.size, field, self.max_image_pixels)
         try:
             return processor(images=[image], return_tensors="np", **self._call_kwargs)
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, TypeError) as exc:  # TypeError: a request's setting of the wrong type
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc

@@ -66,12 +66,40 @@ def test_rslora_scales_by_the_square_root_of_the_rank(adapter: str, tmp_path) ->
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "biases"),
     ({"peft_type": "IA3"}, "IA3 adapter"),
+    ({"alora_invocation_tokens": [5, 9]}, "aLoRA"),
+    ({"lora_alpha": None}, "cannot read .*lora_alpha"),
+    ({"lora_alpha": {"x": 1}}, "cannot read"),
+    ({"alpha_pattern": {"q_proj(": 4}}, "cannot read"),
+    ({"alpha_pattern": ["q_proj"]}, "cannot read"),
 ])
 def test_unsupported_adapter_settings_are_named(adapter: str, tmp_path, changes: dict, message: str) -> None:
     path = _copy_with_config(adapter, str(tmp_path / "bad"), **changes)
     with pytest.raises(InvalidRequestError, match=message) as info:
         read_adapter(path)
     assert info.value.field == "lora_request"
+
+
+def test_patterns_match_the_files_module_names_as_peft_does(adapter: str, tmp_path) -> None:
+    """``alpha_pattern`` keys are the checkpoint's module names (GPT-2's ``c_attn``, where asyncllm says
+    ``qkv_proj``): matched against the file's name, as PEFT matches them; a NaN in a matrix is refused (it would
+    spread to every request batched with the adapter)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from asyncllm.lora import check_finite
+
+    path = _copy_with_config(adapter, str(tmp_path / "pattern"), alpha_pattern={r"layers\.0\.self_attn\.q_proj": 40})
+    read = read_adapter(path)
+    assert read.modules["model.layers.0.self_attn.q_proj"].scaling == 40 / 4
+    assert read.modules["model.layers.1.self_attn.q_proj"].scaling == 8 / 4
+    check_finite(read)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(weights)
+    key = next(k for k in tensors if "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, weights)
+    with pytest.raises(InvalidRequestError, match="NaN or infinity"):
+        check_finite(read_adapter(path))
 
 
 def test_a_folder_without_an_adapter_is_refused(tmp_path, adapter: str) -> None:

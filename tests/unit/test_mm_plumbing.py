@@ -136,6 +136,9 @@ def test_a_base64_data_url_is_its_image_and_bad_ones_name_the_field():
     png = b"\x89PNG\r\n\x1a\n fake but bytes"
     raw, key = load_image("data:image/png;base64," + base64.b64encode(png).decode(), "images[0]")
     assert raw == png and key == image_hash(png)  # the same cache key as the bytes themselves
+    encoded = base64.b64encode(png).decode()
+    for header in ("data:Image/PNG;BASE64,", "data:application/octet-stream;base64,", "data:;base64,"):
+        assert load_image(header + encoded, "images[1]")[0] == png  # media types as vLLM takes them
     for url, match in [("data:text/plain;base64,aGk=", "data:image/<type>;base64"),
                        ("data:image/png,rawtext", "data:image/<type>;base64"),
                        ("data:image/png;base64,@@@", "base64 is invalid"),
