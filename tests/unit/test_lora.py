@@ -83,7 +83,6 @@ def test_patterns_match_the_files_module_names_as_peft_does(adapter: str, tmp_pa
     """``alpha_pattern`` keys are the checkpoint's module names (GPT-2's ``c_attn``, where asyncllm says
     ``qkv_proj``): matched against the file's name, as PEFT matches them; a NaN in a matrix is refused (it would
     spread to every request batched with the adapter)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from asyncllm.lora import check_finite
