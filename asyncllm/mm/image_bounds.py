@@ -17,9 +17,10 @@ __all__ = ["FIXED_SETTINGS", "check_processed_size", "check_request_sizes"]
 _SIZE_WORDS = ("size", "pixel", "edge", "height", "width", "pinpoint", "resolution", "token", "tile", "crop", "patch")
 """A setting whose name (or the name of a dict it is in) holds one of these sizes the processed image."""
 FIXED_SETTINGS = frozenset({"patch_size", "merge_size", "temporal_patch_size", "spatial_merge_size",
-                            "encoder_patch_size", "downsample_factor"})
-"""Settings (or dicts of them) that must match the model's config (its encoder's patches, their merging): a request's
-other value would be processed, then refused by the encoder on the workers."""
+                            "encoder_patch_size", "downsample_factor", "image_grid_pinpoints", "crop_size"})
+"""Settings (or dicts of them) that must match the model's config (its encoder's patches, their merging, LLaVA-NeXT's
+tile grids and the tower's crop, which the placeholders follow): a request's other value would be processed, then
+refused by the encoder on the workers."""
 _COUNT_EDGES = {"size.longest_edge": "max_pixels", "size.shortest_edge": "min_pixels"}
 """Where Qwen-VL's image processor keeps the ``max_pixels`` / ``min_pixels`` it is given."""
 
