@@ -65,8 +65,8 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
     """OpenAI-style messages -> (messages with ``{"type": "image"}`` / ``{"type": "video"}`` parts the template
     renders, their images and videos).
 
-    Image parts are ``{"type": "image", "image": ...}`` or ``{"type": "image_url",
-    "image_url": {"url": ...}}``, video parts ``{"type": "video", "video": ...}`` or ``{"type": "video_url",
+    Image parts are ``{"type": "image", "image": ...}``, vLLM's ``{"type": "image_pil", "image_pil": PIL image}`` or
+    ``{"type": "image_url", "image_url": {"url": ...}}``, video parts ``{"type": "video", "video": ...}`` or ``{"type": "video_url",
     "video_url": {"url": ...}}``, audio parts ``{"type": "audio", "audio": ...}``, ``{"type": "audio_url",
     "audio_url": {"url": ...}}`` or OpenAI's ``{"type": "input_audio", "input_audio": {"data": base64, "format":
     "wav"}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are refused (`load_image`,
@@ -87,9 +87,10 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
                 continue
-            if kind not in ("image", "image_url", "video", "video_url", "audio", "audio_url", "input_audio"):
+            if kind not in ("image", "image_url", "image_pil", "video", "video_url", "audio", "audio_url",
+                            "input_audio"):
                 raise InvalidRequestError("messages", f"item {i} has a content part of unknown type {kind!r}")
-            media = kind.removesuffix("_url").removeprefix("input_")
+            media = kind.removesuffix("_url").removesuffix("_pil").removeprefix("input_")
             value = _part_value(part, kind, f"messages[{i}].content[{j}]")
             getattr(inputs, media + "s").append(value)
             getattr(inputs, media + "_uuids").append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))

@@ -199,10 +199,11 @@ def test_uuids_replace_content_hashes_and_bad_ones_name_their_field():
     with pytest.raises(InvalidRequestError, match=r"^prompt.image_uuids\[1\]: a uuid must be a non-empty str"):
         check_uuids(["a", 7], 2, "prompt.image_uuids")
     messages = [{"role": "user", "content": [{"type": "image", "image": b"A", "uuid": "u-a"},
-                                             {"type": "image_url", "image_url": {"url": b"B"}}]}]
+                                             {"type": "image_url", "image_url": {"url": b"B"}},
+                                             {"type": "image_pil", "image_pil": b"C"}]}]  # vLLM's PIL part
     rendered, inputs = split_chat_media(messages)
-    assert inputs.images == [b"A", b"B"] and inputs.image_uuids == ["u-a", None]
-    assert rendered[0]["content"] == [{"type": "image"}, {"type": "image"}]  # the uuid is not for the template
+    assert inputs.images == [b"A", b"B", b"C"] and inputs.image_uuids == ["u-a", None, None]
+    assert rendered[0]["content"] == [{"type": "image"}] * 3  # the uuid is not for the template
     messages[0]["content"][1]["uuid"] = ""
     with pytest.raises(InvalidRequestError, match=r"^messages\[0\].content\[1\].uuid: "):
         split_chat_media(messages)
