@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from typing import Any
 
 from asyncllm import __version__
 from asyncllm.cli_args import add_engine_args, engine_kwargs
@@ -22,23 +24,37 @@ _REQUEST_FLAGS = frozenset({"seed"})
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: an embeddable LLM engine")
+    parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: an embeddable LLM engine",
+                                     allow_abbrev=False)
     parser.add_argument("-V", "--version", action="version", version=__version__,
                         help="print asyncllm's version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="stream one completion to stdout")
+    gen = commands.add_parser("generate", help="stream one completion to stdout", allow_abbrev=False)
     gen.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the prompt (default: %(default)r)")
     gen.add_argument("--model", default=None,
                      help="local folder or hub id; default: the bundled tiny model (no download)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.7,
-                     help="0 is greedy; the default samples, which reads better from small models (default: 0.7)")
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="default: the model's generation config (--generation-config, --override-generation-config), "
+                          "else 64")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 is greedy; default: the model's generation config, else 0.7 (sampling reads better from "
+                          "small models)")
     gen.add_argument("--seed", type=int, default=None, help="the request's seed (default: none)")
     add_engine_args(gen, skip=_REQUEST_FLAGS)  # serve's and engine's flags (--trust-remote-code, --device, ...)
     add_serve_parser(commands)
     add_engine_parser(commands)
     commands.add_parser("bench", help="run a standard benchmark workload (asyncllm bench --help)", add_help=False)
     return parser
+
+
+_FALLBACKS = {"max_tokens": 64, "temperature": 0.7}
+"""`generate`'s request where neither its flags nor the model's generation config set a field."""
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields `generate`'s flags set (``--seed`` too)."""
+    given = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    return {field: value for field, value in given.items() if value is not None}
 
 
 def _generate_setup(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
@@ -52,8 +68,8 @@ def _generate_setup(args: argparse.Namespace) -> tuple[EngineConfig, SamplingPar
         model = bundled_model_path()
         print("[asyncllm] no --model given: the bundled tiny model (trained on Python's stdlib source; "
               "it writes Python-like text, not answers)", file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    params.validate()
+    params = SamplingParams(**{**_FALLBACKS, **_given(args)})
+    params.validate()  # the flags checked before anything starts; the model's defaults come in `_generate`
     config = EngineConfig.create(model, **{"disable_log_stats": True, **engine_kwargs(args, skip=_REQUEST_FLAGS)})
     check_model(config)
     return config, params
@@ -63,6 +79,9 @@ async def _generate(args: argparse.Namespace, config: EngineConfig, params: Samp
     from asyncllm import AsyncEngine
 
     async with AsyncEngine.from_config(config) as engine:
+        await engine.start()  # the model's generation config is read: its sampling fields under the flags given
+        params = SamplingParams(**{**_FALLBACKS, **engine.default_sampling_fields(), **_given(args)})
+        params.validate()
         sys.stdout.write(args.prompt)
         async for delta in engine.stream(args.prompt, params):
             sys.stdout.write(delta.text)
@@ -130,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
         except AsyncLLMError as exc:  # the engine failed while generating: no usage line, exit 1
             sys.exit(f"asyncllm generate: {type(exc).__name__}: {exc}")
+        except BrokenPipeError:  # `asyncllm generate | head`: the reader left; quiet, as a shell tool (Python's recipe)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)
         except KeyboardInterrupt:  # Ctrl-C while the hub id resolved, the model loaded or the text streamed: exit 130
             logging.getLogger("asyncio").disabled = True  # quiet, as serve's: no "Task exception was never retrieved"
             sys.exit(130)

@@ -51,6 +51,11 @@ it (a forked child inherits the dict, not the folders)."""
 def private_ipc_dir() -> str:
     """A fresh 0700 folder for ipc:// sockets (remove it with `remove_dir`; left, it goes at this process's exit)."""
     parent = envs.RUNTIME_DIR.get() or tempfile.gettempdir()
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        from asyncllm.errors import ConfigError
+
+        raise ConfigError("ASYNCLLM_RUNTIME_DIR", parent, "an existing folder this process can write (the engine's "
+                                                          "ipc:// sockets go there)")
     if (os.getpid(), parent) not in _swept:
         _swept.add((os.getpid(), parent))
         sweep_dead_dirs(parent)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from asyncllm.config_checks import check_sampling_fields
 from asyncllm.errors import ConfigError
 
 __all__ = ["default_sampling_fields", "sampling_overrides", "GENERATION_CONFIG_FIELDS"]
@@ -55,6 +56,7 @@ def default_sampling_fields(generation: Mapping[str, Any], overrides: dict[str, 
     fields = {field: generation[key] for key, field in GENERATION_CONFIG_FIELDS.items()
               if generation.get(key) is not None}
     fields.update(overrides or {})
+    check_sampling_fields("generation_config", fields)  # a bad file's value: refused at start, not every request
     if fields:
         logger.info("default sampling parameters from the model's generation config: %s "
                     "(generation_config='vllm' turns them off)", fields)

@@ -94,10 +94,17 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | 
     overrides = overrides or {}
     for key, value in overrides.items():
         nested = getattr(hf_config, key, None)
+        if key == "architectures" and not (isinstance(value, list) and all(isinstance(a, str) for a in value)):
+            raise ConfigError("hf_overrides", {key: value}, "architectures as a list of names, as config.json's "
+                                                            '(["LlamaForCausalLM"])')
         if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
             apply_hf_overrides(nested, value)
         elif key not in ROPE_OVERRIDE_KEYS:
-            setattr(hf_config, key, copy.deepcopy(value))
+            try:
+                setattr(hf_config, key, copy.deepcopy(value))
+            except Exception as exc:  # noqa: BLE001 - transformers 5's typed configs refuse a value of a wrong type
+                raise ConfigError("hf_overrides", {key: value}, f"a value {type(hf_config).__name__} takes "
+                                                                f"({type(exc).__name__}: {exc})") from exc
     apply_rope_overrides(hf_config, overrides)  # the rope keys: into rope_parameters (the text config's), checked
     return hf_config
 

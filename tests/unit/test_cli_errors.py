@@ -26,6 +26,24 @@ def test_generate_refuses_bad_values_before_the_engine_starts(flags, named, caps
     assert code == 2 and f"asyncllm: error: {named}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--hf-overrides", '{"num_attention_heads": "x"}'], "hf_overrides={'num_attention_heads': 'x'}"),
+    (["--hf-overrides", '{"architectures": "LlamaForCausalLM"}'], "architectures as a list"),
+    (["--config", "f.yaml"], "unrecognized arguments: --config"),  # not read as --config-format
+])
+def test_generate_refuses_a_config_it_cannot_serve_in_one_line(flags, named, capsys) -> None:
+    code, err = _exit_code_and_error(["generate", *flags], capsys)
+    assert code == 2 and named in err and "Traceback" not in err
+
+
+def test_a_missing_runtime_dir_is_a_config_error(monkeypatch, tmp_path) -> None:
+    from asyncllm.ipc_dirs import private_ipc_dir
+
+    monkeypatch.setenv("ASYNCLLM_RUNTIME_DIR", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="ASYNCLLM_RUNTIME_DIR"):
+        private_ipc_dir()
+
+
 @pytest.mark.parametrize("flags, named", [(["/nonexistent/model"], "model='/nonexistent/model'"),
                                           (["--generation-config", "/nonexistent"], "generation_config='/nonexistent'"),
                                           (["--port", "65536"], "--port"), (["--port", "-1"], "--port"),
