@@ -232,25 +232,6 @@ def test_leading_space_of_first_output_token_matches_hf_decode(tokenizers: dict[
     assert updates[0].text == "quick"
 
 
-@pytest.mark.parametrize("name", ["byte_level", "llama2", "metaspace"])
-@pytest.mark.parametrize("prompt_text", ["The", "The very", "Émile said: 😂"])
-def test_the_output_continues_the_prompts_text_as_vllms(tokenizers: dict[str, Any], name: str,
-                                                         prompt_text: str) -> None:
-    """vLLM primes its stream with the prompt's end: the prompt's text and the output's add up to the decoding of
-    both (SentencePiece's first space kept: " quick brown"), whatever the prompt's length; a prompt of embeddings
-    (``prime=False``) decodes the output alone."""
-    tokenizer = tokenizers[name]
-    prompt = tokenizer(prompt_text).input_ids
-    output = tokenizer(" quick brown 😂 fox", add_special_tokens=False).input_ids
-    for skip in (True, False):
-        detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(skip_special_tokens=skip))
-        text = "".join(detok.update([t], False).text for t in output) + detok.update([], True).text
-        whole, alone = (tokenizer.decode(ids, skip_special_tokens=skip) for ids in (prompt + output, prompt))
-        assert alone + text == whole and text.startswith(" ") and "quick brown" in text
-    unprimed = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(), prime=False)
-    assert unprimed.update(output, True).text == tokenizer.decode(output, skip_special_tokens=True)
-
-
 def test_decode_stream_failure_falls_back_to_window(byte_level: Any) -> None:
     class Refusing:
         def step(self, backend: Any, token_id: int) -> str:
@@ -399,22 +380,6 @@ def test_updates_after_a_stop_consume_nothing(byte_level: Any) -> None:
 def test_matcher_picks_earliest_start_then_shortest() -> None:
     assert StopStringMatcher(["cd", "abc"], False).push("xabcd") == ("x", "abc")
     assert StopStringMatcher(["abc", "ab"], True).push("xabcd") == ("xab", "ab")
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.text("ab", min_size=1, max_size=7), min_size=1, max_size=3),
-       st.lists(st.text("abc", max_size=4), max_size=10), st.integers(0, 4))
-def test_matcher_holds_exactly_the_longest_partial_prefix_of_the_whole_text(stops, pushes, unmatched) -> None:
-    """Whatever the repeats (the automaton's borders), the held tail is the longest suffix of everything pushed that
-    is a proper prefix of a stop string (a whole stop string inside the first pushes, not matched, included)."""
-    matcher, text = StopStringMatcher(stops, False), ""
-    for i, piece in enumerate(pushes):
-        text += piece
-        _, stop = matcher.push(piece, match=i >= unmatched)
-        if stop is not None:
-            return
-        longest = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        assert matcher._held == text[len(text) - longest:]
 
 
 def test_matcher_holds_longest_partial_prefix_only() -> None:

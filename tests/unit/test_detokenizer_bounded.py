@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from asyncllm.engine import detokenizer
+from asyncllm.engine import decode_stream
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
 from test_detokenizer import SlowTokenizerView, sentencepiece_style_tokenizer
 
-BOUND = detokenizer._MAX_HELD_IDS
+BOUND = decode_stream._MAX_HELD_IDS
 
 
 @pytest.fixture(scope="module")
