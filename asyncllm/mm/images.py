@@ -67,7 +67,23 @@ def read_image(image: ImageInput, field: str) -> bytes | Any:
                 return f.read()
         except OSError as exc:
             raise InvalidRequestError(field, f"cannot read image file {os.fspath(image)!r}: {exc.strerror}") from exc
-    raise InvalidRequestError(field, f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
+    if type(image).__module__ == "numpy":
+        return _array_image(image, field)
+    raise InvalidRequestError(field, f"an image must be bytes, a path, a PIL image or a numpy array of pixels, got "
+                                     f"{type(image).__name__}")
+
+
+def _array_image(array: Any, field: str) -> Any:
+    """A numpy array as vLLM takes one: uint8 pixels of shape (H, W) or (H, W, C), C 1, 3 or 4, as a PIL image (so
+    it is keyed and processed as that image is)."""
+    from PIL import Image
+
+    shape = getattr(array, "shape", ())
+    if getattr(array, "dtype", None) is None or array.dtype.name != "uint8" or len(shape) not in (2, 3) or (
+            len(shape) == 3 and shape[2] not in (1, 3, 4)):
+        raise InvalidRequestError(field, f"a numpy image must be uint8 pixels of shape (H, W) or (H, W, 1|3|4), got "
+                                         f"{getattr(array, 'dtype', None)} {tuple(shape)}")
+    return Image.fromarray(array[:, :, 0] if len(shape) == 3 and shape[2] == 1 else array)
 
 
 def data_url_bytes(url: str, field: str) -> bytes:

@@ -275,3 +275,20 @@ def test_transparency_is_composited_onto_white_as_transformers_and_keys_the_imag
         other = image.copy()
         other.info["transparency"] = 1
         assert image_hash(other) != image_hash(image)
+
+
+def test_a_numpy_array_of_pixels_is_its_image_as_vllm_takes_it():
+    """(H, W, 3) / (H, W, 4) / (H, W) uint8 arrays are images (keyed as the same PIL image); other arrays are refused
+    naming the field."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(6, 9, 3), dtype=np.uint8)
+    raw, key = load_image(pixels, "images[0]")
+    assert isinstance(raw, Image.Image) and raw.size == (9, 6) and key == image_hash(Image.fromarray(pixels))
+    assert load_image(pixels[:, :, 0], "images[0]")[0].mode == "L"
+    assert load_image(np.dstack([pixels, pixels[:, :, :1]]), "images[0]")[0].mode == "RGBA"
+    for bad in (pixels.astype(np.float32), pixels[None], np.zeros((4, 4, 2), np.uint8)):
+        with pytest.raises(InvalidRequestError, match="uint8 pixels") as info:
+            load_image(bad, "images[2]")
+        assert info.value.field == "images[2]"
