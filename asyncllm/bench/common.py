@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from asyncllm.bench import report
+from asyncllm.config_model import DTYPE_ALIASES
 from asyncllm.bench.model import PRESETS, BenchModel, resolve_bench_model
 from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_bandwidth
 from asyncllm.config import default_max_num_seqs
@@ -50,13 +51,27 @@ def positive_int(text: str) -> int:
 
 
 def bench_max_model_len(text: str) -> int:
-    """An argparse type: ``--max-model-len``, at least 1. vLLM's -1 / ``auto`` (the engine core fits it to the KV
-    cache) is not built for bench, which sizes its engine from the workload's longest request."""
+    """An argparse type: ``--max-model-len``, at least 1, in vLLM's human-readable form too (``4k``, ``2K``). vLLM's
+    -1 / ``auto`` (the engine core fits it to the KV cache) is not built for bench, which sizes its engine from the
+    workload's longest request."""
     if text.strip().lower() in ("-1", "auto"):
         raise argparse.ArgumentTypeError(f"{text} (auto: fit to the KV cache) is not built for asyncllm bench; give "
                                          "a length of at least 1, or leave it unset for the workload's longest "
                                          "request")
-    return positive_int(text)
+    return human_size(text)
+
+
+def human_size(text: str) -> int:
+    """An argparse type: a count of at least 1, as vLLM's flags write them (``4k`` = 4000, ``2K`` = 2048)."""
+    from asyncllm.cli_args import human_readable_int
+
+    try:
+        value = human_readable_int(text)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"not an integer (or 4k, 2K ...): {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -79,14 +94,16 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
                        help="a shipped model shape with dummy weights (tiny: asyncllm's tiny Llama)")
     model.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=None,
                        help="default: dummy for shape presets, auto otherwise")
-    model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       type=lambda name: DTYPE_ALIASES.get(name, name),
+                       help="vLLM's half and float are float16 and float32")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     model.add_argument("--max-num-seqs", type=int, default=None,
                        help="default: the engine's, 256 at most --max-num-batched-tokens")
-    model.add_argument("--max-num-batched-tokens", type=int, default=None)
+    model.add_argument("--max-num-batched-tokens", type=human_size, default=None)
     model.add_argument("--max-model-len", type=bench_max_model_len, default=None, help="default: the workload's longest request")
     model.add_argument("--attention-backend", default=None, help="torch_sdpa or triton (default: the device's)")
-    model.add_argument("--tensor-parallel-size", type=int, default=1)
+    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     model.add_argument("--pipeline-parallel-size", type=int, default=1,
                        help="decoder layers over this many stages (docs/parallelism.md)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)

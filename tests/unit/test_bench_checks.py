@@ -96,6 +96,15 @@ def test_max_num_seqs_unset_is_the_engines_default(flags: list[str], max_num_seq
     assert config.max_num_seqs == common.max_num_seqs(args) == max_num_seqs
 
 
+def test_vllm_spellings_of_the_engine_flags() -> None:
+    """bench takes vLLM's half / float dtypes, human-readable sizes (4k, 2K) and -tp, as serve does."""
+    args = parser().parse_args(["latency", *TINY, "--dtype", "half", "--max-model-len", "4k",
+                                "--max-num-batched-tokens", "2K", "-tp", "2"])
+    assert (args.dtype, args.max_model_len, args.max_num_batched_tokens, args.tensor_parallel_size) == (
+        "float16", 4000, 2048, 2)
+    assert parser().parse_args(["latency", *TINY, "--dtype", "float"]).dtype == "float32"
+
+
 def test_serve_lengths_honour_caps_below_four() -> None:
     requests = sharegpt_like_requests(50, vocab_size=500, seed=0, max_input_len=2, max_output_len=1)
     assert {len(r.prompt_token_ids) for r in requests} == {2} and {r.output_len for r in requests} == {1}
