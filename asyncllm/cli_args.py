@@ -60,7 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: frozenset[str] = froz
     for field in (f for f in _flag_fields() if f.name not in skip):
         flags = ["--" + field.name.replace("_", "-")] + ([_SHORT_FLAGS[field.name]] if field.name in _SHORT_FLAGS else [])
         help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
-        parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int), _DICT_PARSERS.get(field.name, json_object))
+        parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int),
+                            _DICT_PARSERS.get(field.name, json_object))
         if parse is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)

@@ -30,8 +30,9 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "encodes_media", "uses_mistral", "load_mistral_tokenizer", "is_mistral",
-           "mistral_transcribes", "one_placeholder_each", "render_mistral_chat", "render_mistral_transcription", "xgrammar_vocab"]
+__all__ = ["MistralChat", "MEDIA_ARCHITECTURES", "encodes_media", "uses_mistral", "load_mistral_tokenizer",
+           "is_mistral", "mistral_transcribes", "one_placeholder_each", "render_mistral_chat",
+           "render_mistral_transcription", "xgrammar_vocab"]
 
 _MISTRAL_FILE = re.compile(r"tekken\.json|tokenizer(\.mm)?\.model\.v\d+(m\d+)?")
 """Tokenizer files only Mistral's checkpoints ship (a bare ``tokenizer.model`` is any sentencepiece model's)."""

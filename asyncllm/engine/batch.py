@@ -35,8 +35,9 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
     prompts = _as_batch(prompts)
     per_prompt = _per_prompt("params", params, SamplingParams, len(prompts))
     loras = _per_prompt("lora_request", lora_request, LoRARequest, len(prompts))
-    for each in {id(p): p for p in per_prompt if isinstance(p, SamplingParams)}.values():  # a bad one refuses the batch before it runs,
-        each.validate()  # as vLLM's LLM.generate (the checks that need the tokenizer come per request)
+    # a bad one refuses the batch before any prompt runs, as vLLM's LLM.generate (the tokenizer's checks: per request)
+    for each in {id(p): p for p in per_prompt if isinstance(p, SamplingParams)}.values():
+        each.validate()
     limit = _concurrency(engine, max_concurrency)
     results: list[RequestOutput | None] = [None] * len(prompts)
     indices = iter(range(len(prompts)))

@@ -168,7 +168,8 @@ class EngineRequests:
     async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,
                     timeout: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None, use_activation: bool | None = None) -> list[ScoringOutput]:
+                    truncate_prompt_tokens: int | None = None,
+                    use_activation: bool | None = None) -> list[ScoringOutput]:
         """vLLM's ``LLM.score``: how well each text of `text_2` matches `text_1` (one text for all, 1:N; or
         one per text, N:N), one `ScoringOutput` per pair in `text_2`'s order. A cross-encoder (a classifier
         with one label) reads each pair as one prompt (sigmoid of its logit; ``use_activation=False``, vLLM's

@@ -56,8 +56,8 @@ async def score(engine: AsyncEngine, text_1: Any, text_2: Any, options: RequestO
     head = engine.pooling_model.classifier
     if head is None:
         if not activated:
-            raise InvalidRequestError("use_activation", "false reads a cross-encoder's raw logit; this model scores "
-                                                        "by the cosine similarity of embeddings, which has no activation")
+            raise InvalidRequestError("use_activation", "false reads a cross-encoder's raw logit; this model scores by "
+                                                        "the cosine similarity of embeddings, which has no activation")
         return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens)
     if head.num_labels != 1:
         raise InvalidRequestError("model", f"score needs a cross-encoder (a classification model with one label); "

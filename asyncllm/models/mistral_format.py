@@ -128,6 +128,7 @@ def mistral_weights(path: str, weights: Iterator[tuple[str, Any]]) -> Iterator[t
     heads = int(params["n_heads"])
     kv_heads = int(params.get("n_kv_heads") or heads)
     tower_heads = int((params.get(VISION) or {}).get("num_attention_heads", 16))
+    decoder = "language_model." if params.get(VISION) else ""  # beside a tower, the decoder's names are nested
     for name, weight in weights:
         hf_name = vision_name(name)
         if hf_name is not None:
@@ -138,7 +139,7 @@ def mistral_weights(path: str, weights: Iterator[tuple[str, Any]]) -> Iterator[t
         hf_name = _hf_name(name)
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             weight = _rotary_halves(weight[:], heads if hf_name.endswith("q_proj.weight") else kv_heads)
-        yield ("language_model." + hf_name if params.get(VISION) else hf_name), weight
+        yield decoder + hf_name, weight
 
 
 def _hf_name(name: str) -> str:

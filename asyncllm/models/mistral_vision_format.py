@@ -71,7 +71,8 @@ def vision_config(section: Any, text_config: Any) -> Any:
     try:
         tower = PixtralVisionConfig(**{k: section[k] for k in _TOWER_KEYS if k in section}, hidden_act="silu")
     except (TypeError, ValueError) as exc:
-        raise ConfigError("config_format", "mistral", f"a {VISION} transformers' PixtralVisionConfig takes ({exc})") from exc
+        raise ConfigError("config_format", "mistral",
+                          f"a {VISION} transformers' PixtralVisionConfig takes ({exc})") from exc
     image_token = int(section.get("image_token_id", 10))
     common = dict(vision_config=tower, text_config=text_config, vision_feature_layer=-1,
                   multimodal_projector_bias=bool(section.get("adapter_bias", True)))

@@ -83,6 +83,7 @@ def test_patterns_match_the_files_module_names_as_peft_does(adapter: str, tmp_pa
     """``alpha_pattern`` keys are the checkpoint's module names (GPT-2's ``c_attn``, where asyncllm says
     ``qkv_proj``): matched against the file's name, as PEFT matches them; a NaN in a matrix is refused (it would
     spread to every request batched with the adapter)."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     from asyncllm.lora import check_finite
@@ -95,10 +96,12 @@ def test_patterns_match_the_files_module_names_as_peft_does(adapter: str, tmp_pa
     weights = os.path.join(path, "adapter_model.safetensors")
     tensors = load_file(weights)
     key = next(k for k in tensors if "lora_B" in k)
-    tensors[key][0, 0] = float("nan")
-    save_file(tensors, weights)
-    with pytest.raises(InvalidRequestError, match="NaN or infinity"):
-        check_finite(read_adapter(path))
+    for dtype, bad in (("float32", float("nan")), ("bfloat16", float("inf")), ("float16", -float("inf"))):
+        broken = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
+        broken[key][0, 0] = bad
+        save_file(broken, weights)
+        with pytest.raises(InvalidRequestError, match="NaN or infinity"):
+            check_finite(read_adapter(path))
 
 
 def test_a_folder_without_an_adapter_is_refused(tmp_path, adapter: str) -> None:
