@@ -147,6 +147,12 @@ class AdapterChecker:
             self._checked[request.lora_int_id] = (request, resolved)
         return resolved
 
+    def knows(self, request: LoRARequest) -> bool:
+        """Whether `request` was checked already (its id, as given): `check` then reads nothing."""
+        with self._lock:
+            known = self._checked.get(request.lora_int_id)
+        return known is not None and known[0] == request
+
     def forget(self, lora_int_id: int) -> bool:
         """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
         with self._lock:

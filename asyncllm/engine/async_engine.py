@@ -359,6 +359,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
+        if not processor.knows_lora(options.lora_request):  # its first use: read off the loop and the processor
+            await anyio.to_thread.run_sync(processor.check_lora, options.lora_request, abandon_on_cancel=True)
         admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n,
                                            options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,

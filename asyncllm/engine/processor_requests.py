@@ -176,6 +176,11 @@ class ProcessorRequests:
                                                              "start it with enable_lora=True")
         return self._lora.check(request)
 
+    def knows_lora(self, request: LoRARequest | None) -> bool:
+        """Whether `check_lora` of `request` reads nothing (no adapter, or one checked already): else the engine
+        checks it on a worker thread first, so a hub download or a large folder never stalls this thread."""
+        return request is None or self._lora is None or self._lora.knows(request)
+
     def forget_lora(self, lora_int_id: int) -> bool:
         """`AsyncEngine.remove_lora`: the adapter id is checked again when used again; whether it was known."""
         return self._lora is not None and self._lora.forget(lora_int_id)

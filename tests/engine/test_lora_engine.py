@@ -163,6 +163,38 @@ async def test_an_adapter_without_enable_lora_is_refused(tiny_llama: str, adapte
         assert (await engine.generate([5, 6, 7], GREEDY)).token_ids == hf_greedy(tiny_llama, [5, 6, 7], MAX_TOKENS)
 
 
+async def test_a_slow_adapter_read_stalls_no_other_stream(tiny_llama: str, lora_engine: AsyncEngine, tmp_path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter's first check (a hub download, a large folder's NaN scan) runs on a worker thread: the processor
+    thread streams everyone else meanwhile, and the request runs once its adapter is read."""
+    import threading
+
+    from asyncllm import lora_checker
+
+    started, release, readers = threading.Event(), threading.Event(), []
+    read = lora_checker.read_adapter
+
+    def slow_read(path: str):
+        readers.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(60)
+        return read(path)
+
+    monkeypatch.setattr(lora_checker, "read_adapter", slow_read)
+    slow = LoRARequest("slow", 41, make_adapter(tiny_llama, str(tmp_path), seed=41, rank=4))
+    task = asyncio.create_task(lora_engine.generate([5, 6, 7], GREEDY, lora_request=slow))
+    try:
+        assert await asyncio.to_thread(started.wait, 60)
+        base = await asyncio.wait_for(lora_engine.generate([8, 9], GREEDY), 60)  # served while the read waits
+        assert base.outputs[0].token_ids == hf_greedy(tiny_llama, [8, 9], MAX_TOKENS)
+        assert not task.done()
+    finally:
+        release.set()
+    assert (await task).outputs[0].token_ids == peft_greedy(tiny_llama, slow.lora_path, [5, 6, 7], MAX_TOKENS)
+    assert readers and "asyncllm-processor" not in readers and threading.main_thread().name not in readers
+    assert await lora_engine.remove_lora(41)
+
+
 async def test_tensor_parallel_adapters_equal_peft(tiny_qwen3: str, tmp_path) -> None:
     """Qwen3 (explicit head_dim, q/k norms) on two ranks: column-parallel B rows and row-parallel A columns."""
     lora = LoRARequest("q", 1, make_adapter(tiny_qwen3, str(tmp_path / "q"), seed=5, rank=8))
