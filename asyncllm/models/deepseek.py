@@ -40,6 +40,7 @@ from asyncllm.models.deepseek_moe import DeepseekMoE, check_routing
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from asyncllm.models.lora import slot_masked
 from asyncllm.models.ministral3 import attention_temperature
 from asyncllm.models.moe import MoECausalLM, MoESpec
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
@@ -202,7 +203,7 @@ class DeepseekAttention(nn.Module):
 def _masked(adapters: Any, per_slot: torch.Tensor) -> torch.Tensor:
     """``[tokens, heads, slots, r]`` with every slot but the token's request's zeroed, flattened to
     ``[tokens, heads, slots * r]``."""
-    return (per_slot * adapters.context.mask[:, None, :, None]).flatten(2)
+    return slot_masked(per_slot, adapters.context.mask[:, None, :, None]).flatten(2)
 
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):

@@ -6,8 +6,9 @@ in]`` and B ``[out, slots * width]``, where ``width`` is ``max_lora_rank``
 times the projection's parts (q, k, v for ``qkv_proj``; gate, up for
 ``gate_up_proj``). B is stored already multiplied by the adapter's scaling,
 and its unused rows and columns are zeros. A step's `LoRAContext.mask`
-(``[tokens, slots]``, one 1 per token whose request has an adapter) zeroes
-every other slot's intermediate values, so one pair of matrix products serves
+(``[tokens, slots]``, one 1 per token whose request has an adapter) selects
+each token's own slot's intermediate values and sets every other slot's to 0 (`slot_masked`: a select, so an
+overflow in another adapter's product never becomes a NaN here), so one pair of matrix products serves
 a batch that mixes adapters and the base model, with shapes that do not
 depend on which adapters are in it. Steps without an adapter skip it all
 (``mask`` None): the base model's computation, unchanged.
@@ -39,7 +40,7 @@ from torch import nn
 from asyncllm.lora import Adapter
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear, _ColumnParallelLinear
 
-__all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors"]
+__all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors", "slot_masked"]
 
 
 class LoRAContext:
@@ -58,6 +59,13 @@ class LoRAContext:
         """``[tokens, slots]`` in the model's dtype: 1 where the token's request uses the slot's adapter."""
         self.experts = experts and mask is not None
         """Whether a request of the step runs an adapter of the experts (asyncllm/models/lora_experts.py)."""
+
+
+def slot_masked(products: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each token's products of its own request's slot, 0 in every other: a select, not a multiply, so another
+    adapter's product that overflowed (inf in fp16) or went NaN on this token's input never reaches it (inf * 0
+    is NaN). `mask` broadcasts against `products`."""
+    return products.masked_fill(mask == 0, 0)
 
 
 class SlotBuffers(nn.Module):
@@ -119,7 +127,7 @@ class LoRALayer(SlotBuffers):
         if tokens is not None:
             mask = mask[tokens]
         num_tokens = x.shape[0]
-        xa = F.linear(x, self.a).view(num_tokens, self.num_slots, self.width) * mask[:, :, None]
+        xa = slot_masked(F.linear(x, self.a).view(num_tokens, self.num_slots, self.width), mask[:, :, None])
         return out + F.linear(xa.view(num_tokens, -1), self.b)
 
     def clear(self, slot: int) -> None:

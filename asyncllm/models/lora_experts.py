@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncllm.models.lora import LoRAContext, SlotBuffers
+from asyncllm.models.lora import LoRAContext, SlotBuffers, slot_masked
 from asyncllm.models.moe import FusedMoE
 
 __all__ = ["ExpertsLoRA", "attach_expert_layers", "expert_target"]
@@ -57,9 +57,9 @@ class ExpertsLoRA(SlotBuffers):
         rows = x.shape[0]
         mask = self.context.mask[token_idx][:, :, None]
         if which == 1:
-            xa = F.linear(x, self.a2[expert]).view(rows, self.num_slots, -1) * mask
+            xa = slot_masked(F.linear(x, self.a2[expert]).view(rows, self.num_slots, -1), mask)
             return F.linear(xa.view(rows, -1), self.b2[expert])
-        xa = F.linear(x, self.a13[expert]).view(rows, self.num_slots, 2, -1) * mask[:, :, :, None]
+        xa = slot_masked(F.linear(x, self.a13[expert]).view(rows, self.num_slots, 2, -1), mask[:, :, :, None])
         gate = F.linear(xa[:, :, 0].reshape(rows, -1), self.b1[expert])
         return torch.cat([gate, F.linear(xa[:, :, 1].reshape(rows, -1), self.b3[expert])], dim=1)
 
