@@ -153,6 +153,11 @@ class AdapterChecker:
             known = self._checked.get(request.lora_int_id)
         return known is not None and known[0] == request
 
+    def ids(self) -> set[int]:
+        """The adapter ids checked and not forgotten since."""
+        with self._lock:
+            return set(self._checked)
+
     def forget(self, lora_int_id: int) -> bool:
         """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
         with self._lock:

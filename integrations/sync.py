@@ -208,6 +208,14 @@ class SyncEngine:
         """Forget LoRA adapter id `lora_id`; whether any replica knew it (see `AsyncEngine.remove_lora`)."""
         return self.run(self._engine.remove_lora(lora_id))
 
+    def list_loras(self) -> set[int]:
+        """The LoRA adapter ids checked and bound (see `AsyncEngine.list_loras`)."""
+        return self.run(self._engine.list_loras())
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """`NotBuiltError` (see `AsyncEngine.pin_lora`)."""
+        return self.run(self._engine.pin_lora(lora_id))
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (see `AsyncEngine.reset_prefix_cache`)."""
         return self.run(self._engine.reset_prefix_cache())

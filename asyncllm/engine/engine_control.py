@@ -1,6 +1,6 @@
 """`EngineControl`: the methods of `AsyncEngine` (asyncllm/engine/async_engine.py) that change what the running
-engine holds rather than run a request, a mixin: LoRA adapters checked ahead and forgotten (`add_lora`,
-`remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
+engine holds rather than run a request, a mixin: LoRA adapters checked ahead, listed and forgotten (`add_lora`,
+`list_loras`, `remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from asyncllm.engine.replica import ReplicaSet
 from asyncllm.engine.sleep import check_level, check_tags
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.weight_update import new_checkpoint_config
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import EngineStats
 
@@ -67,6 +67,18 @@ class EngineControl:
         removed = await every_replica([processor.lora_call(protocol.RemoveLoRA("", lora_id))
                                        for processor in processors])
         return any(forgot) or any(removed)
+
+    async def list_loras(self) -> set[int]:
+        """The LoRA adapter ids this engine has checked and the core binds (vLLM's ``list_loras``): added with
+        `add_lora` or used by a request, and not removed or forgotten as idle since (docs/lora.md)."""
+        await self.start()
+        processors = await self._replicas.serving_processors()
+        return set().union(*(processor.lora_ids() for processor in processors))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's ``pin_lora`` (keep an adapter from eviction): `NotBuiltError`. Adapters leave the workers' slots
+        and CPU cache least recently used first, read again from their folder when used (docs/lora.md)."""
+        raise NotBuiltError("pin_lora", lora_id, "pinning a LoRA adapter against eviction (vLLM's pin_lora)")
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or

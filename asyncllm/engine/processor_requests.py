@@ -181,6 +181,10 @@ class ProcessorRequests:
         checks it on a worker thread first, so a hub download or a large folder never stalls this thread."""
         return request is None or self._lora is None or self._lora.knows(request)
 
+    def lora_ids(self) -> set[int]:
+        """`AsyncEngine.list_loras`: the adapter ids checked and not forgotten since."""
+        return set() if self._lora is None else self._lora.ids()
+
     def forget_lora(self, lora_int_id: int) -> bool:
         """`AsyncEngine.remove_lora`: the adapter id is checked again when used again; whether it was known."""
         return self._lora is not None and self._lora.forget(lora_int_id)
