@@ -26,7 +26,8 @@ from asyncllm.integrations.openai_protocol import ChatCompletionRequest, Complet
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.responses_api import ResponseEvents
 from asyncllm.integrations.starlette import wait_disconnect
-from asyncllm.integrations.streams import ClientDisconnected, first_deltas, gather_until, merge_streams
+from asyncllm.integrations.streams import (ClientDisconnected, accepted_streams, first_deltas, gather_until,
+                                           merge_streams)
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -50,12 +51,17 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
     if req.stream:
         choices.streaming = True
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
-        firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
+        if echo is None and len(streams) > 1:  # a prompt list: prompts queued behind a full engine hold up none
+            held, steps = await accepted_streams(streams, until=lambda: wait_disconnect(request))
+            firsts: list[Any] = []
+        else:
+            firsts, held, steps = await first_deltas(streams, until=lambda: wait_disconnect(request)), [], {}
         count_prompts(streams, choices)
-        held = await _hold_for_prompt_logprobs(streams, firsts, choices, lambda: wait_disconnect(request)) if (
-            echo is not None) else []
+        if echo is not None:
+            held = await _hold_for_prompt_logprobs(streams, firsts, choices, lambda: wait_disconnect(request))
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
-        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed, held)
+        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed, held,
+                      steps)
         return EventStream(events)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
@@ -151,10 +157,11 @@ async def _hold_for_prompt_logprobs(streams: list[RequestStream], firsts: list[A
 
 async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
                meta: dict[str, Any], usage: str, echoed: Echoed,
-               held: list[tuple[int, Any]] = ()) -> AsyncIterator[bytes]:
+               held: list[tuple[int, Any]] = (), steps: dict[int, Any] | None = None) -> AsyncIterator[bytes]:
     """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
     (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's);
-    `held`: deltas taken after `firsts` (`_hold_for_prompt_logprobs`)."""
+    `held`: deltas taken after `firsts` (`_hold_for_prompt_logprobs`), or before any (`accepted_streams`, whose
+    pending reads are `steps`)."""
 
     encode = ChunkEncoder(meta)
 
@@ -171,7 +178,7 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
             yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
                          "stop_reason": None, **choices.stream_token_ids(index, [])})
         async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request),
-                                                       held=held):
+                                                       held=held, steps=steps):
             index, logprobs = choices.add(prompt_index, delta)
             if choices.chat:
                 for choice in chat_stream_choices(choices, index, delta, logprobs):

@@ -9,14 +9,14 @@ closes every stream, which aborts their requests in the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import StreamDelta
 
-__all__ = ["ClientDisconnected", "first_deltas", "merge_streams", "gather_until"]
+__all__ = ["ClientDisconnected", "first_deltas", "accepted_streams", "merge_streams", "gather_until"]
 
 T = TypeVar("T")
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one stream is merged as several are
@@ -44,20 +44,52 @@ async def first_deltas(streams: Sequence[RequestStream], *,
         raise
 
 
+async def accepted_streams(streams: Sequence[RequestStream], *,
+                           until: Callable[[], Awaitable[object]] | None = None,
+                           ) -> tuple[list[tuple[int, StreamDelta]], dict[int, asyncio.Future]]:
+    """Submit every stream at once and wait until each request is accepted (`RequestStream.acceptance`) or has its
+    first delta: the ``(stream index, delta)`` taken so far and the other streams' pending first steps, for
+    `merge_streams`' `taken` and `steps`.
+
+    As `first_deltas`, an error at submission or from the host's checks of any of them (a prompt longer than
+    max_model_len, an overloaded engine) is raised here, before a server sends its status line; unlike it, a
+    prompt queued behind a full engine (more prompts than max_num_seqs) delays no other prompt's tokens.
+    """
+    events = [stream.acceptance() for stream in streams]
+    steps = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+    try:
+        await gather_until([_settled(step, event) for step, event in zip(steps, events)], until)
+        taken = [(index, step.result()) for index, step in enumerate(steps) if step.done()]  # the first error
+    except BaseException:
+        await _leave(steps, streams)
+        raise
+    return taken, {index: step for index, step in enumerate(steps) if not step.done()}
+
+
+async def _settled(step: asyncio.Future, accepted: asyncio.Event) -> None:
+    """Return once `step` is done (a delta or an error) or its request was accepted."""
+    waiter = asyncio.ensure_future(accepted.wait())
+    try:
+        await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+
+
 def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[StreamDelta] = (), *,
                   until: Callable[[], Awaitable[object]] | None = None,
-                  held: Sequence[tuple[int, StreamDelta]] = (),
+                  held: Sequence[tuple[int, StreamDelta]] = (), steps: Mapping[int, asyncio.Future] | None = None,
                   ) -> AsyncIterator[tuple[int, StreamDelta]]:
     """Yield ``(stream index, delta)`` from all streams as deltas arrive, after `firsts` (from `first_deltas`) and
-    `held` (``(stream index, delta)`` taken from the streams after their firsts, in order).
+    `held` (``(stream index, delta)`` taken from the streams after their firsts, in order); `steps`: streams'
+    pending reads to take over (`accepted_streams`), the others read afresh.
 
     `until` returns an awaitable that completes when the client disconnects:
     then every request is aborted and `ClientDisconnected` is raised.
     """
     taken = [*enumerate(firsts), *held]
-    if len(streams) == 1 and _UNCANCEL:
+    if len(streams) == 1 and _UNCANCEL and not steps:
         return _merge_one(streams[0], taken, until)
-    return _merge_many(streams, taken, until)
+    return _merge_many(streams, taken, until, steps or {})
 
 
 async def _merge_one(stream: RequestStream, taken: list[tuple[int, StreamDelta]],
@@ -105,17 +137,19 @@ async def _merge_one(stream: RequestStream, taken: list[tuple[int, StreamDelta]]
 
 
 async def _merge_many(streams: Sequence[RequestStream], taken: list[tuple[int, StreamDelta]],
-                      until: Callable[[], Awaitable[object]] | None) -> AsyncIterator[tuple[int, StreamDelta]]:
-    for item in taken:
-        yield item
+                      until: Callable[[], Awaitable[object]] | None,
+                      steps: Mapping[int, asyncio.Future]) -> AsyncIterator[tuple[int, StreamDelta]]:
     pending: dict[asyncio.Future, int] = {}
     wake = _Wake(pending)
     for i, stream in enumerate(streams):
-        wake.watch(asyncio.ensure_future(stream.__anext__()), i)
+        step = steps.get(i)
+        wake.watch(asyncio.ensure_future(stream.__anext__()) if step is None else step, i)
     watcher = asyncio.ensure_future(until()) if until is not None else None
     if watcher is not None:
         watcher.add_done_callback(wake.wake)
     try:
+        for item in taken:
+            yield item
         while pending:  # asyncio.wait(FIRST_COMPLETED) without its per-call callbacks and sets: one per delta
             await wake.until_done(watcher)
             if watcher is not None and watcher.done():

@@ -20,7 +20,7 @@ from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig, check_host_side
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
-from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.collector import ACCEPTED, RequestCollector
 from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.engine_control import EngineControl
@@ -339,12 +339,12 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
 
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
-                      chat: bool, trace_context: Any) -> RequestCollector:
+                      chat: bool, trace_context: Any, accepted: asyncio.Event | None = None) -> RequestCollector:
         with self._drain.request():  # in flight for a drain from here (refused once it began: `EngineDrain`)
-            return await self._submit_accepted(prompt, params, options, chat, trace_context)
+            return await self._submit_accepted(prompt, params, options, chat, trace_context, accepted)
 
     async def _submit_accepted(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
-                               chat: bool, trace_context: Any) -> RequestCollector:
+                               chat: bool, trace_context: Any, accepted: asyncio.Event | None) -> RequestCollector:
         check_prompt(prompt, chat, getattr(options.pooling, "task", None))  # (a bad `pooling` is refused below)
         if params is None:
             await self.start()
@@ -364,7 +364,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n,
                                            options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
-                                     logprobs=params.logprobs is not None, admitted=admitted)
+                                     logprobs=params.logprobs is not None, admitted=admitted, accepted=accepted)
         self._replicas.placed(replica, collector)
         self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))
@@ -386,6 +386,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         for collector, item in batch:
             if isinstance(item, BaseException):
                 collector.put_error(item)
+            elif item is ACCEPTED:
+                collector.accept()
             else:
                 collector.put(item)
         if self._closed:

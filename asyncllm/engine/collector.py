@@ -17,7 +17,15 @@ from asyncllm.engine.admission import Admitted
 from asyncllm.outputs import PromptLogprobs, RequestMetrics, StreamDelta
 from asyncllm.sampling import RequestOutputKind
 
-__all__ = ["RequestCollector", "StreamPacer", "merge_delta"]
+__all__ = ["ACCEPTED", "Accepted", "RequestCollector", "StreamPacer", "merge_delta"]
+
+
+class Accepted:
+    """The processor thread's word that it accepted a request (tokenized and checked it, sent it to the core):
+    delivered (`ACCEPTED`) only to a collector that waits for it (`RequestCollector.accepted`)."""
+
+
+ACCEPTED = Accepted()
 
 
 class _SampleOutput:
@@ -106,8 +114,11 @@ class RequestCollector:
 
     def __init__(self, request_id: str, arrival_time: float, n: int = 1,
                  output_kind: RequestOutputKind = RequestOutputKind.DELTA, logprobs: bool = False,
-                 admitted: Admitted | None = None) -> None:
+                 admitted: Admitted | None = None, accepted: asyncio.Event | None = None) -> None:
         self.request_id = request_id
+        self.accepted = accepted
+        """Set once the processor thread accepted the request, or a delta or error came (`RequestStream.acceptance`);
+        None: nobody waits for it, and the processor sends no word of it."""
         self.admitted = admitted
         """Its count in the host's queue estimate (admission and the data-parallel balancer;
         asyncllm/engine/admission.py), retracted if it fails."""
@@ -139,9 +150,15 @@ class RequestCollector:
         """Finished without error and everything handed out: the stream ends."""
         return self.finished and self._error is None and not self._pending and not self._changed
 
+    def accept(self) -> None:
+        if self.accepted is not None:
+            self.accepted.set()
+
     def put(self, delta: StreamDelta) -> None:
         if self.finished:
             return
+        if self.accepted is not None:
+            self.accepted.set()
         if delta.finish_reason is not None:
             self._unfinished.pop(delta.index, None)
             self.finished = not self._unfinished
@@ -169,6 +186,8 @@ class RequestCollector:
         self.finished = True
         self._error = error
         self._ready.set()
+        if self.accepted is not None:
+            self.accepted.set()
 
     def abort(self) -> None:
         """End every unfinished sample with finish_reason "abort", as the engine's close does (`_fail_all`): the

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from asyncllm import errors, protocol
-from asyncllm.engine.collector import RequestCollector, StreamPacer
+from asyncllm.engine.collector import Accepted, RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer, text_context
 from asyncllm.engine.lora_ids import PendingLoRACalls
@@ -29,7 +29,7 @@ from asyncllm.outputs import StreamDelta
 
 __all__ = ["Deliver", "Delivery", "ProcessorOutputs", "TrackedRequest", "error_from"]
 
-Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException"]]
+Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException | Accepted"]]
 Deliver = Callable[[Delivery, "protocol.SchedulerStats | None"], None]
 
 

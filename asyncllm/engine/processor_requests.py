@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from asyncllm import errors, protocol
-from asyncllm.engine.collector import RequestCollector, StreamPacer
+from asyncllm.engine.collector import ACCEPTED, RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import new_detokenizer
 from asyncllm.engine.logprobs import PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
@@ -160,6 +160,8 @@ class ProcessorRequests:
             self._tracked[core_id] = tracked
             dealer.send(frame)
         self._observer.on_added(job)
+        if collector.accepted is not None:  # a server waits for it before its status line (`accepted_streams`)
+            self._deliver([(collector, ACCEPTED)], None)
 
     def _reject(self, job: Submit, collector: RequestCollector, error: errors.InvalidRequestError) -> None:
         """The request fails alone with `error` (counted as rejected); the thread and the other requests go on."""

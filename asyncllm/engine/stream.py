@@ -153,6 +153,8 @@ class RequestStream:
         """Left, or every delta handed out: nothing more is aborted, what the collector holds is still handed out."""
         self._reading = False
         """A task is inside `__anext__` (another one is refused)."""
+        self._accepted: asyncio.Event | None = None
+        """`acceptance`'s event, if it was asked for."""
 
     @property
     def request_id(self) -> str | None:
@@ -178,7 +180,7 @@ class RequestStream:
         try:
             if self.collector is None:
                 collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat,
-                                                       self._trace_context)
+                                                       self._trace_context, self._accepted)
                 self.collector, self._loop = collector, asyncio.get_running_loop()
                 if self._done:  # left (``aclose()`` from another task) while this was submitting it
                     self._abort()
@@ -191,6 +193,17 @@ class RequestStream:
         if self.collector.done:  # every sample finished and was handed out
             self._done = True
         return delta
+
+    def acceptance(self) -> asyncio.Event:
+        """An event set once the engine accepted the request (tokenized and checked on the host, sent to the core:
+        what a request can be refused for before it runs has been said), or it has a delta or its error. Ask before
+        the first `__anext__` (which submits it); a server waits for it for each prompt of a list before it sends
+        its status line (asyncllm/integrations/streams.py `accepted_streams`)."""
+        if self._accepted is None:
+            if self.collector is not None:
+                raise RuntimeError("acceptance(): ask before the stream's first __anext__ (it submits the request)")
+            self._accepted = asyncio.Event()
+        return self._accepted
 
     async def aclose(self) -> None:
         self._leave()
