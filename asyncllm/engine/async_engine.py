@@ -31,7 +31,7 @@ from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
-from asyncllm.engine.off_loop import finish_in_thread
+from asyncllm.engine.off_loop import finish_in_thread, import_before_the_loop
 from asyncllm.engine.replica import (
     LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_all, stop_forgotten, weakly,
 )
@@ -133,6 +133,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
         self.speech_to_text: SpeechToText | None = None
         """A speech-to-text model's audio rate, window and task tokens (Whisper: asyncllm/speech.py), set by start;
         None for the others."""
+        import_before_the_loop()
+
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "AsyncEngine":

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["finish_in_thread", "in_thread", "start_daemon"]
+__all__ = ["finish_in_thread", "import_before_the_loop", "in_thread", "start_daemon"]
 
 T = TypeVar("T")
 
@@ -79,3 +79,15 @@ async def finish_in_thread(func: Callable[..., Any], *args: Any) -> None:
     future.result()
     if cancelled:
         raise asyncio.CancelledError
+
+
+def import_before_the_loop() -> None:
+    """An engine made where no event loop runs (a module's, before the app serves) imports transformers, and so
+    torch, at once: on the start's preparation thread their imports hold the GIL for up to half a second at a
+    time, stalling the loop. Made inside a running loop, it leaves them to that thread (no blocking call there)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        from asyncllm.engine.prepare import import_transformers
+
+        import_transformers()
