@@ -292,29 +292,6 @@ def test_concurrent_prepares_in_a_fresh_process_import_transformers_safely(tiny_
     assert done.stdout.strip().splitlines()[-2:] == ["[]", "[]"]  # no processor modules; no errors
 
 
-_IMPORTS_BY_WHERE_MADE = """
-import asyncio, sys
-from asyncllm import AsyncEngine
-async def in_loop():
-    AsyncEngine(sys.argv[1])
-asyncio.run(in_loop())
-print("torch" in sys.modules, "transformers" in sys.modules)
-AsyncEngine(sys.argv[1])
-print("torch" in sys.modules, "transformers" in sys.modules)
-"""
-
-
-def test_an_engine_made_before_the_loop_imports_transformers_then_not_on_the_loop(tiny_llama: str,
-                                                                                    tmp_path: Any) -> None:
-    """Made inside a running loop, the constructor imports nothing (a blocking import would stall that loop);
-    made where no loop runs, it imports transformers and torch, whose import on the start's preparation thread
-    would hold the GIL and stall the loop later (`import_before_the_loop`)."""
-    done = subprocess.run([sys.executable, "-c", _IMPORTS_BY_WHERE_MADE, tiny_llama], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-2:] == ["False False", "True True"]
-
-
 def test_a_cancelled_start_stops_at_once_and_quietly(tmp_path: Any) -> None:
     """``asyncio.wait_for(engine.start(), T)``: the processor thread's ready future was cancelled (its setting it
     raised InvalidStateError, logged), and a core never told Goodbye had its 10 s grace before its stdin closed."""
