@@ -187,7 +187,8 @@ class RequestObserver:
         self.stats.count_finished("abort")
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
-            self._span_call("end", RequestTracer.cancel, traced.span, collector.metrics, now)
+            reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
+            self._span_call("end", RequestTracer.cancel, traced.span, collector.metrics, reasons, now)
 
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""

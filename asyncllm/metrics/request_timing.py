@@ -31,8 +31,9 @@ def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None
                 metrics.first_scheduled_time = event.timestamp
         elif event.type == _PREEMPTED:
             metrics.num_preemptions += 1
-        elif event.type == _QUEUED:
-            metrics.queued_time = event.timestamp
+        elif event.type == _QUEUED:  # each sample's of an n > 1 request: the first, as the first scheduled
+            if metrics.queued_time is None or event.timestamp < metrics.queued_time:
+                metrics.queued_time = event.timestamp
 
 
 def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, num_samples: int = 1,

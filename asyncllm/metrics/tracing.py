@@ -165,9 +165,11 @@ class RequestTracer:
         span.end(end_time=_ns(now))
 
     @staticmethod
-    def cancel(span: Any, metrics: RequestMetrics, now: float) -> None:
-        """End the span of a request its caller left (or the engine closed) before it finished."""
+    def cancel(span: Any, metrics: RequestMetrics, finish_reasons: list[str], now: float) -> None:
+        """End the span of a request its caller left (or the engine closed) before it finished: `finish_reasons`,
+        the samples' that finished and "abort"."""
         span.set_attributes(_timing_attributes(metrics, None))
+        span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
         span.add_event("finished", {"finish_reason": "abort"}, timestamp=_ns(now))
         _set_cancelled(span)
         span.end(end_time=_ns(now))

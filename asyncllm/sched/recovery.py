@@ -37,6 +37,7 @@ def requeue_all_for_recompute(scheduler: "Scheduler") -> int:
         request.num_preemptions += 1
         request.record_event(EngineCoreEventType.PREEMPTED)
         scheduler.waiting.add_preempted(request)
+    scheduler.preemptor.num_preemptions_total += len(running)  # engine-wide as per request (vLLM's counter)
     for request in scheduler.requests.values():  # waiting requests hold none; this is cheap insurance
         kv.free(request)
     if scheduler.swap_space is not None:

@@ -315,6 +315,7 @@ async def test_cancelled_request_span_has_error_status(engine: AsyncEngine) -> N
     (span,) = _spans_named("traced-cancel")
     assert (span.status.status_code, span.status.description) == (StatusCode.ERROR, "cancelled")
     assert span.events[-1].attributes["finish_reason"] == "abort"
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
 
 
 async def test_failed_request_span_records_the_error(engine: AsyncEngine) -> None:

@@ -38,6 +38,10 @@ def test_events_fill_request_metrics() -> None:
     assert (m.queued_time, m.first_scheduled_time, m.num_preemptions) == (10.5, 11.0, 1)
     assert (m.queue_time, m.prefill_time, m.decode_time, m.inference_time) == (0.5, 0.25, 2.75, 3.0)
     assert (m.time_to_first_token, m.e2e_latency) == (1.25, 4.0)
+    samples = RequestMetrics(arrival_time=10.0)  # n > 1: sample 1 queued after sample 0 was scheduled
+    apply_events(samples, [EngineCoreEvent(QUEUED, 10.5), EngineCoreEvent(SCHEDULED, 11.0)])
+    apply_events(samples, [EngineCoreEvent(QUEUED, 11.5), EngineCoreEvent(SCHEDULED, 12.0)])
+    assert (samples.queued_time, samples.first_scheduled_time, samples.queue_time) == (10.5, 11.0, 0.5)
 
 
 def _collector(request_id: str, prompt_len: int, arrival: float) -> RequestCollector:

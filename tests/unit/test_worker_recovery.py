@@ -46,7 +46,9 @@ def test_running_requests_go_back_to_the_front_in_order_with_no_kv_left() -> Non
     assert sched.kv_cache_manager.num_used_blocks == 3 * 3 + 2
     assert sched.kv_cache_manager.pool.num_cached_blocks == 3 * 2 + 1  # full computed blocks
 
+    preemptions = sched.num_preemptions_total
     assert requeue_all_for_recompute(sched) == 4
+    assert sched.num_preemptions_total == preemptions + 4  # engine-wide, as each request's own count
     assert sched.running == []
     assert [r.request_id for r in sched.waiting] == ["a", "b", "c", "d"]
     assert all(r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in sched.waiting)
