@@ -26,6 +26,7 @@ from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.engine_control import EngineControl
 from asyncllm.engine.engine_loop import EngineLoop
 from asyncllm.engine.engine_requests import EngineRequests
+from asyncllm.engine.engine_state import EngineState
 from asyncllm.engine.engine_weights import EngineWeights
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
@@ -48,7 +49,7 @@ from asyncllm.speech import SpeechToText, speech_to_text_of
 __all__ = ["AsyncEngine"]
 
 
-class AsyncEngine(EngineRequests, EngineControl, EngineLoop):
+class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
     """An LLM engine embedded in the host's asyncio event loop.
 
     Constructing it is cheap and starts nothing; ``async with engine``,

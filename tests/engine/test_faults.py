@@ -104,6 +104,9 @@ async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_l
     engine = AsyncEngine(tiny_llama, max_worker_restarts=0, tensor_parallel_size=tensor_parallel_size,
                          **ENGINE_KWARGS)
     async with engine:
+        await engine.check_health()  # vLLM's health and state calls (asyncllm/engine/engine_state.py)
+        assert engine.is_running and not engine.errored and not engine.is_stopped
+        assert await engine.get_supported_tasks() == ("generate", "embed")
         worker = worker_pids(engine._core.pid)[-1]
         streams = Streams(engine, PROMPTS)
         await streams.wait_for_tokens(3)
@@ -115,6 +118,10 @@ async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_l
         assert not engine.stats().engine_alive
         with pytest.raises(EngineDeadError):
             await engine.generate(PROMPTS[0], GREEDY)
+        assert engine.errored and not engine.is_running and not engine.is_stopped
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            await engine.check_health()
+    assert engine.is_stopped and engine.errored and "closed" in str(engine.dead_error)
 
 
 async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_restarts_it(tiny_llama: str,
@@ -145,6 +152,7 @@ async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_rest
         assert max(latencies) < 1.0, latencies
         assert f"engine core (pid {core_pid}) was killed by SIGKILL" in str(streams.errors[0][0])  # type: ignore[index]
         assert not engine.stats().engine_alive  # until the new core serves
+        assert not engine.errored and not engine.is_running  # restarting: requests wait for the new core
 
         out = await engine.generate(PROMPTS[1], GREEDY)  # waits for the restart, then runs on the new core
         assert out.token_ids == expected[1]
