@@ -324,8 +324,8 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
     """vLLM's StructuredOutputsParams (a dict or its dataclass) as ours: `SamplingParams`' structured_outputs and
     guided_decoding, the server's ``structured_outputs``. Unset fields (None; False but for a kind) and private
     (``_backend``) attributes are dropped, as vLLM ignores them; ``json_object`` true (or 1, as vLLM's pydantic reads
-    it) is the schema ``{"type": "object"}`` (not with json); `StructuredOutputs`' own fields (start_after, ...) are
-    taken as given; another field set is an InvalidRequestError naming it.
+    it) is the schema ``{"type": "object"}`` (not with json); older vLLM's ``backend`` "auto" or "xgrammar" is
+    dropped (asyncllm's one), another refused; `StructuredOutputs`' own fields (start_after, ...) are taken as given; another field set is an InvalidRequestError naming it.
     More than one kind is left for validate() to name."""
     if isinstance(value, StructuredOutputs):
         return value
@@ -333,6 +333,10 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
     settings = {key: item for key, item in items.items() if item is not None and not str(key).startswith("_")
                 and (item is not False or key in KINDS)}
     json_object = settings.pop("json_object", False)
+    backend = settings.pop("backend", "auto")  # older vLLM's per-request choice: asyncllm's one is xgrammar
+    if backend not in ("auto", "xgrammar"):
+        raise InvalidRequestError(field, f"backend={backend!r}: asyncllm's structured outputs run on xgrammar alone "
+                                  "(give 'xgrammar', 'auto' or none)")
     unknown = sorted(map(str, set(settings) - set(StructuredOutputs.__struct_fields__)))
     if unknown:
         raise InvalidRequestError(field, f"{', '.join(unknown)}: not built in asyncllm (it reads json, regex, choice, "

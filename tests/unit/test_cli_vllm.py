@@ -223,13 +223,15 @@ def _server_reads(value: dict):
 @pytest.mark.parametrize("read", [_sampling_reads, _server_reads])
 def test_sampling_params_and_the_server_read_structured_outputs_alike_as_vllm(read) -> None:
     """One reader (`from_vllm_structured`): vLLM ignores an unset field ({"foo": None}, its dataclass's False flags)
-    and reads json_object 1 as true; asyncllm's own fields (start_after) are taken; a field asyncllm does not build,
-    set, is refused naming it."""
+    and reads json_object 1 as true; asyncllm's own fields (start_after) are taken; older vLLM's backend "xgrammar" or
+    "auto" is dropped, another refused; a field asyncllm does not build, set, is refused naming it."""
     assert read({"regex": "a", "foo": None, "disable_any_whitespace": False}).regex == "a"
     assert read({"json_object": 1}).json == {"type": "object"}
     assert read({"json_object": 0, "choice": ["x"]}).choice == ["x"]
     assert read({"regex": "a", "start_after": "</think>"}).start_after == "</think>"  # asyncllm's own field
-    for bad, named in [({"foo": "x"}, "foo: not built"), ({"json_object": "yes"}, "json_object must be true or false")]:
+    assert read({"regex": "a", "backend": "xgrammar"}).regex == read({"regex": "a", "backend": "auto"}).regex == "a"
+    for bad, named in [({"foo": "x"}, "foo: not built"), ({"json_object": "yes"}, "json_object must be true or false"),
+                       ({"regex": "a", "backend": "outlines"}, "backend='outlines': asyncllm's structured outputs")]:
         with pytest.raises(InvalidRequestError, match=f"^structured_outputs: {named}"):
             read(bad)
 
