@@ -5,8 +5,10 @@ flag, a false one its ``--no-`` form where the flag has one (else nothing, as an
 the option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON; any
 other value as its text. The options are put in front of the command line's, which win (argparse keeps the last);
 an unknown key (a flag's prefix too, and ``config``: one file) is argparse's ``unrecognized arguments`` error naming
-it; a null value leaves the option unset; a flag's value must be a boolean. ``model`` is the command's MODEL when the
-command line gives none. A ``--config`` after ``--`` is a positional, not read.
+it; a null value leaves the option unset; a flag's value must be a boolean. vLLM's dotted keys
+(``hf-overrides.max_position_embeddings: 256``) are merged into their flag's JSON object, and vLLM's flags that change
+nothing here (``disable-fastapi-docs``) get their note, as on the command line. ``model`` is the command's MODEL when
+the command line gives none. A ``--config`` after ``--`` is a positional, not read.
 
 `dash_flag_names` reads ``--max_model_len`` as ``--max-model-len``, as the same parser does.
 """
@@ -17,7 +19,7 @@ import argparse
 import json
 from typing import Any
 
-from asyncllm.cli_vllm import VLLM_FLAGS, known_vllm_flags
+from asyncllm.cli_vllm import NO_EFFECT_FLAGS, VLLM_FLAGS, known_vllm_flags
 
 __all__ = ["dash_flag_names", "expand_config_file"]
 
@@ -54,7 +56,7 @@ def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tup
         path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
     else:
         path, rest = argv[i].removeprefix("--config="), argv[:i] + argv[i + 1:]
-    options = _load(path, command)
+    options = _dotted_merged(_load(path, command), command, path)
     model = options.pop("model", None)
     flags = [arg for key, value in options.items() for arg in _flag_args(str(key), value, command, path)]
     # After the command and a leading MODEL (an option taking several values would swallow the MODEL after it,
@@ -73,7 +75,7 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
             options = yaml.safe_load(file)
     except OSError as exc:
         command.error(f"--config: cannot read {path!r}: {exc.strerror}")
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         command.error(f"--config: {path!r} is not valid YAML: {exc}")
     if options is None:
         return {}
@@ -82,8 +84,33 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
     return options
 
 
+def _dotted_merged(options: dict[str, Any], command: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """vLLM's dotted keys (``hf-overrides.max_position_embeddings: 256``; ``a.b`` nests) merged into their flag's
+    JSON object, over the flag's own key if the file has it, as vLLM reads the file's keys as command-line words."""
+    merged: dict[str, Any] = {}
+    for key, value in options.items():
+        name, dot, keys = str(key).partition(".")
+        name = name.replace("_", "-")  # hf_overrides and hf-overrides are one flag's keys
+        if not dot:
+            merged[name] = {**value, **merged[name]} if isinstance(value, dict) and isinstance(
+                merged.get(name), dict) else value
+            continue
+        target = merged.setdefault(name, {})
+        *parents, last = keys.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {}) if isinstance(target, dict) else target
+        if not isinstance(target, dict):
+            command.error(f"--config {path}: the key {key!r} sets a field of {name!r}, which is not a JSON object")
+        target[last] = value
+    return merged
+
+
 def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:
     flag = "--" + key.replace("_", "-")
+    if flag in NO_EFFECT_FLAGS:  # vLLM's flags whose setting asyncllm has: its note, as on the command line
+        if not isinstance(value, bool) and value is not None:
+            command.error(f"--config {path}: the key {key!r} is a flag: give true or false, got {value!r}")
+        return known_vllm_flags([flag], command) if value else []
     if flag in VLLM_FLAGS or flag == "--structured-outputs-config":  # vLLM's own: read as on the command line
         if value is None or value is False or value == []:  # vLLM's defaults (null, false, []): left unset
             return []

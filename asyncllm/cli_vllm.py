@@ -18,7 +18,7 @@ from typing import Any
 
 from asyncllm.cli_args import is_json_object_flag
 
-__all__ = ["known_vllm_flags", "vllm_argv", "VLLM_FLAGS"]
+__all__ = ["known_vllm_flags", "vllm_argv", "NO_EFFECT_FLAGS", "VLLM_FLAGS"]
 
 _NO_COMPILE = ("not built in asyncllm: it has no torch.compile levels or compilation config; CUDA graphs are captured "
                "where they apply (docs/kernels.md), --enforce-eager turns them off")
@@ -30,7 +30,7 @@ VLLM_FLAGS: dict[str, list[str] | str] = {
                                "and audio as data: URLs, or as file:// URLs with --allowed-local-media-path "
                                "(docs/security.md)",
 }
-_NO_EFFECT = {
+NO_EFFECT_FLAGS = {
     "--disable-fastapi-docs": "asyncllm's server has no /docs, /redoc or /openapi.json pages to disable",
     "--disable-frontend-multiprocessing": "asyncllm's server always runs in the process that serves HTTP, its engine "
                                           "core in its own process (docs/architecture.md)",
@@ -48,7 +48,7 @@ VLLM_FLAGS.update({
 (``--guided-decoding-backend``'s too) of auto or xgrammar is accepted, another refused with the reason above."""
 _O_LEVEL = re.compile(r"-O([0-3]|=\S+)?")
 _TAKES_VALUE = frozenset({"--compilation-config", "-cc", "--optimization-level", "--guided-decoding-backend",
-                          "--structured-outputs-config"})
+                          "--structured-outputs-config", "--api-server-count"})
 
 
 def vllm_argv(argv: list[str], command: argparse.ArgumentParser) -> list[str]:
@@ -83,8 +83,8 @@ def known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list
         key = ""  # --structured-outputs-config.KEY's
         if _O_LEVEL.fullmatch(word) and not _takes_this_value(out[-1:], command):
             name = "-O"  # -O, -O0 ... -O3, -O=N: vLLM's optimisation level
-        elif name in _NO_EFFECT and not equals:
-            print(f"[asyncllm] vLLM's {name} has no effect here: {_NO_EFFECT[name]}", file=sys.stderr)
+        elif name in NO_EFFECT_FLAGS and not equals:
+            print(f"[asyncllm] vLLM's {name} has no effect here: {NO_EFFECT_FLAGS[name]}", file=sys.stderr)
             i += 1
             continue
         elif name.split(".")[0] in VLLM_FLAGS or name.split(".")[0] == "--structured-outputs-config":
@@ -101,6 +101,10 @@ def known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list
             continue
         if name == "--guided-decoding-backend":
             _backend(f"{name} {value!r}", value, command)
+            continue
+        if name == "--api-server-count" and value.strip() == "1":  # vLLM's default: what asyncllm serve is
+            print(f"[asyncllm] vLLM's {name} 1 has no effect here: `asyncllm serve` is one server process",
+                  file=sys.stderr)
             continue
         meant = VLLM_FLAGS[name]
         if isinstance(meant, str):

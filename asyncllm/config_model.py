@@ -143,8 +143,11 @@ class ModelConfig:
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_bool("enable_prompt_embeds", self.enable_prompt_embeds)
         check_bool("trust_remote_code", self.trust_remote_code)
-        if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
-            raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
+        for name, what in (("download_dir", "a folder path"), ("tokenizer", "a local folder or a hub id"),
+                           ("revision", "a branch, tag or commit"), ("tokenizer_revision", "a branch, tag or commit")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(name, value, f"{what} (non-empty string), or None")
         if type(self.dtype).__module__ == "torch" and type(self.dtype).__name__ == "dtype":  # torch.bfloat16, as
             object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))  # vLLM's LLM takes: its name
         if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:

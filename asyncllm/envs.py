@@ -312,6 +312,8 @@ def check_at_start() -> None:
     LOGGING_LEVEL.get()
     CONFIGURE_LOGGING.get()
     XGRAMMAR_CACHE_MB.get()
+    DECODE_LINEAR.get()
+    WORKER_PIPELINE.get()
 
 
 _WARNED: set[str] = set()

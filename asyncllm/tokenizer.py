@@ -62,8 +62,11 @@ def load_chat_template(value: str) -> str:
     vllm-project/vllm#15143 (its older ``unicode_escape`` decoding turned ``\\n`` into a newline and garbled
     non-ASCII text)."""
     if os.path.isfile(value):
-        with open(value, encoding="utf-8") as file:
-            return file.read()
+        try:
+            with open(value, encoding="utf-8") as file:
+                return file.read()
+        except UnicodeDecodeError as exc:
+            raise ConfigError("chat_template", value, f"a UTF-8 text file (byte {exc.start}: {exc.reason})") from None
     if not any(char in value for char in "{}\n"):
         raise ConfigError("chat_template", value, "a Jinja template file that exists, or the template text")
     return value

@@ -113,10 +113,12 @@ def test_dotted_json_flags_merge_into_the_object() -> None:
 def test_vllm_flags_with_no_effect_are_noted_and_those_not_built_refused(capsys) -> None:
     args = _parse(["serve", "/m", "--disable-fastapi-docs", "--disable-frontend-multiprocessing", "--port", "9"])
     assert args.port == 9 and capsys.readouterr().err.count("has no effect here") == 2
-    for flag in (["--api-server-count", "2"], ["--enable-log-outputs"]):
+    assert _parse(["serve", "/m", "--api-server-count", "1", "--port", "9"]).port == 9  # vLLM's default: noted
+    assert "--api-server-count 1 has no effect here" in capsys.readouterr().err
+    for flag in (["--api-server-count", "2"], ["--api-server-count=4"], ["--enable-log-outputs"]):
         with pytest.raises(SystemExit):
             _parse(["serve", "/m", *flag])
-        assert f"vLLM's {flag[0]}: not built" in capsys.readouterr().err
+        assert f"vLLM's {flag[0].split('=')[0]}: not built" in capsys.readouterr().err
 
 
 def test_limit_mm_per_prompt_takes_mistral_model_cards_key_value_counts(capsys) -> None:
@@ -289,3 +291,19 @@ def test_vllm_flags_in_a_config_file_are_read_as_on_the_command_line(tmp_path, c
     config.write_text("guided-decoding-backend: outlines\n")
     assert _refused(["serve", "/m", "--config", str(config)], capsys).endswith(
         "'outlines': not built in asyncllm: structured output always uses xgrammar (auto or xgrammar are accepted)")
+
+
+def test_a_config_files_dotted_keys_and_no_effect_flags_read_as_on_the_command_line(tmp_path, capsys) -> None:
+    """vLLM expands the file into command-line words: ``hf-overrides.KEY`` merges into --hf-overrides' object (over
+    the file's own hf_overrides), ``a.b`` nests, and a flag that changes nothing here gets its note."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("hf-overrides.max_position_embeddings: 256\nhf_overrides: {a: 1}\nspeculative-config.method: "
+                      "ngram\nspeculative-config.x.y: 2\ndisable-frontend-multiprocessing: true\n"
+                      "disable-fastapi-docs: false\n")
+    args = _parse(["serve", "/m", "--config", str(config)])
+    assert args.hf_overrides == {"a": 1, "max_position_embeddings": 256}
+    assert args.speculative_config == {"method": "ngram", "x": {"y": 2}}
+    assert "--disable-frontend-multiprocessing has no effect here" in capsys.readouterr().err
+    config.write_text("disable-fastapi-docs: 3\n")
+    assert "the key 'disable-fastapi-docs' is a flag: give true or false" in _refused(
+        ["serve", "/m", "--config", str(config)], capsys)

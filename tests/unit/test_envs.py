@@ -72,7 +72,8 @@ def test_configure_logging_is_an_on_off_switch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("name", [envs.CPU_KVCACHE_SPACE_GB.name, envs.ENGINE_STARTUP_TIMEOUT_S.name,
-                                  envs.CONFIGURE_LOGGING.name, envs.LOGGING_LEVEL.name, envs.XGRAMMAR_CACHE_MB.name])
+                                  envs.CONFIGURE_LOGGING.name, envs.LOGGING_LEVEL.name, envs.XGRAMMAR_CACHE_MB.name,
+                                  envs.DECODE_LINEAR.name, envs.WORKER_PIPELINE.name])  # (the last two: read by workers)
 async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, tmp_path, name: str) -> None:
     monkeypatch.setenv(name, "nan")
     engine = AsyncEngine(str(tmp_path / "model"))

@@ -185,6 +185,9 @@ def test_chat_template_flag_value(tmp_path: Path) -> None:
         assert load_chat_template(text) == text
     with pytest.raises(ConfigError, match="chat_template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+    (tmp_path / "latin1.jinja").write_bytes(b"{{ m }}\xe9\xff")  # not UTF-8: one line, not a traceback
+    with pytest.raises(ConfigError, match="a UTF-8 text file"):
+        load_chat_template(str(tmp_path / "latin1.jinja"))
 
 
 def test_a_cut_text_is_the_tokenizers_own_as_vllm_sets_its_side(tokenizer: Any, tiny_path: str) -> None:
