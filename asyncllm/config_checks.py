@@ -44,7 +44,8 @@ def check_json_dict(name: str, value: object) -> None:
 
 
 def check_sampling_fields(name: str, value: object) -> None:
-    """None, or a dict of SamplingParams field names (checked by building one)."""
+    """None, or a dict of SamplingParams field names (checked by building one); a field's None (vLLM's "no default":
+    `default_sampling_fields` drops it) is not checked."""
     if value is None:
         return
     from asyncllm.sampling import SamplingParams
@@ -52,7 +53,7 @@ def check_sampling_fields(name: str, value: object) -> None:
     if not isinstance(value, dict):
         raise ConfigError(name, value, "a dict of SamplingParams fields, or None")
     try:
-        SamplingParams(**value).validate()
+        SamplingParams(**{key: item for key, item in value.items() if item is not None}).validate()
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, value, f"SamplingParams fields with valid values ({exc})") from None
 

@@ -51,11 +51,12 @@ def sampling_overrides(name: str, overrides: object) -> object:
 
 def default_sampling_fields(generation: Mapping[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `SamplingParams` fields the model's generation config (`read_generation_config`'s keys) and the
-    overrides set. ``do_sample`` is not read: as vLLM's ``get_diff_sampling_param``, a ``do_sample: false`` file's
+    overrides set; an override of None removes the file's default (vLLM's ``get_diff_sampling_param`` drops None). ``do_sample`` is not read: as vLLM's ``get_diff_sampling_param``, a ``do_sample: false`` file's
     temperature, top_p, top_k and min_p are defaults too (transformers would decode greedily)."""
     fields = {field: generation[key] for key, field in GENERATION_CONFIG_FIELDS.items()
               if generation.get(key) is not None}
     fields.update(overrides or {})
+    fields = {field: value for field, value in fields.items() if value is not None}  # an override's null: no default
     check_sampling_fields("generation_config", fields)  # a bad file's value: refused at start, not every request
     if fields:
         logger.info("default sampling parameters from the model's generation config: %s "

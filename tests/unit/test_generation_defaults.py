@@ -32,6 +32,8 @@ def test_the_models_sampling_fields_become_defaults(tmp_path) -> None:
     assert _defaults("auto", folder, {"temperature": 0.1}) == {
         "temperature": 0.1, "top_p": 0.95, "top_k": 20, "max_tokens": 512}
     assert _defaults("vllm", folder, {"top_k": 5}) == {"top_k": 5}
+    nulls = EngineConfig.create("m", override_generation_config={"temperature": None, "max_new_tokens": None})
+    assert _defaults("auto", folder, nulls.override_generation_config) == {"top_p": 0.95, "top_k": 20}  # vLLM's
 
 
 def test_do_sample_false_is_not_read(tmp_path) -> None:
