@@ -104,7 +104,8 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
         else:
             setattr(total, field.name, sum(values))
     total.kv_cache_usage = total.num_used_blocks / total.num_gpu_blocks if total.num_gpu_blocks else 0.0
-    total.weights_version = min(s.weights_version for s in replicas)  # every replica serves at least these weights
+    live = [s for s in replicas if s.engine_alive] or replicas  # a dead replica serves nothing: no older weights
+    total.weights_version = min(s.weights_version for s in live)  # every live replica serves at least these weights
     total.is_sleeping = any(s.is_sleeping for s in replicas)  # sleep and wake_up fan out: they agree but briefly
     total.sleep_level = max(s.sleep_level for s in replicas)
     total.awaiting_weights = any(s.awaiting_weights for s in replicas)

@@ -126,7 +126,12 @@ class ReplicaSet:
     async def pick(self, request_id: str | None, rank: int | None = None) -> Replica:
         """The replica for a new request: replica ``rank`` if given, else the least loaded live one (a request id
         still in flight: its replica, which refuses the duplicate). Waits for a core restart when no replica is
-        alive (or replica ``rank`` is not) but one restarts."""
+        alive (or replica ``rank`` is not) but one restarts. A request id in flight on another replica than ``rank``
+        is an `InvalidRequestError` (its replica refuses the duplicate otherwise)."""
+        previous = self._placed.get(request_id) if request_id is not None else None
+        if previous is not None and not previous.finished and rank is not None and rank != previous.replica:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight (on replica "
+                                                    f"{previous.replica}; data_parallel_rank={rank} asked)")
         if rank is not None:
             return await self._pinned(rank)
         await self.wait_restart()  # the core is being restarted: this request goes to the new one

@@ -28,6 +28,7 @@ __all__ = [
     "LoadedWeight",
     "weight_shape",
     "weight_narrow",
+    "check_whole_size",
     "copy_weight",
     "scalar_weight",
     "default_weight_loader",
@@ -97,6 +98,14 @@ def weight_narrow(loaded: LoadedWeight, dim: int, start: int, length: int) -> to
         return loaded.narrow(dim, start, length)
     index = tuple([slice(None)] * dim + [slice(start, start + length)])
     return loaded[index]
+
+
+def check_whole_size(loaded: LoadedWeight, dim: int, size: int) -> None:
+    """ValueError unless the whole checkpoint tensor (a lazy slice: from its header) has `size` entries along `dim`:
+    checked before a rank's slice is cut from it, so one too large is refused rather than loaded cut short."""
+    shape = weight_shape(loaded)
+    if dim < len(shape) and shape[dim] != size:
+        raise ValueError(f"has shape {shape}, the model expects {size} along dimension {dim}")
 
 
 def _full(loaded: LoadedWeight) -> torch.Tensor:

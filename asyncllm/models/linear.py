@@ -22,6 +22,7 @@ from torch import nn
 from asyncllm.models.layers import (
     LoadedWeight,
     TensorParallel,
+    check_whole_size,
     copy_weight,
     kv_heads_per_rank,
     new_param,
@@ -68,13 +69,19 @@ class _ColumnParallelLinear(LinearBase):
         return out if self.lora is None else self.lora(x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
-        """Copy rows of the checkpoint matrix into a slice of this rank's rows."""
+        """Copy rows of the checkpoint matrix into a slice of this rank's rows; a matrix (or bias) whose whole row
+        count is not the projection's is a ValueError before any slice is cut (a larger one would load cut short)."""
+        check_whole_size(loaded, 0, self._checkpoint_rows(shard_id))
         dst_offset, src_offset, length = self._shard_rows(shard_id)
         src = weight_narrow(loaded, 0, src_offset, length)
         copy_weight(param.data.narrow(0, dst_offset, length), src)
 
     def _shard_rows(self, shard_id: object) -> tuple[int, int, int]:
         """(offset in this rank's param, offset in the checkpoint matrix, row count)."""
+        raise NotImplementedError
+
+    def _checkpoint_rows(self, shard_id: object) -> int:
+        """The rows of the whole checkpoint matrix `shard_id` names (every rank's)."""
         raise NotImplementedError
 
 
@@ -93,6 +100,9 @@ class ColumnParallelLinear(_ColumnParallelLinear):
         length = self.output_size_per_rank  # (not the weight's rows: a quantized layer's weight is packed or gone)
         return 0, self.tp.rank * length, length
 
+    def _checkpoint_rows(self, shard_id: object) -> int:
+        return self.output_size_per_rank * self.tp.size
+
 
 class MergedColumnParallelLinear(_ColumnParallelLinear):
     """Several column-parallel projections of the same input stacked in one matmul (gate_up_proj).
@@ -109,6 +119,10 @@ class MergedColumnParallelLinear(_ColumnParallelLinear):
         assert isinstance(shard_id, int)
         length = self.output_sizes_per_rank[shard_id]
         return sum(self.output_sizes_per_rank[:shard_id]), self.tp.rank * length, length
+
+    def _checkpoint_rows(self, shard_id: object) -> int:
+        assert isinstance(shard_id, int)
+        return self.output_sizes_per_rank[shard_id] * self.tp.size
 
 
 class QKVParallelLinear(_ColumnParallelLinear):
@@ -137,6 +151,9 @@ class QKVParallelLinear(_ColumnParallelLinear):
         )
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
+        self.total_sizes = {"q": total_num_heads * head_dim, "k": total_num_kv_heads * head_dim,
+                            "v": total_num_kv_heads * head_dim}
+        """Each of q, k, v's whole checkpoint rows (every rank's)."""
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, tp, dtype)
 
     def _shard_rows(self, shard_id: object) -> tuple[int, int, int]:
@@ -147,6 +164,9 @@ class QKVParallelLinear(_ColumnParallelLinear):
             return self.q_size, start, self.kv_size
         assert shard_id == "v", shard_id
         return self.q_size + self.kv_size, start, self.kv_size
+
+    def _checkpoint_rows(self, shard_id: object) -> int:
+        return self.total_sizes[shard_id]  # type: ignore[index]
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, q+2kv]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (views)."""
@@ -184,6 +204,8 @@ class RowParallelLinear(LinearBase):
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
-        """This rank's columns of the checkpoint matrix (the bias uses the default loader)."""
+        """This rank's columns of the checkpoint matrix (the bias uses the default loader); a matrix whose whole
+        column count is not the projection's is a ValueError before any slice is cut."""
+        check_whole_size(loaded, 1, self.input_size_per_rank * self.tp.size)
         start = self.tp.rank * self.input_size_per_rank
         copy_weight(param.data, weight_narrow(loaded, 1, start, self.input_size_per_rank))

@@ -113,6 +113,8 @@ def test_combined_stats_add_up_and_keep_each_replica() -> None:
     assert total.spec_decode_accepted_per_pos == [5, 2]
     assert total.replicas == [a, b]
     assert not combined_stats([b]).engine_alive
+    a.weights_version, b.weights_version = 3, 1  # a dead replica's older weights hold back no version
+    assert combined_stats([a, b]).weights_version == 3 and combined_stats([b]).weights_version == 1
 
 
 def test_replicas_export_engine_series_per_engine_label_and_request_series_summed() -> None:
@@ -177,3 +179,21 @@ async def test_a_collected_engines_deliveries_and_restarts_do_nothing() -> None:
     assert collected() is None
     for supervisor in supervisors:
         await supervisor._restart()
+
+
+async def test_a_request_id_in_flight_pinned_to_another_replica_is_refused() -> None:
+    """Its abort would reach the new replica's request and leave the old one running: refused by name; pinned to
+    its own replica, that replica's processor refuses the duplicate as ever."""
+    from types import SimpleNamespace
+
+    from asyncllm.engine.replica import Replica, ReplicaSet
+    from asyncllm.errors import InvalidRequestError
+
+    snapshot = SchedulerStats()
+    replicas = ReplicaSet([Replica(i, SimpleNamespace(stats=SimpleNamespace(scheduler=snapshot)),  # type: ignore
+                                   HostAdmission(None, None), None, processor=SimpleNamespace(dead=None))  # type: ignore
+                           for i in range(2)])
+    in_flight = RequestCollector("r", 0.0)
+    replicas.placed(replicas.replicas[0], in_flight)
+    with pytest.raises(InvalidRequestError, match="'r' is already in flight .on replica 0; data_parallel_rank=1"):
+        await replicas.pick("r", 1)
