@@ -60,9 +60,15 @@ SHAPE_KEYS = (
     "ffn_config.ffn_hidden_size", "ffn_config.moe_num_experts", "ffn_config.moe_top_k", "ffn_config.ffn_act_fn",
     "ffn_config.moe_normalize_expert_weights", "attn_config.kv_n_heads", "attn_config.clip_qkv",
     "attn_config.rope_theta",
+    # what the layers compute with, besides shapes: activations, soft-caps, scalings and multipliers, norms' epsilon
+    "hidden_act", "hidden_activation", "activation_function", "final_logit_softcapping", "attn_logit_softcapping",
+    "query_pre_attn_scalar", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps",
+    "partial_rotary_factor", "rotary_pct", "logit_scale", "logits_scaling", "embedding_multiplier",
+    "residual_multiplier", "attention_multiplier", "attention_bias", "mlp_bias", "layer_types", "max_window_layers",
+    "use_sliding_window",
 )
 """config.json keys that must equal the served model's: the engine keeps the model it built (its shapes, rotary
-tables, norms), so only weights may change. ``outer.inner``: a key of a nested config (DBRX's), whose other keys
+tables, norms, activations, scalings), so only weights may change. ``outer.inner``: a key of a nested config (DBRX's), whose other keys
 (its dtype, its training-only ``moe_loss_weight``) may differ."""
 VISION_KEYS = ("image_token_index", "image_token_id", "vision_feature_layer", "vision_feature_select_strategy",
                "projector_hidden_act", "image_seq_length", "mm_tokens_per_image")

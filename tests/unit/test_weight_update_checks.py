@@ -234,6 +234,10 @@ def test_a_multimodal_checkpoint_must_keep_its_vision_tower_config() -> None:
         _check_config(llava(32), llava(48))
     with pytest.raises(InvalidRequestError, match=r"vision_feature_layer=-1 \(served: -2\)"):
         _check_config(llava(32), llava(32, layer=-1))
+    served = LlamaConfig(hidden_size=64, num_hidden_layers=2, architectures=["LlamaForCausalLM"])
+    gelu = LlamaConfig(hidden_size=64, num_hidden_layers=2, architectures=["LlamaForCausalLM"], hidden_act="gelu")
+    with pytest.raises(InvalidRequestError, match=r"hidden_act='gelu' \(served: 'silu'\)"):  # it computes too
+        _check_config(served, gelu)
 
 
 def _fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
