@@ -26,7 +26,7 @@ from aiohttp import web
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.integrations.streams import ClientDisconnected, check_one_sample, first_deltas, merge_streams
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
     until = partial(wait_disconnect, request)
     async with stream:
         try:
+            check_one_sample(stream)
             firsts = await first_deltas([stream], until=until)
         except AsyncLLMError as exc:
             return _error(exc)

@@ -33,6 +33,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body
+from asyncllm.integrations.streams import check_one_sample
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -94,6 +95,7 @@ async def stream_response(stream: RequestStream, request: HttpRequest | None = N
     `HttpResponse`: Django would read a streamed body on another event loop, where the stream cannot go.
     """
     try:
+        check_one_sample(stream)
         first = await stream.__anext__()
         if request is not None and not _asgi(request):
             return HttpResponse(await _whole(stream, first), content_type=content_type)

@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.integrations.streams import ClientDisconnected, check_one_sample, first_deltas, merge_streams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -92,6 +92,7 @@ class _TextStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            check_one_sample(self._stream)
             self._firsts = await first_deltas([self._stream], until=self._until)
         except AsyncLLMError as exc:
             status, body, headers = error_body(exc)

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import StreamDelta
 
-__all__ = ["ClientDisconnected", "first_deltas", "accepted_streams", "merge_streams", "gather_until"]
+__all__ = ["ClientDisconnected", "first_deltas", "accepted_streams", "merge_streams", "gather_until",
+           "check_one_sample"]
 
 T = TypeVar("T")
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one stream is merged as several are
@@ -24,6 +25,16 @@ _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one strea
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
+
+
+def check_one_sample(stream: RequestStream) -> None:
+    """A text response streams one completion: `InvalidRequestError` naming ``n`` for a stream of several samples,
+    whose texts would interleave in it (the OpenAI server's choices keep them apart)."""
+    if stream.num_samples != 1:
+        from asyncllm.errors import InvalidRequestError
+
+        raise InvalidRequestError("n", f"this endpoint streams one completion's text, so n must be 1, got "
+                                       f"{stream.num_samples}")
 
 
 async def first_deltas(streams: Sequence[RequestStream], *,

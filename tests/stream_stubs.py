@@ -10,6 +10,8 @@ class StalledStream:
     """Hands out deltas of `texts`, then never another: a request queued behind a full engine (no `texts`) or
     preempted mid-generation. `waiting` is set once it stalls, `closed` once the caller leaves it."""
 
+    num_samples = 1
+
     def __init__(self, texts: tuple[str, ...] = ()) -> None:
         self.texts = list(texts)
         self.waiting, self.closed = asyncio.Event(), asyncio.Event()

@@ -160,6 +160,11 @@ class RequestStream:
     def request_id(self) -> str | None:
         return None if self.collector is None else self.collector.request_id
 
+    @property
+    def num_samples(self) -> int:
+        """How many samples its deltas carry (``params.n``; 1 without params)."""
+        return 1 if self._params is None else self._params.n
+
     def __aiter__(self) -> "RequestStream":
         return self
 

@@ -55,6 +55,10 @@ async def test_text_stream_response_streams_and_refuses_bad_prompts(bundled_engi
     empty_text = (await bundled_engine.generate("", SamplingParams(**PARAMS))).text  # from [BOS], as vLLM's
     assert empty.status_code == 200 and empty.text == empty_text
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    several = _app(lambda prompt: bundled_engine.stream(prompt, SamplingParams(**PARAMS, n=2)))
+    async with asgi_client(several) as client:  # two samples' texts would interleave in one text stream
+        refused = await client.get("/complete", params={"prompt": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
 
 
 async def test_disconnect_while_queued_aborts() -> None:

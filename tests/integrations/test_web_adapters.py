@@ -38,10 +38,13 @@ async def test_aiohttp_streams_generated_text(bundled_engine) -> None:
         bad_body = await bad.json()
         unknown = await client.post("/generate", json={"prompt": "x", "colour": "red"})
         unknown_body = await unknown.json()
+        several = await client.post("/generate", json={"prompt": "x", **PARAMS, "n": 2})  # texts would interleave
+        several_body = await several.json()
     assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
     assert b"".join(chunks).decode() == await _expected(bundled_engine, "while True:")
     assert bad.status == 400 and bad_body["error"]["param"] == "temperature"
     assert unknown.status == 400 and unknown_body["error"]["param"] == "body"
+    assert several.status == 400 and several_body["error"]["param"] == "n"
     assert bundled_engine.started  # close=False: the app's cleanup left the shared engine running
 
 
