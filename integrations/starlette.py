@@ -35,25 +35,33 @@ if TYPE_CHECKING:
 __all__ = ["engine_lifespan", "get_engine", "text_stream_response", "wait_disconnect"]
 
 
-def engine_lifespan(engine: AsyncEngine, *, close: bool = True
+def engine_lifespan(engine: AsyncEngine | Callable[[], AsyncEngine], *, close: bool = True
                     ) -> Callable[[Any], AbstractAsyncContextManager[dict[str, Any]]]:
     """A ``lifespan=`` for Starlette/FastAPI: start `engine` at startup, close it at shutdown.
 
     The engine is put in the lifespan state, so handlers reach it as
     ``request.state.engine`` (or `get_engine(request)`, a FastAPI dependency too).
-    `close=False` leaves it running (an engine shared with something else).
+    `close=False` leaves it running (an engine shared with something else). A closed engine never starts again,
+    so an app started more than once (a ``TestClient`` per test) gives a factory instead (``AsyncEngine`` itself,
+    or ``lambda: AsyncEngine(model, ...)``): each startup makes its own engine.
     """
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[dict[str, Any]]:
-        await engine.start()
+        served = engine if _is_engine(engine) else engine()  # type: ignore[operator]
+        await served.start()
         try:
-            yield {"engine": engine}
+            yield {"engine": served}
         finally:
             if close:
-                await engine.aclose()
+                await served.aclose()
 
     return lifespan
+
+
+def _is_engine(value: object) -> bool:
+    """An engine (anything with ``start``), not a factory of one."""
+    return hasattr(value, "start") and not isinstance(value, type)
 
 
 def get_engine(request: Request) -> AsyncEngine:

@@ -112,3 +112,23 @@ async def test_a_failed_send_closes_the_stream_at_once() -> None:
         assert stream.closed.is_set()
     finally:
         gc.enable()
+
+
+async def test_a_lifespan_given_a_factory_makes_an_engine_per_startup() -> None:
+    """A closed engine never starts again: an app started twice (a TestClient per test) gives a factory, and each
+    startup serves and closes an engine of its own."""
+    from asyncllm import AsyncEngine
+    from asyncllm.integrations.starlette import engine_lifespan
+
+    made: list[AsyncEngine] = []
+
+    def factory() -> AsyncEngine:
+        made.append(AsyncEngine(disable_log_stats=True))
+        return made[-1]
+
+    lifespan = engine_lifespan(factory)
+    for startup in range(2):
+        async with lifespan(None) as state:
+            assert state["engine"] is made[startup] and made[startup].is_running
+        assert made[startup].is_stopped
+    assert len(made) == 2
