@@ -142,8 +142,12 @@ class SyncEngine:
 
     # ------------------------------------------------------------ requests
     def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
-        """Run one request to the end (options as for `AsyncEngine.generate`)."""
-        return self.run(self._engine.generate(prompt, params, **options))
+        """Run one request to the end (options as for `AsyncEngine.generate`); `EngineDeadError` when `close` cut
+        it short (the engine's close aborts it: its output would look complete but for its finish reason)."""
+        output = self.run(self._engine.generate(prompt, params, **options))
+        if self._closed and any(sample.finish_reason == "abort" for sample in output.outputs):
+            raise EngineDeadError(CLOSED)
+        return output
 
     def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> EmbeddingOutput:
         """The embedding of a prompt (options as for `AsyncEngine.embed`)."""

@@ -234,6 +234,27 @@ def test_close_ends_what_other_threads_wait_for_or_iterate(tiny_llama: str) -> N
     assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
+def test_a_generate_that_close_cut_short_raises_rather_than_returning_a_partial_output(tiny_llama: str,
+                                                                                       monkeypatch) -> None:
+    """The engine's close aborts a `generate` in flight, whose output (finish_reason "abort") would pass for a
+    whole one in a batch job: the caller gets EngineDeadError, as every other call close ends."""
+    from asyncllm.outputs import CompletionOutput, RequestOutput
+
+    engine = SyncEngine(tiny_llama, disable_log_stats=True)
+
+    async def cut_short(*args, **kwargs) -> RequestOutput:  # as the engine's close ends a running request
+        while not engine._closed:
+            await asyncio.sleep(0.01)
+        return RequestOutput("r", "x", [1], [CompletionOutput(0, "def", [2], "abort", None)])
+
+    monkeypatch.setattr(engine._engine, "generate", cut_short)
+    caller, outcome = _in_a_thread(lambda: engine.generate("x"))
+    time.sleep(0.2)
+    engine.close()
+    caller.join(10)
+    assert outcome == ["EngineDeadError: this SyncEngine was closed; create a new one"]
+
+
 def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engine, expected) -> None:
     """gunicorn --preload / a Celery prefork master: an engine started before os.fork() serves the parent only. In
     the child every call says so (instead of waiting forever) and closing it stops nothing of the parent's."""
