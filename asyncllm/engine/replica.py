@@ -213,13 +213,14 @@ class LaunchSpec:
 
 def pick_replica(replicas: list[Replica]) -> Replica | None:
     """The live replica with the lowest load score, the lowest index on a tie; None when none is alive. A replica
-    that awaits weights (restarted after a push, or woken after a level-2 sleep) runs nothing yet: it is picked
-    only when every live replica does."""
+    that awaits weights (restarted after a push, or woken after a level-2 sleep) or sleeps (another was restarted
+    awake meanwhile) runs nothing yet: it is picked only when every live replica does."""
     best: Replica | None = None
     best_key = (True, 0)
     for replica in replicas:
         if replica.alive:
-            key = (replica.observer.stats.scheduler.awaiting_weights, replica.score())
+            scheduler = replica.observer.stats.scheduler
+            key = (scheduler.awaiting_weights or scheduler.sleep_level > 0, replica.score())
             if best is None or key < best_key:
                 best, best_key = replica, key
     return best

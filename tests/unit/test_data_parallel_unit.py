@@ -144,13 +144,15 @@ def test_a_replica_awaiting_weights_is_picked_only_when_every_replica_is() -> No
 
     from asyncllm.engine.replica import pick_replica
 
-    def replica(index: int, score: int, awaiting: bool) -> SimpleNamespace:
-        stats = SimpleNamespace(scheduler=SchedulerStats(awaiting_weights=awaiting))
+    def replica(index: int, score: int, awaiting: bool, sleep_level: int = 0) -> SimpleNamespace:
+        stats = SimpleNamespace(scheduler=SchedulerStats(awaiting_weights=awaiting, sleep_level=sleep_level))
         return SimpleNamespace(index=index, alive=True, observer=SimpleNamespace(stats=stats), score=lambda: score)
 
     idle_but_awaiting, busy = replica(0, 0, True), replica(1, 40, False)
     assert pick_replica([idle_but_awaiting, busy]) is busy
     assert pick_replica([idle_but_awaiting, replica(1, 40, True)]) is idle_but_awaiting  # all await: the least loaded
+    asleep = replica(0, 0, False, sleep_level=1)  # another restarted awake while the engine slept
+    assert pick_replica([asleep, busy]) is busy and pick_replica([asleep, replica(1, 40, False, 1)]) is asleep
 
 
 
