@@ -88,9 +88,12 @@ def _dotted_merged(options: dict[str, Any], command: argparse.ArgumentParser, pa
     """vLLM's dotted keys (``hf-overrides.max_position_embeddings: 256``; ``a.b`` nests) merged into their flag's
     JSON object, over the flag's own key if the file has it, as vLLM reads the file's keys as command-line words."""
     merged: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    """Each flag's key as the file first spells it (its errors name that)."""
     for key, value in options.items():
-        name, dot, keys = str(key).partition(".")
-        name = name.replace("_", "-")  # hf_overrides and hf-overrides are one flag's keys
+        written, dot, keys = str(key).partition(".")
+        name = written.replace("_", "-")  # hf_overrides and hf-overrides are one flag's keys
+        spelled.setdefault(name, written)
         if not dot:
             merged[name] = {**value, **merged[name]} if isinstance(value, dict) and isinstance(
                 merged.get(name), dict) else value
@@ -102,7 +105,7 @@ def _dotted_merged(options: dict[str, Any], command: argparse.ArgumentParser, pa
         if not isinstance(target, dict):
             command.error(f"--config {path}: the key {key!r} sets a field of {name!r}, which is not a JSON object")
         target[last] = value
-    return merged
+    return {spelled[name]: value for name, value in merged.items()}
 
 
 def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:

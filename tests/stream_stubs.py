@@ -12,6 +12,12 @@ class StalledStream:
 
     num_samples = 1
 
+    def acceptance(self) -> asyncio.Event:
+        """Accepted at once, as a queued request is (its prompt tokenized and checked): `RequestStream.acceptance`."""
+        accepted = asyncio.Event()
+        accepted.set()
+        return accepted
+
     def __init__(self, texts: tuple[str, ...] = ()) -> None:
         self.texts = list(texts)
         self.waiting, self.closed = asyncio.Event(), asyncio.Event()
