@@ -114,6 +114,7 @@ def test_an_engine_dropped_without_aclose_stops_its_core(tiny_llama: str) -> Non
         await engine.generate("def main():", SamplingParams(max_tokens=4, ignore_eos=True))
         core_pid, collected = engine._core.pid, weakref.ref(engine)
         del engine
+        await asyncio.sleep(0.1)  # deliveries the processor thread queued on the loop (bound to the engine) run
         gc.collect()
         return collected() is None, await asyncio.to_thread(_wait_gone, core_pid, 5)
 
