@@ -325,7 +325,8 @@ def from_vllm_structured(field: str, value: object) -> StructuredOutputs:
     guided_decoding, the server's ``structured_outputs``. Unset fields (None; False but for a kind) and private
     (``_backend``) attributes are dropped, as vLLM ignores them; ``json_object`` true (or 1, as vLLM's pydantic reads
     it) is the schema ``{"type": "object"}`` (not with json); older vLLM's ``backend`` "auto" or "xgrammar" is
-    dropped (asyncllm's one), another refused; `StructuredOutputs`' own fields (start_after, ...) are taken as given; another field set is an InvalidRequestError naming it.
+    dropped (asyncllm's one), another refused; `StructuredOutputs`' own fields (start_after, ...) are taken as
+    given; another field set is an InvalidRequestError naming it.
     More than one kind is left for validate() to name."""
     if isinstance(value, StructuredOutputs):
         return value

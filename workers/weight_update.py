@@ -68,8 +68,8 @@ SHAPE_KEYS = (
     "use_sliding_window",
 )
 """config.json keys that must equal the served model's: the engine keeps the model it built (its shapes, rotary
-tables, norms, activations, scalings), so only weights may change. ``outer.inner``: a key of a nested config (DBRX's), whose other keys
-(its dtype, its training-only ``moe_loss_weight``) may differ."""
+tables, norms, activations, scalings), so only weights may change. ``outer.inner``: a key of a nested config
+(DBRX's), whose other keys (its dtype, its training-only ``moe_loss_weight``) may differ."""
 VISION_KEYS = ("image_token_index", "image_token_id", "vision_feature_layer", "vision_feature_select_strategy",
                "projector_hidden_act", "image_seq_length", "mm_tokens_per_image")
 """A multimodal model's config.json keys that must be equal too, with every key of its ``vision_config`` but

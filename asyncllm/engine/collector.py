@@ -186,8 +186,7 @@ class RequestCollector:
         self.finished = True
         self._error = error
         self._ready.set()
-        if self.accepted is not None:
-            self.accepted.set()
+        self.accept()
 
     def abort(self) -> None:
         """End every unfinished sample with finish_reason "abort", as the engine's close does (`_fail_all`): the

@@ -51,7 +51,8 @@ def sampling_overrides(name: str, overrides: object) -> object:
 
 def default_sampling_fields(generation: Mapping[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `SamplingParams` fields the model's generation config (`read_generation_config`'s keys) and the
-    overrides set; an override of None removes the file's default (vLLM's ``get_diff_sampling_param`` drops None). ``do_sample`` is not read: as vLLM's ``get_diff_sampling_param``, a ``do_sample: false`` file's
+    overrides set; an override of None removes the file's default (vLLM's ``get_diff_sampling_param`` drops None).
+    ``do_sample`` is not read: as vLLM's ``get_diff_sampling_param``, a ``do_sample: false`` file's
     temperature, top_p, top_k and min_p are defaults too (transformers would decode greedily)."""
     fields = {field: generation[key] for key, field in GENERATION_CONFIG_FIELDS.items()
               if generation.get(key) is not None}

@@ -1,6 +1,7 @@
 """`EngineControl`: the methods of `AsyncEngine` (asyncllm/engine/async_engine.py) that change what the running
 engine holds rather than run a request, a mixin: LoRA adapters checked ahead, listed and forgotten (`add_lora`,
-`list_loras`, `remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
+`list_loras`, `remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep
+mode (docs/sleep-mode.md), on every replica."""
 
 from __future__ import annotations
 

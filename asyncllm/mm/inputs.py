@@ -69,9 +69,9 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
     ``{"type": "image_url", "image_url": {"url": ...}}``, video parts ``{"type": "video", "video": ...}`` or
     ``{"type": "video_url", "video_url": {"url": ...}}``, audio parts ``{"type": "audio", "audio": ...}``,
     ``{"type": "audio_url", "audio_url": {"url": ...}}`` or OpenAI's ``{"type": "input_audio", "input_audio":
-    {"data": base64, "format": "wav"}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are refused (`load_image`,
-    `read_video`, `read_audio`), so pass bytes, frames, waveforms or data: URLs. An audio part reaches the template
-    as ``{"type": "audio", "audio": ""}`` (Qwen2-Audio's template looks for the key).
+    {"data": base64, "format": "wav"}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are
+    refused (`load_image`, `read_video`, `read_audio`), so pass bytes, frames, waveforms or data: URLs. An audio
+    part reaches the template as ``{"type": "audio", "audio": ""}`` (Qwen2-Audio's template looks for the key).
     """
     inputs = MultiModalInputs(image_uuids=[], video_uuids=[], audio_uuids=[],
                               locations={"image": [], "video": [], "audio": []})
