@@ -238,14 +238,15 @@ def test_a_generate_that_close_cut_short_raises_rather_than_returning_a_partial_
                                                                                        monkeypatch) -> None:
     """The engine's close aborts a `generate` in flight, whose output (finish_reason "abort") would pass for a
     whole one in a batch job: the caller gets EngineDeadError, as every other call close ends."""
-    from asyncllm.outputs import CompletionOutput, RequestOutput
+    from asyncllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     engine = SyncEngine(tiny_llama, disable_log_stats=True)
 
     async def cut_short(*args, **kwargs) -> RequestOutput:  # as the engine's close ends a running request
         while not engine._closed:
             await asyncio.sleep(0.01)
-        return RequestOutput("r", "x", [1], [CompletionOutput(0, "def", [2], "abort", None)])
+        return RequestOutput("r", "x", [1], [CompletionOutput(0, "def", [2], "abort", None)],
+                             RequestMetrics(arrival_time=time.time()))
 
     monkeypatch.setattr(engine._engine, "generate", cut_short)
     caller, outcome = _in_a_thread(lambda: engine.generate("x"))
