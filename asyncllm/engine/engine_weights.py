@@ -13,7 +13,7 @@ import msgspec
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, EngineDeadError
 
 if TYPE_CHECKING:
     from asyncllm.engine.replica import Replica, ReplicaSet
@@ -30,6 +30,8 @@ class EngineWeights:
         self.last: tuple[protocol.UpdateWeights | None, int] | None = None
         """The last successful update's message (None: tensors pushed from memory, which die with a core) and the
         weights version it gave."""
+        self._in_flight: set[asyncio.Future[int]] = set()
+        """Updates sent whose replicas have not all answered: a restarted core's replay waits for them."""
 
     async def update(self, replicas: "ReplicaSet", message: protocol.UpdateWeights,
                      when_answered: Callable[[], None] | None = None) -> int:
@@ -45,7 +47,29 @@ class EngineWeights:
         futures = [processor.update_weights(msgspec.structs.replace(message)) for processor in processors]
         if when_answered is not None:
             _call_when_all_done(futures, when_answered)
-        version = min(await every_replica(futures))
+        settled = asyncio.ensure_future(self._settle(message, futures))  # recorded even if the caller is cancelled
+        self._in_flight.add(settled)
+        settled.add_done_callback(self._forget)
+        return await asyncio.shield(settled)
+
+    def _forget(self, settled: asyncio.Future[int]) -> None:
+        self._in_flight.discard(settled)
+        if not settled.cancelled():
+            settled.exception()  # retrieved: a cancelled caller's failed update is not logged as never retrieved
+
+    async def _settle(self, message: protocol.UpdateWeights, futures: list[concurrent.futures.Future[int]]) -> int:
+        """The update's version once every replica answered, recorded as the last. A replica whose core died
+        meanwhile does not fail an update the others made: its restarted core loads it (`replay`), so the
+        replicas keep serving the same weights; any other error is raised (replicas refuse alike)."""
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        versions = [r for r in results if not isinstance(r, BaseException)]
+        if not versions or not all(isinstance(failure, EngineDeadError) for failure in failures):
+            raise failures[0]
+        if failures:
+            logger.warning("%d engine core(s) died during the weight update from %s; the others applied it and a "
+                           "restarted core loads it before serving", len(failures), message.source())
+        version = min(versions)
         self.last = (None if message.segment else message, version)
         return version
 
@@ -55,8 +79,11 @@ class EngineWeights:
         return config.replace(load_format="dummy") if pushed else config
 
     async def replay(self, replica: "Replica") -> None:
-        """The last update, again, on a restarted core, before any request reaches it: a checkpoint is loaded
-        again with its version; pushed weights are awaited (no step runs until pushes write them all)."""
+        """The last update, again, on a restarted core, before any request reaches it (after the updates in
+        flight, which its old core may have missed): a checkpoint is loaded again with its version; pushed weights
+        are awaited (no step runs until pushes write them all)."""
+        if self._in_flight:
+            await asyncio.wait(self._in_flight)
         if self.last is None:
             return
         message, version = self.last

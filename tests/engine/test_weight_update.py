@@ -222,3 +222,25 @@ async def test_a_restarted_core_awaits_pushed_weights(checkpoints) -> None:
         assert not task.done() and engine.stats().weights_version == 2
         assert await engine.update_weights_from_tensors(hf_state_dict(a)) == 3
         assert (await asyncio.wait_for(task, 60)).token_ids == hf_greedy(a, OTHER, MAX_TOKENS)
+
+
+async def test_a_replica_core_dying_during_an_update_comes_back_with_it(checkpoints) -> None:
+    """data_parallel_size=2: replica 1's core dies as the update to B reaches it. Replica 0 applied B, so the call
+    returns its version and the restarted core loads B (not the update before): both replicas serve B."""
+    a, b = checkpoints
+    async with AsyncEngine(a, data_parallel_size=2, max_core_restarts=1, disable_log_stats=True,
+                           max_model_len=256) as engine:
+        assert await engine.update_weights(a) == 1
+        replica = engine._replicas[1]
+        send = replica.processor.update_weights
+
+        def killed_first(message):  # the core is dead before the update reaches it
+            os.kill(replica.core.pid, signal.SIGKILL)
+            return send(message)
+
+        replica.processor.update_weights = killed_first
+        assert await engine.update_weights(b) == 2
+        await _until(lambda: replica.alive and engine.stats().replicas[1].weights_version == 2, 60)
+        expected = hf_greedy(b, PROMPT, MAX_TOKENS)
+        for rank in (0, 1):
+            assert (await engine.generate(PROMPT, GREEDY, data_parallel_rank=rank)).token_ids == expected
