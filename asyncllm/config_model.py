@@ -54,7 +54,8 @@ class ModelConfig:
     enable_prompt_embeds: bool = False
     """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
     model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text or
-    audio models (Whisper too) or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
+    audio models (Whisper too), models with per-layer inputs (Gemma 3n, Gemma 4 with
+    ``hidden_size_per_layer_input``) or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
     skip_tokenizer_init: bool = False
     """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
     tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""

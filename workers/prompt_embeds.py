@@ -3,7 +3,9 @@ token embeddings of the prompt positions a step runs (asyncllm/engine/prompt_emb
 
 Each such request's rows stay on the device while it runs (a preempted request comes back as new, with them).
 A step that reaches none runs as before (token ids, CUDA graphs); one that does passes ``inputs_embeds``: the
-step's token embeddings with those rows written over them.
+step's token embeddings with those rows written over them. The rows are transformers' ``get_input_embeddings()``
+output; a model whose forward scales ``inputs_embeds`` (Granite's ``embedding_multiplier``, which our embedding
+module applies to the token rows) scales them as they arrive, by its ``scale_prompt_embeds``.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ class PromptEmbedsRunner:
         self.device = device
         self.dtype = dtype
         self.requests: dict[str, torch.Tensor] = {}
+        self.scale = getattr(model, "scale_prompt_embeds", None)
+        """The model's hook for the rows as given (None: they are what its token embeddings are)."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
             self.requests.pop(req_id, None)
         for new in sched_out.new_reqs:
             if new.prompt_embeds is not None:
-                self.requests[new.req_id] = embeds_tensor(new.prompt_embeds).to(self.device, self.dtype)
+                rows = embeds_tensor(new.prompt_embeds).to(self.device, self.dtype)
+                self.requests[new.req_id] = rows if self.scale is None else self.scale(rows)
 
     def inputs_embeds(self, sched_out: SchedulerOutput, batch: InputBatch, inputs: StepInputs) -> torch.Tensor | None:
         """The step's input embeddings, or None when it runs no embedded prompt row. Call after `prepare_inputs`

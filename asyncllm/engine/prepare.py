@@ -203,7 +203,9 @@ def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config
     for what, unbuilt in ((f"{arch} (it takes {media})", multimodal),
                           ("a draft model, EAGLE head or MTP layer (n-gram drafts work)",
                            spec is not None and spec.method != "ngram"),
-                          (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES)):
+                          (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES),
+                          (f"{arch} (its per-layer inputs are looked up by token id)",
+                           bool(getattr(text_config, "hidden_size_per_layer_input", 0)))):  # Gemma 3n, Gemma 4
         if unbuilt:
             raise NotBuiltError("enable_prompt_embeds", True, f"prompts given as embeddings with {what}")
     return int(text_config.hidden_size)

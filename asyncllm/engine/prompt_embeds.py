@@ -3,10 +3,12 @@
 The tensor (``[tokens, hidden]``, or ``[1, tokens, hidden]`` as transformers' ``inputs_embeds``; float32 / bfloat16
 / float16, what the model's input embedding layer would return for a prompt: transformers'
 ``get_input_embeddings()(ids)``; dense, on any device) travels to the workers as raw bytes
-(`protocol.PromptEmbeds`); the scheduler sees one placeholder token (id 0) per row, so chunked prefill,
-preemption and budgets work as for token prompts. Two prompts share prefix-cache blocks only when their
-embeddings are byte-identical: a digest of them salts the first block's hash. What would read the placeholders
-as tokens is refused by name: ``repetition_penalty`` (it counts the prompt's tokens) and ``prompt_logprobs``.
+(`protocol.PromptEmbeds`; workers/prompt_embeds.py scales them where the model's forward scales
+``inputs_embeds``, Granite's ``embedding_multiplier``); the scheduler sees one placeholder token (id 0) per row,
+so chunked prefill, preemption and budgets work as for token prompts. Two prompts share prefix-cache blocks only
+when their embeddings are byte-identical: a digest of them salts the first block's hash. What would read the
+placeholders as tokens is refused by name: ``repetition_penalty`` (it counts the prompt's tokens) and
+``prompt_logprobs``; so are the models whose per-layer inputs are looked up by token id, at start.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ Falcon-H1's muP multipliers are folded into the weights as they load, so the lay
 ``attention_in_multiplier`` into q, k and v (their input), ``key_multiplier`` into k (rows and bias),
 ``attention_out_multiplier`` into o, ``ssm_in_multiplier`` into the mixer's ``in_proj`` (its input) and
 ``ssm_multipliers`` into its row sections (z, x, B, C, dt; bias too), ``ssm_out_multiplier`` into its ``out_proj``,
-``mlp_multipliers`` into the MLP's gate and down. ``embedding_multiplier`` scales the embeddings and
-``lm_head_multiplier`` the logits at run time (the two may share a tied matrix). The mixer's output is gated by
-``silu(z)``, RMS-normed per group first or after when ``mamba_rms_norm`` is set (``mamba_norm_before_gate``).
+``mlp_multipliers`` into the MLP's gate and down. ``embedding_multiplier`` scales the embeddings, a prompt's own
+embedding rows too (as vLLM's; transformers' ``inputs_embeds`` path skips it, so its embeddings of a prompt's tokens
+would not give that prompt's output), and ``lm_head_multiplier`` the logits at run time (the two may share a tied
+matrix). The mixer's output is gated by ``silu(z)``, RMS-normed per group first or after when ``mamba_rms_norm`` is
+set (``mamba_norm_before_gate``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.models.granite import GraniteEmbedding
+from asyncllm.models.granite import GraniteEmbedding, GraniteForCausalLM
 from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin, renamed
 from asyncllm.models.layers import LoadedWeight, RMSNorm
 from asyncllm.models.llama import DecoderFlags, LlamaAttention, LlamaForCausalLM
@@ -80,6 +82,7 @@ class FalconH1ForCausalLM(StateLayersMixin, LlamaForCausalLM):
     """Falcon-H1: parallel Mamba2 and attention in every layer, muP multipliers folded into the weights."""
 
     model_cls = FalconH1Model
+    scale_prompt_embeds = GraniteForCausalLM.scale_prompt_embeds
 
     @staticmethod
     def kv_cache_layers(hf_config: Any) -> int:

@@ -3,7 +3,8 @@
 The Llama decoder (asyncllm/models/llama.py) with four scalars from the config, each where transformers
 applies it, so greedy outputs stay equal to its:
 
-- ``embedding_multiplier``: the token embeddings are multiplied by it (`GraniteEmbedding`);
+- ``embedding_multiplier``: the token embeddings are multiplied by it (`GraniteEmbedding`), and so are a prompt's
+  own embedding rows (`GraniteForCausalLM.scale_prompt_embeds`: transformers scales ``inputs_embeds`` in forward);
 - ``attention_multiplier``: the attention scale, instead of ``head_dim ** -0.5`` (`DecoderFlags.attention_scale`);
 - ``residual_multiplier``: each attention and MLP output is multiplied by it before it joins the residual
   stream (`DecoderFlags.residual_multiplier`, applied by `LlamaDecoderLayer.to_residual` before the fused
@@ -66,3 +67,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
         """``[N, hidden]`` -> float32 logits divided by ``logits_scaling`` in the model dtype first, as
         transformers does (then every sampler, logprob and draft path sees the scaled logits)."""
         return (self.lm_head(hidden) / self.logits_scaling).float()
+
+    def scale_prompt_embeds(self, rows: torch.Tensor) -> torch.Tensor:
+        """A prompt given as embeddings (transformers' ``get_input_embeddings()(ids)``: rows without the
+        multiplier) times ``embedding_multiplier``, as the token rows are (workers/prompt_embeds.py calls it)."""
+        return rows * self.model.embed_tokens.multiplier
