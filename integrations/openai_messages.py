@@ -50,7 +50,7 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False,
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):  # the engine joins text parts with "\n" or keeps them (content format)
-            parts = (_content_part(i, part, images, media_root) for part in content)
+            parts = (_content_part(i, j, part, images, media_root) for j, part in enumerate(content))
             content = [part for part in parts if part is not None]
         out.append({**_known_keys(i, message), "content": content})
     return out
@@ -74,11 +74,11 @@ def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _content_part(i: int, part: object, images: bool, media_root: Path | None) -> dict[str, Any] | None:
-    """A content part as the engine's chat takes it (a text-like one as asyncllm/chat_content.py's
+def _content_part(i: int, j: int, part: object, images: bool, media_root: Path | None) -> dict[str, Any] | None:
+    """Message `i`'s part `j` as the engine's chat takes it (a text-like one as asyncllm/chat_content.py's
     `text_part_text` reads it); None for one vLLM skips (a text or refusal part whose text is None)."""
     if images and _is_image_part(part):
-        return _image_part(i, part, media_root)
+        return _image_part(part, media_root, f"messages[{i}].content[{j}]")
     if _is_image_part(part):  # a route that reads text only (embeddings' and pooling's messages)
         raise InvalidRequestError("messages", f"item {i}: {part['type']} parts are not built on this route (text "
                                               f"only: media parts are taken by chat completions)")
@@ -95,17 +95,18 @@ def _is_image_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") in ("image_url", "video_url", "audio_url", "input_audio")
 
 
-def _image_part(i: int, part: dict[str, Any], media_root: Path | None) -> dict[str, Any]:
+def _image_part(part: dict[str, Any], media_root: Path | None, field: str) -> dict[str, Any]:
     """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
-    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is."""
+    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is. Errors name
+    the part's `field` (``messages[i].content[j]``), as the engine's media errors do."""
     kind = part["type"]
     if kind == "input_audio":
         return {key: part[key] for key in ("type", "input_audio", "uuid") if key in part}
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise InvalidRequestError("messages", f"item {i}: an {kind} part needs {kind}.url (a data: URL)")
-    url = media_url(url, media_root, f"messages[{i}]")
+        raise InvalidRequestError(field, f"an {kind} part needs {kind}.url (a data: URL)")
+    url = media_url(url, media_root, field)
     return {"type": kind, kind: {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
 
 

@@ -243,7 +243,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[int]
 
 
-_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _NAMED_FIELD = re.compile(r"field `([^`]+)`")
 
 

@@ -225,10 +225,16 @@ def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str)
     }
 
 
+_FINISHED_STATUSES: dict[str | None, tuple[str, dict[str, str] | None]] = {
+    "length": ("incomplete", {"reason": "max_output_tokens"}),
+    "abort": ("cancelled", None),  # aborted in the engine (`AsyncEngine.abort`, a drain's end): vLLM's "cancelled"
+}
+"""A chat finish_reason -> the response's ``status`` and ``incomplete_details``; any other: ``completed``."""
+
+
 def _finished(body: dict[str, Any], finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
-    incomplete = finish_reason == "length"
-    return {**body, "status": "incomplete" if incomplete else "completed", "usage": _usage(usage),
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+    status, details = _FINISHED_STATUSES.get(finish_reason, ("completed", None))
+    return {**body, "status": status, "usage": _usage(usage), "incomplete_details": details}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -294,6 +300,7 @@ class ResponseEvents:
         self.body = {**_finished(self.body, finish_reason, usage), "output": self._output}
         if self._on_finish is not None:
             self._on_finish(self.body)
+        # OpenAI's stream has no event of a cancelled response: vLLM's ends with response.completed whatever the status
         kind = "response.incomplete" if self.body["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self.body)]
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import numpy as np
 
 from asyncllm.engine.admission import admission_group
 from asyncllm.engine.pooling_model import ClassifierHead, activate
@@ -27,10 +29,12 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.pooling import ClassificationOutput, PoolingParams, ScoringOutput
 
 if TYPE_CHECKING:
+    import torch
+
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.collector import RequestCollector
 
-__all__ = ["classify", "score", "score_pairs", "cosine_similarity"]
+__all__ = ["classify", "score", "score_pairs", "cosine_scores"]
 
 _CLASSIFY = PoolingParams(task="classify")
 _EMBED = PoolingParams()
@@ -78,9 +82,35 @@ def score_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
     return firsts, seconds
 
 
-def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:
-    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return sum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
+def cosine_scores(vectors: Sequence[Sequence[float] | None], firsts: Sequence[int],
+                  seconds: Sequence[int]) -> list[float]:
+    """The cosine similarity of ``vectors[firsts[i]]`` and ``vectors[seconds[i]]`` for each pair i (0.0 where either
+    is all zeros, or missing), vectorized: each vector's norm once, and for one query against many (1:N) a single
+    matrix-vector product. In float64, as the Python sums it replaces (the vectors are float32 values)."""
+    import torch  # loaded by then (the engine's start imports it); not by importing this module
+
+    matrix = _stack(vectors)
+    norms = torch.linalg.vector_norm(matrix, dim=1)
+    first, second = torch.tensor(firsts, dtype=torch.long), torch.tensor(seconds, dtype=torch.long)
+    if len(set(firsts)) == 1:  # 1:N: every vector against the query, then the pairs' picked
+        dots = (matrix @ matrix[firsts[0]])[second]
+    else:
+        dots = torch.linalg.vecdot(matrix[first], matrix[second])
+    denominators = norms[first] * norms[second]
+    return torch.where(denominators == 0, 0.0, dots / denominators).tolist()
+
+
+def _stack(vectors: Sequence[Sequence[float] | None]) -> torch.Tensor:
+    """The vectors as the rows of one float64 matrix (a missing one all zeros), filled a row at a time: run off the
+    event loop, each row is a point where the loop's thread can take the GIL back."""
+    import torch
+
+    width = max((len(vector) for vector in vectors if vector), default=0)
+    matrix = np.zeros((len(vectors), width), dtype=np.float64)
+    for row, vector in zip(matrix, vectors):
+        if vector:
+            row[:] = vector
+    return torch.from_numpy(matrix)
 
 
 async def _cross_encode(engine: AsyncEngine, head: ClassifierHead | None, text_1: str, text_2: str,
@@ -99,12 +129,16 @@ async def _embedding_scores(engine: AsyncEngine, firsts: list[str], seconds: lis
     texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text is embedded once (a 1:N query too)
     embed = dataclasses.replace(options, pooling=_EMBED)
     pooled = await _gather([engine._pool(text, embed, truncate_prompt_tokens) for text in texts])
-    by_text: dict[str, RequestCollector] = dict(zip(texts, pooled))
-    return [_embedding_score(by_text[first], by_text[second]) for first, second in zip(firsts, seconds)]
+    index = {text: i for i, text in enumerate(texts)}
+    pairs = [(index[first], index[second]) for first, second in zip(firsts, seconds)]
+    vectors = [collector.embedding for collector in pooled]
+    # off the event loop: the lists' conversion is most of the time (4096 x 2048 floats: a fraction of a second)
+    values = await anyio.to_thread.run_sync(cosine_scores, vectors, [i for i, _ in pairs], [j for _, j in pairs],
+                                            abandon_on_cancel=True)
+    return [_embedding_score(pooled[i], pooled[j], value) for (i, j), value in zip(pairs, values)]
 
 
-def _embedding_score(first: RequestCollector, second: RequestCollector) -> ScoringOutput:
-    value = cosine_similarity(first.embedding or [], second.embedding or [])
+def _embedding_score(first: RequestCollector, second: RequestCollector, value: float) -> ScoringOutput:
     return ScoringOutput(value, first.prompt_token_ids + second.prompt_token_ids,
                          f"{first.request_id}_{second.request_id}")
 

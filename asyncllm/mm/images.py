@@ -17,6 +17,7 @@ import binascii
 import hashlib
 import io
 import os
+import re
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -145,7 +146,19 @@ def load_image(image: ImageInput, field: str, max_pixels: int | None = None) -> 
     try:
         return raw, image_hash(raw)
     except (OSError, ValueError) as exc:
-        raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc
+        raise _undecodable(field, exc) from exc
+
+
+_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
+"""A Python object's default repr, which PIL puts in some errors (``cannot identify image file <_io.BytesIO object at
+0x7f...>``): a memory address, nothing the client sent."""
+
+
+def _undecodable(field: str, exc: Exception) -> InvalidRequestError:
+    """The 400 of an image PIL cannot decode (not an image format it knows, truncated, corrupt): PIL's reason
+    without object reprs."""
+    reason = _OBJECT_REPR.sub("", str(exc)).strip() or type(exc).__name__
+    return InvalidRequestError(field, f"cannot decode the image: its bytes are not a decodable image ({reason})")
 
 
 def _check_pixels(size: tuple[int, int], field: str, max_pixels: int) -> None:
@@ -205,4 +218,4 @@ def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:
     except Image.DecompressionBombError as exc:  # PIL's own bound, at least ours (asyncllm/config_model.py)
         raise InvalidRequestError(field, f"the image is too large: {exc} (mm_max_image_pixels={max_pixels})") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc
+        raise _undecodable(field, exc) from exc

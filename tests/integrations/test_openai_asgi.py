@@ -155,7 +155,7 @@ async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, r
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),  # the part
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),

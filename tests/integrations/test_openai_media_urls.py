@@ -38,3 +38,16 @@ def test_a_client_names_server_files_only_as_file_urls_inside_the_allowed_folder
         url_of(f"file://{tmp_path}/ok/cat.png", None)
     with pytest.raises(ConfigError, match="allowed_local_media_path"):
         ServerLimits(allowed_local_media_path=str(tmp_path / "secret.png"))
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {}}, {"type": "image_url", "image_url": None},
+                                  {"type": "image_url", "image_url": {"url": ""}},
+                                  {"type": "video_url", "video_url": {"url": 5}},
+                                  {"type": "image_url", "image_url": {"url": "/etc/hostname"}}])
+def test_a_missing_or_refused_url_names_its_part_as_the_engines_media_errors(part) -> None:
+    """``messages[i].content[j]``, as an undecodable image is named by the engine, not the whole ``messages``."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
+    with pytest.raises(InvalidRequestError) as caught:
+        chat_messages(messages, True, None)
+    assert caught.value.field == "messages[1].content[1]", caught.value

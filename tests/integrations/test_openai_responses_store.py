@@ -130,6 +130,35 @@ async def test_store_and_retrieve_whole_and_streamed(bundled_engine, monkeypatch
         part["text"] for item in made.json()["output"] if item["type"] == "message" for part in item["content"])
 
 
+async def _aborted(engine, http, body: dict):
+    """`body` posted to /v1/responses and aborted in the engine once it runs (`AsyncEngine.abort`: an operator's,
+    or a drain's end), its client still there."""
+    posted = asyncio.ensure_future(http.post("/v1/responses", json=body))
+
+    async def running() -> list[str]:
+        while not (ids := [c.request_id for c in list(engine._in_flight) if not c.finished]):
+            await asyncio.sleep(0.005)
+        return ids
+
+    await engine.abort(await asyncio.wait_for(running(), 30))
+    return await asyncio.wait_for(posted, 30)
+
+
+@on_session_loop
+async def test_a_response_aborted_in_the_engine_is_cancelled_and_kept_so(bundled_engine, monkeypatch) -> None:
+    """vLLM's status for an abort, whole and streamed (the last event a response.completed, as vLLM's, OpenAI
+    having no event of a cancelled response); kept as finished, as an incomplete one is."""
+    app = _app(bundled_engine, monkeypatch)
+    long = {**GREEDY, "input": "def f(x):", "max_output_tokens": 400, "ignore_eos": True}
+    async with asgi_client(app) as http:
+        whole = (await _aborted(bundled_engine, http, long)).json()
+        streamed = _streamed_response((await _aborted(bundled_engine, http, {**long, "stream": True})).text)
+        for body in (whole, streamed):
+            assert (body["status"], body["incomplete_details"]) == ("cancelled", None), body
+            assert body["usage"]["output_tokens"] < 400
+            assert (await http.get(f"/v1/responses/{body['id']}")).json() == body
+
+
 @on_session_loop
 async def test_previous_response_id_equals_the_whole_conversation(bundled_engine, monkeypatch) -> None:
     client = _openai(_app(bundled_engine, monkeypatch))

@@ -73,6 +73,10 @@ async def test_rerank_sorts_by_relevance(app, want) -> None:
     ("/rerank", {"query": "", "documents": ["a"]}, "query"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
     ("/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation"),
+    # a type error names the field with its digit (not "text_")
+    ("/score", {"text_1": [1, 2, 3], "text_2": "b"}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": 5}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b", None]}, "text_2"),
     ("/classify", {"input": ""}, "input"),
 ])
 async def test_bad_requests_are_400s_naming_the_field(app, path: str, body: dict, param: str) -> None:

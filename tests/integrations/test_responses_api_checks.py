@@ -54,6 +54,25 @@ def test_error_event_is_openai_response_error_event() -> None:
                                                                              "the engine core died", 2)
 
 
+@pytest.mark.parametrize("finish_reason, status, details", [
+    ("abort", "cancelled", None), ("length", "incomplete", {"reason": "max_output_tokens"}),
+    ("stop", "completed", None)])
+def test_finish_reason_sets_the_status_whole_and_streamed(finish_reason, status, details) -> None:
+    """An abort in the engine is vLLM's "cancelled" (its stream ends with response.completed, as vLLM's: OpenAI has
+    no event of a cancelled response); the body kept (`on_finish`) is the one sent."""
+    req, usage = ResponsesRequest(input="hi"), {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    whole = responses_api.response_body(req, "m", [{"content": "par"}], finish_reason, usage)
+    kept: list[dict] = []
+    events = ResponseEvents(req, "m", on_finish=kept.append)
+    events.start()
+    events.feed([{"content": "par"}])
+    last = json.loads(events.finish(finish_reason, usage)[-1].split(b"data: ", 1)[1])
+    assert (whole["status"], whole["incomplete_details"]) == (status, details)
+    assert (last["response"]["status"], last["response"]["incomplete_details"]) == (status, details)
+    assert last["type"] == ("response.incomplete" if status == "incomplete" else "response.completed")
+    assert kept == [last["response"]] and whole["output"][0]["content"][0]["text"] == "par"
+
+
 def test_renamed_max_tokens_message_names_the_client_field() -> None:
     message = "'max_tokens' or 'max_completion_tokens' is too large: 9."
     with pytest.raises(InvalidRequestError) as caught, renamed_fields(responses_api.RESPONSES_FIELDS):

@@ -241,6 +241,26 @@ def test_palette_images_key_on_their_palette_and_a_truncated_lazy_one_is_a_decod
     assert lazy._im is None  # never loaded (PIL decodes on the first pixel access)
 
 
+def test_an_undecodable_image_is_named_without_a_python_object_repr():
+    """PIL's "cannot identify image file <_io.BytesIO object at 0x...>" reaches the client as its reason alone."""
+    import io
+
+    from PIL import Image
+
+    encoded = io.BytesIO()
+    Image.frombytes("L", (64, 64), bytes(range(256)) * 16).save(encoded, format="PNG")
+    truncated = encoded.getvalue()[:len(encoded.getvalue()) // 2]
+    for raw in (b"not an image at all", b"\x89PNG\r\n\x1a\n fake", truncated):
+        with pytest.raises(InvalidRequestError) as info:
+            decode_image(raw, "messages[0].content[1]", 10**6)
+        message = str(info.value)
+        assert info.value.field == "messages[0].content[1]" and "object at 0x" not in message, message
+        assert message.startswith("messages[0].content[1]: cannot decode the image: its bytes are not a decodable "
+                                  "image ("), message
+    with pytest.raises(InvalidRequestError, match=r"not a decodable image \(cannot identify image file\)$"):
+        decode_image(b"not an image at all", "images[0]", 10**6)
+
+
 def _transparent(mode: str):
     """A PIL image of ``mode`` with transparent pixels: RGBA, LA (alpha 0 over half), P with a tRNS index."""
     import io
