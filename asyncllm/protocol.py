@@ -67,6 +67,9 @@ class Hello(msgspec.Struct, **_STRUCT):
     heartbeat_interval_s: float = 0.0
     """The host sends a `Heartbeat` this often (a host attached over tcp://): a core with
     `host_heartbeat_timeout_s` detaches it once it is silent that long; 0: it sends none and is not timed out."""
+    probe: bool = False
+    """`AsyncEngine.connect`'s handshake (asyncllm/engine/connect.py), asking what the core serves: answered with a
+    `Ready`, never registered as a host (a probe killed before its `Goodbye` would stay one for good)."""
 
 
 class AddRequest(msgspec.Struct, **_STRUCT):

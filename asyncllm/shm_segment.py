@@ -24,8 +24,9 @@ from asyncllm import owner_lock
 __all__ = ["ALIGN", "MappedSegment", "OwnedSegment", "align_up", "attach_untracked", "fence", "sweep_dead_segments"]
 
 SHM_DIR = "/dev/shm"
-DEAD_OWNER = re.compile(r"asyncllm-(\d+)-(?:mm-)?[0-9a-f]+")
-"""The segments that name their maker's pid: the broadcast ring's (a core's) and the multimodal ring's (a host's)."""
+DEAD_OWNER = re.compile(r"asyncllm-(\d+)-(?:mm-|w-)?[0-9a-f]+")
+"""The segments that name their maker's pid: the broadcast ring's (a core's), the multimodal ring's (a host's,
+``-mm-``) and the tensors of `update_weights_from_tensors` (a host's, ``-w-``)."""
 _swept = False
 ALIGN = 64
 """The boundary (a cache line) the rings' headers and entries start on."""
@@ -97,8 +98,9 @@ class OwnedSegment(MappedSegment):
 
 def sweep_dead_segments() -> list[str]:
     """Unlink the segments killed processes left (a core SIGKILLed before its workers mapped its ring, a host's
-    multimodal ring): named ``asyncllm-<pid>-...`` (`DEAD_OWNER`), this user's, the pid dead, held by no process
-    (`owner_lock`: a live owner in another pid namespace holds its own), a minute old. The names unlinked."""
+    multimodal ring or pushed weights): named ``asyncllm-<pid>-...`` (`DEAD_OWNER`), this user's, the pid dead, held
+    by no process (`owner_lock`: a live owner in another pid namespace holds its own), a minute old. The names
+    unlinked."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 
 from asyncllm.procutil import proc_stat
 
@@ -90,11 +91,18 @@ class ClientLiveness:
         out (`watch` puts them in, `forget` takes them out; the I/O thread only restamps those: `mark_heard`)."""
         self._beating: set[bytes] = set()
         """The hosts that send heartbeats (tcp://)."""
+        self._named: set[bytes] = set()
+        """The hosts whose Hello named their process (a pid) or that send heartbeats: those that may export the
+        engine-wide metrics (`reporter`)."""
 
     def watch(self, client_id: bytes, pid: int, identity: str, heartbeat_interval_s: float = 0.0) -> None:
         """A host said Hello: watch it if it runs beside the core and the core reads its start time as the host
         does (not under ``hidepid`` /proc or another time namespace, where a live host would look dead); time it
         out when it sends heartbeats and the core has a timeout; else it is left to its Goodbye."""
+        if pid > 0 or heartbeat_interval_s > 0:
+            self._named.add(client_id)
+        else:
+            self._named.discard(client_id)
         if heartbeat_interval_s > 0 and self._silence_timeout_s is not None:
             self._beating.add(client_id)
             self._last_heard[client_id] = HeardAt(time.monotonic())  # now: a busy core handles a Hello late
@@ -108,6 +116,15 @@ class ClientLiveness:
         self._watched.pop(client_id, None)
         self._beating.discard(client_id)
         self._last_heard.pop(client_id, None)
+        self._named.discard(client_id)
+
+    def reporter(self, clients: Iterable[bytes]) -> bytes | None:
+        """Which of `clients` exports the engine-wide metrics: one whose death the core notices (watched, or timed
+        out by its heartbeats) first, else one whose Hello named its process; None rather than an anonymous peer (pid
+        0, no heartbeat), which only its own Goodbye would remove."""
+        named = [client_id for client_id in clients if client_id in self._named]
+        watched = (client_id for client_id in named if client_id in self._watched or client_id in self._beating)
+        return next(watched, next(iter(named), None))
 
     def dead_clients(self) -> dict[bytes, str]:
         """The watched hosts whose process is gone, and the heartbeating ones silent too long, each with what

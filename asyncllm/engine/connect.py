@@ -65,7 +65,7 @@ def handshake(address: str, timeout_s: float, key: str | None = None,
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
     try:
-        dealer.send(encoder.encode(protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol())))
+        dealer.send(encoder.encode(protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol(), probe=True)))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not dealer.poll(100):
@@ -87,7 +87,7 @@ def handshake(address: str, timeout_s: float, key: str | None = None,
             f"no engine core answered at {address} within {timeout_s:.0f} s; start one with "
             f"`asyncllm engine MODEL --address {address}`",
         )
-    finally:  # a Hello still queued (a core yet to bind) is followed by its Goodbye: no probe stays attached
+    finally:  # the core registers no probe; a core from before `Hello.probe` did: its Goodbye detaches it there
         with contextlib.suppress(zmq.ZMQError):  # never blocks: queued behind the Hello, or nowhere to go
             dealer.send(encoder.encode(protocol.Goodbye(shutdown=False)), zmq.NOBLOCK)
         watch.close()

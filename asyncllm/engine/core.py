@@ -234,10 +234,13 @@ class EngineCore:
                 logger.error("refused host pid %d: %s", message.pid, mismatch)
                 self.io.send(client_id, protocol.EngineFailed("EngineDeadError", mismatch))
                 return False
+            if message.probe:  # `connect()` asks what the core serves: not a host (nothing would remove it)
+                self.io.send(client_id, self._ready())
+                return False
             self.clients.add(client_id)
             self.liveness.watch(client_id, message.pid, message.process_identity, message.heartbeat_interval_s)
             if self.stats_reporter is None:
-                self.stats_reporter = client_id
+                self.stats_reporter = self.liveness.reporter([client_id])
             ready = self._ready()
             ready.mm_shm_ring_mapped = self.mm_cache.attach(client_id, message.mm_shm_ring)
             self.io.send(client_id, ready)
@@ -285,7 +288,7 @@ class EngineCore:
         self.mm_cache.detach(client_id)
         self.lora_ids.forget_host(client_id)
         if self.stats_reporter == client_id:
-            self.stats_reporter = next(iter(self.clients), None)
+            self.stats_reporter = self.liveness.reporter(self.clients)
 
     def _drop_dead_clients(self) -> bool:
         """Remove the hosts that died without a Goodbye or fell silent (asyncllm/engine/client_liveness.py)."""

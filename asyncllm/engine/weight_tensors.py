@@ -10,6 +10,7 @@ the caller is cancelled (`pack_off_loop`).
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from collections.abc import Iterable, Mapping
@@ -22,7 +23,7 @@ from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.shm_segment import ALIGN, OwnedSegment, align_up
 
-__all__ = ["FIELD", "PackedTensors", "WEIGHT_DTYPES", "pack_off_loop", "pack_tensors", "tensor_views"]
+__all__ = ["FIELD", "PackedTensors", "WEIGHT_DTYPES", "pack_off_loop", "pack_tensors", "segment_name", "tensor_views"]
 
 FIELD = "named_tensors"
 WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -53,7 +54,7 @@ def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
     for name, tensor in pairs:
         tensors.append(protocol.WeightTensor(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), size))
         size += align_up(tensor.numel() * tensor.element_size())
-    segment = OwnedSegment(f"asyncllm-weights-{secrets.token_hex(8)}", max(size, ALIGN))
+    segment = OwnedSegment(segment_name(), max(size, ALIGN))
     try:
         for view, (_, tensor) in zip(tensor_views(segment.buf, tensors), pairs):
             view.copy_(tensor.detach())
@@ -62,6 +63,12 @@ def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
         PackedTensors(segment, tensors).close()
         raise
     return PackedTensors(segment, tensors)
+
+
+def segment_name() -> str:
+    """A new segment's name, ``asyncllm-<pid>-w-<hex>``: a host killed before it unlinked one (SIGKILL, the OOM
+    killer, mid-push) leaves it to the next process's sweep (`shm_segment.DEAD_OWNER`)."""
+    return f"asyncllm-{os.getpid()}-w-{secrets.token_hex(8)}"
 
 
 async def pack_off_loop(

@@ -136,7 +136,7 @@ async def test_the_dev_route_updates_and_exists_only_in_dev_mode(engine, checkpo
 # ---------------------------------------------------------------- update_weights_from_tensors
 
 def _segments() -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith("asyncllm-weights-")]
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"asyncllm-{os.getpid()}-w-")]
 
 
 async def test_tensors_from_the_host_replace_the_weights_on_both_ranks(engine, checkpoints) -> None:

@@ -204,6 +204,50 @@ async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
         ctx.term()
 
 
+def _probe_hello(folder: Path) -> bytes:
+    """The first frame `AsyncEngine.connect`'s handshake sends, as a core at its address receives it."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, 10_000)
+    address = f"ipc://{folder / 'probe.sock'}"
+    router.bind(address)
+    try:
+        with pytest.raises(EngineDeadError, match="no engine core answered"):
+            handshake(address, timeout_s=0.3)  # nothing answers: it says Hello, gives up, then says Goodbye
+        return router.recv_multipart()[1]
+    finally:
+        router.close(linger=0)
+        ctx.term()
+
+
+async def test_a_probe_killed_before_its_goodbye_leaves_no_ghost_host(core, tmp_path: Path) -> None:
+    """A host killed during `connect()`'s handshake (SIGKILL while the core loads) never says the probe's Goodbye:
+    the probe must not stay a host of the core that holds the engine-wide metrics a live host should export."""
+    _, address = core
+    ctx = zmq.Context()
+    ghost = open_dealer(ctx, address, None)
+    registry = CollectorRegistry()
+
+    def engine_gauges() -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if line.startswith("asyncllm:num_requests_running")]
+
+    try:
+        ghost.send(_probe_hello(tmp_path))  # and no Goodbye after it
+        assert ghost.poll(30_000) and isinstance(msgspec.msgpack.decode(ghost.recv(), type=protocol.CoreMessage),
+                                                 protocol.Ready)
+        async with AsyncEngine.connect(address, disable_log_stats=True, prometheus_registry=registry) as engine:
+            await engine.generate("hi", SamplingParams(max_tokens=2))
+            deadline = time.monotonic() + 5
+            while not engine_gauges() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert engine_gauges(), "the live host exports no engine-wide gauges"
+        assert not ghost.poll(200)  # no outputs for a probe
+    finally:
+        ghost.close(linger=0)
+        ctx.term()
+
+
 async def test_sigterm_stops_the_core_cleanly_and_an_attached_host_survives_its_restart(core, tiny_llama: str) -> None:
     """A planned restart of the shared core (SIGTERM, then started again): a host with max_core_restarts waits
     for the new core (its socket is gone meanwhile) and serves again."""

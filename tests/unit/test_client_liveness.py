@@ -83,3 +83,19 @@ def test_a_host_heard_as_the_core_forgets_it_stays_forgotten() -> None:
     assert list(last_heard) == [b"host"]
     mark_heard(last_heard, b"host")
     assert list(last_heard) == [] and liveness.dead_clients() == {}
+
+
+def test_the_metrics_reporter_is_a_watched_host_first_and_never_an_anonymous_peer() -> None:
+    """The engine-wide metrics go to a host whose death the core notices, else to one that named its process (in
+    another pid namespace, say); a pid-0 Hello without heartbeats (a raw handshake) is never handed them."""
+    liveness = ClientLiveness(3.0, interval_s=0)
+    liveness.watch(b"anonymous", 0, "")
+    liveness.watch(b"elsewhere", 1 << 30, "another-boot-id ns 1")  # named, not watched
+    liveness.watch(b"watched", os.getpid(), process_identity())
+    liveness.watch(b"beating", 0, "", heartbeat_interval_s=1.0)  # tcp://, timed out by the core
+    assert liveness.reporter([b"anonymous", b"elsewhere", b"watched"]) == b"watched"
+    assert liveness.reporter([b"anonymous", b"elsewhere", b"beating"]) == b"beating"
+    assert liveness.reporter([b"anonymous", b"elsewhere"]) == b"elsewhere"
+    assert liveness.reporter([b"anonymous"]) is None
+    liveness.forget(b"elsewhere")
+    assert liveness.reporter([b"anonymous", b"elsewhere"]) is None

@@ -23,7 +23,7 @@ from asyncllm.errors import EngineDeadError
 
 
 def _segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("asyncllm-weights-")}
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"asyncllm-{os.getpid()}-w-")}
 
 
 class _Processor:

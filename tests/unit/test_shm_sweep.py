@@ -1,6 +1,7 @@
 """Shared-memory segments a killed process left (a core SIGKILLed before its workers mapped its broadcast ring, a
-host's multimodal ring) are unlinked by the next process that makes one (asyncllm/shm_segment.py), never a segment a
-live process holds, even one whose pid reads as dead here (another pid namespace), nor a young one."""
+host's multimodal ring or the tensors it pushed) are unlinked by the next process that makes one
+(asyncllm/shm_segment.py), never a segment a live process holds, even one whose pid reads as dead here (another pid
+namespace), nor a young one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from asyncllm import owner_lock, shm_segment
+from asyncllm.engine import weight_tensors
 
 CHILD = ("import os, secrets; from asyncllm.shm_segment import OwnedSegment\n"
          "s = OwnedSegment(f'asyncllm-{os.getpid()}-{secrets.token_hex(4)}', 4096); print(s.name, flush=True); input()")
@@ -60,5 +64,25 @@ def test_a_held_or_young_segment_of_a_dead_pid_is_kept() -> None:
     finally:
         if fd >= 0:
             os.close(fd)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_the_weights_a_killed_host_pushed_are_swept() -> None:
+    """A host SIGKILLed (the OOM killer: a push doubles its memory for the weights) before it unlinked the tensors of
+    its `update_weights_from_tensors` leaves them in /dev/shm: their name says whose they were, so they are swept."""
+    packed = weight_tensors.pack_tensors({"w": torch.ones(3)})
+    packed.close()
+    assert packed.segment.name.startswith(f"asyncllm-{os.getpid()}-w-")
+    assert shm_segment.DEAD_OWNER.fullmatch(packed.segment.name)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    name = f"asyncllm-{dead.pid}-w-{secrets.token_hex(8)}"
+    path = os.path.join(shm_segment.SHM_DIR, name)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        _age(path)
+        assert name in shm_segment.sweep_dead_segments() and not os.path.exists(path)
+    finally:
         if os.path.exists(path):
             os.unlink(path)

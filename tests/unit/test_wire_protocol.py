@@ -125,6 +125,22 @@ def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host
         ("LoRAAdded", "l", "EngineDeadError"), ("LoRARemoved", "r", "EngineDeadError")]
 
 
+def test_core_answers_a_probe_but_never_registers_it_nor_makes_an_anonymous_peer_the_reporter() -> None:
+    """`connect()`'s probe Hello (its host may be killed before its Goodbye) gets a `Ready` and is no host of the core;
+    a raw pid-0 Hello is a host, but never the engine-wide metrics reporter: nothing but its Goodbye removes it."""
+    core, sent = _core()
+    probe = protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol(), probe=True)
+    assert core._handle(b"probe", probe) is False
+    (client, ready), = sent
+    assert client == b"probe" and isinstance(ready, protocol.Ready) and ready.config == core.config.to_dict(wire=True)
+    assert core.clients == set() and core.stats_reporter is None
+    assert core._handle(b"anonymous", protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol())) is True
+    assert core.clients == {b"anonymous"} and core.stats_reporter is None
+    assert core._handle(b"host", protocol.Hello(pid=os.getpid(), wire_protocol=protocol.wire_protocol(),
+                                                process_identity=process_identity())) is True
+    assert core.clients == {b"anonymous", b"host"} and core.stats_reporter == b"host"
+
+
 def test_an_old_hosts_hello_decodes_to_no_fingerprint() -> None:
     old_hello = msgspec.msgpack.encode(["Hello", 4242, "ring"])  # the Hello of an asyncllm before the check
     hello = msgspec.msgpack.decode(old_hello, type=protocol.HostMessage)
@@ -173,6 +189,7 @@ def test_hosts_refuse_a_core_from_before_the_check(old_core: Any) -> None:
         processor.close(shutdown_core=False)
     assert [hello.wire_protocol for hello in hellos] == [protocol.wire_protocol()] * 2  # both hosts said theirs
     assert [hello.process_identity for hello in hellos] == ["", process_identity()]  # a handshake is not watched
+    assert [hello.probe for hello in hellos] == [True, False]  # the handshake's Hello is a probe
 
 
 def test_core_answers_an_add_request_it_cannot_decode_with_an_error_for_its_id() -> None:
