@@ -17,7 +17,6 @@ docs/integrations/openai-server.md#pooling has the details.
 from __future__ import annotations
 
 import functools
-import uuid
 from typing import TYPE_CHECKING, Literal
 
 from starlette.requests import Request
@@ -26,9 +25,10 @@ from starlette.routing import Route
 
 from asyncllm.engine.pooling_model import activate
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, encode_embedding
+from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all, embedding_prompts, encode_embedding,
+                                                    pooling_request_id)
 from asyncllm.integrations.openai_http import json_response
-from asyncllm.integrations.openai_protocol import decode_request, take_request_id
+from asyncllm.integrations.openai_protocol import decode_request
 from asyncllm.integrations.openai_score import classify_all, pooling_listing, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput
@@ -62,8 +62,6 @@ class PoolingRequest(EmbeddingRequest, kw_only=True, forbid_unknown_fields=True)
     """vLLM's older name of ``use_activation``."""
     activation: bool | None = None
     """vLLM's older name of ``use_activation``."""
-    request_id: str | None = None
-    """The response's id after ``pool-`` (the ``X-Request-Id`` header's over it); left out: a random id."""
 
 
 def pooling_routes(server: OpenAIServer) -> list[Route]:
@@ -107,8 +105,8 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     if not engine.started:
         await engine.start()
     task = pooling_task(req, model_pooling_tasks(engine))
-    prompts = await embedding_prompts(server, req, task)
-    request_id = _request_id(req, request)
+    prompts = await embedding_prompts(server, req, task, api="pooling")
+    request_id = pooling_request_id("pool", req, request.headers)
     until, log = (lambda: wait_disconnect(request)), server.request_log
     outputs: list[EmbeddingOutput] | list[ClassificationOutput]
     if task == "embed":
@@ -123,12 +121,6 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     data = [{"index": i, "object": "pooling", "data": encode_embedding(vector, req.encoding_format)}
             for i, vector in enumerate(pooled)]
     return json_response(pooling_listing(request_id, model, data, outputs))
-
-
-def _request_id(req: PoolingRequest, request: Request) -> str:
-    """``pool-`` and the ``X-Request-Id`` header, else the body's ``request_id``, else a random id (vLLM's)."""
-    take_request_id(req, request.headers)
-    return f"pool-{req.request_id or uuid.uuid4().hex}"
 
 
 def _use_activation(req: PoolingRequest) -> bool | None:

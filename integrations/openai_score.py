@@ -2,7 +2,7 @@
 (``/v1/rerank``, ``/v2/rerank``, Jina's and Cohere's shape).
 
 ``/classify`` runs `AsyncEngine.classify` on each ``input`` (the four prompt
-shapes of /v1/completions); ``/score`` runs `AsyncEngine.score` on ``text_1``
+shapes of /v1/completions) or on chat ``messages`` rendered as /v1/embeddings'; ``/score`` runs `AsyncEngine.score` on ``text_1``
 and ``text_2`` (1:1, 1:N, N:N); ``/rerank`` scores ``query`` against each of
 ``documents`` and answers them sorted by relevance, best first (``top_n`` of
 them). A model that cannot answer (a generative model asked to classify, a
@@ -27,10 +27,11 @@ from asyncllm.engine.admission import admission_group
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.integrations.openai_embeddings import input_prompts
+from asyncllm.integrations.openai_embeddings import (PoolingPromptRequest, context_param, embedding_prompts,
+                                                    pooling_request_id, pooling_usage)
 from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import CacheSalt, decode_request
-from asyncllm.integrations.openai_request_log import RequestLogger, log_under, route_id
+from asyncllm.integrations.openai_request_log import RequestLogger, log_under
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
@@ -44,9 +45,27 @@ __all__ = ["ClassificationRequest", "ScoreRequest", "RerankRequest", "score_rout
            "pooling_listing", "pooling_options"]
 
 
-class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _Activation:
+    """The activation switch of vLLM's classify and score requests (their fields ``use_activation`` and its older
+    names ``softmax`` and ``activation``)."""
+
+    __slots__ = ()
+    softmax: bool | None
+    activation: bool | None
+    use_activation: bool | None
+
+    def activated(self) -> bool:
+        """The first of ``softmax``, ``activation`` and ``use_activation`` set (vLLM's order), else true."""
+        return next((v for v in (self.softmax, self.activation, self.use_activation) if v is not None), True)
+
+
+class _PoolingRequest(msgspec.Struct, _Activation, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     """A served name or a LoRA module's name; left out, the served model."""
+    user: str | None = None
+    """Accepted, unused (vLLM's pooling requests take it)."""
+    request_id: str | None = None
+    """vLLM's: the response's id after its prefix (the ``X-Request-Id`` header's over it); left out: a random id."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: cut each prompt to k tokens (-1: as many as max_model_len allows): a text keeps its first tokens,
     cut by the tokenizer on the right with its special tokens (a pair longest-first); token ids their last k."""
@@ -62,18 +81,17 @@ class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     activation: bool | None = None
     """vLLM's older name of ``use_activation`` (read before it)."""
 
-    def activated(self) -> bool:
-        """The first of ``softmax``, ``activation`` and ``use_activation`` set (vLLM's order), else true."""
-        return next((v for v in (self.softmax, self.activation, self.use_activation) if v is not None), True)
 
+class ClassificationRequest(PoolingPromptRequest, _Activation, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /classify``: ``input`` or (vLLM's ClassificationChatRequest) chat ``messages`` with their
+    fields (openai_embeddings.py's `PoolingPromptRequest`), and the activation switch."""
 
-class ClassificationRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
-    """The body of ``POST /classify``."""
-
-    input: str | list[Any]
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    user: str | None = None
-    """Accepted, unused."""
+    use_activation: bool | None = None
+    """vLLM's: false returns the raw logits as ``probs``; null or true the activated ones."""
+    softmax: bool | None = None
+    """vLLM's older name of ``use_activation`` (read first)."""
+    activation: bool | None = None
+    """vLLM's older name of ``use_activation`` (read before it)."""
 
 
 class ScoreRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
@@ -116,11 +134,11 @@ class _Handlers:
     async def classify(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self.server._body(request) if body is None else body, ClassificationRequest)
         model, lora = self.server._model(req.model)
-        prompts = input_prompts(req.input, self.server.limits, "classify")
-        request_id = route_id("classify", request.headers)
+        prompts = await embedding_prompts(self.server, req, "classify", api="classify")
+        request_id = pooling_request_id("classify", req, request.headers)
         outputs = await classify_all(self.server.engine, prompts, pooling_options(req, lora),
                                      until=lambda: wait_disconnect(request), request_log=self.server.request_log,
-                                     request_id=request_id)
+                                     request_id=request_id, field="input" if req.messages is None else "messages")
         activated = req.activated()
         data = [{"index": i, "label": out.label, "probs": out.probs if activated else out.logits,
                  "num_classes": out.num_classes} for i, out in enumerate(outputs)]
@@ -130,7 +148,7 @@ class _Handlers:
         req = decode_request(await self.server._body(request) if body is None else body, ScoreRequest)
         model, lora = self.server._model(req.model)
         _check_count("text_2", req.text_2, self.server.limits.max_prompts)
-        request_id = route_id("score", request.headers)
+        request_id = pooling_request_id("score", req, request.headers)
         outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora),
                                     activated=req.activated())
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
@@ -145,14 +163,14 @@ class _Handlers:
             raise InvalidRequestError("top_n", f"must be 0 (all) or positive, got {req.top_n}")
         _check_count("documents", req.documents, self.server.limits.max_prompts)
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
-        request_id = route_id("rerank", request.headers)
+        request_id = pooling_request_id("rerank", req, request.headers)
         try:
             outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora), "rerank",
                                         req.activated())
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
-        tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        tokens = sum(len(out.prompt_token_ids) for out in outputs)  # vLLM's RerankUsage: these two
         return json_response({"id": request_id, "model": model,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                               "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
@@ -165,7 +183,8 @@ class _Handlers:
         truncate = options.pop("truncate_prompt_tokens")
         call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate,
                              activated)
-        return (await gather_until([call], lambda: wait_disconnect(request)))[0]
+        with context_param():
+            return (await gather_until([call], lambda: wait_disconnect(request)))[0]
 
     async def _log_scoring(self, request_id: str, text_1: Any, text_2: Any, lora: LoRARequest | None) -> None:
         """Log a scoring's prompts as vLLM's: a cross-encoder's pairs (``text_1``, the tokenizer's sep token,
@@ -190,15 +209,16 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], 
                        field: str = "input", api: str | None = None) -> list[ClassificationOutput]:
     """`AsyncEngine.classify` on every prompt at once (`options`: `_options`'), results in input order, each
     logged as ``request_id-i``. The first error cancels the others; `until` completing (the client went away)
-    raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error's
-    stays ``prompt`` and says `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
+    raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error
+    ``input_tokens`` (`context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
     log_under(request_log, request_id, prompts, PoolingParams(task="classify"), options["lora_request"])
     options = dict(options)
     truncate = options.pop("truncate_prompt_tokens")
     calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
              for prompt in prompts]
-    with renamed_fields({"prompt": field}, uncoded_only=True), admission_group(len(calls)):  # the engine's field: name
-        return await gather_until(calls, until)  # the request's; its group (`guard`) may pass the limits by its calls
+    with renamed_fields({"prompt": field}, uncoded_only=True), context_param(), \
+            admission_group(len(calls)):  # the engine's field: the request's; its group may pass the limits by its calls
+        return await gather_until(calls, until)
 
 
 def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,
@@ -228,7 +248,5 @@ def _check_count(field: str, texts: str | Sequence[Any], limit: int) -> None:
 def pooling_listing(request_id: str, model: str, data: list[dict[str, Any]],
                     outputs: Sequence[EmbeddingOutput | ClassificationOutput | ScoringOutput]) -> dict[str, Any]:
     """vLLM's list response: ``data`` in input order and the prompts' token usage."""
-    tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
     return {"id": request_id, "object": "list", "created": int(time.time()), "model": model,
-            "data": data, "usage": usage}
+            "data": data, "usage": pooling_usage(outputs)}

@@ -40,7 +40,8 @@ from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError, renamed_fields
 from asyncllm.integrations.openai_beam_search import beam_search_response
-from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_prompts, embedding_response
+from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all, embedding_prompts, embedding_response,
+                                                    pooling_request_id)
 from asyncllm.integrations.openai_invocations import invocation_route
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
@@ -72,7 +73,7 @@ from asyncllm.integrations.streams import first_deltas, merge_streams
 from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
-from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
+from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts
 from asyncllm.chat_content import check_content_format
 from asyncllm.structured.start_after import Marker
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
@@ -268,7 +269,7 @@ class OpenAIServer:
         req = decode_request(await self._body(request) if body is None else body, EmbeddingRequest)
         model, lora = self._model(req.model)
         prompts = await embedding_prompts(self, req)
-        response_id = route_id("embd", request.headers)
+        response_id = pooling_request_id("embd", req, request.headers)
         outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request),
                                   request_log=self.request_log, request_id=response_id, model_name=self.model_name)
         return json_response(embedding_response(outputs, model, req.encoding_format, response_id))

@@ -22,14 +22,14 @@ from asyncllm.integrations.openai_tools import template_tools
 from asyncllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
-    from asyncllm.integrations.openai_embeddings import EmbeddingRequest
+    from asyncllm.integrations.openai_embeddings import PoolingPromptRequest
     from asyncllm.integrations.openai_protocol import ChatCompletionRequest
     from asyncllm.integrations.openai_server import OpenAIServer
 
 __all__ = ["chat_tokens", "tokenize_routes"]
 
 
-async def chat_tokens(server: OpenAIServer, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
+async def chat_tokens(server: OpenAIServer, req: TokenizeRequest | PoolingPromptRequest | ChatCompletionRequest,
                       tools: list[Any] | None = None, add_special_tokens: bool = False, *,
                       operation: str | None = None, cuttable: bool = False) -> list[int]:
     """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted) and

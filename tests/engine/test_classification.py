@@ -154,7 +154,7 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
                ({"input": "a", "task": "token_classify"}, "task", "'token_classify' (per-token pooling"),
                ({"input": "a", "normalize": True}, "normalize", "Task classify only supports ['use_activation']"),
                ({"input": "a", "task": "score", "dimensions": 4}, "dimensions", "Task score only supports"),
-               ({"input": [5] * (length + 1)}, "prompt", "in the input for embedding generation."),
+               ({"input": [5] * (length + 1)}, "input_tokens", "in the input for embedding generation."),
                ({"input": ""}, "input", "an input is an empty string: there is nothing to classify"),
                ({"input": ["a", ""], "task": "score"}, "input", "there is nothing to score")]
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
@@ -176,6 +176,42 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
     assert chat["usage"]["prompt_tokens"] == len(ids)
     for error, (_, param, message) in zip(errors, refused):
         assert error["param"] == param and message in error["message"], error
+
+
+async def test_the_server_classifies_chat_messages(engine: AsyncEngine, reranker: str) -> None:
+    """vLLM's ClassificationChatRequest: /classify's ``messages`` rendered with the chat template
+    (``add_generation_prompt`` false unless sent), as /pooling's are, ``request_id`` naming the response; a chat field
+    with ``input``, both or neither of ``input`` and ``messages``, a template from a request the server does not
+    trust are 400s naming the field; a chat past max_model_len names ``input_tokens`` and says "classification"."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "is this a good day?"}, {"role": "assistant", "content": "yes"}]
+    tokenizer = AutoTokenizer.from_pretrained(reranker)
+    plain = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    opened = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True))
+    length = engine.config.max_model_len
+    refused = [({"input": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+               ({"input": "a", "messages": messages}, "input"), ({}, "input"),
+               ({"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template"),
+               ({"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
+                "continue_final_message"),
+               ({"messages": [{"role": "user", "content": "a " * length}]}, "input_tokens")]
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        chat, opened_chat, raw, pooled = [(await client.post(path, json=body)).json() for path, body in (
+            ("/classify", {"messages": messages, "request_id": "c1"}),
+            ("/classify", {"messages": messages, "add_generation_prompt": True}),
+            ("/classify", {"messages": messages, "use_activation": False}), ("/pooling", {"messages": messages}))]
+        errors = [(await client.post("/classify", json=body)).json()["error"] for body, _ in refused]
+    logit = hf_classifier_logits(reranker, plain)[0]
+    item = chat["data"][0]
+    assert (item["index"], item["label"], chat["usage"]["prompt_tokens"]) == (0, "class_0", len(plain))
+    assert chat["id"] == "classify-c1" and abs(item["probs"][0] - _sigmoid(logit)) < TOLERANCE
+    assert abs(pooled["data"][0]["data"][0] - item["probs"][0]) < TOLERANCE
+    assert abs(raw["data"][0]["probs"][0] - logit) < TOLERANCE
+    assert abs(opened_chat["data"][0]["probs"][0] - _sigmoid(hf_classifier_logits(reranker, opened)[0])) < TOLERANCE
+    assert opened_chat["usage"]["prompt_tokens"] == len(opened) != len(plain)
+    assert [error["param"] for error in errors] == [param for _, param in refused], errors
+    assert "in the input for classification" in errors[-1]["message"]
 
 
 async def test_the_server_names_the_route_in_context_length_errors(engine: AsyncEngine, reranker: str) -> None:
@@ -200,7 +236,7 @@ async def test_the_server_names_the_route_in_context_length_errors(engine: Async
     assert [error["message"] for error in errors] == [
         f"This model's maximum context length is {length} tokens. However, you requested {amount} in the input for "
         f"{operation}. Please reduce the length of the input." for amount, operation in said]
-    assert all((error["code"], error["param"]) == ("context_length_exceeded", "prompt") for error in errors), errors
+    assert all((error["code"], error["param"]) == ("context_length_exceeded", "input_tokens") for error in errors)
 
 
 async def test_the_server_logs_each_input_and_pair(engine: AsyncEngine, caplog) -> None:

@@ -60,6 +60,11 @@ async def _embed(app, **body) -> dict:
     return response.json()
 
 
+def _usage(tokens: int) -> dict:
+    """vLLM's ``UsageInfo`` of an embeddings response (its ``completion_tokens`` and ``prompt_tokens_details`` too)."""
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
 async def test_string_and_token_ids_equal_transformers(app, bundled_tokenizer) -> None:
     text = "def add(a, b):"
     ids = bundled_tokenizer(text).input_ids
@@ -69,9 +74,9 @@ async def test_string_and_token_ids_equal_transformers(app, bundled_tokenizer) -
     assert [{k: v for k, v in item.items() if k != "embedding"} for item in from_text["data"]] == [
         {"object": "embedding", "index": 0}]
     assert _close(from_text["data"][0]["embedding"], _reference(ids))
-    assert from_text["usage"] == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
+    assert from_text["usage"] == _usage(len(ids))
     assert _close(from_ids["data"][0]["embedding"], _reference(TOKENS))
-    assert from_ids["usage"] == {"prompt_tokens": len(TOKENS), "total_tokens": len(TOKENS)}
+    assert from_ids["usage"] == _usage(len(TOKENS))
 
 
 async def test_base64_is_the_float32_bytes(app) -> None:
@@ -108,7 +113,7 @@ async def test_batch_inputs_in_order_with_usage_summed(app, bundled_tokenizer) -
         assert [item["index"] for item in body["data"]] == [0, 1, 2]
         assert all(_close(item["embedding"], _reference(p)) for item, p in zip(body["data"], prompts))
         total = sum(len(p) for p in prompts)
-        assert body["usage"] == {"prompt_tokens": total, "total_tokens": total}
+        assert body["usage"] == _usage(total)
 
 
 async def test_truncate_prompt_tokens(app) -> None:
@@ -127,6 +132,24 @@ async def test_chat_messages_rendered_with_the_template(app, bundled_tokenizer) 
     assert len(body["data"]) == 1 and _close(body["data"][0]["embedding"], _reference(list(ids)))
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert _close(prompted["data"][0]["embedding"], _reference(list(ids_prompted)))
+
+
+async def test_chat_add_special_tokens_and_request_id(app, bundled_tokenizer) -> None:
+    """vLLM's chat request: ``add_special_tokens`` true adds the tokenizer's special tokens on top of the template's
+    (false or left out: none); a pooling request's ``request_id`` names the response (the header's over it)."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = bundled_tokenizer.apply_chat_template(messages, tokenize=False)
+    special = bundled_tokenizer(text, add_special_tokens=True).input_ids
+    plain = bundled_tokenizer(text, add_special_tokens=False).input_ids
+    added = await _embed(app, messages=messages, add_special_tokens=True, request_id="r1")
+    left = await _embed(app, messages=messages, add_special_tokens=False)
+    async with _client(app) as client:
+        headed = (await client.post("/v1/embeddings", json={"input": TOKENS, "request_id": "body"},
+                                    headers={"X-Request-Id": "head"})).json()
+    assert special != plain  # the bundled tokenizer adds BOS
+    assert added["usage"]["prompt_tokens"] == len(special) and _close(added["data"][0]["embedding"], _reference(special))
+    assert left["usage"]["prompt_tokens"] == len(plain) and _close(left["data"][0]["embedding"], _reference(plain))
+    assert (added["id"], headed["id"]) == ("embd-r1", "embd-head")
 
 
 async def test_chat_messages_cut_keep_their_first_tokens(app, bundled_tokenizer) -> None:
@@ -160,6 +183,8 @@ async def test_invocations_with_input_are_embeddings(app) -> None:
     ({"input": "x", "add_generation_prompt": True}, 400, "add_generation_prompt"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
     ({"input": "x", "embed_dtype": "float16"}, 400, "embed_dtype"),
+    ({"input": "x", "add_special_tokens": False}, 400, "add_special_tokens"),  # built for messages only
+    ({"input": "x", "request_id": "r" * 1025}, 400, "request_id"),
     ({"input": [[5, 6], [999999]]}, 400, "input"),  # the engine's "prompt" named as the request's field
     ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ({"input": "x", "model": "gpt-4"}, 404, "model"),

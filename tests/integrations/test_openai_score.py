@@ -65,8 +65,16 @@ async def test_rerank_sorts_by_relevance(app, want) -> None:
     assert full["usage"]["total_tokens"] == sum(lengths[QUERY] + lengths[doc] for doc in DOCS)
 
 
+async def test_pooling_basics_user_and_request_id(app) -> None:
+    """vLLM's pooling requests all take ``user`` (unused) and ``request_id`` (the response's id after its prefix)."""
+    scored = await _post(app, "/v1/score", {"text_1": QUERY, "text_2": DOCS[0], "user": "u", "request_id": "s1"})
+    reranked = await _post(app, "/v2/rerank", {"query": QUERY, "documents": DOCS[:1], "user": "u", "request_id": "r1"})
+    assert (scored["id"], reranked["id"]) == ("score-s1", "rerank-r1")
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/classify", {"input": "def add(a, b):"}, "model"),  # a generative model has no classification head
+    ("/classify", {"messages": [{"role": "user", "content": "hi"}]}, "model"),  # chat messages too
     ("/v2/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/rerank", {"query": QUERY, "documents": ["a", ""]}, "documents"),
     ("/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
@@ -113,4 +121,5 @@ async def test_context_length_errors_name_the_route_as_vllm(app, bundled_engine,
     want.append(f"This model's maximum context length is {length} tokens. However, your request has {len(huge)} "
                 f"characters, at least {count} input tokens. Please reduce the length of the input messages.")
     assert [error["message"] for error in errors] == want
-    assert all((error["code"], error["param"]) == ("context_length_exceeded", "prompt") for error in errors), errors
+    params = ["input_tokens"] * 6 + ["prompt"]  # vLLM's pooling param (a generation's is not the pooling routes')
+    assert [(error["code"], error["param"]) for error in errors] == [("context_length_exceeded", p) for p in params]
