@@ -68,6 +68,9 @@ class RequestObserver:
         """The server's model name (`serve_as`), which no later `set_model_name` replaces."""
         self._span_failures: set[str] = set()
         """The kinds of span call ("start", "annotate", "end") that raised and were logged (once each)."""
+        self._steps: dict[str, list] = {}
+        """n > 1 requests' latest core step: [its time, the request's step before, inter-token latency observed]
+        (`_samples_step`), until the request ends."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
@@ -154,7 +157,9 @@ class RequestObserver:
                 stats.prompt_tokens_total += len(collector.prompt_token_ids)
             if last is None:
                 self._on_first_token(metrics, traced, now)
-            elif now != last:  # once per core step, however many samples of the request it carried
+            elif collector.num_samples > 1:
+                self._samples_step(collector.request_id, last, now, is_prefilling)
+            elif now != last:  # once per core step
                 stats.inter_token_latency.observe(now - last)
             metrics.last_token_time = now
             stats.generation_tokens_total += 0 if pooled else len(out.new_token_ids)
@@ -166,6 +171,18 @@ class RequestObserver:
             if metrics.finished_time is not None:  # the request's last sample
                 self._on_request_finished(collector, finish_reason, now, pooled)
 
+    def _samples_step(self, request_id: str, last: float, now: float, is_prefilling: bool) -> None:
+        """An n > 1 request's token after its first: the inter-token latency is observed once per core step, from
+        the request's step before, when a sample that had a token out before advanced in it. A step that carried
+        only samples' first tokens (a sample queued behind the others, its prefill) observes none: that wait was
+        no sample's inter-token latency."""
+        step = self._steps.get(request_id)
+        if step is None or step[0] != now:  # the step's first delta of this request (`last`: its step before)
+            step = self._steps[request_id] = [now, last, False]
+        if not is_prefilling and not step[2]:
+            step[2] = True
+            self.stats.inter_token_latency.observe(now - step[1])
+
     def _on_first_token(self, metrics: RequestMetrics, traced: _Traced | None, now: float) -> None:
         self.stats.time_to_first_token.observe(now - metrics.arrival_time)
         if traced is not None:
@@ -173,6 +190,7 @@ class RequestObserver:
 
     def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
                              pooled: bool) -> None:
+        self._steps.pop(collector.request_id, None)
         if finish_reason != "abort":
             observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), collector.num_samples,
                              pooled)
@@ -185,6 +203,7 @@ class RequestObserver:
     def on_aborted(self, collector: RequestCollector, now: float) -> None:
         """The caller left, or the engine closed, before this sample finished (called once per sample)."""
         self.stats.count_finished("abort")
+        self._steps.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
@@ -192,6 +211,7 @@ class RequestObserver:
 
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
+        self._steps.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.fail, traced.span, error, now)

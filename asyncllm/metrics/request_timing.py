@@ -26,8 +26,8 @@ _QUEUED, _SCHEDULED, _PREEMPTED = (
 def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None:
     """Fold one delta's core events into the request's metrics."""
     for event in events:
-        if event.type == _SCHEDULED:
-            if metrics.first_scheduled_time is None:
+        if event.type == _SCHEDULED:  # the earliest: an n > 1 request's samples' events come in any order
+            if metrics.first_scheduled_time is None or event.timestamp < metrics.first_scheduled_time:
                 metrics.first_scheduled_time = event.timestamp
         elif event.type == _PREEMPTED:
             metrics.num_preemptions += 1

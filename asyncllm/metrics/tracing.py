@@ -12,7 +12,10 @@ opentelemetry-api installed, `capture_context` returns None and no
 `RequestTracer` is made: the whole feature costs one None check per call site.
 
 Attributes follow the gen_ai semantic conventions; asyncllm's own timing
-goes under ``asyncllm.*``. Events: queued, scheduled, preempted, first_token,
+goes under ``asyncllm.*``, and each figure vLLM's ``llm_request`` span carries is
+also set under vLLM's name (``gen_ai.request.id``, ``gen_ai.usage.prompt_tokens``,
+``gen_ai.latency.time_in_queue``, ...: `VLLM_LATENCY`), so trace queries written
+for vLLM find them. Events: queued, scheduled, preempted, first_token,
 finished. A cancelled request ends with status ERROR "cancelled"; a failed
 one with status ERROR and the exception recorded.
 """
@@ -42,6 +45,17 @@ _EVENT_NAMES = {
     EngineCoreEventType.SCHEDULED: "scheduled",
     EngineCoreEventType.PREEMPTED: "preempted",
 }
+
+
+VLLM_LATENCY = {
+    "asyncllm.latency.queue": "gen_ai.latency.time_in_queue",
+    "asyncllm.latency.time_to_first_token": "gen_ai.latency.time_to_first_token",
+    "asyncllm.latency.prefill": "gen_ai.latency.time_in_model_prefill",
+    "asyncllm.latency.decode": "gen_ai.latency.time_in_model_decode",
+    "asyncllm.latency.inference": "gen_ai.latency.time_in_model_inference",
+    "asyncllm.latency.e2e": "gen_ai.latency.e2e",
+}
+"""Our latency attributes and vLLM's names for the same figures (vLLM's ``SpanAttributes``), both set."""
 
 
 def tracing_available() -> bool:
@@ -115,7 +129,8 @@ class RequestTracer:
         if not span.is_recording():
             return None
         if num_prompt_tokens:
-            span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+            span.set_attributes({"gen_ai.usage.input_tokens": num_prompt_tokens,
+                                 "gen_ai.usage.prompt_tokens": num_prompt_tokens})  # vLLM's name
         return span
 
     def _request_attributes(self, operation: str, request_id: str, params: SamplingParams) -> dict[str, Any]:
@@ -124,12 +139,14 @@ class RequestTracer:
             "gen_ai.provider.name": "asyncllm",
             "gen_ai.request.model": self.model_name,
             "gen_ai.response.id": request_id,
+            "gen_ai.request.id": request_id,  # vLLM's name
         }
         if operation == "embeddings":
             return attributes  # its sampling parameters are the pooling path's own, not the caller's
         attributes |= {
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
+            "gen_ai.request.n": params.n,  # vLLM's
         }
         if params.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = params.max_tokens
@@ -192,6 +209,7 @@ def _timing_attributes(metrics: RequestMetrics, num_cached_tokens: int | None,
     attributes: dict[str, Any] = {"asyncllm.request.num_preemptions": metrics.num_preemptions}
     if not pooled:
         attributes["gen_ai.usage.output_tokens"] = metrics.num_generated_tokens
+        attributes["gen_ai.usage.completion_tokens"] = metrics.num_generated_tokens  # vLLM's name
     if num_cached_tokens is not None:
         attributes["asyncllm.request.num_cached_tokens"] = num_cached_tokens
     for name, value in (
@@ -199,8 +217,9 @@ def _timing_attributes(metrics: RequestMetrics, num_cached_tokens: int | None,
         ("asyncllm.latency.time_to_first_token", metrics.time_to_first_token),
         ("asyncllm.latency.prefill", metrics.prefill_time),
         ("asyncllm.latency.decode", None if pooled else metrics.decode_time),
+        ("asyncllm.latency.inference", metrics.inference_time),
         ("asyncllm.latency.e2e", metrics.e2e_latency),
     ):
         if value is not None:
-            attributes[name] = value
+            attributes[name] = attributes[VLLM_LATENCY[name]] = value
     return attributes

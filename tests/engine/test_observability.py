@@ -164,6 +164,20 @@ async def test_span_is_a_child_of_the_callers_span_with_gen_ai_attributes(engine
     assert span.start_time == int(out.metrics.arrival_time * 1e9)
 
 
+async def test_span_carries_vllms_attribute_names_too(engine: AsyncEngine) -> None:
+    """vLLM's ``llm_request`` span names its figures gen_ai.request.id, gen_ai.usage.prompt_tokens,
+    gen_ai.latency.time_in_queue, ...: trace queries written for vLLM find them on ours, with the same values."""
+    out = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), request_id="traced-vllm")
+    (span,) = _spans_named("traced-vllm")
+    a, m = span.attributes, out.metrics
+    assert (a["gen_ai.request.id"], a["gen_ai.request.n"]) == ("traced-vllm", 1)
+    assert (a["gen_ai.usage.prompt_tokens"], a["gen_ai.usage.completion_tokens"]) == (len(PROMPTS[0]), 4)
+    for name, value in (("time_in_queue", m.queue_time), ("time_to_first_token", m.time_to_first_token),
+                        ("time_in_model_prefill", m.prefill_time), ("time_in_model_decode", m.decode_time),
+                        ("time_in_model_inference", m.inference_time), ("e2e", m.e2e_latency)):
+        assert a[f"gen_ai.latency.{name}"] == pytest.approx(value), name
+
+
 async def test_a_pooling_request_generates_nothing_and_finishes_stop_as_vllms(engine: AsyncEngine) -> None:
     before = _scrape(engine)
     out = await engine.embed(PROMPTS[2], request_id="traced-embed")
