@@ -125,6 +125,8 @@ class AdapterChecker:
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder), least recently used first."""
         self._lock = threading.Lock()
+        self._pinned: set[int] = set()
+        """Ids pinned (`AsyncEngine.pin_lora`): never forgotten as idle (their pin would end in the core)."""
 
     def check(self, request: LoRARequest) -> LoRARequest:
         """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter."""
@@ -159,19 +161,34 @@ class AdapterChecker:
             return set(self._checked)
 
     def forget(self, lora_int_id: int) -> bool:
-        """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
+        """`AsyncEngine.remove_lora`: the id names nothing here any more (nor is it pinned); whether it did."""
         with self._lock:
+            self._pinned.discard(lora_int_id)
             return self._checked.pop(lora_int_id, None) is not None
+
+    def given(self, lora_int_id: int) -> LoRARequest | None:
+        """The adapter as given for a checked id; None for an unknown one."""
+        with self._lock:
+            known = self._checked.get(lora_int_id)
+        return None if known is None else known[0]
+
+    def pin(self, lora_int_id: int, pinned: bool = True) -> None:
+        """`AsyncEngine.pin_lora`: the id is never forgotten as idle (``pinned`` False: it may be again)."""
+        with self._lock:
+            if pinned:
+                self._pinned.add(lora_int_id)
+            else:
+                self._pinned.discard(lora_int_id)
 
     def forget_idle(self, in_use: Callable[[], Container[int]]) -> list[int]:
         """Past `kept_ids` checked ids, forget the least recently used ones no request runs with (`in_use`: the ids of
-        the requests in flight, never forgotten; `IdleIds`); the ids forgotten, which the caller forgets in
-        the core too. Used again, such an id is checked afresh, and may name another folder. Called per request
+        the requests in flight, never forgotten, nor are the pinned ones; `IdleIds`); the ids forgotten, which the
+        caller forgets in the core too. Used again, such an id is checked afresh, and may name another folder. Called per request
         (by the processor thread alone): takes no lock while nothing is due (a request naming no adapter)."""
         if self._idle.settled(len(self._checked)):
             return []
         with self._lock:
-            forgotten = self._idle.to_forget(self._checked, in_use)
+            forgotten = self._idle.to_forget(self._checked, lambda: {*in_use(), *self._pinned})
             for lora_int_id in forgotten:
                 del self._checked[lora_int_id]
         return forgotten

@@ -23,10 +23,10 @@ import msgspec
 
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
-from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, LoRARemoved, RemoveLoRA, Sleep,
-                                       SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
-                                       call_error_fields, config_error_from_parts, config_error_parts,
-                                       worker_failure)
+from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, LoRAPinned, LoRARemoved, PinLoRA,
+                                       RemoveLoRA, Sleep, SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated,
+                                       WeightTensor, call_error, call_error_fields, config_error_from_parts,
+                                       config_error_parts, worker_failure)
 from asyncllm.protocol_worker import (CachedRequestData, CacheReady, FirstStageReport, GrammarBitmask, InitCache,
                                       JoinRendezvous, LogprobsArrays, ModelRunnerOutput, MultiModalItem,
                                       NewRequestData, PromptEmbeds, RendezvousOpened, SchedulerOutput, ShutdownWorker,
@@ -47,8 +47,8 @@ __all__ = [
     "WorkerReady", "CacheReady", "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
     # asyncllm/protocol_control.py
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts",
-    "call_error_fields", "call_error", "worker_failure",
+    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "PinLoRA", "LoRAPinned", "config_error_parts",
+    "config_error_from_parts", "call_error_fields", "call_error", "worker_failure",
 ]
 
 
@@ -121,7 +121,7 @@ class Heartbeat(msgspec.Struct, **_STRUCT):
 
 
 HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, AwaitWeights, Sleep,
-                    WakeUp, AddLoRA, RemoveLoRA, Heartbeat]
+                    WakeUp, AddLoRA, RemoveLoRA, PinLoRA, Heartbeat]
 
 
 # ---------------------------------------------------------------- core -> host
@@ -258,7 +258,7 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
     NotBuiltError)."""
 
 
-CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded, LoRARemoved]
+CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded, LoRARemoved, LoRAPinned]
 
 
 # ---------------------------------------------------------------- both ways

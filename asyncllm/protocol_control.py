@@ -4,7 +4,8 @@ and typed errors on the wire.
 Part of the wire protocol (asyncllm/protocol.py, which re-exports every name here): a call goes host -> core ->
 every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
 rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` and `RemoveLoRA` go to the core only, answered
-by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
+by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); `PinLoRA` goes host -> core -> every worker rank,
+answered by `LoRAPinned` (asyncllm/engine/core_lora.py); a refused call's error as ``error_*`` fields
 (`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] with its class as the message's
 ``error_type`` (`config_error_parts`; a NotBuiltError stays one, its rank note after its sentence), a worker's
 `WorkerError` as the core raises it (`worker_failure`).
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
-    "worker_failure",
+    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "PinLoRA", "LoRAPinned", "config_error_parts",
+    "config_error_from_parts", "call_error_fields", "call_error", "worker_failure",
 ]
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -171,6 +172,30 @@ class LoRARemoved(msgspec.Struct, **_STRUCT):
     error: str = ""
 
 
+class PinLoRA(msgspec.Struct, **_STRUCT):
+    """`AsyncEngine.pin_lora` (vLLM's): host -> core, the adapter as the host checked it (the core binds its id as
+    for `AddLoRA`, then pins it); core -> every worker rank, under its core id: read it now and keep it in a slot
+    and the CPU cache, never evicted. ``unpin`` (core -> workers only: `remove_lora` of a pinned id, or its host
+    gone): evictable again, the first to go."""
+
+    call_id: str
+    lora: LoRARequest
+    unpin: bool = False
+
+
+class LoRAPinned(msgspec.Struct, **_STRUCT):
+    """The answer to `PinLoRA`: from each worker rank to the core, and from the core to the host. ``error_type``
+    empty: pinned; otherwise nothing was pinned, and the error is rebuilt as `call_error` does (InvalidRequestError
+    naming the reason: no slot left to pin, an adapter the workers cannot read; EngineDeadError)."""
+
+    call_id: str
+    rank: int = 0
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    error: str = ""
+
+
 # ------------------------------------------------------------- error helpers
 def config_error_parts(exc: BaseException) -> list[str]:
     """A ConfigError as [field, value repr, allowed] for the wire (a NotBuiltError: [field, value repr, feature,
@@ -228,7 +253,7 @@ def call_error_fields(exc: AsyncLLMError) -> dict[str, str]:
     return {"error_type": "InvalidRequestError", "error_field": exc.field, "error": exc.message}
 
 
-def call_error(reply: "WeightsUpdated | SleepModeDone", default_field: str = "") -> AsyncLLMError | None:
+def call_error(reply: "WeightsUpdated | SleepModeDone | LoRAPinned", default_field: str = "") -> AsyncLLMError | None:
     """The typed error `call_error_fields` sent; None when the call succeeded."""
     if not reply.error_type:
         return None

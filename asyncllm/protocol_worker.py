@@ -13,7 +13,8 @@ import msgspec
 
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
-from asyncllm.protocol_control import _STRUCT, Sleep, SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated
+from asyncllm.protocol_control import (_STRUCT, LoRAPinned, PinLoRA, Sleep, SleepModeDone, UpdateWeights, WakeUp,
+                                       WeightsUpdated)
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
@@ -190,7 +191,8 @@ class JoinRendezvous(msgspec.Struct, **_STRUCT):
     port: int
 
 
-WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights, Sleep, WakeUp, JoinRendezvous]
+WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights, Sleep, WakeUp, JoinRendezvous,
+                      PinLoRA]
 
 
 # ------------------------------------------------------------- workers -> core
@@ -281,4 +283,4 @@ class WorkerError(msgspec.Struct, **_STRUCT):
 
 
 WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone,
-                      FirstStageReport, RendezvousOpened]
+                      FirstStageReport, RendezvousOpened, LoRAPinned]

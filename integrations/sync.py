@@ -217,7 +217,7 @@ class SyncEngine:
         return self.run(self._engine.list_loras())
 
     def pin_lora(self, lora_id: int) -> bool:
-        """`NotBuiltError` (see `AsyncEngine.pin_lora`)."""
+        """Keep LoRA adapter id `lora_id` from eviction; True (see `AsyncEngine.pin_lora`)."""
         return self.run(self._engine.pin_lora(lora_id))
 
     def reset_prefix_cache(self) -> bool:

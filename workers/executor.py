@@ -169,6 +169,11 @@ class Executor:
         self._broadcast(command, deadline)
         return self._gather(protocol.SleepModeDone, deadline, "sleep or wake up")
 
+    def pin_lora(self, command: protocol.PinLoRA) -> list[protocol.LoRAPinned]:
+        """Every rank pins or unpins a LoRA adapter (workers/lora_runner.py); their answers in rank order."""
+        self._broadcast(command, deadline := time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get())  # reads files
+        return self._gather(protocol.LoRAPinned, deadline, "pin a LoRA adapter")
+
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
         """Run one step on every rank; return the output rank's (`EngineDeadError` past the watchdog)."""
         assert not self._pending, "execute_model() with steps still in flight: collect() them first"

@@ -6,6 +6,12 @@ never sends more than ``max_loras`` adapters in one step): a slot already
 holding it is kept, otherwise the least recently used slot not needed by the
 step is overwritten. Adapter weights read from disk stay in a CPU cache of
 ``max_cpu_loras`` adapters, so swapping one back into a slot reads no file.
+
+A pinned adapter (`pin_lora`, vLLM's: `PinLoRA` from the core) is read at once and
+never leaves the CPU cache, nor its slot: the scheduler counts it against
+``max_loras``. Only the requests running when it was pinned may need its slot for a
+step (the core admitted them before); it then waits in the CPU cache and takes a
+slot again at a later step, reading no file. Unpinned, it is the first to go.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from typing import Any
 
 import torch
 
+from asyncllm import protocol
 from asyncllm.config import LoRAConfig
+from asyncllm.errors import InvalidRequestError
 from asyncllm.lora import LoRARequest, read_adapter
 from asyncllm.models.lora import LoRAContext, SlotBuffers, attach_lora_layers, load_adapter_tensors
 from asyncllm.models.lora_experts import ExpertsLoRA
@@ -24,7 +32,7 @@ from asyncllm.models.pipeline import in_missing_part
 from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.request_fields import RequestField
 
-__all__ = ["LoRARunner"]
+__all__ = ["LoRARunner", "pin_lora"]
 
 logger = logging.getLogger("asyncllm.workers")
 
@@ -51,12 +59,18 @@ class LoRARunner:
         """Adapter id -> its matrices on the CPU, least recently used first."""
         self.expert_slots: set[int] = set()
         """The slots whose adapter has matrices of the experts (a step running one takes the experts' LoRA path)."""
+        self.pinned: dict[int, LoRARequest] = {}
+        """Adapter id -> the pinned adapter (`pin`): never evicted from the CPU cache, nor from a slot but by a step
+        of more adapters than the unpinned slots hold (the requests running when it was pinned)."""
+        self.released = False
+        """Sleep mode released the slots: a pinned adapter waits in the CPU cache until they are back."""
 
     def release_slots(self) -> None:
         """Sleep mode: the slots' memory goes with the weights'; every adapter is set again at its next step,
         from the CPU cache or its folder."""
         for layer in self.layers.values():
             layer.release()
+        self.released = True
         self.slots.clear()
         self.expert_slots.clear()
         self.context.set_step(None)  # the wake-up's graph capture runs without the last step's adapters
@@ -64,6 +78,43 @@ class LoRARunner:
     def reallocate_slots(self) -> None:
         for layer in self.layers.values():
             layer.reallocate()
+        self.released = False
+
+    def pin(self, adapter: LoRARequest) -> None:
+        """Keep `adapter` in the CPU cache (read now if it is not there) and a slot until `unpin`; raises what
+        reading it raises, pinning nothing."""
+        self._load(adapter)
+        self.pinned[adapter.lora_int_id] = adapter
+        self._place_pinned({})
+
+    def unpin(self, adapter_id: int) -> None:
+        """`remove_lora` of a pinned id: evictable again, and the first to go from its slot and the CPU cache."""
+        self.pinned.pop(adapter_id, None)
+        for cache in (self.slots, self.cpu_cache):
+            if adapter_id in cache:
+                cache.move_to_end(adapter_id, last=False)
+        self._trim_cpu_cache()
+
+    def _place_pinned(self, needed: dict[int, LoRARequest]) -> None:
+        """Each pinned adapter out of a slot (just pinned, after sleep mode, or pushed out by a step) takes a free
+        slot, or an unpinned adapter's slot that the step (`needed`) does not use; from the CPU cache."""
+        if self.released:
+            return
+        for adapter_id, adapter in self.pinned.items():
+            if adapter_id not in self.slots and self._slot_for(needed, free_only=True) is not None:
+                self._ensure_slot(adapter, needed)
+
+    def _slot_for(self, needed: dict[int, LoRARequest], free_only: bool = False) -> int | None:
+        """The slot to fill (nothing changed): a free one, else the least recently used unpinned adapter's that the
+        step (`needed`) does not use, else (not `free_only`: the requests running when an adapter was pinned) a
+        pinned one's; None: none."""
+        used = set(self.slots.values())
+        free = next((slot for slot in range(self.num_slots) if slot not in used), None)
+        if free is not None:
+            return free
+        unpinned = [other for other in self.slots if other not in needed and other not in self.pinned]
+        victims = unpinned or ([] if free_only else [other for other in self.slots if other not in needed])
+        return self.slots[victims[0]] if victims else None
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         self.requests.update_states(sched_out)
@@ -91,6 +142,7 @@ class LoRARunner:
                              adapter.lora_path, exc)
                 errors[adapter_id] = (f"lora_request: the workers could not load the adapter at {adapter.lora_path} "
                                       f"({type(exc).__name__}: {exc})")
+        self._place_pinned(needed)  # a pinned adapter a step pushed out takes a slot back once one frees
         failed = {req_id: errors[a.lora_int_id] for req_id, a in zip(req_ids, adapters)
                   if a is not None and a.lora_int_id in errors}
         for req_id in failed:
@@ -111,13 +163,10 @@ class LoRARunner:
             self.slots.move_to_end(adapter_id)
             return
         loaded = self._load(adapter)  # first: an adapter that cannot be read changes no slot
-        used = set(self.slots.values())
-        free = [slot for slot in range(self.num_slots) if slot not in used]
-        if free:
-            slot = free[0]
-        else:
-            victim = next(other for other in self.slots if other not in needed)
-            slot = self.slots.pop(victim)
+        slot = self._slot_for(needed)
+        assert slot is not None, "more adapters in one step than slots"
+        for holder in [other for other, held in self.slots.items() if held == slot]:
+            del self.slots[holder]
         for layer in self.layers.values():
             layer.clear(slot)
         self.expert_slots.discard(slot)
@@ -140,6 +189,31 @@ class LoRARunner:
             return cached
         loaded = load_adapter_tensors(read_adapter(adapter.lora_path), self.model)
         self.cpu_cache[adapter.lora_int_id] = loaded
-        while len(self.cpu_cache) > self.max_cpu_loras:
-            self.cpu_cache.popitem(last=False)
+        self._trim_cpu_cache()
         return loaded
+
+    def _trim_cpu_cache(self) -> None:
+        """Down to ``max_cpu_loras`` adapters, least recently used first, pinned ones never."""
+        evictable = [adapter_id for adapter_id in self.cpu_cache if adapter_id not in self.pinned]
+        for adapter_id in evictable[:max(0, len(self.cpu_cache) - self.max_cpu_loras)]:
+            del self.cpu_cache[adapter_id]
+
+
+def pin_lora(runner: Any, command: protocol.PinLoRA, rank: int) -> protocol.LoRAPinned:
+    """A `PinLoRA` on this rank: pin (or unpin) the adapter; the answer carries an adapter it cannot read."""
+    lora_runner: LoRARunner | None = getattr(runner, "lora_runner", None)
+    if lora_runner is None:
+        error = InvalidRequestError("lora_id", "this engine serves no LoRA adapters: start it with enable_lora=True")
+        return protocol.LoRAPinned(command.call_id, rank, **protocol.call_error_fields(error))
+    adapter = command.lora
+    if command.unpin:
+        lora_runner.unpin(adapter.lora_int_id)
+        return protocol.LoRAPinned(command.call_id, rank)
+    try:
+        lora_runner.pin(adapter)
+    except Exception as exc:  # noqa: BLE001 - an unreadable adapter fails the call, not the worker
+        logger.error("LoRA adapter %r at %s could not be pinned: %s", adapter.lora_name, adapter.lora_path, exc)
+        error = InvalidRequestError("lora_id", f"the workers could not load the adapter at {adapter.lora_path} "
+                                               f"({type(exc).__name__}: {exc})")
+        return protocol.LoRAPinned(command.call_id, rank, **protocol.call_error_fields(error))
+    return protocol.LoRAPinned(command.call_id, rank)

@@ -238,6 +238,10 @@ class Worker:
 
                 self.sleeper = self.sleeper or RunnerSleep(self.runner)
                 self.send(self.sleeper.handle(command, self.rank))
+            elif isinstance(command, protocol.PinLoRA):  # after the flush: no step reads the slots meanwhile
+                from asyncllm.workers.lora_runner import pin_lora
+
+                self.send(pin_lora(self.runner, command, self.rank))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command
                 pipeline.close()

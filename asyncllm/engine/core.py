@@ -36,6 +36,7 @@ from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.sync_step import sync_step
 from asyncllm.engine.kv_budget import served_config, swap_blocks
+from asyncllm.engine.core_lora import pin_again, pin_lora, unpin_removed
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.sample_groups import SampleGroups
@@ -67,7 +68,8 @@ class EngineCore:
         self.tasks: frozenset[str] | None = None
         """What the model serves ("generate", "embed", "classify"), as the workers report it; None: unknown (requests
         are not checked)."""
-        self.lora_ids = HostLoRAIds(kept_lora_ids(config.lora_config.resolved_max_cpu_loras), self.running_lora_ids)
+        self.lora_ids = HostLoRAIds(kept_lora_ids(config.lora_config.resolved_max_cpu_loras), self.running_lora_ids,
+                                    config.max_loras if config.enable_lora else 0)
         """Each host's LoRA adapter ids -> the core's (asyncllm/engine/lora_ids.py); a detached host's are
         forgotten (`forget_host`), and each host's least recently used idle ones past a bound."""
         self.stats_reporter: bytes | None = None
@@ -92,6 +94,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len,
                                    num_cpu_blocks=num_swap_blocks, state_checkpoints=self.executor.state_checkpoints,
                                    num_offload_blocks=num_offload_blocks, kv_budget_field=self.executor.kv_budget_field)
+        self.scheduler.pinned_loras = self.lora_ids.pinned.keys()  # pinned adapters hold their slots (core_lora.py)
         spec = config.scheduler_config.speculative
         self.structured = StructuredOutputManager(
             config.tokenizer or config.model, self.executor.vocab_size, config.structured_output_compile_timeout_s,
@@ -165,6 +168,11 @@ class EngineCore:
     def recover_workers(self, exc: errors.EngineDeadError) -> None:
         """Replace failed workers; every running request is recomputed (`EngineDeadError` past the budget)."""
         self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
+        try:
+            pin_again(self)  # before they are put back to sleep: a pinned adapter waits in the CPU cache then
+        except errors.EngineDeadError as again:
+            self.recover_workers(again)
+            return
         self.sleep.after_restart()  # they started awake
 
     def _check_idle_workers(self) -> None:
@@ -217,7 +225,7 @@ class EngineCore:
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
                                 protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp,
-                                protocol.AddLoRA, protocol.RemoveLoRA, protocol.Heartbeat)) \
+                                protocol.AddLoRA, protocol.RemoveLoRA, protocol.PinLoRA, protocol.Heartbeat)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             answer = unknown_host_answer(message)  # its caller must not wait (a host taken for dead, say)
@@ -256,7 +264,11 @@ class EngineCore:
         elif isinstance(message, protocol.AddLoRA):
             self.io.send(client_id, self.lora_ids.add(client_id, message, self.config.enable_lora))
         elif isinstance(message, protocol.RemoveLoRA):
-            self.io.send(client_id, self.lora_ids.remove(client_id, message))
+            reply = self.lora_ids.remove(client_id, message)
+            unpin_removed(self)  # a pinned id: unpinned on the workers before the caller goes on
+            self.io.send(client_id, reply)
+        elif isinstance(message, protocol.PinLoRA):
+            pin_lora(self, client_id, message)
         elif isinstance(message, protocol.Goodbye):
             self._remove_client(client_id)
             if message.shutdown:
@@ -287,6 +299,7 @@ class EngineCore:
         self.liveness.forget(client_id)
         self.mm_cache.detach(client_id)
         self.lora_ids.forget_host(client_id)
+        unpin_removed(self)
         if self.stats_reporter == client_id:
             self.stats_reporter = self.liveness.reporter(self.clients)
 

@@ -172,6 +172,8 @@ def unknown_host_answer(message: protocol.HostMessage) -> protocol.CoreMessage |
         return protocol.LoRAAdded(message.call_id, **fields)
     if isinstance(message, protocol.RemoveLoRA):
         return protocol.LoRARemoved(message.call_id, **fields)
+    if isinstance(message, protocol.PinLoRA):
+        return protocol.LoRAPinned(message.call_id, **fields)
     if isinstance(message, protocol.Heartbeat):  # detached while silent (a lost network): its streams must not wait
         return protocol.EngineFailed("EngineDeadError", f"{error}: it was silent past host_heartbeat_timeout_s")
     return None

@@ -1,7 +1,7 @@
 """`EngineControl`: the methods of `AsyncEngine` (asyncllm/engine/async_engine.py) that change what the running
-engine holds rather than run a request, a mixin: LoRA adapters checked ahead, listed and forgotten (`add_lora`,
-`list_loras`, `remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep
-mode (docs/sleep-mode.md), on every replica."""
+engine holds rather than run a request, a mixin: LoRA adapters checked ahead, listed, pinned and forgotten
+(`add_lora`, `list_loras`, `pin_lora`, `remove_lora`), the prefix cache forgotten, live weight updates
+(docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from asyncllm.engine.replica import ReplicaSet
 from asyncllm.engine.sleep import check_level, check_tags
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.weight_update import new_checkpoint_config
-from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.errors import InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import EngineStats
 
@@ -58,8 +58,8 @@ class EngineControl:
     async def remove_lora(self, lora_id: int) -> bool:
         """Forget the LoRA adapter id `lora_id` (vLLM's ``remove_lora``), here and in the engine core: the id used
         again is checked and bound afresh, so it may name another folder, whose weights the workers read anew.
-        Requests already running with it finish with it. Returns whether any replica knew the id (False: an
-        unknown one, as vLLM's)."""
+        Requests already running with it finish with it; a pinned id is unpinned (`pin_lora`). Returns whether any
+        replica knew the id (False: an unknown one, as vLLM's)."""
         if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
         await self.start()
@@ -77,9 +77,31 @@ class EngineControl:
         return set().union(*(processor.lora_ids() for processor in processors))
 
     async def pin_lora(self, lora_id: int) -> bool:
-        """vLLM's ``pin_lora`` (keep an adapter from eviction): `NotBuiltError`. Adapters leave the workers' slots
-        and CPU cache least recently used first, read again from their folder when used (docs/lora.md)."""
-        raise NotBuiltError("pin_lora", lora_id, "pinning a LoRA adapter against eviction (vLLM's pin_lora)")
+        """Keep the LoRA adapter ``lora_id`` (added with `add_lora` or used by a request) from eviction (vLLM's
+        ``pin_lora``): every worker reads it now if it has not, into its CPU cache and an adapter slot, and keeps it
+        there until `remove_lora` of the id unpins it; on every replica (one that has not seen the id checks and
+        binds it first). Returns True. `InvalidRequestError` naming ``lora_id``, the engine serving on: an id this
+        engine does not know, more pinned adapters than ``max_loras`` slots, the last slot while requests with other
+        adapters are in the engine, an adapter the workers cannot read (docs/lora.md)."""
+        if not is_int(lora_id):
+            raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
+        await self.start()
+        processors = await self._replicas.serving_processors()
+        given = next((lora for lora in (processor.lora_given(lora_id) for processor in processors) if lora), None)
+        if given is None:
+            raise InvalidRequestError("lora_id", f"no adapter has lora_int_id {lora_id} here: add_lora it (or use "
+                                                 "it in a request) first")
+        checked = [await anyio.to_thread.run_sync(processor.check_lora, given) for processor in processors]
+        for processor in processors:
+            processor.pin_lora_id(lora_id)  # before the call: never forgotten as idle meanwhile
+        try:
+            await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
+                                 for processor, lora in zip(processors, checked)])
+        except BaseException:
+            for processor in processors:  # idle again: forgotten, it is unpinned in a core that pinned it
+                processor.pin_lora_id(lora_id, pinned=False)
+            raise
+        return True
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or

@@ -175,9 +175,10 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         message.call_id, future = self._sleep_calls.new()
         return self._send_call(self._sleep_calls, message, future)
 
-    def lora_call(self, message: protocol.AddLoRA | protocol.RemoveLoRA) -> concurrent.futures.Future[Any]:
-        """Send `AddLoRA` (the adapter as `check_lora` returned it) or `RemoveLoRA`, its call_id set here; the
-        future of the core's answer (None, or whether it knew the removed id)."""
+    def lora_call(self, message: protocol.AddLoRA | protocol.RemoveLoRA | protocol.PinLoRA
+                  ) -> concurrent.futures.Future[Any]:
+        """Send `AddLoRA` or `PinLoRA` (the adapter as `check_lora` returned it) or `RemoveLoRA`, its call_id set
+        here; the future of the core's answer (None, True once pinned, or whether it knew the removed id)."""
         message.call_id, future = self._lora_calls.new()
         return self._send_call(self._lora_calls, message, future)
 

@@ -123,7 +123,7 @@ class ProcessorOutputs:
         if isinstance(message, protocol.SleepModeDone):
             self._sleep_calls.resolve(message)
             return
-        if isinstance(message, (protocol.LoRAAdded, protocol.LoRARemoved)):
+        if isinstance(message, (protocol.LoRAAdded, protocol.LoRARemoved, protocol.LoRAPinned)):
             self._lora_calls.resolve(message)
             return
         if not isinstance(message, protocol.Outputs):

@@ -191,6 +191,15 @@ class ProcessorRequests:
         """`AsyncEngine.remove_lora`: the adapter id is checked again when used again; whether it was known."""
         return self._lora is not None and self._lora.forget(lora_int_id)
 
+    def lora_given(self, lora_int_id: int) -> LoRARequest | None:
+        """`AsyncEngine.pin_lora`: the adapter of a checked id, as given; None for an id this replica does not know."""
+        return None if self._lora is None else self._lora.given(lora_int_id)
+
+    def pin_lora_id(self, lora_int_id: int, pinned: bool = True) -> None:
+        """`AsyncEngine.pin_lora`: a pinned id is never forgotten as idle (``pinned`` False: it may be again)."""
+        if self._lora is not None:
+            self._lora.pin(lora_int_id, pinned)
+
 
 def sample_request_ids(request_id: str, n: int, submission: int) -> list[str]:
     """Core request ids of a request's samples: ``<id>#<submission>`` when n == 1, else ``<id>#<submission>-<i>``.

@@ -194,10 +194,12 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
 
 
 def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object, torch.Tensor, torch.Tensor, float]]:
-    """The adapter's matrices as (projection module name, part, A, B, scaling), on the CPU."""
-    from safetensors.torch import load_file
+    """The adapter's matrices as (projection module name, part, A, B, scaling), on the CPU, in memory of their own:
+    not mapped from the file, so one rewritten in place while they are cached (or pinned) is never read again."""
+    from safetensors.torch import load
 
-    tensors = load_file(adapter.weights_path, device="cpu")
+    with open(adapter.weights_path, "rb") as f:
+        tensors = load(f.read())
     loaded = []
     also = getattr(model, "lora_also_parts", lambda param_name, part: ())
     reordered = getattr(model, "lora_b_rows", lambda name, weight: weight)  # B's rows as the weight's are laid out

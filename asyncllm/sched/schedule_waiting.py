@@ -151,7 +151,8 @@ def _adapter_bound(sched: Scheduler, head: Request, victims: list[Request]) -> i
     for num_victims in range(len(victims) + 1):
         if num_victims and counts.get(victims[num_victims - 1].lora_int_id, 0) > 0:
             counts[victims[num_victims - 1].lora_int_id] -= 1
-        if not _one_too_many(head.lora_int_id, {lora for lora, n in counts.items() if n}, sched.max_loras):
+        if not _one_too_many(head.lora_int_id, {lora for lora, n in counts.items() if n} | set(sched.pinned_loras),
+                             sched.max_loras):
             return num_victims
     return len(victims) + 1
 
@@ -234,6 +235,7 @@ def schedule_waiting(sched: Scheduler, step: _Step) -> None:
     last: their prefix-cache hits, a swapped request's swap-in, then the prompt or a chunk of it."""
     kv = sched.kv_cache_manager
     loras = {r.lora_int_id for r in sched.running if r.lora_int_id} if sched.max_loras and sched.waiting else set()
+    loras.update(sched.pinned_loras)  # a pinned adapter holds its slot (pin_lora)
     skipped: list[Request] = []  # their adapter would be one too many (max_loras), or is held: they keep their place
     draining = False  # a request skipped over MAX_LORA_SKIPS steps waits: adapter requests after it are held
     while sched.waiting and step.budget > 0 and len(sched.running) < sched.max_num_seqs:

@@ -142,6 +142,7 @@ class Scheduler:
         self.policy: str = config.scheduling_policy
         self.max_loras: int = config.max_loras if config.enable_lora else 0
         """Adapters among the running requests at most (0: LoRA off)."""
+        self.pinned_loras: Iterable[int] = frozenset()  # pin_lora's adapters (the core's): each holds a slot
         checkpoints = (StateCheckpoints(config.mamba_block_size, self.block_size, state_checkpoints)
                        if state_checkpoints and config.enable_prefix_caching else None)
         offload = CPUPrefixCache(num_cpu_blocks, num_offload_blocks) if num_offload_blocks else None

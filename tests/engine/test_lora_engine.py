@@ -12,7 +12,7 @@ import threading
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncEngine, InvalidRequestError, LoRARequest, NotBuiltError, SamplingParams, lora_checker
+from asyncllm import AsyncEngine, InvalidRequestError, LoRARequest, SamplingParams, lora_checker
 from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import random_prompts
 from hf_reference import hf_greedy
@@ -124,7 +124,8 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, lo
 
 async def test_remove_lora_forgets_the_id_and_running_requests_finish_with_it(
         tiny_llama: str, lora_engine: AsyncEngine, adapters: list[LoRARequest]) -> None:
-    """`remove_lora` and `list_loras` (vLLM's; `pin_lora` is refused as not built): add/remove cycles leave no id in the host's checker (the core's map: the unit test);
+    """`remove_lora` and `list_loras` (vLLM's; `pin_lora`: test_lora_pin_engine.py): add/remove cycles leave no id
+    in the host's checker (the core's map: the unit test);
     an unknown id is False; a request running with the removed id, and one with another adapter, finish with
     PEFT's tokens; the id added again for another folder serves that folder, not the old weights."""
     a1, a2 = adapters[:2]
@@ -137,8 +138,6 @@ async def test_remove_lora_forgets_the_id_and_running_requests_finish_with_it(
         assert 100 + i not in await lora_engine.list_loras()
     assert len(checked) == known and await lora_engine.remove_lora(100) is False
     assert await lora_engine.list_loras() == set(checked)
-    with pytest.raises(NotBuiltError, match="pin_lora"):
-        await lora_engine.pin_lora(a1.lora_int_id)
     prompt = random_prompts(1, seed=13, max_len=30)[0]
     moved = LoRARequest("moved", 200, a1.lora_path)
     other = asyncio.ensure_future(lora_engine.generate(prompt, GREEDY, lora_request=a2))
