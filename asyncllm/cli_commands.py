@@ -17,6 +17,7 @@ from asyncllm import envs
 from asyncllm.chat_content import CONTENT_FORMATS
 from asyncllm.child_logging import log_to_stderr
 from asyncllm.cli_args import add_engine_args, engine_kwargs, json_object
+from asyncllm.cli_tracing import add_tracing_args, start_tracing
 from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
@@ -92,6 +93,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="chat template variables for every request, under a request's own chat_template_kwargs, "
                             "e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
     _add_request_log_args(serve)
+    add_tracing_args(serve)
     _add_http_args(serve)
     add_config_arg(serve)
     add_engine_args(serve)
@@ -283,6 +285,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     check_tls_args(args, parser)
+    start_tracing(args, parser)  # before the engine: its spans come from the process's tracer provider
     try:
         engine, app = _serve_app(args, parser)
         log_stats(engine.config)

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from asyncllm.cli_commands import uvicorn_kwargs
+from asyncllm.cli_tracing import flush_traces
 from asyncllm.engine.heap import freeze_startup_heap
 from asyncllm.errors import AsyncLLMError, ConfigError
 from asyncllm.integrations.openai_lora import start_server
@@ -107,6 +108,7 @@ async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.sock
                         logger.warning("closing the engine at shutdown failed: %r", error)
         finally:
             signal.signal(signal.SIGTERM, previous)
+        flush_traces()  # --otlp-traces-endpoint's last spans, before a SIGTERM ends the process (no atexit then)
         if terms:
             _remove_then_die(uds, signal.SIGTERM)
 

@@ -84,11 +84,13 @@ class _Handlers:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         from asyncllm.metrics.multiprocess import multiprocess_dir, multiprocess_latest
+        from asyncllm.metrics.runtime import with_runtime
 
         if multiprocess_dir() is not None:  # every host process's series, summed (vLLM's multiprocess mode)
             body = await asyncio.to_thread(multiprocess_latest)  # file writes and reads: off the event loop
             return Response(body, media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        # with prometheus_client's process_*, python_gc_* and python_info, as vLLM's (asyncllm/metrics/runtime.py)
+        return Response(with_runtime(generate_latest(registry)), media_type=CONTENT_TYPE_LATEST)
 
 
 def _model_permission(created: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Each `CollectorRegistry` holds one `AsyncLLMCollector`, shared by every engine
 that uses the registry (the host's registry passed as ``prometheus_registry=``,
 or a private one per engine). At scrape time it reads the engines' `HostStats`
 (held weakly: a garbage-collected engine drops out) and sums engines that
-serve the same ``model_name``. Summed counters never go down: an engine closed
+serve the same ``model_name`` (and data-parallel replica index). Summed counters never go down: an engine closed
 for good (`retire`) leaves its final counters and histograms in its model's
 totals, and a core that stopped or died leaves its engine-wide counters
 (`HostStats.retired_engine`); only its gauges leave. Nothing is ever registered in
@@ -17,10 +17,10 @@ host exports them, so hosts sharing one core report them once. Request series (t
 finished requests, latency and length histograms) are exported by each host
 for its own requests; Prometheus sums them across processes.
 
-With data_parallel_size > 1 every replica's core has its own `HostStats`: the
-engine-wide series are exported per replica with vLLM's ``engine="<index>"``
-label (``sum by (model_name)`` adds them up); the request series are summed
-over the replicas, as over engines.
+Every series carries vLLM's ``engine="<index>"`` label beside ``model_name``, as
+vLLM's V1 series do: ``engine="0"`` for an engine without data parallelism. With
+data_parallel_size > 1 every replica's core has its own `HostStats` and each
+series is exported per replica (``sum by (model_name)`` adds them up).
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set, each collector's series are also written
 to prometheus_client's per-process files (`asyncllm.metrics.multiprocess`), so one
@@ -48,11 +48,11 @@ from asyncllm.protocol import SchedulerStats
 __all__ = ["AsyncLLMCollector", "attach", "process_families", "PREFIX", "retire"]
 
 PREFIX = "asyncllm:"
-_LABELS = ["model_name"]
-_EngineKey = tuple[str, "int | None"]
-"""(model_name, data-parallel replica index or None): one engine-wide series each."""
-_Views = dict[str, list[tuple["int | None", EngineView]]]
-"""Per model, each engine's replica index and `HostStats.engine`, read once per scrape."""
+_LABELS = ["model_name", "engine"]
+_EngineKey = tuple[str, int]
+"""(model_name, data-parallel replica index: 0 without data parallelism): one series each (vLLM's labels)."""
+_Views = dict[_EngineKey, list[EngineView]]
+"""Per model and replica, each engine's `HostStats.engine`, read once per scrape."""
 
 _GAUGES: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_requests_running),
@@ -150,7 +150,7 @@ class AsyncLLMCollector(Collector):
             return [*self._sources, *self._retired.values()]
 
     def collect(self) -> Iterable[Metric]:
-        return _families(_by_model(self.sources()))
+        return _families(_by_engine(self.sources()))
 
 
 def process_families(collectors: Iterable[AsyncLLMCollector]) -> tuple[list[list[Metric]], list[Metric]]:
@@ -161,23 +161,24 @@ def process_families(collectors: Iterable[AsyncLLMCollector]) -> tuple[list[list
     per_collector: list[list[Metric]] = []
     merged: _Views = defaultdict(list)
     for collector in collectors:
-        by_model = _by_model(collector.sources())
-        views = _views(by_model)
-        per_collector.append(list(_families(by_model, views, gauges=False)))
-        for model, group in views.items():
-            merged[model].extend(group)
+        by_engine = _by_engine(collector.sources())
+        views = _views(by_engine)
+        per_collector.append(list(_families(by_engine, views, gauges=False)))
+        for key, group in views.items():
+            merged[key].extend(group)
     return per_collector, list(_gauges(_engine_stats(merged)))
 
 
-def _by_model(sources: list[HostStats]) -> dict[str, list[HostStats]]:
-    by_model: dict[str, list[HostStats]] = defaultdict(list)
+def _by_engine(sources: list[HostStats]) -> dict[_EngineKey, list[HostStats]]:
+    """`sources` per model and replica index (None, an engine without data parallelism, is replica 0 as in vLLM)."""
+    by_engine: dict[_EngineKey, list[HostStats]] = defaultdict(list)
     for stats in sources:
-        by_model[stats.model_name].append(stats)
-    return by_model
+        by_engine[(stats.model_name, stats.engine_index or 0)].append(stats)
+    return by_engine
 
 
-def _views(by_model: dict[str, list[HostStats]]) -> _Views:
-    return {model: [(h.engine_index, h.engine) for h in group] for model, group in by_model.items()}
+def _views(by_engine: dict[_EngineKey, list[HostStats]]) -> _Views:
+    return {key: [h.engine for h in group] for key, group in by_engine.items()}
 
 
 def _gauges(engines: dict[_EngineKey, SchedulerStats]) -> Iterator[Metric]:
@@ -189,9 +190,9 @@ def _gauges(engines: dict[_EngineKey, SchedulerStats]) -> Iterator[Metric]:
     yield _lora_info(engines)
 
 
-def _families(by_model: dict[str, list[HostStats]], views: _Views | None = None,
+def _families(by_engine: dict[_EngineKey, list[HostStats]], views: _Views | None = None,
               gauges: bool = True) -> Iterator[Metric]:
-    views = _views(by_model) if views is None else views  # each engine's view read once
+    views = _views(by_engine) if views is None else views  # each engine's view read once
     engines = _engine_stats(views)
     if gauges:
         yield from _gauges(engines)
@@ -203,33 +204,32 @@ def _families(by_model: dict[str, list[HostStats]], views: _Views | None = None,
         yield family
     for name, doc, read_host in _REQUEST_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
-        for model, group in by_model.items():
-            family.add_metric([model], sum(read_host(h) for h in group))
+        for key, group in by_engine.items():
+            family.add_sample(PREFIX + name + "_total", _labels(key), sum(read_host(h) for h in group))
         yield family
-    yield _request_success(by_model)
+    yield _request_success(by_engine)
     yield _accepted_per_pos(counters)
     for name, doc, attribute in _HISTOGRAMS:
         family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)
-        for model, group in by_model.items():
+        for key, group in by_engine.items():
             buckets, total = _merged_buckets([getattr(h, attribute) for h in group])
-            family.add_metric([model], buckets, total)
+            family.add_metric(list(_labels(key).values()), buckets, total)
         yield family
 
 
 def _engine_stats(views: _Views) -> dict[_EngineKey, SchedulerStats]:
     """Per model (and data-parallel replica), the core snapshots of the engines this process reports for, summed."""
     reported: dict[_EngineKey, list[SchedulerStats]] = defaultdict(list)
-    for model, group in views.items():
-        for engine_index, view in group:
+    for key, group in views.items():
+        for view in group:
             if view.reports_engine:
-                reported[(model, engine_index)].append(view.scheduler)
+                reported[key].append(view.scheduler)
     return {key: group[0] if len(group) == 1 else summed_snapshots(group) for key, group in reported.items()}
 
 
 def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
     model, engine_index = key
-    labels = {"model_name": model} if engine_index is None else {"model_name": model, "engine": str(engine_index)}
-    return {**labels, **extra}
+    return {"model_name": model, "engine": str(engine_index), **extra}
 
 
 def _engine_counters(views: _Views, engines: dict[_EngineKey, SchedulerStats]) -> dict[_EngineKey, SchedulerStats]:
@@ -237,10 +237,9 @@ def _engine_counters(views: _Views, engines: dict[_EngineKey, SchedulerStats]) -
     `host_stats.engine_counters` per host: a core's live counters come once, from the host that reports it,
     and every host's retired ones are added to its key."""
     counters = dict(engines)
-    for model, group in views.items():
-        for engine_index, view in group:
+    for key, group in views.items():
+        for view in group:
             if view.retired_engine != NO_COUNTERS:
-                key = (model, engine_index)
                 counters[key] = summed_snapshots([counters[key], view.retired_engine]) if key in counters \
                     else view.retired_engine
     return counters
@@ -271,16 +270,16 @@ def _accepted_per_pos(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
     return family
 
 
-def _request_success(by_model: dict[str, list[HostStats]]) -> Metric:
+def _request_success(by_engine: dict[_EngineKey, list[HostStats]]) -> Metric:
     family = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
                                  labels=[*_LABELS, "finished_reason"])
-    for model, group in by_model.items():
+    for key, group in by_engine.items():
         totals: dict[str, int] = defaultdict(int)
         for stats in group:
             for reason, count in list(stats.request_success.items()):
                 totals[reason] += count
         for reason, count in totals.items():
-            family.add_metric([model, reason], count)
+            family.add_sample(family.name + "_total", _labels(key, finished_reason=reason), count)
     return family
 
 

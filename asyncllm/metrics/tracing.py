@@ -1,8 +1,9 @@
 """One OpenTelemetry span per request, from the tracer provider the host set.
 
-asyncllm never installs a provider or an exporter: spans come from
+The engine never installs a provider or an exporter: spans come from
 ``opentelemetry.trace.get_tracer("asyncllm")``, which is a no-op until the
-host sets its provider. The caller's context is captured on its task as its
+host sets its provider (``asyncllm serve --otlp-traces-endpoint``, asyncllm's own
+process, sets one: asyncllm/cli_tracing.py). The caller's context is captured on its task as its
 `RequestStream` is made (the processor thread has none), so the span is a child
 of the span current where `stream()` / `generate()` / `chat()` was called,
 wherever the stream is iterated. Spans are started, annotated and ended on the

@@ -173,16 +173,23 @@ async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_ll
     assert await engine.update_weights(tiny_llama) == 3
 
 
-async def test_engine_series_carry_the_engine_label_and_request_series_are_summed(engine: AsyncEngine) -> None:
-    await _until(lambda: engine.stats().num_used_blocks == 0)
+async def test_every_series_carries_the_engine_label_of_its_replica(engine: AsyncEngine) -> None:
     registry, model = engine.metrics_registry, engine._observer.stats.model_name
+
+    def every_replica_reported() -> bool:  # run alone, replica 1's first snapshot may not have come yet
+        running = [registry.get_sample_value("asyncllm:num_requests_running", {"model_name": model, "engine": str(i)})
+                   for i in range(engine.config.data_parallel_size)]
+        return running == [0] * len(running) and engine.stats().num_used_blocks == 0
+
+    await _until(every_replica_reported)
     s = engine.stats()
     for index, replica in enumerate(s.replicas):
         labels = {"model_name": model, "engine": str(index)}
         assert registry.get_sample_value("asyncllm:num_requests_running", labels) == 0
         assert registry.get_sample_value("asyncllm:prefix_cache_hits_total", labels) == replica.prefix_cache_hits
+        assert registry.get_sample_value("asyncllm:prompt_tokens_total", labels) == replica.prompt_tokens_total
     assert registry.get_sample_value("asyncllm:num_requests_running", {"model_name": model}) is None
-    assert registry.get_sample_value("asyncllm:prompt_tokens_total", {"model_name": model}) == s.prompt_tokens_total
+    assert s.prompt_tokens_total == sum(replica.prompt_tokens_total for replica in s.replicas)
 
 
 async def test_a_killed_replica_fails_only_its_requests_and_is_restarted(engine: AsyncEngine) -> None:

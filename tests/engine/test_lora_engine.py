@@ -91,7 +91,7 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, lo
             if info.get("running_lora_adapters"):
                 break
     assert info == {"max_lora": "2", "running_lora_adapters": "adapter2", "waiting_lora_adapters": "",
-                    "model_name": info["model_name"]}
+                    "model_name": info["model_name"], "engine": "0"}
 
     # bad adapters: the request's typed error, and the engine serves on
     high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)

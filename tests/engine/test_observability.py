@@ -58,7 +58,8 @@ async def engine(tiny_llama: str, root_handlers: list):
 
 
 def _value(engine: AsyncEngine, name: str, **labels: str) -> float:
-    value = engine.metrics_registry.get_sample_value(name, {"model_name": engine._observer.stats.model_name, **labels})
+    value = engine.metrics_registry.get_sample_value(name, {"model_name": engine._observer.stats.model_name, "engine": "0",
+                                                           **labels})
     return 0.0 if value is None else value
 
 
@@ -349,7 +350,7 @@ async def test_two_engines_keep_separate_metrics_and_the_global_registry_stays_e
                            prometheus_registry=host_registry) as other:
         assert other.metrics_registry is host_registry
         await other.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
-        labels = {"model_name": tiny_llama}
+        labels = {"model_name": tiny_llama, "engine": "0"}
         length = {**labels, "finished_reason": "length"}
         assert host_registry.get_sample_value("asyncllm:request_success_total", length) == 1
         assert host_registry.get_sample_value("asyncllm:prompt_tokens_total", labels) == 3
@@ -365,12 +366,12 @@ async def test_a_second_host_exports_only_its_own_requests(engine: AsyncEngine) 
     async with guest:
         await guest.generate([9, 8, 7, 6], SamplingParams(max_tokens=3, ignore_eos=True))
         await _wait_for(lambda: guest.stats().num_gpu_blocks == 8)
-        served = {"model_name": engine.config.model}  # an attached host labels with the model the core serves
+        served = {"model_name": engine.config.model, "engine": "0"}  # an attached host labels with the model the core serves
         assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", served) == 4
         assert guest.metrics_registry.get_sample_value("asyncllm:num_requests_running", served) is None
         assert guest.metrics_registry.get_sample_value("asyncllm:num_preemptions_total", served) is None
         assert guest.stats().num_preemptions_total == engine.stats().num_preemptions_total  # stats() shows it anyway
-    owner_labels = {"model_name": engine._observer.stats.model_name}
+    owner_labels = {"model_name": engine._observer.stats.model_name, "engine": "0"}
     # the owner still reports the engine (the core's last snapshot reaches the owner's processor thread in its time)
     await _wait_for(lambda: engine.metrics_registry.get_sample_value("asyncllm:num_requests_running", owner_labels) == 0)
     owner_after = _scrape(engine)

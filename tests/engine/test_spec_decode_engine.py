@@ -193,7 +193,7 @@ async def test_blocks_filled_by_accepted_drafts_enter_the_prefix_cache(bundled_e
         if engine.config.speculative_config is not None:
             assert engine.stats().spec_decode_num_accepted_tokens > accepted
             value = engine.metrics_registry.get_sample_value(
-                "asyncllm:spec_decode_num_accepted_tokens_total", {"model_name": engine._observer.stats.model_name})
+                "asyncllm:spec_decode_num_accepted_tokens_total", {"model_name": engine._observer.stats.model_name, "engine": "0"})
             assert value == engine.stats().spec_decode_num_accepted_tokens
     assert outputs[0] == outputs[1]
     assert hits[0] == hits[1] >= 4 * 64 - 4 * 16

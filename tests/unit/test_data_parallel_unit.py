@@ -117,7 +117,7 @@ def test_combined_stats_add_up_and_keep_each_replica() -> None:
     assert combined_stats([a, b]).weights_version == 3 and combined_stats([b]).weights_version == 1
 
 
-def test_replicas_export_engine_series_per_engine_label_and_request_series_summed() -> None:
+def test_replicas_export_every_series_per_engine_label() -> None:
     from prometheus_client import CollectorRegistry
 
     from asyncllm.metrics.host_stats import HostStats
@@ -134,7 +134,7 @@ def test_replicas_export_engine_series_per_engine_label_and_request_series_summe
     assert value("asyncllm:num_requests_running", {"model_name": "m", "engine": "1"}) == 2
     assert value("asyncllm:num_preemptions_total", {"model_name": "m", "engine": "1"}) == 10
     assert value("asyncllm:num_requests_running", {"model_name": "m"}) is None
-    assert value("asyncllm:prompt_tokens_total", {"model_name": "m"}) == 10
+    assert [value("asyncllm:prompt_tokens_total", {"model_name": "m", "engine": str(i)}) for i in (0, 1)] == [5, 5]
 
 
 def test_a_replica_awaiting_weights_is_picked_only_when_every_replica_is() -> None:

@@ -50,15 +50,15 @@ def test_two_hosts_sum_counters_and_report_engine_series_once(tmp_path, monkeypa
     reporter.take_snapshot(SchedulerStats(num_requests_running=1, num_preemptions_total=6), True)
     reporter.generation_tokens_total += 5
     a.sync(), b.sync()
-    m = (("model_name", "m"),)
+    m = (("engine", "0"), ("model_name", "m"))
     scraped = _scrape(str(tmp_path))
     assert scraped[("asyncllm:generation_tokens_total", m)] == 35
-    assert scraped[("asyncllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 2
+    assert scraped[("asyncllm:request_success_total", (m[0], ("finished_reason", "length"), m[1]))] == 2
     assert scraped[("asyncllm:num_requests_running", m)] == 1  # the reporter's latest, once
     assert scraped[("asyncllm:num_preemptions_total", m)] == 6  # the core's count, once
     assert scraped[("asyncllm:time_to_first_token_seconds_count", m)] == 2
-    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (("le", "0.005"), *m))] == 1
-    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (("le", "+Inf"), *m))] == 2
+    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (m[0], ("le", "0.005"), m[1]))] == 1
+    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (m[0], ("le", "+Inf"), m[1]))] == 2
     assert scraped[("asyncllm:time_to_first_token_seconds_sum", m)] == pytest.approx(0.503)
     b.collectors.discard(b._collector)  # its engine was garbage-collected: its counts stay, a new one's add up
     b._collector, new = AsyncLLMCollector(), HostStats("m")
@@ -79,17 +79,17 @@ def test_gauges_and_engine_counters_follow_the_reporter(tmp_path, monkeypatch: p
         other.take_snapshot(SchedulerStats(num_requests_running=2, num_preemptions_total=preemptions), True)
         a.sync(), b.sync()
     scraped = _scrape(str(tmp_path))
-    assert scraped[("asyncllm:num_requests_running", (("model_name", "m"),))] == 2
-    assert scraped[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 6  # 4, then 5 -> 7 (not 4 + 7)
+    assert scraped[("asyncllm:num_requests_running", (("engine", "0"), ("model_name", "m")))] == 2
+    assert scraped[("asyncllm:num_preemptions_total", (("engine", "0"), ("model_name", "m")))] == 6  # 4, then 5 -> 7 (not 4 + 7)
     other.mark_closed()
     b.sync()
-    assert ("asyncllm:num_requests_running", (("model_name", "m"),)) not in _scrape(str(tmp_path))
+    assert ("asyncllm:num_requests_running", (("engine", "0"), ("model_name", "m"))) not in _scrape(str(tmp_path))
     for preemptions in (8, 9):  # the first host reports again: from 8 on, not from its own 4
         reporter.take_snapshot(SchedulerStats(num_requests_running=1, num_preemptions_total=preemptions), True)
         a.sync()
-    assert _scrape(str(tmp_path))[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 7
+    assert _scrape(str(tmp_path))[("asyncllm:num_preemptions_total", (("engine", "0"), ("model_name", "m")))] == 7
     a.files.remove_live(), b.files.remove_live()  # both exit
-    assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", (("model_name", "m"),))] == 2
+    assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", (("engine", "0"), ("model_name", "m")))] == 2
 
 
 def test_engines_of_one_process_combine_their_gauges_as_one_registry(tmp_path, monkeypatch) -> None:
@@ -104,7 +104,7 @@ def test_engines_of_one_process_combine_their_gauges_as_one_registry(tmp_path, m
     before = time.time()
     writer.sync()
     scraped = _scrape(str(tmp_path))
-    m = (("model_name", "m"),)
+    m = (("engine", "0"), ("model_name", "m"))
     assert scraped[("asyncllm:num_requests_running", m)] == 2
     assert scraped[("asyncllm:kv_cache_usage_perc", m)] == 0.375  # (3 + 3) / (8 + 8), not 0.375 + 0.375
     info = [v for (name, _), v in scraped.items() if name == "asyncllm:lora_requests_info"]
@@ -127,9 +127,9 @@ def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tm
     writer.sync()
     engine = SimpleNamespace(metrics_registry=CollectorRegistry())  # empty: the route reads the folder
     body = asyncio.run(_Handlers(SimpleNamespace(engine=engine)).metrics(None)).body.decode()
-    assert 'asyncllm:generation_tokens_total{model_name="m"} 3.0' in body
-    assert 'asyncllm:request_success_total{finished_reason="stop",model_name="m"} 0.0' in body
-    assert 'asyncllm:request_success_total{finished_reason="length",model_name="m"} 1.0' in body
+    assert 'asyncllm:generation_tokens_total{engine="0",model_name="m"} 3.0' in body
+    assert 'asyncllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 0.0' in body
+    assert 'asyncllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0' in body
     assert "ipc://" not in body
 
 
@@ -161,7 +161,7 @@ def test_a_renamed_host_moves_its_series_to_the_new_name(tmp_path, monkeypatch) 
     writer.sync()
     scraped = _scrape(str(tmp_path))
     assert not any(dict(labels).get("model_name") == "m" for _, labels in scraped)
-    served = (("model_name", "served"),)
+    served = (("engine", "0"), ("model_name", "served"))
     assert scraped[("asyncllm:generation_tokens_total", served)] == 5
     assert scraped[("asyncllm:num_preemptions_total", served)] == 3
     assert scraped[("asyncllm:time_to_first_token_seconds_count", served)] == 1

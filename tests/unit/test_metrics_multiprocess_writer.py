@@ -27,7 +27,7 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.prometheus import AsyncLLMCollector
 from asyncllm.protocol import SchedulerStats
 
-M = (("model_name", "m"),)
+M = (("engine", "0"), ("model_name", "m"))
 
 
 def _writer(pid: int, *stats: HostStats) -> _Writer:

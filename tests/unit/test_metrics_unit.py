@@ -167,7 +167,7 @@ def test_private_registry_exports_the_series_and_never_the_global_one() -> None:
     observer = RequestObserver("my-model")
     observer.stats.reports_engine = True
     _feed(observer, _collector("a", 5, 100.0), [100.25, 100.5], "stop")
-    reg, labels = observer.registry, {"model_name": "my-model"}
+    reg, labels = observer.registry, {"model_name": "my-model", "engine": "0"}
     assert reg.get_sample_value("asyncllm:prompt_tokens_total", labels) == 5
     assert reg.get_sample_value("asyncllm:generation_tokens_total", labels) == 2
     assert reg.get_sample_value("asyncllm:request_success_total", {**labels, "finished_reason": "stop"}) == 1
@@ -190,19 +190,19 @@ def test_engines_sharing_a_registry_sum_per_model_and_engine_series_come_from_th
         stats.scheduler = SchedulerStats(num_requests_running=running, num_gpu_blocks=10, num_used_blocks=running)
         stats.prompt_tokens_total = 10 * running
     # the guest does not export engine-wide series; each host exports its own requests
-    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m"}) == 2
-    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "m"}) == 0.2
-    assert reg.get_sample_value("asyncllm:prompt_tokens_total", {"model_name": "m"}) == 70  # each host its own requests
-    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 1
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m", "engine": "0"}) == 2
+    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "m", "engine": "0"}) == 0.2
+    assert reg.get_sample_value("asyncllm:prompt_tokens_total", {"model_name": "m", "engine": "0"}) == 70  # each host its own requests
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n", "engine": "0"}) == 1
     twin = HostStats("n")
     twin.reports_engine = True
     twin.scheduler = SchedulerStats(num_requests_running=3, num_gpu_blocks=30, num_used_blocks=3)
     attach(twin, reg)
-    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 4
-    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "n"}) == 0.1  # 4 of 40 blocks
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n", "engine": "0"}) == 4
+    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "n", "engine": "0"}) == 0.1  # 4 of 40 blocks
     del twin
     gc.collect()
-    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 1  # a dropped engine drops out
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n", "engine": "0"}) == 1  # a dropped engine drops out
 
 
 def test_mark_closed_zeroes_the_gauges_and_stops_reporting_the_engine() -> None:
@@ -211,21 +211,21 @@ def test_mark_closed_zeroes_the_gauges_and_stops_reporting_the_engine() -> None:
     stats.reports_engine = True
     stats.scheduler = SchedulerStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=5,
                                      num_preemptions_total=4)
-    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) == 4
+    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m", "engine": "0"}) == 4
     stats.scheduler = SchedulerStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=5, num_preemptions_total=4,
                                      mm_encoder_cache_queries=5, mm_encoder_cache_hits=2, num_swapped_total=3,
                                      weights_version=2)
     stats.mm_cache_queries, stats.mm_cache_hits = 7, 3
-    assert reg.get_sample_value("asyncllm:mm_encoder_cache_queries_total", {"model_name": "m"}) == 5
-    assert reg.get_sample_value("asyncllm:mm_encoder_cache_hits_total", {"model_name": "m"}) == 2
-    assert reg.get_sample_value("asyncllm:mm_cache_queries_total", {"model_name": "m"}) == 7
-    assert reg.get_sample_value("asyncllm:mm_cache_hits_total", {"model_name": "m"}) == 3
+    assert reg.get_sample_value("asyncllm:mm_encoder_cache_queries_total", {"model_name": "m", "engine": "0"}) == 5
+    assert reg.get_sample_value("asyncllm:mm_encoder_cache_hits_total", {"model_name": "m", "engine": "0"}) == 2
+    assert reg.get_sample_value("asyncllm:mm_cache_queries_total", {"model_name": "m", "engine": "0"}) == 7
+    assert reg.get_sample_value("asyncllm:mm_cache_hits_total", {"model_name": "m", "engine": "0"}) == 3
     stats.mark_closed()
     snap = stats.snapshot(engine_alive=False)
     assert (snap.num_requests_running, snap.num_used_blocks, snap.num_preemptions_total) == (0, 0, 4)
     assert (snap.num_swapped_total, snap.weights_version) == (3, 2)  # counters survive the close
     assert not snap.engine_alive
-    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) is None
+    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m", "engine": "0"}) is None
 
 
 def test_stats_line_format_and_quiet_when_idle() -> None:
@@ -267,7 +267,7 @@ def test_grafana_dashboard_uses_only_exported_series() -> None:
 
 
 def _counters(reg: CollectorRegistry) -> tuple:
-    labels = {"model_name": "m"}
+    labels = {"model_name": "m", "engine": "0"}
     return (reg.get_sample_value("asyncllm:prefix_cache_queries_total", labels),
             reg.get_sample_value("asyncllm:prompt_tokens_total", labels),
             reg.get_sample_value("asyncllm:request_success_total", {**labels, "finished_reason": "length"}),
@@ -286,7 +286,7 @@ def test_an_engine_closed_for_good_leaves_its_counters_in_the_shared_registry() 
     assert _counters(reg) == (50, 50, 2, 2)
     old.on_closed()
     assert _counters(reg) == (50, 50, 2, 2)  # a counter that went down would read as a reset
-    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m"}) == 1  # gauges leave
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m", "engine": "0"}) == 1  # gauges leave
     del old
     gc.collect()
     assert _counters(reg) == (50, 50, 2, 2)
@@ -301,8 +301,8 @@ def test_a_restarted_core_counts_on_from_its_predecessors_final_counters() -> No
     stats.mark_closed()  # and the engine closes: nothing is counted twice
     stats.scheduler = SchedulerStats(prefix_cache_queries=4, spec_decode_accepted_per_pos=[2])
     stats.reports_engine = True
-    assert reg.get_sample_value("asyncllm:prefix_cache_queries_total", {"model_name": "m"}) == 34
-    per_pos = {"model_name": "m", "position": "1"}
+    assert reg.get_sample_value("asyncllm:prefix_cache_queries_total", {"model_name": "m", "engine": "0"}) == 34
+    per_pos = {"model_name": "m", "engine": "0", "position": "1"}
     assert reg.get_sample_value("asyncllm:spec_decode_num_accepted_tokens_per_pos_total", per_pos) == 1
     snapshot = stats.snapshot()  # engine.stats() reads the same numbers: they never go down
     assert (snapshot.prefix_cache_queries, snapshot.spec_decode_accepted_per_pos) == (34, [5, 1])
