@@ -3,12 +3,15 @@
 `AdapterChecker` reads the adapter folder once per id (`read_adapter`, asyncllm/lora.py) and checks every
 tensor's name and shape against the model's adaptable projections (`module_shapes`, `layer_module_shapes`), so
 a bad adapter is the request's `InvalidRequestError`, never a worker's failure. Past `kept_lora_ids` ids, the least
-recently used ones no request runs with are forgotten (`AdapterChecker.forget_idle`), here and in the core.
-docs/lora.md has the whole story.
+recently used ones no request runs with are forgotten (`AdapterChecker.forget_idle`), here and in the core. A new
+id's check (a hub lookup or download, the folder read, the NaN scan) runs on a thread of its own, once for every
+request waiting on it (`AdapterChecker.checking`): the processor thread parks those requests meanwhile
+(asyncllm/engine/processor_lora.py). docs/lora.md has the whole story.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from typing import Any, Callable, Container
@@ -97,7 +100,8 @@ def _architecture(hf_config: Any) -> str | None:
 
 
 class AdapterChecker:
-    """The host's check of each request's adapter, once per adapter id (thread-safe)."""
+    """The host's check of each request's adapter, once per adapter id (thread-safe; `checking`: off the caller's
+    thread, one check per id at a time)."""
 
     def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
                  adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False,
@@ -124,36 +128,90 @@ class AdapterChecker:
         (Nemotron-H's Mamba2 mixers: asyncllm/lora_names.py) take none."""
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder), least recently used first."""
+        self._flights: dict[int, tuple[LoRARequest, concurrent.futures.Future[LoRARequest]]] = {}
+        """Adapter id -> the request as given and the future of its check in flight (`checking`)."""
         self._lock = threading.Lock()
         self._pinned: set[int] = set()
         """Ids pinned (`AsyncEngine.pin_lora`): never forgotten as idle (their pin would end in the core)."""
 
-    def check(self, request: LoRARequest) -> LoRARequest:
-        """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter."""
+    def check(self, request: LoRARequest, checked: LoRARequest | None = None) -> LoRARequest:
+        """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter.
+        `checked`: `checking`'s outcome for this very request, recorded again (nothing read) should its id have been
+        forgotten as idle since."""
         request.validate()
-        with self._lock:
-            known = self._checked.pop(request.lora_int_id, None)
-            if known is not None:  # the most recently used now
-                self._checked[request.lora_int_id] = known
+        known = self._recall(request.lora_int_id)
         if known is not None:
-            given, checked = known
-            if given != request and not _same_folder(checked, request):
-                raise InvalidRequestError(_FIELD, f"lora_int_id {request.lora_int_id} already names adapter "
-                                                  f"{checked.lora_name!r} at {checked.lora_path}: one id, one adapter")
-            return checked
-        resolved = msgspec.structs.replace(request, lora_path=_resolve(request.lora_path))
-        adapter = read_adapter(resolved.lora_path)
-        self._check_adapter(adapter)
-        check_finite(adapter)  # once per id, as the rest: a NaN would spread to every request batched with it
+            return _same_adapter(known, request)
+        resolved = checked if checked is not None else self._read(request)
         with self._lock:
             self._checked[request.lora_int_id] = (request, resolved)
         return resolved
 
-    def knows(self, request: LoRARequest) -> bool:
-        """Whether `request` was checked already (its id, as given): `check` then reads nothing."""
+    def checking(self, request: LoRARequest) -> concurrent.futures.Future[LoRARequest]:
+        """`check` of `request` off the calling thread: the future of its outcome, its error an `InvalidRequestError`.
+        Done at once for an id checked already (or a malformed request); else the check runs on a thread of its own
+        (a hub lookup or download, the folder read, the NaN scan wait there), one per id at a time: a request naming
+        the adapter of the id's check in flight, as given, shares that check and its outcome, its error included; one
+        naming it otherwise is checked after it (one id, one adapter). A waiter that gives up never cancels a check:
+        it runs on and records its adapter; a failure is not kept (the id used again is checked again)."""
+        try:
+            request.validate()
+            known = self._recall(request.lora_int_id)
+            if known is not None:
+                return _settled(_same_adapter(known, request))
+        except InvalidRequestError as exc:
+            return _settled(error=exc)
+        return self._flight(request)
+
+    def _recall(self, lora_int_id: int) -> tuple[LoRARequest, LoRARequest] | None:
+        """A checked id's (given, checked) adapter, the most recently used now; None for an unknown id."""
         with self._lock:
-            known = self._checked.get(request.lora_int_id)
-        return known is not None and known[0] == request
+            known = self._checked.pop(lora_int_id, None)
+            if known is not None:
+                self._checked[lora_int_id] = known
+        return known
+
+    def _read(self, request: LoRARequest) -> LoRARequest:
+        """Resolve the adapter's folder, read it and check it against the model: the request as checked."""
+        resolved = msgspec.structs.replace(request, lora_path=_resolve(request.lora_path))
+        adapter = read_adapter(resolved.lora_path)
+        self._check_adapter(adapter)
+        check_finite(adapter)  # once per id, as the rest: a NaN would spread to every request batched with it
+        return resolved
+
+    def _flight(self, request: LoRARequest) -> concurrent.futures.Future[LoRARequest]:
+        """The check in flight of `request`'s adapter as given, or a new one on a thread of its own (after the id's
+        other check in flight, if any)."""
+        with self._lock:
+            before = self._flights.get(request.lora_int_id)
+            if before is not None and before[0] == request:
+                return before[1]
+            future: concurrent.futures.Future[LoRARequest] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()  # running: a waiter's cancel (asyncio.wrap_future's) never cancels it
+            self._flights[request.lora_int_id] = (request, future)
+        args = (request, future, None if before is None else before[1])
+        try:
+            threading.Thread(target=self._check_off_thread, args=args, name="asyncllm-lora-check", daemon=True).start()
+        except RuntimeError:  # no thread at interpreter shutdown: inline
+            self._check_off_thread(*args)
+        return future
+
+    def _check_off_thread(self, request: LoRARequest, future: concurrent.futures.Future[LoRARequest],
+                          before: concurrent.futures.Future[LoRARequest] | None) -> None:
+        """`check` into `future` (after `before`, the id's other check), forgotten as in flight before it is set."""
+        if before is not None:
+            concurrent.futures.wait([before])
+        try:
+            outcome, error = self.check(request), None
+        except BaseException as exc:  # noqa: BLE001 - the waiting requests' error (never left waiting), not the thread's
+            outcome, error = None, _request_error(request, exc)
+        with self._lock:
+            if self._flights.get(request.lora_int_id, (None, None))[1] is future:
+                del self._flights[request.lora_int_id]
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome)
 
     def ids(self) -> set[int]:
         """The adapter ids checked and not forgotten since."""
@@ -249,6 +307,35 @@ def _fused_hint(projection: str) -> str:
     if projection in ("qkv_proj", "gate_up_proj"):
         return "; an adapter of a fused checkpoint (Phi-3) on a model with separate projections?"
     return "; its checkpoint fuses q, k, v and gate, up, and so do its adapters (an adapter of another model?)"
+
+
+def _same_adapter(known: tuple[LoRARequest, LoRARequest], request: LoRARequest) -> LoRARequest:
+    """The checked adapter of a known id (`known`: as given, as checked) that `request` names again;
+    `InvalidRequestError` when it names another: one id, one adapter."""
+    given, checked = known
+    if given != request and not _same_folder(checked, request):
+        raise InvalidRequestError(_FIELD, f"lora_int_id {request.lora_int_id} already names adapter "
+                                          f"{checked.lora_name!r} at {checked.lora_path}: one id, one adapter")
+    return checked
+
+
+def _settled(outcome: LoRARequest | None = None, error: BaseException | None = None
+             ) -> concurrent.futures.Future[LoRARequest]:
+    """A future done already: `outcome`, or `error`."""
+    future: concurrent.futures.Future[LoRARequest] = concurrent.futures.Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(outcome)  # type: ignore[arg-type]
+    return future
+
+
+def _request_error(request: LoRARequest, exc: BaseException) -> InvalidRequestError:
+    """A check's failure as the requests' typed error (anything but an `InvalidRequestError` named as such)."""
+    if isinstance(exc, InvalidRequestError):
+        return exc
+    return InvalidRequestError(_FIELD, f"lora_path {request.lora_path!r} could not be checked "
+                                       f"({type(exc).__name__}: {exc})")
 
 
 def _same_folder(checked: LoRARequest, request: LoRARequest) -> bool:

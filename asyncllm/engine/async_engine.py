@@ -149,7 +149,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         config = self.config
         observer = self._observer if index == 0 else RequestObserver(config.model, self.metrics_registry)
         if config.data_parallel_size > 1:
-            observer.stats.engine_index = index  # Prometheus labels its engine-wide series engine="<index>"
+            observer.stats.engine_index = index  # Prometheus labels its series engine="<index>" (else "0")
         admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
         name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
         restart = weakly(self._restart_replica)  # a running core's supervisor must not keep us alive
@@ -362,8 +362,6 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
-        if not processor.knows_lora(options.lora_request):  # its first use: read off the loop and the processor
-            await anyio.to_thread.run_sync(processor.check_lora, options.lora_request, abandon_on_cancel=True)
         admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n,
                                            options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,

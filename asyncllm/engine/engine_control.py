@@ -5,6 +5,7 @@ engine holds rather than run a request, a mixin: LoRA adapters checked ahead, li
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import anyio
@@ -50,8 +51,8 @@ class EngineControl:
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
         processors = await self._replicas.serving_processors()
-        checked = [await anyio.to_thread.run_sync(processor.check_lora, lora_request)  # each replica's own checker
-                   for processor in processors]
+        checked = [await asyncio.wrap_future(processor.checking_lora(lora_request))  # each replica's own checker,
+                   for processor in processors]  # off the loop; one check with the requests waiting for the id
         await every_replica([processor.lora_call(protocol.AddLoRA("", lora))
                              for processor, lora in zip(processors, checked)])
 
@@ -91,7 +92,7 @@ class EngineControl:
         if given is None:
             raise InvalidRequestError("lora_id", f"no adapter has lora_int_id {lora_id} here: add_lora it (or use "
                                                  "it in a request) first")
-        checked = [await anyio.to_thread.run_sync(processor.check_lora, given) for processor in processors]
+        checked = [await asyncio.wrap_future(processor.checking_lora(given)) for processor in processors]
         for processor in processors:
             processor.pin_lora_id(lora_id)  # before the call: never forgotten as idle meanwhile
         try:

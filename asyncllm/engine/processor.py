@@ -64,7 +64,8 @@ _EXIT_STATUS_WAIT_S = 0.5
 
 class Processor(ProcessorRequests, ProcessorOutputs):
     """Runs the processor thread; `start()` returns a future of the core's Ready. A request's way to the core is
-    `ProcessorRequests`' (asyncllm/engine/processor_requests.py), its outputs' way back `ProcessorOutputs`'
+    `ProcessorRequests`' (asyncllm/engine/processor_requests.py; parked first while a new adapter is checked:
+    asyncllm/engine/processor_lora.py), its outputs' way back `ProcessorOutputs`'
     (asyncllm/engine/processor_outputs.py)."""
 
     def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
@@ -105,6 +106,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         """Core request id -> its state (`sample_request_ids`: ``<id>#<k>``, an n > 1 request's ``<id>#<k>-<i>``)."""
         self._samples: dict[str, list[str]] = {}
         """Request id -> the core request ids of its unfinished samples."""
+        self._parked: dict[str, Submit] = {}
+        """Request id -> a request waiting for its adapter's check (asyncllm/engine/processor_lora.py)."""
         self._ending: list[RequestCollector] = []
         """Requests the core message being handled ended (untracked, their last item not delivered yet): should the
         thread fail before it delivers them, `_fail_all` fails them too."""
@@ -174,13 +177,6 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         of the core's sleep level after it."""
         message.call_id, future = self._sleep_calls.new()
         return self._send_call(self._sleep_calls, message, future)
-
-    def lora_call(self, message: protocol.AddLoRA | protocol.RemoveLoRA | protocol.PinLoRA
-                  ) -> concurrent.futures.Future[Any]:
-        """Send `AddLoRA` or `PinLoRA` (the adapter as `check_lora` returned it) or `RemoveLoRA`, its call_id set
-        here; the future of the core's answer (None, True once pinned, or whether it knew the removed id)."""
-        message.call_id, future = self._lora_calls.new()
-        return self._send_call(self._lora_calls, message, future)
 
     def _send_call(self, calls: Any, message: Any,
                    future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
@@ -353,12 +349,15 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if heartbeat is not None:
                     self._read_core(dealer, heartbeat)
             elif job[0] == "abort":
+                self._unpark(job[1])
                 untracked = self._untrack(job[1])
                 if untracked:
                     dealer.send(self._encoder.encode(protocol.AbortRequests([core_id for core_id, _ in untracked])))
                     now = time.time()
                     for _, tracked in untracked:
                         self._observer.on_aborted(tracked.collector, now)
+            elif job[0] == "lora_checked":  # a parked request's adapter was checked
+                self._resume(dealer, job[1])
             elif job[0] == "max_model_len":
                 self._prompts.serve(job[1])
             elif job[0] == "reset_prefix_cache":

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import numpy as np
@@ -78,6 +78,9 @@ class ProcessorOutputs:
     _lora_calls: PendingLoRACalls
     dead: BaseException | None
 
+    if TYPE_CHECKING:
+        def _end_parked(self, error: BaseException | None) -> Delivery: ...
+
     def _untrack(self, request_id: str) -> list[tuple[str, TrackedRequest]]:
         """Forget every unfinished sample of a request; their (core id, state)."""
         untracked = []
@@ -88,7 +91,7 @@ class ProcessorOutputs:
         return untracked
 
     def _fail_all(self, error: BaseException | None) -> None:
-        """End every tracked request: with `error`, or as aborted when None."""
+        """End every tracked (and parked: `ProcessorLoRA`) request: with `error`, or as aborted when None."""
         if error is not None and self.dead is None:  # the first word is the best: EngineFailed before the exit code
             self.dead = error
         self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
@@ -106,6 +109,7 @@ class ProcessorOutputs:
                 self._observer.on_aborted(tracked.collector, now)
         if error is not None:
             batch.extend((collector, error) for collector in self._ending)
+        batch.extend(self._end_parked(error))  # requests waiting for their adapter's check (`ProcessorLoRA`)
         self._ending.clear()
         self._tracked.clear()
         self._samples.clear()

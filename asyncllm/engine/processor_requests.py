@@ -1,9 +1,11 @@
 """`ProcessorRequests`: how the processor thread (asyncllm/engine/processor.py) adds a request to the core, a mixin:
-its pooling, adapter, sampling and vocabulary checks, its prompt as token ids (asyncllm/engine/prompt_tokens.py),
+its pooling, adapter (a new one checked off the thread first: asyncllm/engine/processor_lora.py), sampling and
+vocabulary checks, its prompt as token ids (asyncllm/engine/prompt_tokens.py),
 one core request per sample (n > 1) and the `AddRequest`s sent; a request that fails any of it fails alone."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from asyncllm.engine.collector import ACCEPTED, RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import new_detokenizer
 from asyncllm.engine.logprobs import PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.processor_lora import ProcessorLoRA
 from asyncllm.engine.processor_outputs import Deliver, TrackedRequest
 from asyncllm.engine.prompt_embeds import embeds_salt
 from asyncllm.engine.prompt_tokens import PromptTokenizer
@@ -56,10 +59,13 @@ class Submit:
     """Set by tokenization for a prompt with images (asyncllm/mm/)."""
     embeds: protocol.PromptEmbeds | None = None
     """Set by tokenization for a prompt given as embeddings (asyncllm/engine/prompt_embeds.py)."""
+    lora_check: concurrent.futures.Future[LoRARequest] | None = None
+    """The check of its adapter, new here, off the processor thread (asyncllm/engine/processor_lora.py)."""
 
 
-class ProcessorRequests:
-    """Mixin of `Processor`: a `Submit` checked, tokenized and sent to the core as one request per sample."""
+class ProcessorRequests(ProcessorLoRA):
+    """Mixin of `Processor`: a `Submit` checked, tokenized and sent to the core as one request per sample (its
+    adapter's part, and the engine's LoRA calls: `ProcessorLoRA`)."""
 
     _tracked: dict[str, TrackedRequest]
     _samples: dict[str, list[str]]
@@ -81,29 +87,22 @@ class ProcessorRequests:
         self._send_request(dealer, job)
         self._forget_idle_loras(dealer)
 
-    def _forget_idle_loras(self, dealer: zmq.Socket) -> None:
-        """Past its bound, the checker forgets the least recently used adapter ids no tracked request runs with
-        (`AdapterChecker.forget_idle`); the core forgets each too (a `RemoveLoRA` no caller waits on: its answer
-        resolves nothing), before any later request checks it afresh, maybe for another folder."""
-        if self._lora is None:
-            return
-        for lora_int_id in self._lora.forget_idle(lambda: {tracked.lora_int_id for tracked in self._tracked.values()}):
-            dealer.send(self._encoder.encode(protocol.RemoveLoRA("", lora_int_id)))
-
     def _send_request(self, dealer: zmq.Socket, job: Submit) -> None:
         collector = job.collector
-        core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
-        if collector.request_id in self._samples:
+        if collector.request_id in self._samples or collector.request_id in self._parked:
             self._reject(job, collector, errors.InvalidRequestError(
                 "request_id", f"{collector.request_id!r} is already in flight"))
             return
+        if self._park(job):  # its adapter is new here: checked off this thread first (`ProcessorLoRA`)
+            return
+        core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
         try:
             if self._pooling_model is not None:
                 self._pooling_model.check(job.options.pooling)
                 if job.options.pooling is not None:  # the model's pooling type and default normalize
                     pooling = self._pooling_model.apply(job.options.pooling)
                     job.options = dataclasses.replace(job.options, pooling=pooling)
-            lora = self.check_lora(job.options.lora_request)
+            lora = self._checked_lora(job)
             if job.options.pooling is not None:
                 job.options.pooling.validate(self._hidden_size)
             if self._tokenizer is None:
@@ -167,38 +166,6 @@ class ProcessorRequests:
         """The request fails alone with `error` (counted as rejected); the thread and the other requests go on."""
         self._observer.on_rejected(job, error, time.time())
         self._deliver([(collector, error)], None)
-
-    def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
-        """The request's adapter with a local folder, checked against the model (once per adapter id;
-        thread-safe: `AsyncEngine.add_lora` calls it from another thread)."""
-        if request is None:
-            return None
-        if self._lora is None:
-            raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
-                                                             "start it with enable_lora=True")
-        return self._lora.check(request)
-
-    def knows_lora(self, request: LoRARequest | None) -> bool:
-        """Whether `check_lora` of `request` reads nothing (no adapter, or one checked already): else the engine
-        checks it on a worker thread first, so a hub download or a large folder never stalls this thread."""
-        return request is None or self._lora is None or self._lora.knows(request)
-
-    def lora_ids(self) -> set[int]:
-        """`AsyncEngine.list_loras`: the adapter ids checked and not forgotten since."""
-        return set() if self._lora is None else self._lora.ids()
-
-    def forget_lora(self, lora_int_id: int) -> bool:
-        """`AsyncEngine.remove_lora`: the adapter id is checked again when used again; whether it was known."""
-        return self._lora is not None and self._lora.forget(lora_int_id)
-
-    def lora_given(self, lora_int_id: int) -> LoRARequest | None:
-        """`AsyncEngine.pin_lora`: the adapter of a checked id, as given; None for an id this replica does not know."""
-        return None if self._lora is None else self._lora.given(lora_int_id)
-
-    def pin_lora_id(self, lora_int_id: int, pinned: bool = True) -> None:
-        """`AsyncEngine.pin_lora`: a pinned id is never forgotten as idle (``pinned`` False: it may be again)."""
-        if self._lora is not None:
-            self._lora.pin(lora_int_id, pinned)
 
 
 def sample_request_ids(request_id: str, n: int, submission: int) -> list[str]:

@@ -92,7 +92,7 @@ def test_the_host_tells_the_core_what_it_forgot(monkeypatch: pytest.MonkeyPatch,
     for lora_int_id in (1, 2):
         core._handle(b"h", protocol.AddLoRA(str(lora_int_id), checker.check(LoRARequest("a", lora_int_id, a))))
     frames: list[bytes] = []
-    host = SimpleNamespace(_lora=checker, _tracked={"r#1": SimpleNamespace(lora_int_id=2)},
+    host = SimpleNamespace(_lora=checker, _tracked={"r#1": SimpleNamespace(lora_int_id=2)}, _parked={},
                            _encoder=msgspec.msgpack.Encoder())
     ProcessorRequests._forget_idle_loras(host, SimpleNamespace(send=frames.append))  # type: ignore[arg-type]
     decoder = msgspec.msgpack.Decoder(protocol.HostMessage)
