@@ -175,8 +175,8 @@ class LoRARemoved(msgspec.Struct, **_STRUCT):
 class PinLoRA(msgspec.Struct, **_STRUCT):
     """`AsyncEngine.pin_lora` (vLLM's): host -> core, the adapter as the host checked it (the core binds its id as
     for `AddLoRA`, then pins it); core -> every worker rank, under its core id: read it now and keep it in a slot
-    and the CPU cache, never evicted. ``unpin`` (core -> workers only: `remove_lora` of a pinned id, or its host
-    gone): evictable again, the first to go."""
+    and the CPU cache, never evicted. ``unpin`` (core -> workers: `remove_lora` of a pinned id, or its host gone;
+    host -> core: its `pin_lora` refused by another replica, the id left bound): evictable again, the first to go."""
 
     call_id: str
     lora: LoRARequest

@@ -3,7 +3,8 @@
 A host's `PinLoRA` binds its id as `AddLoRA` does (asyncllm/engine/lora_ids.py), then, between steps, every worker
 rank reads the adapter into its CPU cache and a slot and keeps it there (workers/lora_runner.py); only once every
 rank did is the id pinned in the core (`HostLoRAIds.pinned`, which the scheduler counts against ``max_loras``).
-A pinned id removed (`RemoveLoRA`), or whose host detached, is unpinned on the workers too (`unpin_removed`).
+A pinned id removed (`RemoveLoRA`), or whose host detached, or unpinned by its host (a `PinLoRA` with ``unpin``: its
+`pin_lora` refused by another data-parallel replica), is unpinned on the workers too (`unpin_removed`).
 Restarted workers pin the pinned adapters again (`pin_again`); a restarted core starts with none, as it starts
 with no id bound.
 """
@@ -28,7 +29,13 @@ logger = logging.getLogger("asyncllm.engine.core")
 
 
 def pin_lora(core: "EngineCore", client_id: bytes, message: protocol.PinLoRA) -> None:
-    """Bind and pin the host's adapter, then answer the host (after every host got the new stats)."""
+    """Bind and pin the host's adapter, then answer the host (after every host got the new stats); ``unpin``: the
+    host's `pin_lora` was refused by another replica, so none keeps it pinned (the id stays bound)."""
+    if message.unpin:
+        core.lora_ids.unpin(client_id, message.lora.lora_int_id)
+        unpin_removed(core)
+        core.io.send(client_id, protocol.LoRAPinned(message.call_id))
+        return
     try:
         lora = core.lora_ids.bind(client_id, message.lora, core.config.enable_lora)
         core.lora_ids.check_pin(lora, core.running_lora_ids())

@@ -83,7 +83,8 @@ class EngineControl:
         there until `remove_lora` of the id unpins it; on every replica (one that has not seen the id checks and
         binds it first). Returns True. `InvalidRequestError` naming ``lora_id``, the engine serving on: an id this
         engine does not know, more pinned adapters than ``max_loras`` slots, the last slot while requests with other
-        adapters are in the engine, an adapter the workers cannot read (docs/lora.md)."""
+        adapters are in the engine, an adapter the workers cannot read (``lora_path``: a folder the core cannot read);
+        refused by any replica, it is pinned on none (docs/lora.md)."""
         if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
         await self.start()
@@ -98,9 +99,10 @@ class EngineControl:
         try:
             await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
                                  for processor, lora in zip(processors, checked)])
-        except BaseException:
-            for processor in processors:  # idle again: forgotten, it is unpinned in a core that pinned it
+        except BaseException:  # refused by a replica (or cancelled): pinned on none, one that pinned it unpins it
+            for processor, lora in zip(processors, checked):
                 processor.pin_lora_id(lora_id, pinned=False)
+                processor.lora_call(protocol.PinLoRA("", lora, unpin=True))  # after its PinLoRA; nothing waits on it
             raise
         return True
 

@@ -169,6 +169,13 @@ class HostLoRAIds:
             self._unpin(core_id)
         self._idle.pop(client_id, None)
 
+    def unpin(self, client_id: bytes, host_id: int) -> None:
+        """A host's pinned id unpinned, still bound (`PinLoRA` ``unpin``: its `pin_lora` refused by another replica);
+        nothing for an id not pinned."""
+        known = self._ids.get(client_id, {}).get(host_id)
+        if known is not None:
+            self._unpin(known[0])
+
     def _unpin(self, core_id: int) -> None:
         pinned = self.pinned.pop(core_id, None)
         if pinned is not None:

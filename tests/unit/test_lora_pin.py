@@ -6,13 +6,16 @@ against max_loras. End to end: tests/engine/test_lora_pin_engine.py."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from types import SimpleNamespace
 
 import pytest
 
-from asyncllm import LoRARequest, SamplingParams, protocol
+from asyncllm import InvalidRequestError, LoRARequest, SamplingParams, protocol
 from asyncllm.engine.core_lora import pin_again
-from asyncllm.engine.lora_ids import HostLoRAIds
+from asyncllm.engine.engine_control import EngineControl
+from asyncllm.engine.lora_ids import HostLoRAIds, PendingLoRACalls
 from asyncllm.sched.request import Request
 from test_core_validation import _adapter_folder, _add, _core
 from test_scheduler import EOS, make_scheduler, run_step
@@ -93,6 +96,52 @@ def test_the_core_pins_on_every_rank_and_refuses_by_name(monkeypatch: pytest.Mon
     assert (replies[-1].removed, workers.took(), list(core.lora_ids.pinned)) == (True, [(2, True)], [1])
     core._remove_client(b"h")  # its host left: its pins end
     assert (workers.took(), core.lora_ids.pinned) == ([(1, True)], {})
+
+
+class _Replica:
+    """A data-parallel replica's processor whose LoRA calls its core answers at once."""
+
+    def __init__(self, core, replies: list, given: LoRARequest) -> None:
+        self.core, self.replies, self.given, self.calls = core, replies, given, PendingLoRACalls()
+
+    def lora_given(self, lora_id: int) -> LoRARequest:
+        return self.given
+
+    def checking_lora(self, lora: LoRARequest) -> concurrent.futures.Future:
+        checked: concurrent.futures.Future = concurrent.futures.Future()
+        checked.set_result(lora)
+        return checked
+
+    def pin_lora_id(self, lora_id: int, pinned: bool = True) -> None:
+        pass
+
+    def lora_call(self, message: protocol.PinLoRA) -> concurrent.futures.Future:
+        message.call_id, future = self.calls.new()
+        self.core._handle(b"h", message)
+        self.calls.resolve(self.replies[-1])
+        return future
+
+
+def test_a_pin_refused_by_one_replica_is_pinned_on_none(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Data parallelism: replica 1 refuses the last slot (another adapter's request in its core), so `pin_lora`
+    raises; replica 0, which pinned the adapter, unpins it (on its workers too), the id still bound there."""
+    core0, workers0, replies0, _, (a, _, c, d) = _pinning_core(monkeypatch, tmp_path)
+    (tmp_path / "r1").mkdir()
+    core1, _, replies1, _, _ = _pinning_core(monkeypatch, tmp_path / "r1")
+    _add(core1, "r", lora=LoRARequest("c", 5, c))
+    core1._handle(b"h", protocol.PinLoRA("d", LoRARequest("d", 6, d)))  # one of its two slots pinned
+    replicas = [_Replica(core, replies, LoRARequest("a", 3, a)) for core, replies in ((core0, replies0),
+                                                                                      (core1, replies1))]
+
+    async def serving_processors() -> list[_Replica]:
+        return replicas
+
+    engine = SimpleNamespace(start=lambda: asyncio.sleep(0),
+                             _replicas=SimpleNamespace(serving_processors=serving_processors))
+    with pytest.raises(InvalidRequestError, match="pin the last of the max_loras=2"):
+        asyncio.run(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+    assert core0.lora_ids.pinned == {} and core0.lora_ids.core_ids(b"h") == {3: 1}
+    assert workers0.took() == [(1, False), (1, True)] and list(core1.lora_ids.pinned) == [2]
 
 
 def _request(req_id: str, lora_id: int) -> Request:
