@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from asyncllm.kv.manager import KVCacheManager
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PreemptionLogger", "Preemptor", "preempt_in_step", "preempt_until_allocated", "priority_key", "victim_index",
+    "victim_order",
 ]
 
 logger = logging.getLogger("asyncllm.sched")
@@ -45,10 +46,19 @@ def priority_key(request: Request) -> tuple[int, float]:
 
 def victim_index(running: list[Request], start: int, policy: str) -> int:
     """The index in `running` of the request to preempt among those from `start` on: the last under 'fcfs', the
-    first of the greatest `priority_key` under 'priority' (vLLM V1's max over its running requests)."""
+    last of the greatest `priority_key` under 'priority' (vLLM V1's max over its running requests, but for ties:
+    the latest admitted, as under 'fcfs', so that equals such as one request's samples cannot livelock)."""
     if policy != "priority":
         return len(running) - 1
-    return max(range(start, len(running)), key=lambda i: (priority_key(running[i]), -i))
+    return max(range(start, len(running)), key=lambda i: (priority_key(running[i]), i))
+
+
+def victim_order(requests: Iterable[Request]) -> list[Request]:
+    """`requests` (in admission order) in the order `victim_index` takes them under 'priority': greatest
+    `priority_key` first, the latest admitted first among equals."""
+    ranked = list(enumerate(requests))
+    ranked.sort(key=lambda pair: (priority_key(pair[1]), pair[0]), reverse=True)
+    return [request for _, request in ranked]
 
 
 class PreemptionLogger:

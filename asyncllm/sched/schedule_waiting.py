@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from asyncllm import protocol
 from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.decode_step import may_run_short
-from asyncllm.sched.preemption import preempt_in_step, priority_key
+from asyncllm.sched.preemption import preempt_in_step, victim_order
 from asyncllm.sched.request import RequestStatus
 from asyncllm.sched.schedule_each import draft_room
 
@@ -57,15 +57,16 @@ def preempt_for_priority(sched: Scheduler, step: _Step) -> bool:
 
 
 def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
-    """The fewest running requests, greatest `priority_key` first, after which the others' next tokens (drafts
-    aside: they are dropped when no block is left for them) fit the free blocks: vLLM's victims, which it takes as
-    it meets a request without room (one it already served included); asyncllm takes them before serving any.
+    """The fewest running requests, in `victim_order` (greatest `priority_key` first), after which the others'
+    next tokens (drafts aside: they are dropped when no block is left for them) fit the free blocks: vLLM's victims,
+    which it takes as it meets a request without room (one it already served included); asyncllm takes them before
+    serving any.
     With drafts, the blocks the others' next tokens leave free are `step.draft_blocks`: step 1 gives drafts only
     those, so it never preempts (vLLM's drafts may take a block a later request then preempts for)."""
     kv = sched.kv_cache_manager
     if not may_run_short(sched, _max_drafts(sched)):  # cheap (arrays over the rows), most steps: every draft fits
         return []
-    eligible = sorted(sched.running, key=priority_key, reverse=True)
+    eligible = victim_order(sched.running)
     freed, plan = _Freed(sched, eligible, set()), _running_plan(sched, step, drafts=False)
     spare: dict[int, int] = {}  # victims -> the free blocks left after the others' next tokens
 
@@ -81,12 +82,12 @@ def _short_victims(sched: Scheduler, step: _Step) -> list[Request]:
 
 
 def _victims(sched: Scheduler, head: Request, step: _Step) -> list[Request]:
-    """The running requests of lower priority than `head`, greatest `priority_key` first (vLLM's victim order),
+    """The running requests of lower priority than `head`, in `victim_order` (greatest `priority_key` first),
     the fewest of which must go for `head` to be admitted in this step: a seat, an adapter slot (max_loras), token
     budget after the running requests that stay, and free blocks for theirs and its first chunk (a victim's block
     held by a request that stays, as a shared prefix block, frees nothing); none when none would do."""
     running, kv = sched.running, sched.kv_cache_manager
-    eligible = sorted((r for r in running if r.priority > head.priority), key=priority_key, reverse=True)
+    eligible = victim_order(r for r in running if r.priority > head.priority)
     if not eligible:
         return []
     low = max(len(running) - sched.max_num_seqs + 1, _adapter_bound(sched, head, eligible))  # a seat, a slot
