@@ -51,8 +51,9 @@ class EngineControl:
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
         processors = await self._replicas.serving_processors()
-        checked = [await asyncio.wrap_future(processor.checking_lora(lora_request))  # each replica's own checker,
-                   for processor in processors]  # off the loop; one check with the requests waiting for the id
+        checked = [await asyncio.wrap_future(processor.checking_lora(lora_request))  # the replicas share one
+                   for processor in processors]  # AdapterChecker: one check off the loop, shared with the requests
+        # waiting for the id (the later replicas' futures are settled at once)
         await every_replica([processor.lora_call(protocol.AddLoRA("", lora))
                              for processor, lora in zip(processors, checked)])
 

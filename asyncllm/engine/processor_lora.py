@@ -6,12 +6,14 @@ this thread streams every other request, adds theirs and handles aborts meanwhil
 and `AsyncEngine.add_lora` / `pin_lora` of it, share that one check. Once it is done the request goes on where it
 stopped (`_resume`: tokenized, sent as any other), or fails alone with the check's `InvalidRequestError`; aborted
 while parked it never reaches the core (the check runs on and records the adapter); the engine closed or dead, it
-ends as a tracked request does (`_end_parked`). A parked request's id is in use: never forgotten as idle.
+ends as a tracked request does (`_end_parked`). Either way the metrics observer counts it as a tracked request that
+ended so (`RequestObserver.on_ended_unsent`). A parked request's id is in use: never forgotten as idle.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -21,6 +23,7 @@ from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.processor_outputs import Delivery, TrackedRequest
 from asyncllm.lora import LoRARequest
 from asyncllm.lora_checker import AdapterChecker
+from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 
 if TYPE_CHECKING:
@@ -37,6 +40,7 @@ class ProcessorLoRA:
     _parked: dict[str, Submit]
     _adding: Submit | None
     _encoder: Any
+    _observer: RequestObserver
     _lora_calls: PendingLoRACalls
 
     if TYPE_CHECKING:
@@ -71,8 +75,11 @@ class ProcessorLoRA:
         self._adding = None
 
     def _unpark(self, request_id: str) -> None:
-        """An abort: a parked request is dropped, never sent (the loop ended its collector already)."""
-        self._parked.pop(request_id, None)
+        """An abort: a parked request is dropped, never sent (the loop ended its collector already), and counted
+        aborted as a sent request is (`RequestObserver.on_ended_unsent`)."""
+        job = self._parked.pop(request_id, None)
+        if job is not None:
+            self._observer.on_ended_unsent(job, None, time.time())
 
     def _checked_lora(self, job: Submit) -> LoRARequest | None:
         """The request's adapter as checked: its parked check's outcome (raising its error; recorded again should the
@@ -87,7 +94,9 @@ class ProcessorLoRA:
     def _end_parked(self, error: BaseException | None) -> Delivery:
         """`_fail_all`: every parked request ends, with `error`, or (None: a close) each sample aborted."""
         batch: Delivery = []
+        now = time.time()
         for job in self._parked.values():
+            self._observer.on_ended_unsent(job, error, now)  # counted as a sent request ending so
             if error is not None:
                 batch.append((job.collector, error))
                 continue

@@ -209,6 +209,20 @@ class RequestObserver:
             reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
             self._span_call("end", RequestTracer.cancel, traced.span, collector.metrics, reasons, now)
 
+    def on_ended_unsent(self, job: Submit, error: BaseException | None, now: float) -> None:
+        """The request ended before it was sent to the core (parked while its adapter was checked: asyncllm/engine/
+        processor_lora.py), counted as a sent one that ended so: each sample aborted (None: the caller left, or the
+        engine closed) or failed with `error`; its span starts and ends at once."""
+        if self._tracer is not None:
+            span = self._start_span(job, 0)
+            if span is not None:  # an id in flight is refused, parked ones' too: none other has this key
+                self._traced[job.collector.request_id] = _Traced(span)
+        for _ in range(job.params.n):
+            if error is None:
+                self.on_aborted(job.collector, now)
+            else:
+                self.on_error(job.collector, error, now)
+
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
         self._steps.pop(collector.request_id, None)

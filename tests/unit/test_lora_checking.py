@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 from asyncllm import InvalidRequestError, LoRARequest, lora_checker
-from asyncllm.engine.processor_requests import ProcessorRequests
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.processor_requests import ProcessorRequests, Submit
+from asyncllm.engine.stream import RequestOptions
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.sampling import SamplingParams
 from test_core_validation import _adapter_folder
 from test_lora_id_bound import _checker
 
@@ -118,3 +123,33 @@ def test_a_parked_requests_id_is_never_forgotten_as_idle(tmp_path) -> None:
     frames: list[bytes] = []
     ProcessorRequests._forget_idle_loras(host, SimpleNamespace(send=frames.append))  # type: ignore[arg-type]
     assert checker.ids() == {1, 2} and len(frames) == 1  # 3 alone was idle (and not the newest: kept 1 // 8 = 0)
+
+
+def test_a_parked_request_aborted_or_closed_is_counted_as_any_aborted_request(tmp_path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request parked while its adapter is checked and aborted there (`engine.abort`, its stream left), or ended
+    by the engine's close, never reaches the core, yet the metrics observer counts it as a tracked request aborted
+    then: `request_success_total{finished_reason="abort"}` once per sample."""
+    hub = _SlowHub(_adapter_folder(tmp_path / "a"))
+    monkeypatch.setattr(lora_checker, "_resolve", hub)
+    observer = RequestObserver("m")
+    host = ProcessorRequests()  # the processor thread's LoRA side alone: no core, no thread
+    host._lora, host._parked, host._tracked, host._observer = _checker(kept=8), {}, {}, observer
+    host._post = lambda job: None  # type: ignore[method-assign]  # the check's "lora_checked": not handled here
+
+    def park(request_id: str, n: int) -> None:
+        job = Submit(RequestCollector(request_id, time.time(), n=n), [1, 2], SamplingParams(n=n, max_tokens=4),
+                     RequestOptions(lora_request=LoRARequest("a", 9, "org/adapter")))
+        assert host._park(job)
+
+    try:
+        park("left", 2)
+        host._unpark("left")  # an abort
+        assert host._parked == {} and observer.stats.request_success["abort"] == 2
+        host._unpark("left")  # gone already: counted once
+        park("closed", 1)
+        ended = host._end_parked(None)  # the engine closed
+        assert [(item.index, item.finish_reason) for _, item in ended] == [(0, "abort")]
+        assert observer.stats.request_success["abort"] == 3
+    finally:
+        hub.release.set()
