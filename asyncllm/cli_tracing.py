@@ -22,7 +22,8 @@ __all__ = ["add_tracing_args", "start_tracing", "flush_traces", "DETAILED_TRACE_
 
 DETAILED_TRACE_MODULES = ("model", "worker", "all")
 """vLLM's ``--collect-detailed-traces`` values."""
-_EXPORTERS = {"grpc": "opentelemetry-exporter-otlp-proto-grpc", "http/protobuf": "opentelemetry-exporter-otlp-proto-http"}
+_EXPORTERS = {"grpc": "opentelemetry-exporter-otlp-proto-grpc",
+              "http/protobuf": "opentelemetry-exporter-otlp-proto-http"}
 _PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 """Where the protocol is read, the traces' own first (OpenTelemetry's order)."""
 _installed: list[Any] = []

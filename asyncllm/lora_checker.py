@@ -203,7 +203,7 @@ class AdapterChecker:
             concurrent.futures.wait([before])
         try:
             outcome, error = self.check(request), None
-        except BaseException as exc:  # noqa: BLE001 - the waiting requests' error (never left waiting), not the thread's
+        except BaseException as exc:  # noqa: BLE001 - the waiters' error (never left waiting), not the thread's
             outcome, error = None, _request_error(request, exc)
         with self._lock:
             if self._flights.get(request.lora_int_id, (None, None))[1] is future:
@@ -241,8 +241,9 @@ class AdapterChecker:
     def forget_idle(self, in_use: Callable[[], Container[int]]) -> list[int]:
         """Past `kept_ids` checked ids, forget the least recently used ones no request runs with (`in_use`: the ids of
         the requests in flight, never forgotten, nor are the pinned ones; `IdleIds`); the ids forgotten, which the
-        caller forgets in the core too. Used again, such an id is checked afresh, and may name another folder. Called per request
-        (by the processor thread alone): takes no lock while nothing is due (a request naming no adapter)."""
+        caller forgets in the core too. Used again, such an id is checked afresh, and may name another folder.
+        Called per request (by the processor thread alone): takes no lock while nothing is due (a request naming no
+        adapter)."""
         if self._idle.settled(len(self._checked)):
             return []
         with self._lock:

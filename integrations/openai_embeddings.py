@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
     from asyncllm.lora import LoRARequest
 
-__all__ = ["PoolingPromptRequest", "EmbeddingRequest", "context_param", "embedding_inputs", "embedding_prompts", "embed_all", "embedding_response", "input_prompts",
-           "pooling_usage", "pooling_request_id"]
+__all__ = ["PoolingPromptRequest", "EmbeddingRequest", "context_param", "embedding_inputs", "embedding_prompts",
+           "embed_all", "embedding_response", "input_prompts", "pooling_usage", "pooling_request_id"]
 
 
 class PoolingPromptRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -112,7 +112,8 @@ def context_param() -> Iterator[None]:
         raise InvalidRequestError(CONTEXT_PARAM, exc.message, code=exc.code) from None
 
 
-def embedding_inputs(req: PoolingPromptRequest, limits: ServerLimits, task: str = "embed") -> list[str | list[int]] | None:
+def embedding_inputs(req: PoolingPromptRequest, limits: ServerLimits,
+                     task: str = "embed") -> list[str | list[int]] | None:
     """The engine prompts of ``input`` (at most `limits.max_prompts`); None for a request with ``messages``
     (the server renders them). A request with both, neither, or an empty input is a 400 (the latter naming the
     `task` served: /pooling's), as is a chat-only field with ``input`` (``add_special_tokens`` false is not built
@@ -151,7 +152,8 @@ async def embedding_prompts(server: OpenAIServer, req: PoolingPromptRequest, tas
         return prompts
     with context_param():  # the engine started
         token_ids = await chat_tokens(server, req, add_special_tokens=bool(req.add_special_tokens),
-                                      operation=POOLING_OPERATIONS[api], cuttable=req.truncate_prompt_tokens is not None)
+                                      operation=POOLING_OPERATIONS[api],
+                                      cuttable=req.truncate_prompt_tokens is not None)
     return [truncated_prompt(token_ids, req.truncate_prompt_tokens, server.engine.config.max_model_len, pooling=True,
                              chat=True)]
 
@@ -180,7 +182,7 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
     try:
         with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True), \
-                context_param(), admission_group(len(prompts)):  # the group (`guard`) may pass the limits by its prompts
+                context_param(), admission_group(len(prompts)):  # (`guard`) may pass the limits by its prompts
             return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
     except MatryoshkaRefusal as exc:  # the engine's check names the model as configured (a checkpoint's path)
         if model_name is None:

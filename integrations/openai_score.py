@@ -2,8 +2,9 @@
 (``/v1/rerank``, ``/v2/rerank``, Jina's and Cohere's shape).
 
 ``/classify`` runs `AsyncEngine.classify` on each ``input`` (the four prompt
-shapes of /v1/completions) or on chat ``messages`` rendered as /v1/embeddings'; ``/score`` runs `AsyncEngine.score` on ``text_1``
-and ``text_2`` (1:1, 1:N, N:N); ``/rerank`` scores ``query`` against each of
+shapes of /v1/completions) or on chat ``messages`` rendered as
+/v1/embeddings'; ``/score`` runs `AsyncEngine.score` on ``text_1`` and
+``text_2`` (1:1, 1:N, N:N); ``/rerank`` scores ``query`` against each of
 ``documents`` and answers them sorted by relevance, best first (``top_n`` of
 them). A model that cannot answer (a generative model asked to classify, a
 classifier with several labels asked to score) is a 400 from the engine's
@@ -217,7 +218,7 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], 
     calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
              for prompt in prompts]
     with renamed_fields({"prompt": field}, uncoded_only=True), context_param(), \
-            admission_group(len(calls)):  # the engine's field: the request's; its group may pass the limits by its calls
+            admission_group(len(calls)):  # the engine's field: the request's; the group may pass the limits
         return await gather_until(calls, until)
 
 

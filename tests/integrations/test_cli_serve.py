@@ -8,7 +8,6 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 from dataclasses import fields
 from typing import get_type_hints
 
@@ -18,6 +17,7 @@ import pytest
 from asyncllm import config as config_module
 from asyncllm.cli import _parser
 from asyncllm.cli_args import ENGINE_FLAG_FIELDS, add_engine_args, engine_kwargs, markdown_table
+from serve_helpers import line_with, wait_healthy
 
 
 def _all_config_fields() -> set[str]:
@@ -107,19 +107,10 @@ def test_serve_runs_the_bundled_model_on_localhost() -> None:
                              "--max-num-seqs", "4", "--disable-log-stats", "--log-level", "warning"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        url = re.search(r" on (http://127\.0\.0\.1:(\d+))/v1 once", _line_with(proc, "starting: serving"))
+        url = re.search(r" on (http://127\.0\.0\.1:(\d+))/v1 once", line_with(proc, "starting: serving"))
         base, port = url[1], int(url[2])  # --port 0: the port the kernel picked, bound before the model loads
         assert port != 0
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "asyncllm serve did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, base)
         models = httpx.get(base + "/v1/models").json()
         completion = httpx.post(base + "/v1/completions", json={"model": "asyncllm-tiny", "prompt": "def ",
                                                                 "max_tokens": 3, "ignore_eos": True}).json()
@@ -129,14 +120,6 @@ def test_serve_runs_the_bundled_model_on_localhost() -> None:
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-2000:]
-
-
-def _line_with(proc: subprocess.Popen, text: str) -> str:
-    """The first stderr line of `proc` that has `text` (the lines before it are read and dropped)."""
-    for line in proc.stderr:
-        if text in line:
-            return line
-    raise AssertionError(f"no line with {text!r}; exit code {proc.wait()}")
 
 
 def test_cli_reference_lists_every_flag() -> None:

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from asyncllm.cli import main
+from serve_helpers import line_with, wait_healthy
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
 
@@ -57,19 +57,6 @@ def _spans(posts: list[tuple[str, bytes]]) -> list[tuple[dict, object]]:
     return spans
 
 
-def _wait_healthy(proc: subprocess.Popen, base: str) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "asyncllm serve did not come up"
-        time.sleep(0.2)
-
-
 def test_serve_exports_the_request_span_to_the_otlp_endpoint(monkeypatch) -> None:
     collector = _Collector()
     threading.Thread(target=collector.serve_forever, daemon=True).start()
@@ -82,9 +69,8 @@ def test_serve_exports_the_request_span_to_the_otlp_endpoint(monkeypatch) -> Non
                              "--disable-log-stats", "--log-level", "warning", "--otlp-traces-endpoint", endpoint],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     try:
-        line = next(line for line in proc.stderr if "starting: serving" in line)
-        base = re.search(r" on (http://127\.0\.0\.1:\d+)/v1 once", line)[1]
-        _wait_healthy(proc, base)
+        base = re.search(r" on (http://127\.0\.0\.1:\d+)/v1 once", line_with(proc, "starting: serving"))[1]
+        wait_healthy(proc, base)
         completion = httpx.post(base + "/v1/completions", headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"},
                                 json={"model": "asyncllm-tiny", "prompt": "def ", "max_tokens": 3, "ignore_eos": True})
         assert completion.status_code == 200
