@@ -162,6 +162,12 @@ async def test_each_host_has_its_own_lora_ids(core, tiny_llama: str, tmp_path: P
             assert await greedy(redeployed, LoRARequest("sql", 1, str(served))) == expected[1]
 
 
+def _engine_gauges(registry: CollectorRegistry) -> list[str]:
+    """The engine-wide series this host's registry exports (one of them: the running requests' gauge)."""
+    return [line for line in generate_latest(registry).decode().splitlines()
+            if line.startswith("asyncllm:num_requests_running")]
+
+
 async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
     """A host killed without a Goodbye (SIGKILL, the OOM killer): within about a second the core aborts its requests
     (their KV blocks and batch slots are free) and another host exports the engine-wide metrics in its place
@@ -171,10 +177,6 @@ async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
     ctx = zmq.Context()
     dealer = open_dealer(ctx, address, None)
     registry = CollectorRegistry()
-
-    def engine_gauges() -> list[str]:
-        return [line for line in generate_latest(registry).decode().splitlines()
-                if line.startswith("asyncllm:num_requests_running")]
 
     async def until(predicate, timeout_s: float) -> float:
         start = time.monotonic()
@@ -193,10 +195,10 @@ async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
         async with AsyncEngine.connect(address, disable_log_stats=True, prometheus_registry=registry) as engine:
             await engine.generate("hi", SamplingParams(max_tokens=1))
             await until(lambda: engine.stats().num_requests_running == 1, 30)
-            assert engine_gauges() == []
+            assert _engine_gauges(registry) == []
             child.kill()
             child.wait()
-            assert await until(lambda: engine.stats().num_requests_running == 0 and engine_gauges(), 3) < 3
+            assert await until(lambda: engine.stats().num_requests_running == 0 and _engine_gauges(registry), 3) < 3
     finally:
         child.kill()
         child.wait()
@@ -228,10 +230,6 @@ async def test_a_probe_killed_before_its_goodbye_leaves_no_ghost_host(core, tmp_
     ghost = open_dealer(ctx, address, None)
     registry = CollectorRegistry()
 
-    def engine_gauges() -> list[str]:
-        return [line for line in generate_latest(registry).decode().splitlines()
-                if line.startswith("asyncllm:num_requests_running")]
-
     try:
         ghost.send(_probe_hello(tmp_path))  # and no Goodbye after it
         assert ghost.poll(30_000) and isinstance(msgspec.msgpack.decode(ghost.recv(), type=protocol.CoreMessage),
@@ -239,9 +237,9 @@ async def test_a_probe_killed_before_its_goodbye_leaves_no_ghost_host(core, tmp_
         async with AsyncEngine.connect(address, disable_log_stats=True, prometheus_registry=registry) as engine:
             await engine.generate("hi", SamplingParams(max_tokens=2))
             deadline = time.monotonic() + 5
-            while not engine_gauges() and time.monotonic() < deadline:
+            while not _engine_gauges(registry) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert engine_gauges(), "the live host exports no engine-wide gauges"
+            assert _engine_gauges(registry), "the live host exports no engine-wide gauges"
         assert not ghost.poll(200)  # no outputs for a probe
     finally:
         ghost.close(linger=0)
