@@ -44,6 +44,18 @@ class _Traced:
         self.finish_reasons: list[str] = []
 
 
+class _SamplesStep:
+    """An n > 1 request's latest core step: its time, the request's step before it, and whether the inter-token
+    latency was observed in it (`RequestObserver._samples_step`)."""
+
+    __slots__ = ("time", "before", "observed")
+
+    def __init__(self, time: float, before: float) -> None:
+        self.time = time
+        self.before = before
+        self.observed = False
+
+
 class RequestObserver:
     """Owns one engine's `HostStats`, its registry attachment and its request spans.
 
@@ -68,9 +80,8 @@ class RequestObserver:
         """The server's model name (`serve_as`), which no later `set_model_name` replaces."""
         self._span_failures: set[str] = set()
         """The kinds of span call ("start", "annotate", "end") that raised and were logged (once each)."""
-        self._steps: dict[str, list] = {}
-        """n > 1 requests' latest core step: [its time, the request's step before, inter-token latency observed]
-        (`_samples_step`), until the request ends."""
+        self._steps: dict[str, _SamplesStep] = {}
+        """n > 1 requests' latest core step (`_samples_step`), until the request ends."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
@@ -177,11 +188,11 @@ class RequestObserver:
         only samples' first tokens (a sample queued behind the others, its prefill) observes none: that wait was
         no sample's inter-token latency."""
         step = self._steps.get(request_id)
-        if step is None or step[0] != now:  # the step's first delta of this request (`last`: its step before)
-            step = self._steps[request_id] = [now, last, False]
-        if not is_prefilling and not step[2]:
-            step[2] = True
-            self.stats.inter_token_latency.observe(now - step[1])
+        if step is None or step.time != now:  # the step's first delta of this request (`last`: its step before)
+            step = self._steps[request_id] = _SamplesStep(now, last)
+        if not is_prefilling and not step.observed:
+            step.observed = True
+            self.stats.inter_token_latency.observe(now - step.before)
 
     def _on_first_token(self, metrics: RequestMetrics, traced: _Traced | None, now: float) -> None:
         self.stats.time_to_first_token.observe(now - metrics.arrival_time)
