@@ -94,16 +94,16 @@ def test_ctrl_c_while_the_command_imports_is_exit_130_quietly(run: str) -> None:
 
 def test_generate_takes_the_models_generation_config_and_a_closed_pipe_quietly(tmp_path) -> None:
     """Without --max-tokens / --temperature the request is the model's generation config's (here its overrides:
-    greedy, 2 tokens, the same text twice); a reader that leaves early (``| head``) ends it without a traceback."""
-    command = [sys.executable, "-m", "asyncllm", "generate", "--override-generation-config",
-               '{"max_new_tokens": 2, "temperature": 0}']
-    runs = [subprocess.run(command, capture_output=True, text=True, timeout=300) for _ in range(2)]
-    assert all(run.returncode == 0 for run in runs), runs[0].stderr[-1500:]
-    assert runs[0].stdout == runs[1].stdout and "finish_reason=length" in runs[0].stderr
-    assert len(runs[0].stdout) < len("def fibonacci(n):") + 40  # 2 tokens of text, not 64
-    reader = subprocess.Popen([sys.executable, "-m", "asyncllm", "generate", "--max-tokens", "200"],
+    greedy, 2 tokens; a second greedy run of 200 tokens begins with the same text); a reader that leaves early
+    (``| head``) ends it without a traceback."""
+    command = [sys.executable, "-m", "asyncllm", "generate", "--override-generation-config"]
+    run = subprocess.run([*command, '{"max_new_tokens": 2, "temperature": 0}'], capture_output=True, timeout=300)
+    assert run.returncode == 0 and b"finish_reason=length" in run.stderr, run.stderr[-1500:]
+    assert len(run.stdout) < len("def fibonacci(n):") + 40  # 2 tokens of text, not 64
+    reader = subprocess.Popen([*command, '{"max_new_tokens": 200, "temperature": 0}'],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    reader.stdout.read(3)
+    begins = reader.stdout.read(len(run.stdout))
     reader.stdout.close()  # the reader left
     _, err = reader.communicate(timeout=300)
+    assert begins == run.stdout  # greedy both times: the temperature override was taken
     assert b"Traceback" not in err and reader.returncode in (0, 141), err[-1500:]
