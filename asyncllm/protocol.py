@@ -178,9 +178,12 @@ class Ready(msgspec.Struct, **_STRUCT):
     max_model_len: int
     core_pid: int
     model: str = ""
-    """Unused, as `tokenizer`, `revision`, `max_lora_rank` and `max_loras` (`config` holds them): kept so that
-    `wire_protocol` stays where an older host reads it, and refuses this core cleanly."""
+    """The model as the core's launcher named it (`asyncllm engine MODEL`'s MODEL, not the folder it resolved to:
+    the bundled model's `asyncllm-tiny`; an owned core's host's label): an attached host labels its metrics and
+    spans with it (`AsyncEngine.connect`), as the launcher's host would. ("": a core that names none.)"""
     tokenizer: str = ""
+    """Unused, as `revision`, `max_lora_rank` and `max_loras` (`config` holds them): kept so that `wire_protocol`
+    stays where an older host reads it, and refuses this core cleanly."""
     revision: str | None = None
     mm_shm_ring_mapped: bool = False
     """The core mapped the ring named in the host's Hello (False: the host sends image data inline)."""

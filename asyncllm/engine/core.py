@@ -60,9 +60,12 @@ _IDLE_HEALTH_CHECK_S = 0.5
 
 class EngineCore:
     """Owns the scheduler and the executor; `run()` is the busy loop."""
+    model_name = ""  # the model as its launcher named it (`Ready.model`: attached hosts' label); "": none given
 
-    def __init__(self, config: EngineConfig, io: CoreIO, hf_config_json: str | None = None, auto_fit: bool = False):
+    def __init__(self, config: EngineConfig, io: CoreIO, hf_config_json: str | None = None, auto_fit: bool = False,
+                 model_name: str = ""):
         self.config = config
+        self.model_name = model_name
         self.io = io
         self.clients: set[bytes] = set()
         self.tasks: frozenset[str] | None = None
@@ -339,9 +342,9 @@ class EngineCore:
             self.io.send(client_id, protocol.Outputs(host_outputs(client_id, refused, [])[0], None, time.time()))
 
     def _ready(self) -> protocol.Ready:
-        config = self.config
-        return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
-                              wire_protocol=protocol.wire_protocol(), config=config.to_dict(wire=True))
+        c = self.config
+        return protocol.Ready(self.num_gpu_blocks, c.block_size, c.max_model_len, os.getpid(), self.model_name,
+                              wire_protocol=protocol.wire_protocol(), config=c.to_dict(wire=True))
 
     def stop(self) -> None:
         """End `run()` after the current step (a standalone core's signal handler calls this)."""
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config, as the host read it")
     parser.add_argument("--auto-max-model-len", action="store_true", help="max_model_len -1: fit to the KV cache")
+    parser.add_argument("--model-name", default="", help="the model as the host names it (`Ready.model`)")
     args = parser.parse_args(argv)
     exit_when_parent_dies()
     report_crashes()
@@ -371,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     io = CoreIO(args.address)
     core = None
     try:
-        core = EngineCore(config, io, args.hf_config_json, args.auto_max_model_len)
+        core = EngineCore(config, io, args.hf_config_json, args.auto_max_model_len, args.model_name)
     except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
         if not isinstance(exc, errors.ConfigError):  # a bad config is the host's one line, not a traceback here
             logger.exception("engine core failed to start")

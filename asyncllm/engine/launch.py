@@ -49,7 +49,7 @@ class CoreProcess:
 
 
 def launch_core(config: EngineConfig, hf_config_json: str | None = None,
-                env: dict[str, str] | None = None, auto_fit: bool = False) -> CoreProcess:
+                env: dict[str, str] | None = None, auto_fit: bool = False, model_name: str = "") -> CoreProcess:
     """Spawn ``python -m asyncllm.engine.core`` on a private ipc:// socket.
 
     `hf_config_json` is the checkpoint's config as the host read it; the
@@ -57,7 +57,8 @@ def launch_core(config: EngineConfig, hf_config_json: str | None = None,
     added to the core's environment, which its workers inherit (a
     data-parallel replica's CUDA_VISIBLE_DEVICES). `auto_fit` (the user's
     max_model_len -1): the core lowers `config`'s max_model_len to what the
-    KV cache holds and says so in its `protocol.Ready`.
+    KV cache holds and says so in its `protocol.Ready`. `model_name`: the host's metrics label, which the core
+    names in its `Ready` (`Ready.model`).
     """
     env = {**host_logging_env(), **(env or {})}  # first: a bad logging variable leaves no folder behind
     ipc_dir = procutil.private_ipc_dir()
@@ -65,6 +66,7 @@ def launch_core(config: EngineConfig, hf_config_json: str | None = None,
     config_json = msgspec.json.encode(config.to_dict(wire=True)).decode()
     extra = ["--hf-config-json", hf_config_json] if hf_config_json is not None else []
     extra += ["--auto-max-model-len"] if auto_fit else []
+    extra += ["--model-name", model_name] if model_name else []
     proc = procutil.spawn_module(
         "asyncllm.engine.core", ["--address", address, "--config-json", config_json, *extra], env
     )

@@ -250,11 +250,11 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
 
         prepared = await in_thread(prepare_attached, config, spec.connect_address, timeout_s, spec.engine_key,
                                    closed, spec.host_fields)
-        replica.observer.set_model_name(prepared.config.model)
     else:
         prepared = await in_thread(prepare, config, closed is not None)  # a restart's config: prepared before
         core = await in_thread(launched.core, launch_core, prepared.config, prepared.hf_config_json,
                                replica_env(spec.devices, replica.index), config.max_model_len == AUTO_MAX_MODEL_LEN,
+                               replica.observer.stats.model_name,  # its label: the core names it to attached hosts
                                abandoned=functools.partial(stop_launched, None))  # never told Goodbye: cut at once
     replica.observer.stats.owns_core = core is not None  # before its first snapshot: its counters end with it
     processor = _processor(replica, prepared, core, spec, timeout_s)
@@ -264,6 +264,8 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
     except BaseException:
         await finish_in_thread(stop_launched, processor, core)
         raise
+    if core is None:  # attached: labelled as the core's launcher named the model (its Ready), not with its folder
+        replica.observer.set_model_name(ready.model or prepared.config.model)
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 

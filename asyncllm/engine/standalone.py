@@ -14,6 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 
 from asyncllm import envs, protocol
+from asyncllm.bundled import model_label
 from asyncllm.child_logging import configure_child_logging
 from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
@@ -42,13 +43,14 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     report_crashes()
     envs.check_at_start()
     prepared = prepare(config, decodes_images=False)  # the model folder and max_model_len, as a host would
+    model_name = model_label(config.model)  # as given (a hub id, not its folder): what attached hosts label
     auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
     if socket_path is not None:
         _claim_socket(socket_path)
     io = CoreIO(address)
     try:
-        core = EngineCore(config, io, prepared.hf_config_json, auto_fit)
+        core = EngineCore(config, io, prepared.hf_config_json, auto_fit, model_name)
     except BaseException:
         io.close()
         if socket_path is not None:

@@ -52,6 +52,11 @@ class KVRequest(Protocol):
     """Times it was preempted (its readmissions are no prefix-cache queries)."""
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Whether it reads no prefix-cache block (prompt_logprobs, MEAN/CLS pooling): no lookup, no query."""
+        ...
+
+    @property
     def all_token_ids(self) -> list[int]: ...
 
     @property
@@ -130,7 +135,7 @@ class KVCacheManager:
         that the model produces the logits of the next one. Read-only: the
         blocks are only taken by `allocate_slots`.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return [], 0
         token_ids = request.all_token_ids
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -360,8 +365,9 @@ class KVCacheManager:
     def _count_query(self, request: KVRequest, num_gpu_hits: int, num_cpu_hits: int) -> None:
         """Count one admission's lookup (once per admission, however often admission was retried); a preempted
         request's readmission is not counted (as vLLM's, whose preempted lookups are kept apart and not exported):
-        its prompt was counted once, and its hits on its own freed blocks are no sharing."""
-        if not self.enable_prefix_caching:
+        its prompt was counted once, and its hits on its own freed blocks are no sharing. A request that skips
+        prefix-cache reads made no lookup and is not counted at all (vLLM's `record_prefix_cache_stats`)."""
+        if not self.enable_prefix_caching or request.skip_reading_prefix_cache:
             return
         if request.num_preemptions:
             self.preempted_prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size

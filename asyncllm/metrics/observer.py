@@ -17,7 +17,7 @@ from asyncllm.bundled import model_label
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.prometheus import attach, retire
-from asyncllm.metrics.request_timing import apply_events, observe_finished
+from asyncllm.metrics.request_timing import apply_events, observe_decode, observe_finished
 from asyncllm.metrics.tracing import RequestTracer, span_operation, tracing_available
 from asyncllm.protocol import RequestOutputDelta, SchedulerStats
 
@@ -56,14 +56,25 @@ class _SamplesStep:
         self.observed = False
 
 
+class _Sample:
+    """An n > 1 request's sample, as vLLM's child request's stats: its first and last token times and its tokens."""
+
+    __slots__ = ("first_token_time", "last_token_time", "num_tokens")
+
+    def __init__(self, now: float) -> None:
+        self.first_token_time = self.last_token_time = now
+        self.num_tokens = 0
+
+
 class RequestObserver:
     """Owns one engine's `HostStats`, its registry attachment and its request spans.
 
     A request with n > 1 samples runs as n core requests that share one
     collector: tokens and `request_success_total` count every sample (as vLLM
-    counts child requests); the latency and length histograms and the span see
-    the request once, when its last sample finishes (the processor sets
-    `metrics.finished_time` then).
+    counts child requests), and so do the decode time and the time per output
+    token, each sample's own as it finishes (vLLM observes each child request's);
+    the other latency and length histograms and the span see the request once,
+    when its last sample finishes (the processor sets `metrics.finished_time` then).
     """
 
     def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
@@ -82,6 +93,8 @@ class RequestObserver:
         """The kinds of span call ("start", "annotate", "end") that raised and were logged (once each)."""
         self._steps: dict[str, _SamplesStep] = {}
         """n > 1 requests' latest core step (`_samples_step`), until the request ends."""
+        self._samples: dict[str, dict[str, _Sample]] = {}
+        """n > 1 requests' samples that had a token out, by core request id (`_sample_tokens`), until it ends."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
@@ -172,11 +185,15 @@ class RequestObserver:
                 self._samples_step(collector.request_id, last, now, is_prefilling)
             elif now != last:  # once per core step
                 stats.inter_token_latency.observe(now - last)
+            if collector.num_samples > 1:
+                self._sample_tokens(collector.request_id, out.request_id, now, len(out.new_token_ids))
             metrics.last_token_time = now
             stats.generation_tokens_total += 0 if pooled else len(out.new_token_ids)
         finish_reason = "stop" if pooled and item.finish_reason else item.finish_reason  # vLLM's pooling: STOP
         if finish_reason is not None:
             self.stats.count_finished(finish_reason)
+            if collector.num_samples > 1:
+                self._sample_finished(collector.request_id, out.request_id, finish_reason)
             if traced is not None:
                 traced.finish_reasons.append(finish_reason)
             if metrics.finished_time is not None:  # the request's last sample
@@ -194,6 +211,29 @@ class RequestObserver:
             step.observed = True
             self.stats.inter_token_latency.observe(now - step.before)
 
+    def _sample_tokens(self, request_id: str, core_id: str, now: float, num_tokens: int) -> None:
+        """An n > 1 request's sample's new tokens: its own first and last token times (vLLM's child request's)."""
+        samples = self._samples.get(request_id)
+        if samples is None:
+            samples = self._samples[request_id] = {}
+        sample = samples.get(core_id)
+        if sample is None:
+            sample = samples[core_id] = _Sample(now)
+        sample.last_token_time = now
+        sample.num_tokens += num_tokens
+
+    def _sample_finished(self, request_id: str, core_id: str, finish_reason: str) -> None:
+        """An n > 1 request's sample finished: its decode time and time per output token, from its own first
+        token (a sample queued behind the others waited before it: no decode time), as vLLM's child request's."""
+        samples = self._samples.get(request_id)
+        sample = samples.pop(core_id, None) if samples is not None else None
+        if finish_reason == "abort":
+            return
+        if sample is None:
+            observe_decode(self.stats, None, 0)
+        else:
+            observe_decode(self.stats, sample.last_token_time - sample.first_token_time, sample.num_tokens)
+
     def _on_first_token(self, metrics: RequestMetrics, traced: _Traced | None, now: float) -> None:
         self.stats.time_to_first_token.observe(now - metrics.arrival_time)
         if traced is not None:
@@ -202,6 +242,7 @@ class RequestObserver:
     def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
                              pooled: bool) -> None:
         self._steps.pop(collector.request_id, None)
+        self._samples.pop(collector.request_id, None)
         if finish_reason != "abort":
             observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), collector.num_samples,
                              pooled)
@@ -215,6 +256,7 @@ class RequestObserver:
         """The caller left, or the engine closed, before this sample finished (called once per sample)."""
         self.stats.count_finished("abort")
         self._steps.pop(collector.request_id, None)
+        self._samples.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
@@ -237,6 +279,7 @@ class RequestObserver:
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
         self._steps.pop(collector.request_id, None)
+        self._samples.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.fail, traced.span, error, now)

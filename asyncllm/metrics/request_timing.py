@@ -17,7 +17,7 @@ from asyncllm.metrics.host_stats import HostStats
 from asyncllm.outputs import RequestMetrics
 from asyncllm.protocol import EngineCoreEvent, EngineCoreEventType
 
-__all__ = ["apply_events", "observe_finished"]
+__all__ = ["apply_events", "observe_decode", "observe_finished"]
 
 _QUEUED, _SCHEDULED, _PREEMPTED = (
     EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED)
@@ -38,10 +38,9 @@ def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None
 
 def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, num_samples: int = 1,
                      pooled: bool = False) -> None:
-    """Record a request that finished with a reason other than abort in the request histograms. The time per
-    output token is vLLM's: decode time / (tokens - 1), over the mean sample's tokens of an n > 1 request, and 0
-    for one token or none (vLLM's ``mean_time_per_output_token``), a pooling request's too. A pooling request
-    (`pooled`) has no decode time."""
+    """Record a request that finished with a reason other than abort in the request histograms. A pooling request
+    (`pooled`) has no decode time. An n > 1 request's decode time and time per output token are its samples'
+    (`observe_decode` as each sample finished, `RequestObserver`), not observed here."""
     assert metrics.finished_time is not None
     stats.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
     stats.request_prompt_tokens.observe(num_prompt_tokens)
@@ -50,11 +49,19 @@ def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_token
     for histogram, value in (
         (stats.request_queue_time, metrics.queue_time),
         (stats.request_prefill_time, metrics.prefill_time),
-        (stats.request_decode_time, decode_time),
         (stats.request_inference_time, metrics.inference_time),
     ):
         if value is not None:
             histogram.observe(max(value, 0.0))
-    sample_tokens = metrics.num_generated_tokens / num_samples  # vLLM's mean time per output token after the first
-    decoded = decode_time is not None and sample_tokens > 1
-    stats.request_time_per_output_token.observe(max(decode_time, 0.0) / (sample_tokens - 1) if decoded else 0.0)
+    if num_samples == 1:
+        observe_decode(stats, decode_time, metrics.num_generated_tokens)
+
+
+def observe_decode(stats: HostStats, decode_time: float | None, num_generated_tokens: int) -> None:
+    """One finished vLLM request's (an n > 1 request's sample's, as vLLM's child request) decode time, its first
+    token to its last (None: no token, or a pooling request: not observed), and vLLM's mean time per output token:
+    decode time / (tokens - 1), 0 for one token or none (``mean_time_per_output_token``)."""
+    if decode_time is not None:
+        stats.request_decode_time.observe(max(decode_time, 0.0))
+    decoded = decode_time is not None and num_generated_tokens > 1
+    stats.request_time_per_output_token.observe(max(decode_time, 0.0) / (num_generated_tokens - 1) if decoded else 0.0)

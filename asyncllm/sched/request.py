@@ -244,6 +244,13 @@ class Request:
         return self.pooling is not None or self._max_tokens == 1
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's `Request.skip_reading_prefix_cache`: prompt_logprobs, or MEAN/CLS pooling, need every prompt
+        position's row, so the request reads no prefix-cache block (and is no prefix-cache query)."""
+        pooling = self.pooling
+        return self.params.prompt_logprobs is not None or (pooling is not None and pooling.pooling_type != "LAST")
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

@@ -297,13 +297,10 @@ def _resume_point(sched: Scheduler, request: Request) -> tuple[list[KVCacheBlock
     (hits for the leading blocks still cached, the rest swapped in), or
     with its hits alone when they cover more.
     """
-    pools_all = request.pooling is not None and request.pooling.pooling_type != "LAST"
     swap = sched.swap_space
     entry = swap.swapped.get(request.request_id) if swap is not None and swap.swapped else None
-    if request.params.prompt_logprobs is None and not pools_all:  # a swapped request's own copy beats the CPU tier
-        hits, num_computed = sched.kv_cache_manager.get_computed_blocks(request, offloaded=entry is None)
-    else:  # prompt_logprobs, MEAN/CLS pooling need every prompt position's row: no prefix-cache reads (as vLLM)
-        hits, num_computed = [], 0
+    # a swapped request's own copy beats the CPU tier; none for a request that skips prefix-cache reads
+    hits, num_computed = sched.kv_cache_manager.get_computed_blocks(request, offloaded=entry is None)
     if entry is None:
         return hits, num_computed, False
     return hits, max(num_computed, entry.num_computed_tokens), True

@@ -227,3 +227,25 @@ def test_a_preempted_readmission_from_the_cpu_tier_is_no_cpu_hit_either():
     assert (hits, num_hit) == ([], 12) and kv.allocate_slots(a, 13, hits) is not None
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.cpu_prefix_cache_hits) == (26, 0, 0)
     assert kv.preempted_prefix_cache_hits == 12  # kept apart
+
+
+def test_a_request_that_skips_prefix_cache_reads_is_no_query():
+    """As vLLM's KVCacheManager (`record_prefix_cache_stats` returns early for `skip_reading_prefix_cache`):
+    prompt_logprobs and MEAN/CLS pooling read no block, so they count neither a query nor a hit."""
+    from asyncllm.pooling import PoolingParams
+
+    kv = KVCacheManager(num_gpu_blocks=32, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(100, 110))
+    _admit_and_compute(kv, _request("a", prompt))
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+    logprobs = Request("b", prompt, SamplingParams(prompt_logprobs=1), [0], 0.0)
+    mean = Request("c", prompt, SamplingParams(max_tokens=1), [0], 0.0, pooling=PoolingParams(pooling_type="MEAN"))
+    for req in (logprobs, mean):
+        assert req.skip_reading_prefix_cache
+        assert kv.get_computed_blocks(req) == ([], 0)
+        assert kv.allocate_slots(req, req.num_tokens, []) is not None
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.preempted_prefix_cache_hits) == (10, 0, 0)
+    last = Request("d", prompt, SamplingParams(max_tokens=1), [0], 0.0, pooling=PoolingParams(pooling_type="LAST"))
+    assert not last.skip_reading_prefix_cache
+    _admit_and_compute(kv, last)  # LAST pooling reads the cache: a query with its 8 hit tokens
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)

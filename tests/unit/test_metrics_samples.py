@@ -42,3 +42,36 @@ def test_a_sample_queued_behind_the_others_adds_no_inter_token_latency() -> None
     itl = observer.stats.inter_token_latency
     assert (itl.count, itl.sum) == (4, 4.0)  # q: 101->102, 105->106; r: 101->102, 102->103
     assert observer._steps == {}
+
+
+def test_a_samples_decode_time_and_time_per_output_token_are_its_own_as_vllms_child_requests() -> None:
+    """n = 2, sample 1 queued behind sample 0 (its first token at 110): vLLM observes each child request's decode time
+    (its first token to its last) and mean time per output token; the wait is in neither."""
+    observer = RequestObserver("m")
+    collector = RequestCollector("q", 100.0, n=2)
+    metrics = collector.metrics
+    for index, now, reason, first in ((0, 101.0, None, True), (0, 102.0, None, False), (0, 103.0, "length", False),
+                                      (1, 110.0, None, True), (1, 111.0, "length", False)):
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.num_generated_tokens += 1
+        metrics.finished_time = now if index == 1 and reason is not None else None
+        delta = StreamDelta(index, "x", [7], reason)
+        observer.on_output(collector, RequestOutputDelta(f"q-{index}", [7], reason), delta, now, first)
+    stats = observer.stats
+    assert (stats.request_decode_time.count, stats.request_decode_time.sum) == (2, 3.0)  # 101->103, 110->111
+    assert (stats.request_time_per_output_token.count, stats.request_time_per_output_token.sum) == (2, 2.0)  # 2/2, 1/1
+    assert stats.e2e_request_latency.count == 1  # the other histograms see the request once
+    assert observer._samples == {}
+
+
+def test_an_aborted_sample_has_no_decode_time_and_its_finished_sibling_keeps_its_own() -> None:
+    observer = RequestObserver("m")
+    collector = RequestCollector("a", 100.0, n=2)
+    for index, now, reason in ((0, 101.0, None), (1, 101.0, None), (0, 104.0, "length")):
+        collector.metrics.first_token_time = collector.metrics.first_token_time or now
+        observer.on_output(collector, RequestOutputDelta(f"a-{index}", [7, 7], reason),
+                           StreamDelta(index, "x", [7, 7], reason), now, now == 101.0)
+    observer.on_aborted(collector, 105.0)  # the caller left: sample 1 aborted
+    decode, tpot = observer.stats.request_decode_time, observer.stats.request_time_per_output_token
+    assert (decode.count, decode.sum, tpot.count, tpot.sum) == (1, 3.0, 1, 1.0)  # sample 0: 101->104 over 4 - 1
+    assert observer._samples == {} and observer.stats.e2e_request_latency.count == 0

@@ -29,8 +29,8 @@ class _FakeIO:
 class _FakeCore:
     """Stopped at once; its shutdown takes a second SIGTERM, as a user pressing on while the workers stop."""
 
-    def __init__(self, config: object, io: _FakeIO, hf_config_json: object, auto_fit: bool) -> None:
-        self.io, self.clients, self.stops = io, [b"host-1"], 0
+    def __init__(self, config: object, io: _FakeIO, hf_config_json: object, auto_fit: bool, model_name: str) -> None:
+        self.io, self.clients, self.stops, self.model_name = io, [b"host-1"], 0, model_name
 
     def run(self) -> None:
         os.kill(os.getpid(), signal.SIGINT)
@@ -50,7 +50,7 @@ def fake_core(monkeypatch):
         cores.append(_FakeCore(*args))
         return cores[-1]
 
-    config = SimpleNamespace(data_parallel_size=1, max_model_len=128)
+    config = SimpleNamespace(data_parallel_size=1, max_model_len=128, model="acme/tiny")
     monkeypatch.setattr(standalone, "prepare", lambda config, decodes_images: SimpleNamespace(
         config=config, hf_config_json=None))
     monkeypatch.setattr(standalone, "CoreIO", _FakeIO)

@@ -1,0 +1,98 @@
+"""Metrics counted as vLLM's V1 counts them, on a real engine: prefix-cache queries of requests that skip the cache,
+an n > 1 request's samples' decode times, and the `model_name` label of a host attached to the core.
+
+One engine for the module, started with a hub id (a hub cache made here, read offline) so that the model as named
+("acme/tiny-llama") differs from the folder it resolves to, with one sequence at a time (a second sample queues)
+and MEAN pooling for embeddings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+HUB_ID = "acme/tiny-llama"
+_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _hub_cache(root: str, checkpoint: str) -> None:
+    """huggingface_hub's cache layout for `HUB_ID` at `_REVISION`, holding `checkpoint`'s files."""
+    repo = os.path.join(root, "models--" + HUB_ID.replace("/", "--"))
+    shutil.copytree(checkpoint, os.path.join(repo, "snapshots", _REVISION))
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as ref:
+        ref.write(_REVISION)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
+    cache = str(tmp_path_factory.mktemp("hub"))
+    _hub_cache(cache, tiny_llama)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_HUB_CACHE", cache)
+        engine = AsyncEngine(HUB_ID, max_model_len=128, max_num_seqs=1, disable_log_stats=True,
+                             pooler_config={"pooling_type": "MEAN"})  # embeddings pool every prompt row
+        async with engine:
+            assert engine.config.model.startswith(cache)  # resolved to the snapshot folder
+            yield engine
+
+
+def _value(engine: AsyncEngine, name: str) -> float | None:
+    return engine.metrics_registry.get_sample_value(name, {"model_name": HUB_ID, "engine": "0"})
+
+
+async def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_requests_that_skip_prefix_cache_reads_are_no_queries(engine: AsyncEngine) -> None:
+    """vLLM's KVCacheManager records no prefix-cache query for a request that skips reading the cache."""
+    prompt, other = list(range(10, 30)), list(range(40, 53))
+    await engine.generate(prompt, SamplingParams(max_tokens=1))
+    await _wait_for(lambda: engine.stats().num_requests_running == 0)
+    queries = engine.stats().prefix_cache_queries
+    hits = engine.stats().prefix_cache_hits
+    out = await engine.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert out.outputs[0].token_ids and out.prompt_logprobs is not None
+    await engine.embed(prompt)
+    await engine.generate(other, SamplingParams(max_tokens=1))  # a query: the counters are the core's after it
+    await _wait_for(lambda: engine.stats().prefix_cache_queries >= queries + len(other))
+    assert (engine.stats().prefix_cache_queries, engine.stats().prefix_cache_hits) == (queries + len(other), hits)
+    assert _value(engine, "asyncllm:prefix_cache_queries_total") == queries + len(other)
+
+
+async def test_a_queued_samples_wait_is_in_no_decode_time(engine: AsyncEngine) -> None:
+    """n = 2 with one sequence at a time: sample 1 waits for sample 0. vLLM observes each child request's decode
+    time, its first token to its last: two observations that add up to less than the request's first to last token."""
+    decode_count = _value(engine, "asyncllm:request_decode_time_seconds_count") or 0
+    decode_sum = _value(engine, "asyncllm:request_decode_time_seconds_sum") or 0
+    tpot_count = _value(engine, "asyncllm:request_time_per_output_token_seconds_count") or 0
+    out = await engine.generate([5, 6, 7, 8], SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+    assert [len(sample.token_ids) for sample in out.outputs] == [6, 6]
+    assert _value(engine, "asyncllm:request_decode_time_seconds_count") == decode_count + 2
+    assert _value(engine, "asyncllm:request_time_per_output_token_seconds_count") == tpot_count + 2
+    samples_decode = _value(engine, "asyncllm:request_decode_time_seconds_sum") - decode_sum
+    assert 0 < samples_decode < out.metrics.decode_time  # the request's spans sample 1's wait
+
+
+async def test_an_attached_host_labels_its_series_as_the_host_that_launched_the_core(engine: AsyncEngine) -> None:
+    """vLLM labels with the model as given (or its served name), never the folder it resolved to."""
+    guest = AsyncEngine.connect(engine._core.address, disable_log_stats=True)
+    async with guest:
+        await guest.generate([9, 8, 7, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert guest._observer.stats.model_name == HUB_ID == engine._observer.stats.model_name
+        labels = {"model_name": HUB_ID, "engine": "0"}
+        assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", labels) == 4
