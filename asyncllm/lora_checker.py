@@ -128,8 +128,8 @@ class AdapterChecker:
         (Nemotron-H's Mamba2 mixers: asyncllm/lora_names.py) take none."""
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder), least recently used first."""
-        self._flights: dict[int, tuple[LoRARequest, concurrent.futures.Future[LoRARequest]]] = {}
-        """Adapter id -> the request as given and the future of its check in flight (`checking`)."""
+        self._flights: dict[int, _Flight] = {}
+        """Adapter id -> its latest check in flight (`checking`)."""
         self._lock = threading.Lock()
         self._pinned: set[int] = set()
         """Ids pinned (`AsyncEngine.pin_lora`): never forgotten as idle (their pin would end in the core)."""
@@ -153,7 +153,8 @@ class AdapterChecker:
         (a hub lookup or download, the folder read, the NaN scan wait there), one per id at a time: a request naming
         the adapter of the id's check in flight, as given, shares that check and its outcome, its error included; one
         naming it otherwise is checked after it (one id, one adapter). A waiter that gives up never cancels a check:
-        it runs on and records its adapter; a failure is not kept (the id used again is checked again)."""
+        it runs on and records its adapter; a failure is not kept (the id used again is checked again). `forget` (the
+        id removed) meanwhile: it records nothing, its waiters get an `InvalidRequestError` saying so."""
         try:
             request.validate()
             known = self._recall(request.lora_int_id)
@@ -184,34 +185,49 @@ class AdapterChecker:
         other check in flight, if any)."""
         with self._lock:
             before = self._flights.get(request.lora_int_id)
-            if before is not None and before[0] == request:
-                return before[1]
-            future: concurrent.futures.Future[LoRARequest] = concurrent.futures.Future()
-            future.set_running_or_notify_cancel()  # running: a waiter's cancel (asyncio.wrap_future's) never cancels it
-            self._flights[request.lora_int_id] = (request, future)
-        args = (request, future, None if before is None else before[1])
+            if before is not None and before.request == request:
+                return before.future
+            flight = self._flights[request.lora_int_id] = _Flight(request, before)
         try:
-            threading.Thread(target=self._check_off_thread, args=args, name="asyncllm-lora-check", daemon=True).start()
+            threading.Thread(target=self._check_off_thread, args=(flight,), name="asyncllm-lora-check",
+                             daemon=True).start()
         except RuntimeError:  # no thread at interpreter shutdown: inline
-            self._check_off_thread(*args)
-        return future
+            self._check_off_thread(flight)
+        return flight.future
 
-    def _check_off_thread(self, request: LoRARequest, future: concurrent.futures.Future[LoRARequest],
-                          before: concurrent.futures.Future[LoRARequest] | None) -> None:
-        """`check` into `future` (after `before`, the id's other check), forgotten as in flight before it is set."""
-        if before is not None:
-            concurrent.futures.wait([before])
+    def _check_off_thread(self, flight: _Flight) -> None:
+        """`flight`'s check into its future (after the id's check before it), forgotten as in flight before it is
+        set."""
+        if flight.before is not None:
+            concurrent.futures.wait([flight.before.future])
         try:
-            outcome, error = self.check(request), None
+            outcome, error = self._check_flight(flight), None
         except BaseException as exc:  # noqa: BLE001 - the waiters' error (never left waiting), not the thread's
-            outcome, error = None, _request_error(request, exc)
+            outcome, error = None, _request_error(flight.request, exc)
         with self._lock:
-            if self._flights.get(request.lora_int_id, (None, None))[1] is future:
-                del self._flights[request.lora_int_id]
+            if self._flights.get(flight.request.lora_int_id) is flight:
+                del self._flights[flight.request.lora_int_id]
         if error is not None:
-            future.set_exception(error)
+            flight.future.set_exception(error)
         else:
-            future.set_result(outcome)
+            flight.future.set_result(outcome)
+
+    def _check_flight(self, flight: _Flight) -> LoRARequest:
+        """`check` of a flight's request, recorded only if its id was not removed meanwhile (`forget`: remove_lora
+        wins over the check it overtook, which resurrects nothing)."""
+        request = flight.request
+        if not flight.removed:
+            known = self._recall(request.lora_int_id)
+            if known is not None:  # checked by the id's check before it
+                return _same_adapter(known, request)
+            resolved = self._read(request)
+            with self._lock:
+                if not flight.removed:
+                    self._checked[request.lora_int_id] = (request, resolved)
+                    return resolved
+        raise InvalidRequestError(_FIELD, f"lora_int_id {request.lora_int_id} was removed (remove_lora) while its "
+                                          f"adapter {request.lora_name!r} was being checked: use it again to check "
+                                          "it afresh")
 
     def ids(self) -> set[int]:
         """The adapter ids checked and not forgotten since."""
@@ -219,10 +235,15 @@ class AdapterChecker:
             return set(self._checked)
 
     def forget(self, lora_int_id: int) -> bool:
-        """`AsyncEngine.remove_lora`: the id names nothing here any more (nor is it pinned); whether it did."""
+        """`AsyncEngine.remove_lora`: the id names nothing here any more (nor is it pinned), and its checks in flight
+        record nothing; whether it named an adapter or was being checked."""
         with self._lock:
             self._pinned.discard(lora_int_id)
-            return self._checked.pop(lora_int_id, None) is not None
+            flight = self._flights.pop(lora_int_id, None)
+            doomed = flight is not None
+            while flight is not None:  # its checks in flight record nothing: their waiters get the removal's error
+                flight.removed, flight = True, flight.before
+            return self._checked.pop(lora_int_id, None) is not None or doomed
 
     def given(self, lora_int_id: int) -> LoRARequest | None:
         """The adapter as given for a checked id; None for an unknown one."""
@@ -302,6 +323,18 @@ class AdapterChecker:
         if problem is not None:
             _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")
         return True
+
+
+class _Flight:
+    """One check in flight (`AdapterChecker.checking`): the request as given, the future of its outcome, the id's
+    check it waits for (if any), and whether `AdapterChecker.forget` removed its id meanwhile."""
+
+    __slots__ = ("request", "future", "before", "removed")
+
+    def __init__(self, request: LoRARequest, before: _Flight | None) -> None:
+        self.request, self.before, self.removed = request, before, False
+        self.future: concurrent.futures.Future[LoRARequest] = concurrent.futures.Future()
+        self.future.set_running_or_notify_cancel()  # running: a waiter's cancel (asyncio.wrap_future's) cancels none
 
 
 def _fused_hint(projection: str) -> str:

@@ -25,6 +25,7 @@ from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.engine_control import EngineControl
 from asyncllm.engine.engine_loop import EngineLoop
+from asyncllm.engine.engine_pins import EnginePins
 from asyncllm.engine.engine_requests import EngineRequests
 from asyncllm.engine.engine_state import EngineState
 from asyncllm.engine.engine_weights import EngineWeights
@@ -105,6 +106,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
         self._weights = EngineWeights()
         """Weight updates on every replica, and the last one for a restarted core."""
+        self._pins = EnginePins()  # the pinned LoRA adapters, on every replica (and a restarted core)
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the engine started in: the processor threads deliver outputs there (`_check_loop`)."""
         self._owner_pid: int | None = None  # the process it started in: a forked child cannot use it
@@ -323,8 +325,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         config = self.config if owned else prepared.config  # a shared core's: its memory, timeouts, ... may be new
         self.config = served_max_model_len(self._replicas.replicas, config)  # the restarted core's fit counts
         replica.admission.follow(self.config.max_num_queued_requests, self.config.max_num_queued_tokens)
-        if owned:  # sent now, before any request can reach the new core
-            await self._weights.replay(replica)
+        await self._replay_on_restart(replica, owned)  # weights and pins, sent before any request reaches it
 
     # ------------------------------------------------------------ stats
     def stats(self) -> EngineStats:

@@ -6,7 +6,7 @@ rank did is the id pinned in the core (`HostLoRAIds.pinned`, which the scheduler
 A pinned id removed (`RemoveLoRA`), or whose host detached, or unpinned by its host (a `PinLoRA` with ``unpin``: its
 `pin_lora` refused by another data-parallel replica), is unpinned on the workers too (`unpin_removed`).
 Restarted workers pin the pinned adapters again (`pin_again`); a restarted core starts with none, as it starts
-with no id bound.
+with no id bound, and its host pins them again (`EnginePins.pin_again`, asyncllm/engine/engine_pins.py).
 """
 
 from __future__ import annotations

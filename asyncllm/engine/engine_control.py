@@ -5,7 +5,6 @@ engine holds rather than run a request, a mixin: LoRA adapters checked ahead, li
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import anyio
@@ -14,8 +13,9 @@ import msgspec
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
 from asyncllm.config_checks import is_int
+from asyncllm.engine.engine_pins import EnginePins, check_not_removed, checked_everywhere
 from asyncllm.engine.engine_weights import EngineWeights, every_replica
-from asyncllm.engine.replica import ReplicaSet
+from asyncllm.engine.replica import Replica, ReplicaSet
 from asyncllm.engine.sleep import check_level, check_tags
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.weight_update import new_checkpoint_config
@@ -35,6 +35,7 @@ class EngineControl:
     config: EngineConfig
     _replicas: ReplicaSet
     _weights: EngineWeights
+    _pins: EnginePins
 
     if TYPE_CHECKING:
         async def start(self) -> None: ...
@@ -51,21 +52,22 @@ class EngineControl:
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
         processors = await self._replicas.serving_processors()
-        checked = [await asyncio.wrap_future(processor.checking_lora(lora_request))  # the replicas share one
-                   for processor in processors]  # AdapterChecker: one check off the loop, shared with the requests
-        # waiting for the id (the later replicas' futures are settled at once)
+        checked = await checked_everywhere(processors, lora_request)  # shared with the requests waiting for the id
+        check_not_removed(processors, lora_request.lora_int_id, "add_lora")  # (remove_lora meanwhile wins)
         await every_replica([processor.lora_call(protocol.AddLoRA("", lora))
                              for processor, lora in zip(processors, checked)])
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Forget the LoRA adapter id `lora_id` (vLLM's ``remove_lora``), here and in the engine core: the id used
         again is checked and bound afresh, so it may name another folder, whose weights the workers read anew.
-        Requests already running with it finish with it; a pinned id is unpinned (`pin_lora`). Returns whether any
-        replica knew the id (False: an unknown one, as vLLM's)."""
+        Requests already running with it finish with it; a pinned id is unpinned (`pin_lora`); a check of it in
+        flight records nothing, what waits on it (parked requests, `add_lora`, `pin_lora`) fails saying the id was
+        removed. Returns whether any replica knew the id or was checking it (False: an unknown one, as vLLM's)."""
         if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
         await self.start()
         processors = await self._replicas.serving_processors()
+        self._pins.forget(lora_id)
         forgot = [processor.forget_lora(lora_id) for processor in processors]
         removed = await every_replica([processor.lora_call(protocol.RemoveLoRA("", lora_id))
                                        for processor in processors])
@@ -89,23 +91,17 @@ class EngineControl:
         if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
         await self.start()
-        processors = await self._replicas.serving_processors()
-        given = next((lora for lora in (processor.lora_given(lora_id) for processor in processors) if lora), None)
-        if given is None:
-            raise InvalidRequestError("lora_id", f"no adapter has lora_int_id {lora_id} here: add_lora it (or use "
-                                                 "it in a request) first")
-        checked = [await asyncio.wrap_future(processor.checking_lora(given)) for processor in processors]
-        for processor in processors:
-            processor.pin_lora_id(lora_id)  # before the call: never forgotten as idle meanwhile
-        try:
-            await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
-                                 for processor, lora in zip(processors, checked)])
-        except BaseException:  # refused by a replica (or cancelled): pinned on none, one that pinned it unpins it
-            for processor, lora in zip(processors, checked):
-                processor.pin_lora_id(lora_id, pinned=False)
-                processor.lora_call(protocol.PinLoRA("", lora, unpin=True))  # after its PinLoRA; nothing waits on it
-            raise
+        await self._pins.pin(await self._replicas.serving_processors(), lora_id)
         return True
+
+    async def _replay_on_restart(self, replica: Replica, owned: bool) -> None:
+        """A core the supervisor restarted: the pinned adapters pinned again and (an `owned` core) the last weight
+        update loaded again, both sent before any request can reach it, then their answers awaited."""
+        assert replica.processor is not None
+        pinning = self._pins.pin_again(replica.processor)
+        if owned:
+            await self._weights.replay(replica)
+        await self._pins.settle(pinning, self._replicas)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or

@@ -148,6 +148,11 @@ class ProcessorLoRA:
         """`AsyncEngine.pin_lora`: the adapter of a checked id, as given; None for an id this replica does not know."""
         return None if self._lora is None else self._lora.given(lora_int_id)
 
+    def remember_lora(self, given: LoRARequest, checked: LoRARequest) -> None:
+        """A restarted core's pinned adapter (`EnginePins.pin_again`): known again as checked before, nothing read."""
+        if self._lora is not None:
+            self._lora.check(given, checked)
+
     def pin_lora_id(self, lora_int_id: int, pinned: bool = True) -> None:
         """`AsyncEngine.pin_lora`: a pinned id is never forgotten as idle (``pinned`` False: it may be again)."""
         if self._lora is not None:

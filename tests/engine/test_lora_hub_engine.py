@@ -144,3 +144,29 @@ async def test_a_failed_download_is_each_waiting_requests_error_and_the_engine_s
     out = await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY, lora_request=lora), 60)
     assert out.outputs[0].token_ids == peft_greedy(tiny_llama, folder, [5, 6, 7], MAX_TOKENS)
     assert (await engine.generate([8, 9], GREEDY)).outputs[0].token_ids == base.outputs[0].token_ids
+
+
+async def test_remove_lora_while_the_adapter_downloads_wins(tiny_llama: str, engine: AsyncEngine, tmp_path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`remove_lora` of an id whose check is in flight: the requests parked on it and `add_lora` of it fail with an
+    `InvalidRequestError` saying it was removed, and nothing of it is left bound (host or core): the id names
+    another folder at once."""
+    hub = _Hub(monkeypatch)
+    folder = make_adapter(tiny_llama, str(tmp_path / "removed"), seed=54, rank=4)
+    gate = hub.repo("asyncllm-test/removed-adapter", folder)
+    lora = LoRARequest("removed", 54, "asyncllm-test/removed-adapter")
+    waiting = [asyncio.create_task(engine.generate([5, 6, 7], GREEDY, lora_request=lora, request_id="parked")),
+               asyncio.create_task(engine.add_lora(lora))]
+    try:
+        await hub.wait_started()
+        assert await engine.remove_lora(54) is True  # it was being checked
+    finally:
+        gate.set()
+    for task in waiting:
+        with pytest.raises(InvalidRequestError, match="lora_int_id 54 was removed \\(remove_lora\\)") as raised:
+            await asyncio.wait_for(task, 60)
+        assert raised.value.field == "lora_request"
+    assert 54 not in await engine.list_loras() and "parked" not in hub.added  # it never reached the core
+    other = make_adapter(tiny_llama, str(tmp_path / "other"), seed=55, rank=8)
+    out = await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY, lora_request=LoRARequest("other", 54, other)), 60)
+    assert out.outputs[0].token_ids == peft_greedy(tiny_llama, other, [5, 6, 7], MAX_TOKENS)

@@ -78,6 +78,28 @@ def test_a_failed_check_is_each_waiters_typed_error_and_is_not_kept(tmp_path, mo
     assert len(hub.threads) == 2 and checker.ids() == {3}
 
 
+def test_remove_wins_over_the_check_in_flight_it_overtook(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forget` (remove_lora) while an id's checks are in flight, the one reading and one queued after it: neither
+    records the adapter, every waiter gets an `InvalidRequestError` saying it was removed; the id used again is
+    checked afresh (it may name another folder now)."""
+    hub = _SlowHub(_adapter_folder(tmp_path / "a"))
+    monkeypatch.setattr(lora_checker, "_resolve", hub)
+    checker = _checker(kept=8)
+    first = checker.checking(LoRARequest("a", 6, "org/adapter"))
+    queued = checker.checking(LoRARequest("a2", 6, "org/adapter"))  # another name: checked after the first
+    assert hub.started.wait(30)
+    assert checker.forget(6) is True  # it was being checked
+    hub.release.set()
+    for waiter in (first, queued):
+        with pytest.raises(InvalidRequestError, match="lora_int_id 6 was removed \\(remove_lora\\) while") as raised:
+            waiter.result(30)
+        assert raised.value.field == "lora_request"
+    assert checker.ids() == set() and checker.given(6) is None
+    other = hub.folder = _adapter_folder(tmp_path / "b")
+    assert checker.checking(LoRARequest("b", 6, "org/other")).result(30).lora_path == other
+    assert checker.ids() == {6} and len(hub.threads) == 2  # the queued check, removed before its turn, read nothing
+
+
 def test_a_malformed_request_is_settled_at_once() -> None:
     with pytest.raises(InvalidRequestError, match="lora_int_id"):
         _checker(kept=8).checking(LoRARequest("a", 0, "org/adapter")).result(0)

@@ -15,6 +15,7 @@ import pytest
 from asyncllm import InvalidRequestError, LoRARequest, SamplingParams, protocol
 from asyncllm.engine.core_lora import pin_again
 from asyncllm.engine.engine_control import EngineControl
+from asyncllm.engine.engine_pins import EnginePins
 from asyncllm.engine.lora_ids import HostLoRAIds, PendingLoRACalls
 from asyncllm.sched.request import Request
 from test_core_validation import _adapter_folder, _add, _core
@@ -136,7 +137,7 @@ def test_a_pin_refused_by_one_replica_is_pinned_on_none(monkeypatch: pytest.Monk
     async def serving_processors() -> list[_Replica]:
         return replicas
 
-    engine = SimpleNamespace(start=lambda: asyncio.sleep(0),
+    engine = SimpleNamespace(start=lambda: asyncio.sleep(0), _pins=EnginePins(),
                              _replicas=SimpleNamespace(serving_processors=serving_processors))
     with pytest.raises(InvalidRequestError, match="pin the last of the max_loras=2"):
         asyncio.run(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]

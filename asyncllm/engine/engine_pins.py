@@ -1,0 +1,159 @@
+"""`EnginePins`: the host's side of `AsyncEngine.pin_lora` across replicas (docs/lora.md), and the engine's pinned
+adapters, which a core restarted by its supervisor pins again.
+
+A pin is sent to every replica's core (asyncllm/engine/core_lora.py runs it on the workers); refused by any, or the
+call cancelled, it is undone on every replica (a `PinLoRA` with ``unpin``) and the call returns only once each core
+answered that, so no rank of any replica keeps it pinned behind the caller's back; a cancel is raised then, however
+often it came. An id pinned before the call (pinning again changes nothing) is never undone so. `remove_lora` of the
+id while its pin is sent (`forget`) leaves nothing recorded. The record (`pinned`: the adapter as given and as
+checked) is what `pin_again` sends to a restarted core, before any request reaches it; a pin that core refuses (the
+folder unreadable since) is undone on every replica and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import TYPE_CHECKING, Any
+
+from asyncllm import protocol
+from asyncllm.engine.engine_weights import every_replica
+from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.lora import LoRARequest
+
+if TYPE_CHECKING:
+    from asyncllm.engine.processor import Processor
+    from asyncllm.engine.replica import ReplicaSet
+
+__all__ = ["EnginePins", "checked_everywhere", "check_not_removed"]
+
+logger = logging.getLogger("asyncllm.engine")
+
+Replay = list[tuple[int, concurrent.futures.Future[Any]]]
+"""A restarted core's pins sent (`EnginePins.pin_again`): each id and the future of its answer."""
+
+
+class _PinCall:
+    """One `pin_lora` in progress: whether its id was pinned before it, and whether `remove_lora` removed it since."""
+
+    __slots__ = ("pinned_before", "removed")
+
+    def __init__(self, pinned_before: bool) -> None:
+        self.pinned_before, self.removed = pinned_before, False
+
+
+class EnginePins:
+    """The engine's pinned adapters and its `pin_lora` calls in progress (on the event loop)."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, tuple[LoRARequest, LoRARequest]] = {}
+        """Host id -> its adapter as given and as checked, pinned on every replica: a restarted core pins it again."""
+        self._calls: dict[int, list[_PinCall]] = {}
+        """Host id -> its `pin_lora` calls in progress."""
+
+    async def pin(self, processors: list["Processor"], lora_id: int) -> None:
+        """`AsyncEngine.pin_lora` on every replica; refused by any, or cancelled, pinned on none (unless pinned before
+        the call), undone before the error or the cancel is raised."""
+        given = next((lora for lora in (processor.lora_given(lora_id) for processor in processors) if lora), None)
+        if given is None:
+            raise InvalidRequestError("lora_id", f"no adapter has lora_int_id {lora_id} here: add_lora it (or use "
+                                                 "it in a request) first")
+        checked = await checked_everywhere(processors, given)
+        check_not_removed(processors, lora_id, "pin_lora")
+        call = _PinCall(lora_id in self.pinned)
+        self._calls.setdefault(lora_id, []).append(call)
+        try:
+            await self._pin_everywhere(processors, checked, call)
+        finally:
+            calls = self._calls[lora_id]
+            calls.remove(call)
+            if not calls:
+                del self._calls[lora_id]
+        if not call.removed:
+            self.pinned[lora_id] = (given, checked[0])
+
+    async def _pin_everywhere(self, processors: list["Processor"], checked: list[LoRARequest], call: _PinCall) -> None:
+        lora_id = checked[0].lora_int_id
+        for processor in processors:
+            processor.pin_lora_id(lora_id)  # before the call: never forgotten as idle meanwhile
+        try:
+            await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
+                                 for processor, lora in zip(processors, checked)])
+        except BaseException as exc:  # refused by a replica, a core dead, or cancelled: undone everywhere first
+            if not self._undo_needed(lora_id, call):
+                raise
+            if await _unpin(processors, checked):  # cancelled again meanwhile: the cancel is what is raised
+                raise asyncio.CancelledError from exc
+            raise
+
+    def _undo_needed(self, lora_id: int, call: _PinCall) -> bool:
+        """Whether a failed or cancelled pin is to be undone: not if its id was pinned before it, or by another call
+        since, or one is still in progress (its own outcome decides), or `remove_lora` unpinned it already."""
+        return not (call.pinned_before or call.removed or lora_id in self.pinned or len(self._calls[lora_id]) > 1)
+
+    def forget(self, lora_id: int) -> None:
+        """`remove_lora`: the id is pinned no more (the cores unpin it), nor is a pin in progress recorded."""
+        self.pinned.pop(lora_id, None)
+        for call in self._calls.get(lora_id, ()):
+            call.removed = True
+
+    def pin_again(self, processor: "Processor") -> Replay:
+        """A restarted core's processor: every pinned adapter known to its host again (as checked: nothing read
+        here) and pinned in the core, sent now, before any request can reach it; `settle` awaits the answers."""
+        sent: Replay = []
+        for lora_id, (given, checked) in self.pinned.items():
+            processor.remember_lora(given, checked)
+            processor.pin_lora_id(lora_id)
+            sent.append((lora_id, processor.lora_call(protocol.PinLoRA("", checked))))
+        return sent
+
+    async def settle(self, sent: Replay, replicas: "ReplicaSet") -> None:
+        """The restarted core's answers to `pin_again`: a pin it refused (its folder unreadable since) is undone on
+        every replica and forgotten, logged; a core dead again pins it at its own restart."""
+        for lora_id, future in sent:
+            try:
+                await asyncio.wrap_future(future)
+            except EngineDeadError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this pin
+                logger.error("the restarted engine core could not pin LoRA adapter id %d again (%s): it is unpinned "
+                             "on every replica", lora_id, exc)
+                await self._drop(lora_id, replicas)
+
+    async def _drop(self, lora_id: int, replicas: "ReplicaSet") -> None:
+        pinned = self.pinned.pop(lora_id, None)
+        if pinned is not None and replicas.any_alive:
+            live = replicas.live_processors()
+            await _unpin(live, [pinned[1]] * len(live))
+
+
+async def checked_everywhere(processors: list["Processor"], lora: LoRARequest) -> list[LoRARequest]:
+    """`lora` as each replica's host checked it: each replica's `AdapterChecker` (its own record of ids) checks it
+    off the loop, all at once (settled at once where the id is known)."""
+    futures = [asyncio.wrap_future(processor.checking_lora(lora)) for processor in processors]
+    return list(await asyncio.gather(*futures))
+
+
+def check_not_removed(processors: list["Processor"], lora_id: int, call: str) -> None:
+    """`InvalidRequestError` when `remove_lora` forgot the id on a replica after its check: the call would bind it
+    in the core again behind the removal (remove wins)."""
+    if any(processor.lora_given(lora_id) is None for processor in processors):
+        raise InvalidRequestError("lora_request", f"lora_int_id {lora_id} was removed (remove_lora) while {call} "
+                                                  "checked its adapter")
+
+
+async def _unpin(processors: list["Processor"], checked: list[LoRARequest]) -> bool:
+    """Unpin the adapter on every replica (its id left bound there) and wait for every core's answer, however often
+    cancelled meanwhile (an error, a dead core's, means nothing is pinned there); whether a cancel came."""
+    for processor, lora in zip(processors, checked):
+        processor.pin_lora_id(lora.lora_int_id, pinned=False)
+    answers = asyncio.gather(*(asyncio.wrap_future(processor.lora_call(protocol.PinLoRA("", lora, unpin=True)))
+                               for processor, lora in zip(processors, checked)), return_exceptions=True)
+    cancelled = False
+    while not answers.done():
+        try:
+            await asyncio.shield(answers)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
