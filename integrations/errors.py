@@ -13,10 +13,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from asyncllm.errors import (
-    AsyncLLMError, ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError,
+    CONTEXT_LENGTH_EXCEEDED, AsyncLLMError, ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
+    RequestTimeoutError,
 )
 
-__all__ = ["ApiError", "error_body", "renamed_fields", "status_of"]
+__all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_fields", "status_of"]
 
 
 class ApiError(Exception):
@@ -61,6 +62,22 @@ def renamed_fields(renames: Mapping[str, str], *, uncoded_only: bool = False) ->
             raise
         raise InvalidRequestError(renames[field], _renamed_message(exc.message, renames, renames[field]),
                                   code=exc.code) from None
+
+
+CONTEXT_PARAM = "input_tokens"
+"""The ``param`` of a prompt past max_model_len on the OpenAI routes: vLLM's (its ``VLLMValidationError``
+parameter since 0.12; 0.11 and earlier name none)."""
+_MAX_TOKENS_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
+
+
+def context_param(exc: Exception) -> Exception:
+    """`exc` naming `CONTEXT_PARAM` when it is a prompt's context-length error (code ``context_length_exceeded``,
+    found in ``prompt``, a chat's ``messages``, a pooling ``input``, ...), as vLLM's OpenAI server names it on every
+    route; a ``max_tokens`` past the context keeps its field, as there."""
+    if (not isinstance(exc, InvalidRequestError) or exc.code != CONTEXT_LENGTH_EXCEEDED
+            or exc.field in _MAX_TOKENS_FIELDS or exc.field == CONTEXT_PARAM):
+        return exc
+    return InvalidRequestError(CONTEXT_PARAM, exc.message, code=exc.code)
 
 
 def _renamed_message(message: str, renames: Mapping[str, str], client_field: str) -> str:

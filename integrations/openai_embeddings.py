@@ -1,35 +1,37 @@
 """OpenAI's ``POST /v1/embeddings`` as vLLM serves it: the request body, its prompts, the engine calls, the response.
 
 The body has OpenAI's ``input`` (a string, a list of strings, a list of token
-ids, or a list of token-id lists), ``encoding_format`` (``"float"`` or
-``"base64"``: little-endian float32 bytes), ``dimensions`` and ``user``, and
-vLLM's ``truncate_prompt_tokens``, ``normalize``, ``priority``, ``cache_salt``
-and ``request_id``; or, instead of ``input``, vLLM's chat ``messages``, rendered
-with the chat template (``add_generation_prompt`` false by default, as vLLM's).
+ids, or a list of token-id lists), ``encoding_format`` (``"float"``,
+``"base64"``, vLLM's ``"bytes"`` and ``"bytes_only"``, with vLLM's ``embed_dtype``
+and ``endianness``: openai_embed_encoding.py), ``dimensions`` and ``user``, and
+vLLM's ``truncate_prompt_tokens``, ``normalize``, ``priority``, ``cache_salt``,
+``request_id`` and ``add_special_tokens``; or, instead of ``input``, vLLM's chat
+``messages``, rendered with the chat template (``add_generation_prompt`` false by
+default, as vLLM's).
 Every input is one `AsyncEngine.embed` call, all of them at once.
 
 The prompt part of the body (`PoolingPromptRequest`), its rendering, the
-response id and usage, and the context-length error's ``param`` (`context_param`)
-are the pooling routes' (/classify and /pooling take them from here too).
+response id and usage are the pooling routes' (/classify and /pooling take them from here too).
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+from starlette.responses import Response
 
 from asyncllm.engine.admission import admission_group
 from asyncllm.engine.pooling_model import MatryoshkaRefusal
 from asyncllm.engine.validation import truncated_prompt
-from asyncllm.errors import CONTEXT_LENGTH_EXCEEDED, POOLING_OPERATIONS, InvalidRequestError
+from asyncllm.errors import POOLING_OPERATIONS, InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
+from asyncllm.integrations.openai_embed_encoding import (BYTES_FORMATS, EmbedDType, EncodingFormat, Endianness,
+                                                         bytes_response, encode_vector)
+from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import (CacheSalt, ServerLimits, completion_prompts, request_options,
                                                   take_request_id)
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
@@ -42,8 +44,9 @@ if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
     from asyncllm.lora import LoRARequest
 
-__all__ = ["PoolingPromptRequest", "EmbeddingRequest", "context_param", "embedding_inputs", "embedding_prompts",
-           "embed_all", "embedding_response", "input_prompts", "pooling_usage", "pooling_request_id"]
+__all__ = ["PoolingPromptRequest", "EmbeddingRequest", "embedding_inputs", "embedding_prompts",
+           "embed_all", "embedding_response", "pooled_response", "input_prompts", "input_special_tokens",
+           "pooling_usage", "pooling_request_id"]
 
 
 class PoolingPromptRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,7 +73,7 @@ class PoolingPromptRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     """vLLM's: the response's id after its prefix (the ``X-Request-Id`` header's over it); left out: a random id."""
     add_special_tokens: bool | None = None
     """vLLM's: for messages, true adds the tokenizer's special tokens (BOS) on top of the template's (null: false,
-    vLLM's chat default); for input only its default (null or true: they are added) is built."""
+    vLLM's chat default); for a text input, false leaves them out (null or true: they are added, vLLM's default)."""
     add_generation_prompt: bool = False
     """For messages (vLLM's): end the rendered prompt with the assistant's turn opening."""
     continue_final_message: bool = False
@@ -79,13 +82,21 @@ class PoolingPromptRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     """For messages (vLLM's): variables for the chat template."""
     chat_template: str | None = None
     """For messages (vLLM's): a Jinja template; only on a server started with --trust-request-chat-template."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """For messages (vLLM's): the image processor's settings for the chat's media, as a chat completion's; the
+    pooling routes take no media (a media part is a 400), so it changes nothing, as on a chat without media."""
 
 
 class EmbeddingRequest(PoolingPromptRequest, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/embeddings``: `PoolingPromptRequest`'s, and how the embeddings are answered."""
 
-    encoding_format: Literal["float", "base64"] = "float"
-    """``"base64"``: each embedding as the base64 text of its little-endian float32 bytes."""
+    encoding_format: EncodingFormat = "float"
+    """``"base64"``: each embedding as the base64 text of its bytes; vLLM's ``"bytes"``: all of them as a binary
+    body with a ``metadata`` header, ``"bytes_only"`` without it (openai_embed_encoding.py)."""
+    embed_dtype: EmbedDType = "float32"
+    """vLLM's: the dtype of base64 and bytes results (float32, float16, bfloat16, fp8_e4m3, fp8_e5m2)."""
+    endianness: Endianness = "native"
+    """vLLM's: the byte order of base64 and bytes results (native: the server's)."""
     dimensions: int | None = None
     """Keep the first this many features, then normalize (Matryoshka); at most the model's hidden size."""
     normalize: bool | None = None
@@ -93,31 +104,14 @@ class EmbeddingRequest(PoolingPromptRequest, kw_only=True, forbid_unknown_fields
     the engine's ``pooler_config`` says otherwise)."""
 
 
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template",
+              "mm_processor_kwargs")
 _DEFAULTS = PoolingPromptRequest()
-CONTEXT_PARAM = "input_tokens"
-"""The ``param`` of a pooling prompt past max_model_len: vLLM's (its ``VLLMValidationError`` parameter since 0.12;
-0.11 and earlier name none)."""
-
-
-@contextlib.contextmanager
-def context_param() -> Iterator[None]:
-    """A context-length error (code ``context_length_exceeded``) raised inside names `CONTEXT_PARAM`, whichever
-    field the engine found it in (``prompt``, a chat's ``messages``): the pooling routes' errors, as vLLM's."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        if exc.code != CONTEXT_LENGTH_EXCEEDED or exc.field == CONTEXT_PARAM:
-            raise
-        raise InvalidRequestError(CONTEXT_PARAM, exc.message, code=exc.code) from None
-
-
 def embedding_inputs(req: PoolingPromptRequest, limits: ServerLimits,
                      task: str = "embed") -> list[str | list[int]] | None:
     """The engine prompts of ``input`` (at most `limits.max_prompts`); None for a request with ``messages``
     (the server renders them). A request with both, neither, or an empty input is a 400 (the latter naming the
-    `task` served: /pooling's), as is a chat-only field with ``input`` (``add_special_tokens`` false is not built
-    there)."""
+    `task` served: /pooling's), as is a chat-only field with ``input``."""
     if (req.input is None) == (req.messages is None):
         raise InvalidRequestError("input", "give input or messages (one of them)")
     if req.messages is not None:
@@ -125,10 +119,6 @@ def embedding_inputs(req: PoolingPromptRequest, limits: ServerLimits,
     chat_only = [name for name in _CHAT_ONLY if getattr(req, name) != getattr(_DEFAULTS, name)]
     if chat_only:
         raise InvalidRequestError(chat_only[0], "applies to messages only, not to input")
-    if req.add_special_tokens is False:
-        raise InvalidRequestError("add_special_tokens", "false is not built in asyncllm for input (only for "
-                                                        "messages): an input's tokens get the tokenizer's special "
-                                                        "tokens, as vLLM's default")
     return input_prompts(req.input, limits, task)
 
 
@@ -150,12 +140,16 @@ async def embedding_prompts(server: OpenAIServer, req: PoolingPromptRequest, tas
     prompts = embedding_inputs(req, server.limits, task)
     if prompts is not None:
         return prompts
-    with context_param():  # the engine started
-        token_ids = await chat_tokens(server, req, add_special_tokens=bool(req.add_special_tokens),
-                                      operation=POOLING_OPERATIONS[api],
-                                      cuttable=req.truncate_prompt_tokens is not None)
+    token_ids = await chat_tokens(server, req, add_special_tokens=bool(req.add_special_tokens),
+                                  operation=POOLING_OPERATIONS[api], cuttable=req.truncate_prompt_tokens is not None)
     return [truncated_prompt(token_ids, req.truncate_prompt_tokens, server.engine.config.max_model_len, pooling=True,
                              chat=True)]
+
+
+def input_special_tokens(req: PoolingPromptRequest) -> bool | None:
+    """The engine's ``add_special_tokens`` for the request's prompts: an ``input``'s (vLLM's completion-form
+    pooling requests: false leaves a text's special tokens out); None for rendered ``messages`` (token ids)."""
+    return req.add_special_tokens if req.messages is None else None
 
 
 def pooling_params(req: EmbeddingRequest) -> PoolingParams:
@@ -175,14 +169,15 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     The first error cancels the others (each cancelled `embed` aborts its
     request in the engine) and is raised; `until` completing (the client went
     away) does the same and raises `ClientDisconnected`. An engine error naming ``prompt`` names the request's
-    field (``input`` or ``messages``), a context-length error's `CONTEXT_PARAM` (``input_tokens``, vLLM's).
+    field (``input`` or ``messages``); a context-length error keeps it (``input_tokens``: `errors.context_param`).
     """
     pooling = pooling_params(req)
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
-    options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
+    options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora,
+               "add_special_tokens": input_special_tokens(req)}
     try:
         with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True), \
-                context_param(), admission_group(len(prompts)):  # (`guard`) may pass the limits by its prompts
+                admission_group(len(prompts)):  # (`guard`) may pass the limits by its prompts
             return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
     except MatryoshkaRefusal as exc:  # the engine's check names the model as configured (a checkpoint's path)
         if model_name is None:
@@ -190,14 +185,27 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
         raise exc.naming(model_name) from None
 
 
-def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, encoding_format: str = "float",
-                       response_id: str | None = None) -> dict[str, Any]:
-    """The response body: one ``embedding`` item per input, in order, and the prompts' token usage; its id
-    `response_id` (None: ``embd-`` and a random id)."""
-    data = [{"object": "embedding", "index": i, "embedding": encode_embedding(out.embedding, encoding_format)}
-            for i, out in enumerate(outputs)]
-    return {"id": response_id or f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": data, "usage": pooling_usage(outputs)}
+def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, req: EmbeddingRequest,
+                       response_id: str | None = None) -> Response:
+    """The response: one ``embedding`` item per input, in order, and the prompts' token usage, encoded as `req`
+    asks (`pooled_response`); its id `response_id` (None: ``embd-`` and a random id)."""
+    return pooled_response([out.embedding for out in outputs], outputs, model, req,
+                           response_id or f"embd-{uuid.uuid4().hex}", "embedding")
+
+
+def pooled_response(vectors: Sequence[list[float]], outputs: Sequence[Any], model: str, req: EmbeddingRequest,
+                    response_id: str, kind: str) -> Response:
+    """vLLM's list of pooled `vectors` (/v1/embeddings' ``embedding`` items, /pooling's ``pooling`` ones: `kind`),
+    each encoded as `req` asks (``encoding_format``, ``embed_dtype``, ``endianness``), with the `outputs`' usage;
+    ``"bytes"`` and ``"bytes_only"`` as a binary body (openai_embed_encoding.py's `bytes_response`)."""
+    usage = pooling_usage(outputs)
+    if req.encoding_format in BYTES_FORMATS:
+        return bytes_response(vectors, usage["prompt_tokens"], response_id, model, req)
+    field = "embedding" if kind == "embedding" else "data"
+    data = [{"index": i, "object": kind, field: encode_vector(vector, req.encoding_format, req.embed_dtype,
+                                                             req.endianness)} for i, vector in enumerate(vectors)]
+    return json_response({"id": response_id, "object": "list", "created": int(time.time()), "model": model,
+                          "data": data, "usage": usage})
 
 
 def pooling_usage(outputs: Sequence[Any]) -> dict[str, Any]:
@@ -212,10 +220,3 @@ def pooling_request_id(prefix: str, req: Any, headers: Mapping[str, str]) -> str
     a random id (vLLM's ``_base_request_id``); an id too long is a 400."""
     take_request_id(req, headers)
     return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
-
-
-def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
-    """The floats, or for ``"base64"`` the base64 text of their little-endian float32 bytes (OpenAI's)."""
-    if encoding_format == "base64":
-        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
-    return embedding

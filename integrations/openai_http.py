@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncllm.engine.admission import admission_group
 from asyncllm.errors import AsyncLLMError
-from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.errors import ApiError, context_param, error_body
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.metrics.tracing import remote_parent
 
@@ -69,7 +69,7 @@ def guard(handler: Handler) -> Handler:
             with remote_parent(request.headers), admission_group():  # spans under the caller's trace
                 return await handler(request)
         except (AsyncLLMError, ApiError) as exc:
-            return error_response(exc)
+            return error_response(context_param(exc))  # a prompt past the context: ``input_tokens``, as vLLM's
         except ClientDisconnected:
             return Response(status_code=499)  # nobody reads it: the client is gone, its requests aborted
         except Exception as exc:  # noqa: BLE001 - an OpenAI-style 500 instead of a bare one; logged

@@ -25,11 +25,10 @@ from starlette.routing import Route
 
 from asyncllm.engine.pooling_model import activate
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all, embedding_prompts, encode_embedding,
+from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all, embedding_prompts, pooled_response,
                                                     pooling_request_id)
-from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import decode_request
-from asyncllm.integrations.openai_score import classify_all, pooling_listing, pooling_options
+from asyncllm.integrations.openai_score import classify_all, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput
 
@@ -118,9 +117,7 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
                                      field="input" if req.messages is None else "messages", api="pooling")
         assert engine.pooling_model is not None and engine.pooling_model.classifier is not None, "a classify task"
         pooled = [_activated(out, task, _use_activation(req), engine.pooling_model.classifier) for out in outputs]
-    data = [{"index": i, "object": "pooling", "data": encode_embedding(vector, req.encoding_format)}
-            for i, vector in enumerate(pooled)]
-    return json_response(pooling_listing(request_id, model, data, outputs))
+    return pooled_response(pooled, outputs, model, req, request_id, "pooling")
 
 
 def _use_activation(req: PoolingRequest) -> bool | None:

@@ -28,8 +28,8 @@ from asyncllm.engine.admission import admission_group
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
-from asyncllm.integrations.openai_embeddings import (PoolingPromptRequest, context_param, embedding_prompts,
-                                                    pooling_request_id, pooling_usage)
+from asyncllm.integrations.openai_embeddings import (PoolingPromptRequest, embedding_prompts,
+                                                    input_special_tokens, pooling_request_id, pooling_usage)
 from asyncllm.integrations.openai_http import json_response
 from asyncllm.integrations.openai_protocol import CacheSalt, decode_request
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
@@ -81,6 +81,9 @@ class _PoolingRequest(msgspec.Struct, _Activation, kw_only=True, forbid_unknown_
     """vLLM's older name of ``use_activation`` (read first)."""
     activation: bool | None = None
     """vLLM's older name of ``use_activation`` (read before it)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's: the image processor's settings for multimodal texts, which asyncllm's scores do not take (texts only),
+    so it changes nothing, as on a chat completion without media."""
 
 
 class ClassificationRequest(PoolingPromptRequest, _Activation, kw_only=True, forbid_unknown_fields=True):
@@ -184,8 +187,7 @@ class _Handlers:
         truncate = options.pop("truncate_prompt_tokens")
         call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate,
                              activated)
-        with context_param():
-            return (await gather_until([call], lambda: wait_disconnect(request)))[0]
+        return (await gather_until([call], lambda: wait_disconnect(request)))[0]
 
     async def _log_scoring(self, request_id: str, text_1: Any, text_2: Any, lora: LoRARequest | None) -> None:
         """Log a scoring's prompts as vLLM's: a cross-encoder's pairs (``text_1``, the tokenizer's sep token,
@@ -211,13 +213,13 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], 
     """`AsyncEngine.classify` on every prompt at once (`options`: `_options`'), results in input order, each
     logged as ``request_id-i``. The first error cancels the others; `until` completing (the client went away)
     raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error
-    ``input_tokens`` (`context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
+    ``input_tokens`` (`errors.context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
     log_under(request_log, request_id, prompts, PoolingParams(task="classify"), options["lora_request"])
     options = dict(options)
     truncate = options.pop("truncate_prompt_tokens")
     calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
              for prompt in prompts]
-    with renamed_fields({"prompt": field}, uncoded_only=True), context_param(), \
+    with renamed_fields({"prompt": field}, uncoded_only=True), \
             admission_group(len(calls)):  # the engine's field: the request's; the group may pass the limits
         return await gather_until(calls, until)
 
@@ -236,9 +238,11 @@ def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], t
 
 
 def pooling_options(req: Any, lora: LoRARequest | None) -> dict[str, Any]:
-    """A pooling request's engine options (`_PoolingRequest`'s fields, or an embeddings body's on /pooling)."""
+    """A pooling request's engine options (`_PoolingRequest`'s fields, or an embeddings body's on /pooling; an
+    ``input``'s ``add_special_tokens``, `input_special_tokens`)."""
+    special = input_special_tokens(req) if isinstance(req, PoolingPromptRequest) else None
     return {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora,
-            "truncate_prompt_tokens": req.truncate_prompt_tokens}
+            "truncate_prompt_tokens": req.truncate_prompt_tokens, "add_special_tokens": special}
 
 
 def _check_count(field: str, texts: str | Sequence[Any], limit: int) -> None:

@@ -272,7 +272,7 @@ class OpenAIServer:
         response_id = pooling_request_id("embd", req, request.headers)
         outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request),
                                   request_log=self.request_log, request_id=response_id, model_name=self.model_name)
-        return json_response(embedding_response(outputs, model, req.encoding_format, response_id))
+        return embedding_response(outputs, model, req, response_id)
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,

@@ -139,14 +139,15 @@ class EngineRequests:
     async def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, *, priority: int = 0,
                     request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None, data_parallel_rank: int | None = None) -> EmbeddingOutput:
+                    truncate_prompt_tokens: int | None = None, data_parallel_rank: int | None = None,
+                    add_special_tokens: bool | None = None) -> EmbeddingOutput:
         """The embedding of a prompt (text or token ids): its last token's final hidden state (or the model's
         MEAN / CLS pooling, ``pooler_config``), normalized unless `pooling_params` says otherwise
         (docs/embeddings.md). It is scheduled like any request (one prefill and one dropped token), so
-        embeddings and generations share batches."""
+        embeddings and generations share batches. `add_special_tokens` (vLLM's; None: True) as for `stream`."""
         pooling = PoolingParams() if pooling_params is None else pooling_params
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling,
-                                 data_parallel_rank=data_parallel_rank)
+                                 data_parallel_rank=data_parallel_rank, add_special_tokens=add_special_tokens)
         collector = await self._pool(prompt, options, truncate_prompt_tokens)
         return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
                                collector.metrics, collector.num_cached_tokens)
@@ -154,15 +155,16 @@ class EngineRequests:
     async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None,
-                       truncate_prompt_tokens: int | None = None,
-                       data_parallel_rank: int | None = None) -> ClassificationOutput:
+                       truncate_prompt_tokens: int | None = None, data_parallel_rank: int | None = None,
+                       add_special_tokens: bool | None = None) -> ClassificationOutput:
         """A ``*ForSequenceClassification`` model's verdict on a prompt (text or token ids): its score head's
         logits over the last token, the probabilities (softmax; sigmoid for one label) and the top label's
-        name (docs/pooling.md). Scheduled as `embed` is; any other model refuses it."""
+        name (docs/pooling.md). Scheduled as `embed` is; any other model refuses it. `add_special_tokens` as for
+        `embed`."""
         from asyncllm.engine.scoring import classify
 
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
-                                 data_parallel_rank=data_parallel_rank)
+                                 data_parallel_rank=data_parallel_rank, add_special_tokens=add_special_tokens)
         return await classify(self, prompt, options, truncate_prompt_tokens)
 
     async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,

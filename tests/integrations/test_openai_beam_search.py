@@ -109,7 +109,7 @@ async def test_beams_stop_at_max_model_len(app, bundled_engine) -> None:
     assert body["usage"]["completion_tokens"] == 2 * room
     assert (over.status_code, over.json()["error"]["param"], over.json()["error"]["code"]) == (
         400, "max_tokens", "context_length_exceeded")  # as sampling: vLLM checks the length first
-    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input_tokens"
 
 
 COMPLETION_REFUSALS = [

@@ -14,10 +14,10 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 MESSAGE = {"role": "user", "content": "a"}
 
 
-def _refused_unrendered(response, count: int, param: str = "messages") -> None:
-    """A 400 on `param` told by its count (a render's error would count tokens: 3 or more a message)."""
+def _refused_unrendered(response, count: int) -> None:
+    """A 400 on ``input_tokens`` (vLLM's param for a prompt past the context, every route's) told by its count (a render's error would count tokens: 3 or more a message)."""
     error = response.json()["error"]
-    assert response.status_code == 400 and error["param"] == param, error
+    assert response.status_code == 400 and error["param"] == "input_tokens", error
     assert f"{count} messages" in error["message"] and error["code"] == "context_length_exceeded", error
 
 
@@ -32,7 +32,7 @@ async def test_more_messages_than_max_model_len_are_refused_unrendered(app, bund
         else:
             response = await client.post("/v1/chat/completions", json={**body, "use_beam_search": True, "n": 2,
                                                                        "max_tokens": 2})
-    _refused_unrendered(response, count, "input_tokens" if route == "embeddings" else "messages")  # vLLM's pooling param
+    _refused_unrendered(response, count)
     if route == "embeddings":
         assert "embedding generation" in response.json()["error"]["message"]  # the pooling operation, as the engine's
 

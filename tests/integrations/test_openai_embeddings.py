@@ -182,8 +182,8 @@ async def test_invocations_with_input_are_embeddings(app) -> None:
     ({"input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
     ({"input": "x", "add_generation_prompt": True}, 400, "add_generation_prompt"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
-    ({"input": "x", "embed_dtype": "float16"}, 400, "embed_dtype"),
-    ({"input": "x", "add_special_tokens": False}, 400, "add_special_tokens"),  # built for messages only
+    ({"input": "x", "embed_dtype": "float64"}, 400, "embed_dtype"),
+    ({"input": "x", "mm_processor_kwargs": {}}, 400, "mm_processor_kwargs"),  # for messages only
     ({"input": "x", "request_id": "r" * 1025}, 400, "request_id"),
     ({"input": [[5, 6], [999999]]}, 400, "input"),  # the engine's "prompt" named as the request's field
     ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),

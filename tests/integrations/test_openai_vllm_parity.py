@@ -116,7 +116,7 @@ async def test_context_length_errors_as_vllm(app, bundled_engine, bundled_tokeni
     assert too_long.status_code == 400 and too_long.json()["error"] == {
         "message": f"This model's maximum context length is {length} tokens. However, your request has {length} input "
                    "tokens. Please reduce the length of the input messages.",
-        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+        "type": "invalid_request_error", "param": "input_tokens", "code": "context_length_exceeded"}
 
 
 async def test_body_limit_takes_a_photo(app) -> None:
