@@ -59,7 +59,7 @@ from asyncllm.integrations.openai_sampling import (chat_field_names, chat_params
 from asyncllm.integrations.openai_streaming import count_prompts, respond, response_events
 from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_pooling import pooling_routes
-from asyncllm.integrations.openai_info import info_routes, served_name
+from asyncllm.integrations.openai_info import info_routes
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
@@ -134,7 +134,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
 
         engine = AsyncEngine(disable_log_stats=True)
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
-    server = OpenAIServer(engine, names or [served_name(engine.config.model)], api_key, limits or ServerLimits(),
+    server = OpenAIServer(engine, names or [engine.model_name], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
                           lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get(),
                           token_ids_as_text=return_tokens_as_token_ids, response_role=response_role,
@@ -187,8 +187,8 @@ class OpenAIServer:
     @property
     def model_names(self) -> list[str]:
         """The ids clients may send as ``model``; responses carry the first."""
-        if self._model_names == [None]:  # attached to a shared core: name it after what the core serves
-            return [served_name(self.engine.config.model) or self.engine.config.model]
+        if self._model_names == [None]:  # attached to a shared core: named as its launcher named the model
+            return [self.engine.model_name or self.engine.config.model]  # (the core's address until attached)
         return [name for name in self._model_names if name is not None]
 
     @property

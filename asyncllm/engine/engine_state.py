@@ -1,6 +1,7 @@
 """`EngineState`: vLLM's ``AsyncLLM`` health and state calls on `AsyncEngine` (asyncllm/engine/async_engine.py), a
 mixin, for code ported from vLLM (a liveness probe calling ``check_health``): whether the engine serves, its error
-once it died, the tasks its model serves. `AsyncEngine.stats` has the numbers behind them (``engine_alive``)."""
+once it died, the tasks its model serves, the model's name (`model_name`). `AsyncEngine.stats` has the numbers
+behind them (``engine_alive``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from asyncllm.errors import EngineDeadError
 if TYPE_CHECKING:
     from asyncllm.engine.pooling_model import PoolingModel
     from asyncllm.engine.replica import ReplicaSet
+    from asyncllm.metrics.observer import RequestObserver
     from asyncllm.outputs import EngineStats
     from asyncllm.speech import SpeechToText
 
@@ -23,6 +25,7 @@ class EngineState:
 
     _closed: bool
     _replicas: ReplicaSet
+    _observer: RequestObserver
     pooling_model: PoolingModel | None
     speech_to_text: SpeechToText | None
 
@@ -76,3 +79,10 @@ class EngineState:
             return ("classify", "score")
         tasks = ("generate", "embed") if model is None or model.generates else ("embed",)
         return (*tasks, "transcription") if self.speech_to_text is not None else tasks
+
+    @property
+    def model_name(self) -> str | None:
+        """The model as named (vLLM's model as given: a hub id, not the folder it resolved to; the bundled model's
+        ``asyncllm-tiny``), the name a server serves it as when given no served model name; a host attached to a
+        shared core (`connect`): the core's launcher's (its ``asyncllm engine MODEL``), None until attached."""
+        return self._observer.model_name

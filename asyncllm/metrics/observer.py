@@ -17,14 +17,15 @@ from asyncllm.bundled import model_label
 from asyncllm.metrics import multiprocess
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.metrics.prometheus import attach, retire
-from asyncllm.metrics.request_timing import apply_events, observe_decode, observe_finished
+from asyncllm.metrics.request_timing import apply_events, observe_finished
 from asyncllm.metrics.tracing import RequestTracer, span_operation, tracing_available
+from asyncllm.outputs import RequestMetrics
 from asyncllm.protocol import RequestOutputDelta, SchedulerStats
 
 if TYPE_CHECKING:
     from asyncllm.engine.collector import RequestCollector
     from asyncllm.engine.processor_requests import Submit
-    from asyncllm.outputs import RequestMetrics, StreamDelta
+    from asyncllm.outputs import StreamDelta
 
 __all__ = ["RequestObserver"]
 
@@ -44,37 +45,18 @@ class _Traced:
         self.finish_reasons: list[str] = []
 
 
-class _SamplesStep:
-    """An n > 1 request's latest core step: its time, the request's step before it, and whether the inter-token
-    latency was observed in it (`RequestObserver._samples_step`)."""
-
-    __slots__ = ("time", "before", "observed")
-
-    def __init__(self, time: float, before: float) -> None:
-        self.time = time
-        self.before = before
-        self.observed = False
-
-
-class _Sample:
-    """An n > 1 request's sample, as vLLM's child request's stats: its first and last token times and its tokens."""
-
-    __slots__ = ("first_token_time", "last_token_time", "num_tokens")
-
-    def __init__(self, now: float) -> None:
-        self.first_token_time = self.last_token_time = now
-        self.num_tokens = 0
-
-
 class RequestObserver:
     """Owns one engine's `HostStats`, its registry attachment and its request spans.
 
     A request with n > 1 samples runs as n core requests that share one
-    collector: tokens and `request_success_total` count every sample (as vLLM
-    counts child requests), and so do the decode time and the time per output
-    token, each sample's own as it finishes (vLLM observes each child request's);
-    the other latency and length histograms and the span see the request once,
-    when its last sample finishes (the processor sets `metrics.finished_time` then).
+    collector: as vLLM's V1 runs it as n child requests, each with its own stats
+    from the parent's arrival, every sample counts in the tokens and
+    `request_success_total` and is observed in the request histograms on its own
+    (its time to first token, inter-token latencies, and as it finishes its
+    end-to-end, queue, prefill, decode, inference time, time per output token,
+    prompt and generated tokens: `_sample_tokens`, `_sample_finished`); the span
+    sees the request once, when its last sample finishes (the processor sets
+    `metrics.finished_time` then).
     """
 
     def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
@@ -87,20 +69,23 @@ class RequestObserver:
         self._tracer = RequestTracer(model_name) if tracing_available() else None
         self._traced: dict[str, _Traced] = {}
         """request_id -> its span, only while the host has a tracer provider."""
+        self.model_name: str | None = model_name if named else None
+        """The model as named (a hub id, not the folder it resolved to; the bundled model's `asyncllm-tiny`): an
+        attached host's is its core's launcher's (`set_model_name`; None until attached); `serve_as` keeps it."""
         self._served_name: str | None = None
         """The server's model name (`serve_as`), which no later `set_model_name` replaces."""
         self._span_failures: set[str] = set()
         """The kinds of span call ("start", "annotate", "end") that raised and were logged (once each)."""
-        self._steps: dict[str, _SamplesStep] = {}
-        """n > 1 requests' latest core step (`_samples_step`), until the request ends."""
-        self._samples: dict[str, dict[str, _Sample]] = {}
-        """n > 1 requests' samples that had a token out, by core request id (`_sample_tokens`), until it ends."""
+        self._samples: dict[str, dict[str, RequestMetrics]] = {}
+        """n > 1 requests' unfinished samples' own metrics (vLLM's child requests' stats), by core request id
+        (`_sample`), until the sample or the request ends."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
         them."""
+        self.model_name = model_label(model_name)
         if self._served_name is None:
-            self._label(model_label(model_name))
+            self._label(self.model_name)
 
     def serve_as(self, served_name: str) -> None:
         """Label metrics and spans with the server's model name for good (`AsyncEngine.set_served_model_name`)."""
@@ -164,9 +149,12 @@ class RequestObserver:
         """One core output delta, after the processor turned it into `item`; `is_prefilling`: its sample had no
         token out before (its first tokens count the prompt, once per sample as vLLM's child requests)."""
         metrics = collector.metrics
+        sample = self._sample(collector, out.request_id) if collector.num_samples > 1 else None
         traced = self._traced.get(collector.request_id) if self._traced else None
         if out.events:
             apply_events(metrics, out.events)
+            if sample is not None:
+                apply_events(sample, out.events)
             if traced is not None:
                 self._span_call("annotate", RequestTracer.add_core_events, traced.span, out.events)
         if isinstance(item, BaseException):
@@ -179,73 +167,67 @@ class RequestObserver:
             stats, last = self.stats, metrics.last_token_time
             if is_prefilling:
                 stats.prompt_tokens_total += len(collector.prompt_token_ids)
-            if last is None:
-                self._on_first_token(metrics, traced, now)
-            elif collector.num_samples > 1:
-                self._samples_step(collector.request_id, last, now, is_prefilling)
+            if sample is not None:
+                self._sample_tokens(sample, now, 0 if pooled else len(out.new_token_ids))
+            elif last is None:
+                stats.time_to_first_token.observe(now - metrics.arrival_time)
             elif now != last:  # once per core step
                 stats.inter_token_latency.observe(now - last)
-            if collector.num_samples > 1:
-                self._sample_tokens(collector.request_id, out.request_id, now, len(out.new_token_ids))
+            if last is None and traced is not None:
+                self._span_call("annotate", RequestTracer.first_token, traced.span, now)
             metrics.last_token_time = now
             stats.generation_tokens_total += 0 if pooled else len(out.new_token_ids)
         finish_reason = "stop" if pooled and item.finish_reason else item.finish_reason  # vLLM's pooling: STOP
         if finish_reason is not None:
             self.stats.count_finished(finish_reason)
-            if collector.num_samples > 1:
-                self._sample_finished(collector.request_id, out.request_id, finish_reason)
+            if sample is not None:
+                self._sample_finished(collector, out.request_id, finish_reason, now, pooled)
             if traced is not None:
                 traced.finish_reasons.append(finish_reason)
             if metrics.finished_time is not None:  # the request's last sample
                 self._on_request_finished(collector, finish_reason, now, pooled)
 
-    def _samples_step(self, request_id: str, last: float, now: float, is_prefilling: bool) -> None:
-        """An n > 1 request's token after its first: the inter-token latency is observed once per core step, from
-        the request's step before, when a sample that had a token out before advanced in it. A step that carried
-        only samples' first tokens (a sample queued behind the others, its prefill) observes none: that wait was
-        no sample's inter-token latency."""
-        step = self._steps.get(request_id)
-        if step is None or step.time != now:  # the step's first delta of this request (`last`: its step before)
-            step = self._steps[request_id] = _SamplesStep(now, last)
-        if not is_prefilling and not step.observed:
-            step.observed = True
-            self.stats.inter_token_latency.observe(now - step.before)
-
-    def _sample_tokens(self, request_id: str, core_id: str, now: float, num_tokens: int) -> None:
-        """An n > 1 request's sample's new tokens: its own first and last token times (vLLM's child request's)."""
-        samples = self._samples.get(request_id)
+    def _sample(self, collector: RequestCollector, core_id: str) -> RequestMetrics:
+        """An n > 1 request's sample's own metrics (vLLM's child request's `RequestStateStats`), from the request's
+        arrival (vLLM's children carry their parent's arrival time)."""
+        samples = self._samples.get(collector.request_id)
         if samples is None:
-            samples = self._samples[request_id] = {}
+            samples = self._samples[collector.request_id] = {}
         sample = samples.get(core_id)
         if sample is None:
-            sample = samples[core_id] = _Sample(now)
+            sample = samples[core_id] = RequestMetrics(arrival_time=collector.metrics.arrival_time)
+        return sample
+
+    def _sample_tokens(self, sample: RequestMetrics, now: float, num_tokens: int) -> None:
+        """An n > 1 request's sample's new tokens, as vLLM's child request's: its first observes its time to first
+        token (from the request's arrival), a later one its inter-token latency, from its own token before (a
+        sample queued behind the others has none for that wait: its first token is no inter-token latency)."""
+        last = sample.last_token_time
+        if last is None:
+            sample.first_token_time = now
+            self.stats.time_to_first_token.observe(now - sample.arrival_time)
+        elif now != last:  # once per core step
+            self.stats.inter_token_latency.observe(now - last)
         sample.last_token_time = now
-        sample.num_tokens += num_tokens
+        sample.num_generated_tokens += num_tokens
 
-    def _sample_finished(self, request_id: str, core_id: str, finish_reason: str) -> None:
-        """An n > 1 request's sample finished: its decode time and time per output token, from its own first
-        token (a sample queued behind the others waited before it: no decode time), as vLLM's child request's."""
-        samples = self._samples.get(request_id)
+    def _sample_finished(self, collector: RequestCollector, core_id: str, finish_reason: str, now: float,
+                         pooled: bool) -> None:
+        """An n > 1 request's sample finished: the request histograms observe it on its own, as vLLM observes each
+        child request (`observe_finished`: its end-to-end latency from the request's arrival, its own queue,
+        prefill, decode and inference time, time per output token, the prompt's tokens and its own generated
+        ones); an aborted one is not observed."""
+        samples = self._samples.get(collector.request_id)
         sample = samples.pop(core_id, None) if samples is not None else None
-        if finish_reason == "abort":
-            return
-        if sample is None:
-            observe_decode(self.stats, None, 0)
-        else:
-            observe_decode(self.stats, sample.last_token_time - sample.first_token_time, sample.num_tokens)
-
-    def _on_first_token(self, metrics: RequestMetrics, traced: _Traced | None, now: float) -> None:
-        self.stats.time_to_first_token.observe(now - metrics.arrival_time)
-        if traced is not None:
-            self._span_call("annotate", RequestTracer.first_token, traced.span, now)
+        if sample is not None and finish_reason != "abort":
+            sample.finished_time = now
+            observe_finished(self.stats, sample, len(collector.prompt_token_ids), pooled)
 
     def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
                              pooled: bool) -> None:
-        self._steps.pop(collector.request_id, None)
         self._samples.pop(collector.request_id, None)
-        if finish_reason != "abort":
-            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), collector.num_samples,
-                             pooled)
+        if finish_reason != "abort" and collector.num_samples == 1:  # an n > 1 request's samples were, each
+            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), pooled)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.finish, traced.span, collector.metrics, traced.finish_reasons,
@@ -255,7 +237,6 @@ class RequestObserver:
     def on_aborted(self, collector: RequestCollector, now: float) -> None:
         """The caller left, or the engine closed, before this sample finished (called once per sample)."""
         self.stats.count_finished("abort")
-        self._steps.pop(collector.request_id, None)
         self._samples.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
@@ -278,7 +259,6 @@ class RequestObserver:
 
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
-        self._steps.pop(collector.request_id, None)
         self._samples.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:

@@ -36,11 +36,10 @@ def apply_events(metrics: RequestMetrics, events: list[EngineCoreEvent]) -> None
                 metrics.queued_time = event.timestamp
 
 
-def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, num_samples: int = 1,
-                     pooled: bool = False) -> None:
-    """Record a request that finished with a reason other than abort in the request histograms. A pooling request
-    (`pooled`) has no decode time. An n > 1 request's decode time and time per output token are its samples'
-    (`observe_decode` as each sample finished, `RequestObserver`), not observed here."""
+def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_tokens: int, pooled: bool = False) -> None:
+    """Record a request that finished with a reason other than abort in the request histograms: one vLLM request's
+    `FinishedRequestStats` (an n > 1 request's sample's own metrics, as each finishes: vLLM's child request's,
+    `RequestObserver`). A pooling request (`pooled`) has no decode time."""
     assert metrics.finished_time is not None
     stats.e2e_request_latency.observe(metrics.finished_time - metrics.arrival_time)
     stats.request_prompt_tokens.observe(num_prompt_tokens)
@@ -53,14 +52,13 @@ def observe_finished(stats: HostStats, metrics: RequestMetrics, num_prompt_token
     ):
         if value is not None:
             histogram.observe(max(value, 0.0))
-    if num_samples == 1:
-        observe_decode(stats, decode_time, metrics.num_generated_tokens)
+    observe_decode(stats, decode_time, metrics.num_generated_tokens)
 
 
 def observe_decode(stats: HostStats, decode_time: float | None, num_generated_tokens: int) -> None:
-    """One finished vLLM request's (an n > 1 request's sample's, as vLLM's child request) decode time, its first
-    token to its last (None: no token, or a pooling request: not observed), and vLLM's mean time per output token:
-    decode time / (tokens - 1), 0 for one token or none (``mean_time_per_output_token``)."""
+    """One finished vLLM request's decode time, its first token to its last (None: no token, or a pooling request:
+    not observed), and vLLM's mean time per output token: decode time / (tokens - 1), 0 for one token or none
+    (``mean_time_per_output_token``)."""
     if decode_time is not None:
         stats.request_decode_time.observe(max(decode_time, 0.0))
     decoded = decode_time is not None and num_generated_tokens > 1

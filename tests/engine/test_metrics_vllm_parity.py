@@ -1,5 +1,6 @@
 """Metrics counted as vLLM's V1 counts them, on a real engine: prefix-cache queries of requests that skip the cache,
-an n > 1 request's samples' decode times, and the `model_name` label of a host attached to the core.
+an n > 1 request's samples in the request histograms, and the `model_name` label (and the OpenAI server's model name)
+of a host attached to the core.
 
 One engine for the module, started with a hub id (a hub cache made here, read offline) so that the model as named
 ("acme/tiny-llama") differs from the folder it resolves to, with one sequence at a time (a second sample queues)
@@ -17,6 +18,8 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.integrations.openai_server import create_app
+from asgi_helpers import asgi_client
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -88,6 +91,23 @@ async def test_a_queued_samples_wait_is_in_no_decode_time(engine: AsyncEngine) -
     assert 0 < samples_decode < out.metrics.decode_time  # the request's spans sample 1's wait
 
 
+async def test_every_request_histogram_observes_each_sample_as_vllms_child_requests(engine: AsyncEngine) -> None:
+    """n = 2 with one sequence at a time: sample 1 waits for sample 0. vLLM's V1 observes each child request, with
+    its own stats from the parent's arrival, in every request histogram: two observations each."""
+    names = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+             "request_prefill_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+             "request_generation_tokens")
+    before = {name: [_value(engine, f"asyncllm:{name}_{part}") or 0 for part in ("count", "sum")] for name in names}
+    out = await engine.generate([5, 6, 7, 8], SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+    observed = {name: (_value(engine, f"asyncllm:{name}_count") - count, _value(engine, f"asyncllm:{name}_sum") - total)
+                for name, (count, total) in before.items()}
+    assert {name: count for name, (count, _) in observed.items()} == dict.fromkeys(names, 2)
+    assert (observed["request_prompt_tokens"][1], observed["request_generation_tokens"][1]) == (8, 12)
+    metrics = out.metrics  # the request's: its first token is the first sample's, its end the last sample's
+    assert metrics.e2e_latency < observed["e2e_request_latency_seconds"][1] < 2 * metrics.e2e_latency
+    assert observed["time_to_first_token_seconds"][1] > 2 * metrics.time_to_first_token  # sample 1's waited
+
+
 async def test_an_attached_host_labels_its_series_as_the_host_that_launched_the_core(engine: AsyncEngine) -> None:
     """vLLM labels with the model as given (or its served name), never the folder it resolved to."""
     guest = AsyncEngine.connect(engine._core.address, disable_log_stats=True)
@@ -96,3 +116,19 @@ async def test_an_attached_host_labels_its_series_as_the_host_that_launched_the_
         assert guest._observer.stats.model_name == HUB_ID == engine._observer.stats.model_name
         labels = {"model_name": HUB_ID, "engine": "0"}
         assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", labels) == 4
+
+
+async def test_an_attached_hosts_server_serves_the_model_as_the_core_launcher_named_it(engine: AsyncEngine) -> None:
+    """No served model name: an attached host's OpenAI server names the model as the core's launcher did (the hub
+    id), as vLLM's served name defaults to the model as given, never the folder it resolved to."""
+    guest = AsyncEngine.connect(engine._core.address, disable_log_stats=True)
+    before = create_app(guest, manage_engine=False)  # made before the host attached (it knows no model yet)
+    async with guest:
+        assert guest.config.model == engine.config.model != HUB_ID and guest.model_name == HUB_ID == engine.model_name
+        after = create_app(guest, manage_engine=False)
+        for app in (before, after):
+            assert app.state.openai_server.model_names == [HUB_ID]
+            async with asgi_client(app) as client:
+                assert [card["id"] for card in (await client.get("/v1/models")).json()["data"]] == [HUB_ID]
+                body = (await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})).json()
+                assert body["model"] == HUB_ID

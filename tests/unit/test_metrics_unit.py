@@ -44,8 +44,8 @@ def test_events_fill_request_metrics() -> None:
     assert (samples.queued_time, samples.first_scheduled_time, samples.queue_time) == (10.5, 11.0, 0.5)
 
 
-def _collector(request_id: str, prompt_len: int, arrival: float) -> RequestCollector:
-    collector = RequestCollector(request_id, arrival)
+def _collector(request_id: str, prompt_len: int, arrival: float, n: int = 1) -> RequestCollector:
+    collector = RequestCollector(request_id, arrival, n=n)
     collector.prompt_token_ids = [1] * prompt_len
     return collector
 
@@ -92,9 +92,9 @@ def test_observer_counts_tokens_requests_and_histograms() -> None:
     assert snap.request_success_total == {"stop": 1, "length": 1, "abort": 1, "timeout": 0} and snap.prefix_cache_hit_rate == 0.5
 
 
-def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once() -> None:
+def test_samples_of_one_request_count_tokens_reasons_and_latencies_each_as_vllms_child_requests() -> None:
     observer = RequestObserver("m")
-    collector = _collector("r", 4, 100.0)
+    collector = _collector("r", 4, 100.0, n=2)
     metrics = collector.metrics
     for now, reasons in ((101.0, (None, None)), (102.0, ("stop", None)), (103.0, (None, "length"))):
         for index, reason in enumerate(reasons):
@@ -109,8 +109,9 @@ def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once
     s = observer.stats
     assert (s.prompt_tokens_total, s.generation_tokens_total) == (8, 5)  # the prompt once per sample, as vLLM's
     assert (s.request_success["stop"], s.request_success["length"]) == (1, 1)
-    assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (2, 2.0)  # once per step, not per sample
-    assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)
+    assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (3, 3.0)  # each sample's own: 2 + 1
+    assert (s.e2e_request_latency.count, s.e2e_request_latency.sum) == (2, 5.0)  # 102 and 103 from 100
+    assert (s.request_generation_tokens.count, s.request_generation_tokens.sum) == (2, 5)  # 2 and 3
 
 
 def test_a_pooling_requests_delta_counts_its_prompt_and_no_generated_token() -> None:
