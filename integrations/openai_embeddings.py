@@ -32,6 +32,7 @@ from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_embed_encoding import (BYTES_FORMATS, EmbedDType, EncodingFormat, Endianness,
                                                          bytes_response, encode_vector)
 from asyncllm.integrations.openai_http import json_response
+from asyncllm.integrations.openai_pooling_media import MediaChat, embed_one, logged_prompts, media_chat
 from asyncllm.integrations.openai_protocol import (CacheSalt, ServerLimits, completion_prompts, request_options,
                                                   take_request_id)
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
@@ -83,8 +84,8 @@ class PoolingPromptRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=T
     chat_template: str | None = None
     """For messages (vLLM's): a Jinja template; only on a server started with --trust-request-chat-template."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    """For messages (vLLM's): the image processor's settings for the chat's media, as a chat completion's; the
-    pooling routes take no media (a media part is a 400), so it changes nothing, as on a chat without media."""
+    """For messages (vLLM's): the image processor's settings for the chat's media, as a chat completion's (on a chat
+    without media it changes nothing)."""
 
 
 class EmbeddingRequest(PoolingPromptRequest, kw_only=True, forbid_unknown_fields=True):
@@ -132,14 +133,18 @@ def input_prompts(value: str | list[Any], limits: ServerLimits, task: str) -> li
 
 
 async def embedding_prompts(server: OpenAIServer, req: PoolingPromptRequest, task: str = "embed",
-                            api: str = "embed") -> list[str | list[int]]:
+                            api: str = "embed") -> list[str | list[int] | MediaChat]:
     """`embedding_inputs`, or the request's ``messages`` rendered by the server (BOS and the like on top of the
     template's with ``add_special_tokens`` true) and cut to ``truncate_prompt_tokens`` as a text input is: their
-    first k tokens (vLLM's ``_preprocess_chat``; `truncated_prompt`). `api` names the route in a context-length
+    first k tokens (vLLM's ``_preprocess_chat``; `truncated_prompt`); messages with media parts as one `MediaChat`,
+    which the engine renders (openai_pooling_media.py). `api` names the route in a context-length
     error (`errors.POOLING_OPERATIONS`: /pooling's "embedding generation" whatever its `task`)."""
     prompts = embedding_inputs(req, server.limits, task)
     if prompts is not None:
         return prompts
+    chat = media_chat(server, req)  # media parts: the engine renders the chat with its media
+    if chat is not None:
+        return [chat]
     token_ids = await chat_tokens(server, req, add_special_tokens=bool(req.add_special_tokens),
                                   operation=POOLING_OPERATIONS[api], cuttable=req.truncate_prompt_tokens is not None)
     return [truncated_prompt(token_ids, req.truncate_prompt_tokens, server.engine.config.max_model_len, pooling=True,
@@ -157,7 +162,7 @@ def pooling_params(req: EmbeddingRequest) -> PoolingParams:
     return PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
 
 
-async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req: EmbeddingRequest,
+async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | MediaChat], req: EmbeddingRequest,
                     lora: LoRARequest | None = None, *,
                     until: Callable[[], Awaitable[object]] | None = None,
                     request_log: RequestLogger | None = None,
@@ -172,13 +177,13 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     field (``input`` or ``messages``); a context-length error keeps it (``input_tokens``: `errors.context_param`).
     """
     pooling = pooling_params(req)
-    log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
+    log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", logged_prompts(prompts), pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora,
                "add_special_tokens": input_special_tokens(req)}
     try:
         with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True), \
                 admission_group(len(prompts)):  # (`guard`) may pass the limits by its prompts
-            return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
+            return await gather_until([embed_one(engine, prompt, pooling, options) for prompt in prompts], until)
     except MatryoshkaRefusal as exc:  # the engine's check names the model as configured (a checkpoint's path)
         if model_name is None:
             raise

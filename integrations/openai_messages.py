@@ -19,7 +19,7 @@ from urllib.request import url2pathname
 from asyncllm.chat_content import TEXT_PART_FIELDS, is_text_part, text_part_text
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["chat_messages", "media_url"]
+__all__ = ["chat_messages", "has_media_parts", "media_url"]
 
 
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -38,8 +38,9 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False,
     OpenAI's ``input_audio``) parts is a list of text and media parts, which the engine's chat splits
     (asyncllm/mm/): the url is a base64 ``data:`` URL, or a ``file://`` URL under `media_root` (vLLM's
     ``--allowed-local-media-path``; `media_url`); http(s) URLs are refused by the engine, which fetches nothing.
-    OpenAI's ``detail`` hint is dropped (as vLLM does), a part's ``uuid`` is the input's cache key. Elsewhere
-    (tokenize, beam search) a media part is an error. An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
+    OpenAI's ``detail`` hint is dropped (as vLLM does), a part's ``uuid`` is the input's cache key (the pooling
+    routes' chats with media take them too: openai_pooling_media.py). Elsewhere (tokenize, beam search) a media part
+    is an error. An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
     the template (the engine parses the calls' JSON arguments for it), and so does its ``reasoning`` (or
     ``reasoning_content``; a string), as both ``reasoning`` and ``reasoning_content`` (as vLLM: Qwen3's and
     DeepSeek-R1's templates read the latter, others the former). Keys whose
@@ -79,9 +80,10 @@ def _content_part(i: int, j: int, part: object, images: bool, media_root: Path |
     `text_part_text` reads it); None for one vLLM skips (a text or refusal part whose text is None)."""
     if images and _is_image_part(part):
         return _image_part(part, media_root, f"messages[{i}].content[{j}]")
-    if _is_image_part(part):  # a route that reads text only (embeddings' and pooling's messages)
+    if _is_image_part(part):  # a route that reads text only (tokenize's messages)
         raise InvalidRequestError("messages", f"item {i}: {part['type']} parts are not built on this route (text "
-                                              f"only: media parts are taken by chat completions)")
+                                              f"only: media parts are taken by chat completions and the pooling "
+                                              f"routes)")
     if not is_text_part(part):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         raise InvalidRequestError("messages", f"item {i}: only text ({', '.join(TEXT_PART_FIELDS)}), image_url, "
@@ -89,6 +91,13 @@ def _content_part(i: int, j: int, part: object, images: bool, media_root: Path |
                                               f"(the media parts in chat completions), got {kind!r}")
     text = text_part_text(i, part)
     return None if text is None else {"type": "text", "text": text}
+
+
+def has_media_parts(messages: list[Any]) -> bool:
+    """Whether a message's content list holds a media part (``image_url``, ``video_url``, ``audio_url``,
+    ``input_audio``): a pooling request's chat the engine renders with its media (openai_pooling_media.py)."""
+    return any(isinstance(message, dict) and isinstance(message.get("content"), list)
+               and any(_is_image_part(part) for part in message["content"]) for message in messages)
 
 
 def _is_image_part(part: object) -> bool:

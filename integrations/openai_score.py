@@ -31,6 +31,7 @@ from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_embeddings import (PoolingPromptRequest, embedding_prompts,
                                                     input_special_tokens, pooling_request_id, pooling_usage)
 from asyncllm.integrations.openai_http import json_response
+from asyncllm.integrations.openai_pooling_media import MediaChat, classify_one, logged_prompts
 from asyncllm.integrations.openai_protocol import CacheSalt, decode_request
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
 from asyncllm.integrations.starlette import wait_disconnect
@@ -207,18 +208,18 @@ class _Handlers:
         log_under(request_log, request_id, pairs, PoolingParams(task="classify"), lora)
 
 
-async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], options: dict[str, Any], *,
+async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | MediaChat], options: dict[str, Any], *,
                        until: Callable[[], Awaitable[object]], request_log: RequestLogger | None, request_id: str,
                        field: str = "input", api: str | None = None) -> list[ClassificationOutput]:
     """`AsyncEngine.classify` on every prompt at once (`options`: `_options`'), results in input order, each
     logged as ``request_id-i``. The first error cancels the others; `until` completing (the client went away)
     raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error
     ``input_tokens`` (`errors.context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
-    log_under(request_log, request_id, prompts, PoolingParams(task="classify"), options["lora_request"])
+    log_under(request_log, request_id, logged_prompts(prompts), PoolingParams(task="classify"),
+              options["lora_request"])
     options = dict(options)
     truncate = options.pop("truncate_prompt_tokens")
-    calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
-             for prompt in prompts]
+    calls = [classify_one(engine, prompt, RequestOptions(**options, pooling_api=api), truncate) for prompt in prompts]
     with renamed_fields({"prompt": field}, uncoded_only=True), \
             admission_group(len(calls)):  # the engine's field: the request's; the group may pass the limits
         return await gather_until(calls, until)

@@ -184,11 +184,14 @@ class EngineRequests:
         options = RequestOptions(priority, None, timeout, cache_salt, lora_request=lora_request, pooling_api="score")
         return await score(self, text_1, text_2, options, truncate_prompt_tokens, use_activation is not False)
 
-    async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None) -> RequestCollector:
-        """Run a pooling request (`options.pooling` set) to its end; its collector holds the pooled vector."""
+    async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None,
+                    chat: bool = False) -> RequestCollector:
+        """Run a pooling request (`options.pooling` set) to its end; its collector holds the pooled vector. `chat`:
+        `prompt` is chat messages, rendered on the processor thread as `chat`'s (media parts and all:
+        asyncllm/engine/pooling_chat.py)."""
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
                                 truncate_prompt_tokens=truncate_prompt_tokens)
-        stream = RequestStream(self, prompt, params, options, chat=False)
+        stream = RequestStream(self, prompt, params, options, chat=chat)
         async with stream:
             async for _ in stream:
                 pass

@@ -42,8 +42,10 @@ T = TypeVar("T")
 
 
 async def classify(engine: AsyncEngine, prompt: Any, options: RequestOptions,
-                   truncate_prompt_tokens: int | None) -> ClassificationOutput:
-    collector = await engine._pool(prompt, dataclasses.replace(options, pooling=_CLASSIFY), truncate_prompt_tokens)
+                   truncate_prompt_tokens: int | None, chat: bool = False) -> ClassificationOutput:
+    """`AsyncEngine.classify`; `chat`: `prompt` is chat messages (`AsyncEngine._pool`'s)."""
+    collector = await engine._pool(prompt, dataclasses.replace(options, pooling=_CLASSIFY), truncate_prompt_tokens,
+                                   chat)
     head = _classifier(engine)
     logits = collector.embedding or []
     probs = activate(logits, head.classify_activation)
