@@ -138,7 +138,7 @@ async def test_completion_logprobs(app, bundled_tokenizer) -> None:
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone)
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": [1.5]}, "prompt"),
-    ({"prompt": "<longer than max_model_len>"}, "prompt"),  # found when the engine tokenizes it
+    ({"prompt": "<longer than max_model_len>"}, "input_tokens"),  # found when tokenized (vLLM param)
     ({}, "prompt"),
 ])
 async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, request_body, param) -> None:
