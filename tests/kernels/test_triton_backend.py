@@ -79,6 +79,10 @@ def test_triton_phi3_logits_match_transformers() -> None:
     config = EngineConfig.create(path, attention_backend="triton", max_model_len=64)
     model = load_model(config, hf_config, DEVICE, torch.float32)
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 12
+    assert [layer.fused_decode_rows for layer in model.model.layers] == [FUSED_ROWS] * 2
+    # the rope is under test here (the decode step's too: `attention_values`), not the fused products' kernel,
+    # which Granite's case runs model-level: quicker
+    _fused_products_on_the_reference(model)
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
@@ -149,6 +153,9 @@ def test_triton_moe_logits_match_transformers(arch: str) -> None:
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     assert model.model.layers[-1].mlp.experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
+    # GLM-4.5's dense first layer takes the fused decode path; its products' kernel (biases too:
+    # test_decode_linear_kernel.py) is Granite's case's, not under test here: quicker
+    _fused_products_on_the_reference(model)
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
