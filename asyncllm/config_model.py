@@ -10,6 +10,7 @@ from typing import Any
 from asyncllm.attention.availability import ATTENTION_BACKENDS
 from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
                                      check_sampling_fields, is_int)
+from asyncllm.config_runner import check_runner_fields
 from asyncllm.engine.defaults import sampling_overrides
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pooling import check_pooler_config
@@ -40,6 +41,18 @@ compressed-tensors llm-compressor's checkpoints (asyncllm/models/compressed_tens
 class ModelConfig:
     model: str = ""
     """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
+    runner: str = "auto"
+    """vLLM's: generate serves generation only, pooling embeddings / classification only (draft: refused, drafts are
+    speculative_config's); auto: pooling for an embedding or classifier architecture, else a causal LM serves both
+    generation and embeddings (asyncllm's; vLLM's auto generates only). The engine's config shows it resolved
+    (docs/pooling.md#runner-and-convert)."""
+    convert: str = "auto"
+    """vLLM's adapters for runner='pooling': embed serves a causal LM's embeddings (LAST pooling, normalized, as
+    vLLM's as_embedding_model), classify needs a classification head (a *ForSequenceClassification checkpoint),
+    none keeps the model as it is; reward is not built. auto: embed for a causal LM under runner='pooling'."""
+    task: str | None = None
+    """vLLM's deprecated --task (generate, embed, embedding, classify, score, transcription, auto), mapped onto runner
+    and convert as vLLM maps it, with vLLM's deprecation warning; draft and reward are refused."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id; defaults to `model`."""
     tokenizer_mode: str = "auto"
@@ -141,6 +154,7 @@ class ModelConfig:
             raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
                                                                        "(auto, hf, slow or mistral)")
         check_choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
+        check_runner_fields(self.runner, self.convert, self.task)
         check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         check_bool("enable_prompt_embeds", self.enable_prompt_embeds)
         check_bool("trust_remote_code", self.trust_remote_code)

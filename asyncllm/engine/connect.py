@@ -125,7 +125,7 @@ ATTACHED_FIELDS = frozenset({
     "model", "tokenizer", "tokenizer_mode", "trust_remote_code", "skip_tokenizer_init", "revision",
     "tokenizer_revision", "hf_overrides", "enable_prompt_embeds", "generation_config", "override_generation_config",
     "max_logprobs", "logprobs_mode", "pooler_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-    "mm_processor_kwargs", "media_io_kwargs", "limit_mm_per_prompt", "mm_max_image_pixels",
+    "mm_processor_kwargs", "media_io_kwargs", "limit_mm_per_prompt", "mm_max_image_pixels", "runner", "convert",
     "dtype", "quantization", "load_format", "config_format", "kv_cache_dtype", "seed", "speculative_config",
     "structured_output_disable_any_whitespace",
 })

@@ -72,13 +72,16 @@ class EngineState:
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """What the model serves, in vLLM's task names (vLLM's ``get_supported_tasks``; starts the engine): a
         classifier's ``("classify", "score")``, an encoder's ``("embed",)``, a causal LM's ``("generate",
-        "embed")`` (asyncllm's causal LMs embed too), a speech-to-text model's with ``"transcription"``."""
+        "embed")`` (asyncllm's causal LMs embed too; ``("generate",)`` with runner='generate', ``("embed",)`` with
+        runner='pooling'), a speech-to-text model's with ``"transcription"``."""
         await self.start()
         model = self.pooling_model
         if model is not None and model.classifier is not None:
             return ("classify", "score")
         tasks = ("generate", "embed") if model is None or model.generates else ("embed",)
-        return (*tasks, "transcription") if self.speech_to_text is not None else tasks
+        if model is not None and model.runner == "generate":  # runner='generate': no pooling (vLLM's)
+            tasks = ("generate",)
+        return (*tasks, "transcription") if self.speech_to_text is not None and "generate" in tasks else tasks
 
     @property
     def model_name(self) -> str | None:

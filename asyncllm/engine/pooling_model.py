@@ -168,6 +168,9 @@ class PoolingModel:
     do_lower_case: bool = False
     """Lowercase text prompts and score pairs before tokenizing them (the sentence-transformers config's
     ``do_lower_case``, as vLLM)."""
+    runner: str = "auto"
+    """The engine's resolved ``runner`` (asyncllm/engine/runner.py): generate refuses pooling requests, pooling
+    refuses generation; auto takes what the architecture serves."""
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
@@ -185,6 +188,13 @@ class PoolingModel:
         ``dimensions`` is a `MatryoshkaRefusal`."""
         task = "generate" if pooling is None else pooling.task
         arch = self.architecture
+        if self.runner == "generate" and task != "generate":
+            raise InvalidRequestError("model", f"this engine runs {arch} with runner='generate': it serves generation "
+                                               f"only, not {task} requests (start it with runner='pooling' for those)")
+        if self.runner == "pooling" and task == "generate" and arch not in (*CLASSIFICATION_ARCHITECTURES,
+                                                                            *EMBEDDING_ARCHITECTURES):
+            raise InvalidRequestError("prompt", f"this engine runs {arch} with runner='pooling': it serves embeddings "
+                                                "only, not generation (start it with runner='generate' or 'auto')")
         if self.classifier is not None:
             if task != "classify":
                 raise InvalidRequestError("prompt" if task == "generate" else "model",
@@ -265,11 +275,12 @@ def sentence_transformers_pooling(path: str | None) -> str | None:
 
 
 def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
-                     pooler_config: dict[str, Any] | None = None, matryoshka: Matryoshka | None = None
-                     ) -> PoolingModel:
+                     pooler_config: dict[str, Any] | None = None, matryoshka: Matryoshka | None = None,
+                     runner: str = "auto") -> PoolingModel:
     """What ``architecture`` serves; a classifier's head from its config (`NotBuiltError` for an activation
     asyncllm does not apply); embeddings' pooling from ``pooler_config``, else the checkpoint folder's
-    sentence-transformers config, else LAST."""
+    sentence-transformers config, else LAST (a causal LM's: vLLM's as_embedding_model's LAST, normalized); `runner`:
+    the engine's resolved runner."""
     pooler = pooler_config or {}
     normalize = pooler.get("normalize")
     normalize = sentence_transformers_normalize(path) if normalize is None else bool(normalize)
@@ -281,9 +292,9 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
         if pooler.get("pooling_type", own) != own:
             raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own,
-                            do_lower_case=lower)
+                            do_lower_case=lower, runner=runner)
     default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     dense_modules(path)  # its Dense modules readable, their activations built (the workers apply them)
-    return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize,
-                        matryoshka, lower)
+    return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES and runner != "pooling", None,
+                        pooling_type, normalize, matryoshka, lower, runner)

@@ -24,6 +24,7 @@ from asyncllm.models.mistral_format import mistral_files, uses_mistral_weights
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
+from asyncllm.engine.runner import resolve_runner
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES,
     CLASSIFICATION_ARCHITECTURES,
@@ -127,7 +128,8 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
         tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
         config.trust_remote_code)
-    resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len,
+                              **resolve_runner(config, arch))  # runner, convert, task: docs/pooling.md
     if arch in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)
     if config.skip_tokenizer_init and multimodal:
@@ -189,7 +191,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
                     default_sampling_fields(sampling_fields_of(config.generation_config, generation),
                                             config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config,
-                                     Matryoshka.of(hf_config, config.model)),
+                                     Matryoshka.of(hf_config, config.model), resolved.runner),
                     _embeds_width(config, arch, multimodal, text_config),
                     SuppressedTokens.of(generation, text_config.vocab_size, source_of(config.generation_config, path)))
 
@@ -281,7 +283,6 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
 tower matrices is refused); their hooks are the decoder's (asyncllm/models/decoder_lora.py; Whisper's its own)."""
 
 
-
 def _lora_config(arch: str, text_config: Any) -> Any:
     """The config whose fields the host checks an adapter's shapes by: Whisper's decoder's (``WhisperConfig``'s
     ``num_hidden_layers`` and ``num_attention_heads`` are its encoder's), else the text config."""
@@ -295,7 +296,6 @@ def _lora_config(arch: str, text_config: Any) -> Any:
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
 a longer one is not sent, and the workers read config.json themselves."""
-
 
 
 def _classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:

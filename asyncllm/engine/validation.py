@@ -302,10 +302,11 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
                                                        "or a stop token while min_tokens holds): none is left to sample")
 
 
-def served_tasks(architectures: Sequence[str] | None) -> frozenset[str] | None:
+def served_tasks(architectures: Sequence[str] | None, runner: str = "auto") -> frozenset[str] | None:
     """What a model of these ``architectures`` (its config's, as the workers serve it) serves ("generate", "embed",
-    "classify"), as `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner
-    without a config): then requests are not checked against it."""
+    "classify") under the config's resolved ``runner`` (generate: generation only; pooling: no generation), as
+    `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner without a config):
+    then requests are not checked against it."""
     if architectures is None:
         return None
     architectures = list(architectures) or [None]
@@ -313,7 +314,8 @@ def served_tasks(architectures: Sequence[str] | None) -> frozenset[str] | None:
         return frozenset({"classify"})
     if architectures[0] in EMBEDDING_ARCHITECTURES:  # no LM head
         return frozenset({"embed"})
-    return frozenset({"generate", "embed"})
+    return frozenset({"generate", "embed"} - ({"embed"} if runner == "generate" else set())
+                     - ({"generate"} if runner == "pooling" else set()))
 
 
 def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> None:
