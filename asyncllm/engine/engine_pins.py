@@ -6,8 +6,9 @@ call cancelled, it is undone on every replica (a `PinLoRA` with ``unpin``) and t
 answered that, so no rank of any replica keeps it pinned behind the caller's back; a cancel is raised then, however
 often it came. An id pinned before the call (pinning again changes nothing) is never undone so. `remove_lora` of the
 id while its pin is sent (`forget`) leaves nothing recorded. The record (`pinned`: the adapter as given and as
-checked) is what `pin_again` sends to a restarted core, before any request reaches it; a pin that core refuses (the
-folder unreadable since) is undone on every replica and logged.
+checked) is what `pin_again` sends to a restarted core, before any request reaches it, with the pins in progress
+(begun while that replica was down, so not sent to it: undone there too should their call be undone); a pin that
+core refuses (the folder unreadable since) is undone on every replica and logged.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ Replay = list[tuple[int, concurrent.futures.Future[Any]]]
 class _PinCall:
     """One `pin_lora` in progress: whether its id was pinned before it, and whether `remove_lora` removed it since."""
 
-    __slots__ = ("pinned_before", "removed")
+    __slots__ = ("pinned_before", "removed", "given", "checked", "late")
 
-    def __init__(self, pinned_before: bool) -> None:
+    def __init__(self, pinned_before: bool, given: LoRARequest, checked: LoRARequest) -> None:
         self.pinned_before, self.removed = pinned_before, False
+        self.given, self.checked = given, checked  # (replica 0's): what a core restarted meanwhile pins
+        self.late: list["Processor"] = []
+        """The processors of cores restarted while it was in progress, pinned by `pin_again` (undone with it)."""
 
 
 class EnginePins:
@@ -61,7 +65,7 @@ class EnginePins:
                                                  "it in a request) first")
         checked = await checked_everywhere(processors, given)
         check_not_removed(processors, lora_id, "pin_lora")
-        call = _PinCall(lora_id in self.pinned)
+        call = _PinCall(lora_id in self.pinned, given, checked[0])
         self._calls.setdefault(lora_id, []).append(call)
         try:
             await self._pin_everywhere(processors, checked, call)
@@ -83,7 +87,8 @@ class EnginePins:
         except BaseException as exc:  # refused by a replica, a core dead, or cancelled: undone everywhere first
             if not self._undo_needed(lora_id, call):
                 raise
-            if await _unpin(processors, checked):  # cancelled again meanwhile: the cancel is what is raised
+            late = call.late  # restarted meanwhile: `pin_again` pinned it there too
+            if await _unpin([*processors, *late], [*checked, *[call.checked] * len(late)]):  # cancelled again
                 raise asyncio.CancelledError from exc
             raise
 
@@ -100,9 +105,18 @@ class EnginePins:
 
     def pin_again(self, processor: "Processor") -> Replay:
         """A restarted core's processor: every pinned adapter known to its host again (as checked: nothing read
-        here) and pinned in the core, sent now, before any request can reach it; `settle` awaits the answers."""
+        here) and pinned in the core, sent now, before any request can reach it; `settle` awaits the answers. A
+        `pin_lora` in progress (begun while this replica was down: not sent here) is pinned here too, and undone
+        here should that call be undone."""
         sent: Replay = []
-        for lora_id, (given, checked) in self.pinned.items():
+        pins = dict(self.pinned)
+        for lora_id, calls in self._calls.items():  # pins in progress, sent to the replicas live when they began
+            live = [call for call in calls if not call.removed]
+            if live and lora_id not in pins:
+                pins[lora_id] = (live[-1].given, live[-1].checked)
+                for call in live:
+                    call.late.append(processor)
+        for lora_id, (given, checked) in pins.items():
             processor.remember_lora(given, checked)
             processor.pin_lora_id(lora_id)
             sent.append((lora_id, processor.lora_call(protocol.PinLoRA("", checked))))

@@ -66,7 +66,7 @@ def launch_core(config: EngineConfig, hf_config_json: str | None = None,
     config_json = msgspec.json.encode(config.to_dict(wire=True)).decode()
     extra = ["--hf-config-json", hf_config_json] if hf_config_json is not None else []
     extra += ["--auto-max-model-len"] if auto_fit else []
-    extra += ["--model-name", model_name] if model_name else []
+    extra += [f"--model-name={model_name}"] if model_name else []  # one token: a name may start with "-"
     proc = procutil.spawn_module(
         "asyncllm.engine.core", ["--address", address, "--config-json", config_json, *extra], env
     )

@@ -49,3 +49,19 @@ def test_the_cores_ready_names_the_model_as_its_launcher_did() -> None:
     ready = EngineCore._ready(core)  # type: ignore[arg-type]
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(ready), type=protocol.CoreMessage)
     assert isinstance(wire, protocol.Ready) and wire.model == "acme/tiny-llama"
+
+
+@pytest.mark.parametrize("name", ["acme/tiny-llama", "-served"])
+def test_an_owned_core_parses_the_model_name_its_host_launched_it_with(name, monkeypatch, tmp_path) -> None:
+    """`launch_core`'s arguments as the core's `main` parses them: a served name may start with "-" (a separate
+    value would read as an option, and the core would exit at once)."""
+    from asyncllm.engine import core, launch
+
+    spawned: list[list[str]] = []
+    monkeypatch.setattr(launch.procutil, "spawn_module", lambda module, args, env: spawned.append(args))
+    monkeypatch.setattr(launch.procutil, "private_ipc_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(launch, "CoreProcess", lambda proc, address, ipc_dir: None)
+    launch.launch_core(EngineConfig.create("acme/tiny-llama", max_model_len=128), model_name=name)
+    monkeypatch.setattr(core, "exit_when_parent_dies", lambda: (_ for _ in ()).throw(_Started()))  # parsed
+    with pytest.raises(_Started):
+        core.main(spawned[0])

@@ -151,3 +151,34 @@ def test_a_restarted_core_pins_again_and_a_pin_it_refuses_is_undone_everywhere(
     assert engine._pins.pinned == {} and new.pinned == set() and replicas[1].pinned == set()
     assert new.core.lora_ids.pinned == {} and replicas[1].core.lora_ids.pinned == {}
     assert workers[1].took() == [(1, True)]
+
+
+def test_a_core_restarted_while_a_pin_is_in_progress_gets_that_pin(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Data parallelism, replica 1 down: `pin_lora` pins on replica 0 alone; replica 1's restarted core pins what is
+    recorded as pinned before any request reaches it, so a pin still in progress then is sent to it too (else it
+    alone never holds it), and undone there with the call's undo."""
+    for outcome in ("pinned", "cancelled"):
+        replicas, _ = _replicas(monkeypatch, tmp_path / outcome)
+        engine = _engine(replicas[:1])  # replica 1 down: the live replicas are replica 0's
+        restarted = replicas[1]
+        live = SimpleNamespace(any_alive=True, live_processors=lambda: replicas)
+
+        async def pin_across_the_restart() -> None:
+            replicas[0].hold = True
+            task = asyncio.create_task(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+            assert await asyncio.to_thread(replicas[0].started.wait, 30)
+            await engine._pins.settle(engine._pins.pin_again(restarted), live)  # replica 1 back meanwhile
+            if outcome == "cancelled":
+                task.cancel()
+                await asyncio.sleep(0.1)
+            replicas[0].release.set()
+            if outcome == "pinned":
+                assert await asyncio.wait_for(task, 30) is True
+            else:
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(task, 30)
+
+        asyncio.run(pin_across_the_restart())
+        expected = {3} if outcome == "pinned" else set()
+        assert set(engine._pins.pinned) == expected and restarted.pinned == expected, outcome
+        assert bool(restarted.core.lora_ids.pinned) == (outcome == "pinned"), outcome
