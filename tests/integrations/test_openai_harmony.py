@@ -46,6 +46,7 @@ class _HarmonyEngine:
     """Answers every chat request with `REPLY`; keeps the sampling parameters it was given."""
 
     config = SimpleNamespace(model="gpt-oss-stub", generation_config="auto", override_generation_config=None)
+    model_name = "gpt-oss-stub"
     started = True
 
     def __init__(self, reply: str = REPLY) -> None:
