@@ -154,9 +154,9 @@ class Worker:
         config = self.config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
         self.reader = BroadcastReader(msgspec.json.decode(args.ring_json, type=RingHandle), self.rank)
         device = resolve_device(config.device, self.rank)
-        if device.type == "cpu":
-            ranks_on_host = self.world_size * config.data_parallel_size  # every replica's workers share the CPUs
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
+        threads = cpu_threads(self.world_size * config.data_parallel_size) if device.type == "cpu" else None
+        if threads is not None:
+            torch.set_num_threads(threads)
         init_distributed(device, self.rank, self.world_size, self.rendezvous_store())
         runner_cls = load_runner_class(args.runner, config.pipeline_parallel_size)
         self.runner = runner_cls(config, self.rank, self.world_size, device)
@@ -286,6 +286,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--result-address", required=True, help="zmq address of the executor's PULL socket")
     parser.add_argument("--runner", default=None, help="runner class as module:Class or file.py:Class (tests only)")
     return parser.parse_args(argv)
+
+
+def cpu_threads(ranks_on_host: int) -> int | None:
+    """Torch threads of one CPU worker: its share of the cores (every replica's workers share them), or None
+    when ``OMP_NUM_THREADS`` is set, whose count torch already took at import."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, (os.cpu_count() or 1) // ranks_on_host)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -1,0 +1,25 @@
+"""A CPU worker's torch threads (`workers.worker.cpu_threads`): its share of the cores, unless OMP_NUM_THREADS
+is set (the test suite sets 1: two test processes share two cores, and workers taking both each oversubscribed
+them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.workers.worker import cpu_threads
+
+
+def test_share_of_the_cores_without_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert cpu_threads(1) == 16
+    assert cpu_threads(4) == 4
+    assert cpu_threads(32) == 1
+
+
+def test_omp_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(1) is None  # torch keeps the count it read at import
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert cpu_threads(2) == 8
