@@ -49,7 +49,9 @@ __all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_m
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's beam-search settings (``temperature`` only 0: the beams follow the raw logprobs)."""
+    """vLLM's beam-search settings. ``temperature`` (finite, >= 0) changes no beam: the beams follow the raw
+    logprobs, as vLLM's under its default ``raw_logprobs`` (there the step's temperature only picks the token
+    it samples beside the top ``2 * beam_width``, which is never among the best ``beam_width`` candidates)."""
 
     beam_width: int
     max_tokens: int
@@ -76,8 +78,10 @@ class BeamSearchParams:
         penalty = self.length_penalty
         if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
             raise InvalidRequestError("length_penalty", f"must be a finite number, got {penalty!r}")
-        if self.temperature != 0.0:
-            raise InvalidRequestError("temperature", "beam search ranks the raw logprobs: only 0.0 is built")
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0 \
+                or not math.isfinite(temperature):
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {temperature!r}")
         if self.include_stop_str_in_output:
             raise InvalidRequestError("include_stop_str_in_output", "beam search has no stop strings")
 

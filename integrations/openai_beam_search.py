@@ -6,8 +6,9 @@ The beam width is ``n`` (as vLLM), or completions' ``best_of`` when given
 ``n`` choices per prompt, the beams best first, each with its text and
 finish_reason ("stop": it ended with EOS, "length"). ``max_tokens``,
 ``ignore_eos`` and vLLM's ``length_penalty`` go to `BeamSearchParams`.
-Beam search follows the model's raw logprobs: ``temperature`` must be unset
-or 0 (the generation config's sampling defaults do not apply, its suppressed ids
+Beam search follows the model's raw logprobs: ``temperature`` (vLLM passes it
+to its steps, where under its default ``raw_logprobs`` it ranks nothing) changes
+no beam, the generation config's sampling defaults do not apply (its suppressed ids
 do), and every field that
 would change the distribution or the output (penalties, ``logit_bias``,
 ``stop``, structured output, tools, ...) is a 400 naming it, never ignored.
@@ -64,7 +65,6 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
     check_common(req)
     raw, no_sampling = "beam search follows the raw logprobs", "beam search does not sample"
     refusals: list[tuple[bool, str, str]] = [
-        (req.temperature not in (None, 0), "temperature", f"only 0 or unset ({raw})"),
         (req.top_p not in (None, 1), "top_p", f"only 1 or unset ({no_sampling})"),
         (req.top_k not in (None, 0, -1), "top_k", f"only 0, -1 or unset ({no_sampling})"),
         (req.min_p not in (None, 0), "min_p", f"only 0 or unset ({no_sampling})"),
@@ -137,7 +137,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     for ids in prompts:
         check_context_length(max_model_len, len(ids), max_tokens if sets_max_tokens(req) else None)  # as sampling
         params.append(BeamSearchParams(width, beam_max_tokens(max_model_len, len(ids), max_tokens), req.ignore_eos,
-                                       length_penalty=req.length_penalty))
+                                       temperature=req.temperature or 0.0, length_penalty=req.length_penalty))
         try:
             params[-1].validate(engine.config.max_logprobs)
         except InvalidRequestError as exc:  # name the request's field

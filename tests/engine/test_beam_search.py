@@ -66,10 +66,17 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
             with pytest.raises(InvalidRequestError) as info:
                 await engine.beam_search(bad, params)
             assert info.value.field == field
-        for bad in (BeamSearchParams(beam_width=0, max_tokens=4), BeamSearchParams(beam_width=2, max_tokens=4,
-                                                                                    temperature=0.7)):
-            with pytest.raises(InvalidRequestError):
+        for bad, field in ((BeamSearchParams(beam_width=0, max_tokens=4), "beam_width"),
+                           *((BeamSearchParams(beam_width=2, max_tokens=4, temperature=t), "temperature")
+                             for t in (-0.5, float("nan"), float("inf"), True))):
+            with pytest.raises(InvalidRequestError) as info:
                 await engine.beam_search([5, 6, 7], bad)
+            assert info.value.field == field
+        # as vLLM's under raw_logprobs: a temperature changes no beam
+        warm = await engine.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                                                 temperature=0.7))
+        assert [s.tokens for s in warm.sequences] == [s.tokens for s in out.sequences]
+        assert [s.cum_logprob for s in warm.sequences] == pytest.approx([s.cum_logprob for s in out.sequences])
         with pytest.raises(InvalidRequestError, match="request_id"):
             await engine.beam_search([5, 6, 7], params, request_id="mine")
 

@@ -63,7 +63,7 @@ async def test_chat_choices_are_the_beams_of_the_rendered_prompt(app, bundled_en
     ids = bundled_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     expected = (await bundled_engine.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=8))).sequences
     request = {**BEAM, "messages": MESSAGES, "n": 2, "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2,
-               "temperature": 0, "seed": 1}
+               "temperature": 0.7, "seed": 1}  # vLLM's steps take the temperature; the raw logprobs rank the beams
     async with asgi_client(app) as client:
         body = (await client.post("/v1/chat/completions", json=request)).json()
     assert body["object"] == "chat.completion"
@@ -113,7 +113,7 @@ async def test_beams_stop_at_max_model_len(app, bundled_engine) -> None:
 
 
 COMPLETION_REFUSALS = [
-    ({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"top_k": 5}, "top_k"),
+    ({"temperature": -0.5}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"top_k": 5}, "top_k"),
     ({"min_p": 0.1}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stop": ["\n"]}, "stop"), ({"stop_token_ids": [5]}, "stop_token_ids"),
@@ -128,7 +128,7 @@ COMPLETION_REFUSALS = [
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
 ]
 CHAT_REFUSALS = [
-    ({"temperature": 1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
+    ({"temperature": -1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
