@@ -63,7 +63,12 @@ class EnginePins:
         if given is None:
             raise InvalidRequestError("lora_id", f"no adapter has lora_int_id {lora_id} here: add_lora it (or use "
                                                  "it in a request) first")
-        checked = await checked_everywhere(processors, given)
+        try:
+            checked = await checked_everywhere(processors, given)
+        except InvalidRequestError as exc:  # the check's (a bad folder, removed meanwhile): pin_lora's argument
+            if exc.field != "lora_request":
+                raise
+            raise InvalidRequestError("lora_id", exc.message, code=exc.code) from None
         check_not_removed(processors, lora_id, "pin_lora")
         call = _PinCall(lora_id in self.pinned, given, checked[0])
         self._calls.setdefault(lora_id, []).append(call)
@@ -151,10 +156,12 @@ async def checked_everywhere(processors: list["Processor"], lora: LoRARequest) -
 
 def check_not_removed(processors: list["Processor"], lora_id: int, call: str) -> None:
     """`InvalidRequestError` when `remove_lora` forgot the id on a replica after its check: the call would bind it
-    in the core again behind the removal (remove wins)."""
+    in the core again behind the removal (remove wins). It names the call's own argument: `add_lora`'s
+    ``lora_request``, `pin_lora`'s ``lora_id``."""
     if any(processor.lora_given(lora_id) is None for processor in processors):
-        raise InvalidRequestError("lora_request", f"lora_int_id {lora_id} was removed (remove_lora) while {call} "
-                                                  "checked its adapter")
+        field = "lora_id" if call == "pin_lora" else "lora_request"
+        raise InvalidRequestError(field, f"lora_int_id {lora_id} was removed (remove_lora) while {call} checked its "
+                                         "adapter")
 
 
 async def _unpin(processors: list["Processor"], checked: list[LoRARequest]) -> bool:

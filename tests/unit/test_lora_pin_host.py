@@ -182,3 +182,31 @@ def test_a_core_restarted_while_a_pin_is_in_progress_gets_that_pin(monkeypatch: 
         expected = {3} if outcome == "pinned" else set()
         assert set(engine._pins.pinned) == expected and restarted.pinned == expected, outcome
         assert bool(restarted.core.lora_ids.pinned) == (outcome == "pinned"), outcome
+
+
+def test_a_pin_whose_id_was_removed_during_its_check_names_lora_id(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`pin_lora`'s only argument is the id: an id removed while its adapter was checked (the checker's error, or
+    the id forgotten on a replica once checked) is refused naming ``lora_id``, and nothing is pinned."""
+    from asyncllm.errors import InvalidRequestError
+
+    replicas, workers = _replicas(monkeypatch, tmp_path)
+    engine = _engine(replicas)
+
+    def removed_during_check(lora: LoRARequest) -> concurrent.futures.Future:
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(InvalidRequestError("lora_request", "lora_int_id 3 was removed (remove_lora) while its "
+                                                                 "adapter was checked"))
+        return failed
+
+    replicas[1].checking_lora = removed_during_check
+    with pytest.raises(InvalidRequestError, match="was removed") as raised:
+        asyncio.run(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+    assert raised.value.field == "lora_id"
+    del replicas[1].checking_lora
+    replicas[1].lora_given = lambda lora_id: None  # forgotten there once checked
+    with pytest.raises(InvalidRequestError, match="while pin_lora checked") as raised:
+        asyncio.run(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+    assert raised.value.field == "lora_id"
+    for replica, took in zip(replicas, workers):
+        assert (replica.core.lora_ids.pinned, replica.pinned, took.took()) == ({}, set(), [])
+    assert engine._pins.pinned == {}
