@@ -38,13 +38,15 @@ Replay = list[tuple[int, concurrent.futures.Future[Any]]]
 class _PinCall:
     """One `pin_lora` in progress: whether its id was pinned before it, and whether `remove_lora` removed it since."""
 
-    __slots__ = ("pinned_before", "removed", "given", "checked", "late")
+    __slots__ = ("pinned_before", "removed", "given", "checked", "late", "refused")
 
     def __init__(self, pinned_before: bool, given: LoRARequest, checked: LoRARequest) -> None:
         self.pinned_before, self.removed = pinned_before, False
         self.given, self.checked = given, checked  # (replica 0's): what a core restarted meanwhile pins
         self.late: list["Processor"] = []
         """The processors of cores restarted while it was in progress, pinned by `pin_again` (undone with it)."""
+        self.refused: BaseException | None = None
+        """The error of such a core that refused it (`settle`): the call fails with it, undone everywhere."""
 
 
 class EnginePins:
@@ -74,6 +76,8 @@ class EnginePins:
         self._calls.setdefault(lora_id, []).append(call)
         try:
             await self._pin_everywhere(processors, checked, call)
+            if call.refused is not None:  # a core restarted meanwhile refused it: refused by a replica
+                await self._undo(processors, checked, call, call.refused)
         finally:
             calls = self._calls[lora_id]
             calls.remove(call)
@@ -90,12 +94,16 @@ class EnginePins:
             await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
                                  for processor, lora in zip(processors, checked)])
         except BaseException as exc:  # refused by a replica, a core dead, or cancelled: undone everywhere first
-            if not self._undo_needed(lora_id, call):
-                raise
+            await self._undo(processors, checked, call, exc)
+
+    async def _undo(self, processors: list["Processor"], checked: list[LoRARequest], call: _PinCall,
+                    error: BaseException) -> None:
+        """Raise `error`, the pin undone everywhere first (if `_undo_needed`; a cancel during the undo: raised)."""
+        if self._undo_needed(checked[0].lora_int_id, call):
             late = call.late  # restarted meanwhile: `pin_again` pinned it there too
             if await _unpin([*processors, *late], [*checked, *[call.checked] * len(late)]):  # cancelled again
-                raise asyncio.CancelledError from exc
-            raise
+                raise asyncio.CancelledError from error
+        raise error
 
     def _undo_needed(self, lora_id: int, call: _PinCall) -> bool:
         """Whether a failed or cancelled pin is to be undone: not if its id was pinned before it, or by another call
@@ -136,6 +144,11 @@ class EnginePins:
             except EngineDeadError:
                 continue
             except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this pin
+                in_progress = [call for call in self._calls.get(lora_id, ()) if not call.removed]
+                if in_progress and lora_id not in self.pinned:  # its call fails with this, undone everywhere
+                    for call in in_progress:
+                        call.refused = exc
+                    continue
                 logger.error("the restarted engine core could not pin LoRA adapter id %d again (%s): it is unpinned "
                              "on every replica", lora_id, exc)
                 await self._drop(lora_id, replicas)

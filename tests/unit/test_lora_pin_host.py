@@ -156,12 +156,15 @@ def test_a_restarted_core_pins_again_and_a_pin_it_refuses_is_undone_everywhere(
 def test_a_core_restarted_while_a_pin_is_in_progress_gets_that_pin(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """Data parallelism, replica 1 down: `pin_lora` pins on replica 0 alone; replica 1's restarted core pins what is
     recorded as pinned before any request reaches it, so a pin still in progress then is sent to it too (else it
-    alone never holds it), and undone there with the call's undo."""
-    for outcome in ("pinned", "cancelled"):
-        replicas, _ = _replicas(monkeypatch, tmp_path / outcome)
+    alone never holds it), and undone there with the call's undo; refused there (its folder unreadable now), the call
+    fails with that refusal, undone on every replica, as a pin any replica refuses."""
+    for outcome in ("pinned", "cancelled", "refused"):
+        replicas, workers = _replicas(monkeypatch, tmp_path / outcome)
         engine = _engine(replicas[:1])  # replica 1 down: the live replicas are replica 0's
         restarted = replicas[1]
         live = SimpleNamespace(any_alive=True, live_processors=lambda: replicas)
+        if outcome == "refused":
+            workers[1].unreadable.add(replicas[0].given.lora_path)  # what pin_again sends: replica 0's checked
 
         async def pin_across_the_restart() -> None:
             replicas[0].hold = True
@@ -174,6 +177,10 @@ def test_a_core_restarted_while_a_pin_is_in_progress_gets_that_pin(monkeypatch: 
             replicas[0].release.set()
             if outcome == "pinned":
                 assert await asyncio.wait_for(task, 30) is True
+            elif outcome == "refused":
+                with pytest.raises(Exception) as raised:
+                    await asyncio.wait_for(task, 30)
+                assert not isinstance(raised.value, asyncio.CancelledError)
             else:
                 with pytest.raises(asyncio.CancelledError):
                     await asyncio.wait_for(task, 30)
@@ -182,6 +189,7 @@ def test_a_core_restarted_while_a_pin_is_in_progress_gets_that_pin(monkeypatch: 
         expected = {3} if outcome == "pinned" else set()
         assert set(engine._pins.pinned) == expected and restarted.pinned == expected, outcome
         assert bool(restarted.core.lora_ids.pinned) == (outcome == "pinned"), outcome
+        assert replicas[0].pinned == expected and bool(replicas[0].core.lora_ids.pinned) == (outcome == "pinned")
 
 
 def test_a_pin_whose_id_was_removed_during_its_check_names_lora_id(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
