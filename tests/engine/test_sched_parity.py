@@ -44,7 +44,8 @@ CASES = {
     "swap": dict(PRESSURE, preemption_mode="swap", swap_space=0.001),
     "swap-synchronous": dict(PRESSURE, preemption_mode="swap", swap_space=0.001, async_scheduling=False),
     "priority-recompute-threshold": dict(PRESSURE, scheduling_policy="priority", max_num_batched_tokens=32,
-                                         long_prefill_token_threshold=8),
+                                         long_prefill_token_threshold=8,  # vLLM's partial-prefill caps: 1 caps nothing
+                                         max_num_partial_prefills=1, max_long_partial_prefills=1),
     "priority-swap-small-pool": dict(PRESSURE, scheduling_policy="priority", preemption_mode="swap",
                                      swap_space=4 * BYTES_PER_BLOCK / 2**30),
 }
