@@ -135,10 +135,12 @@ class ProcessorOutputs:
         now = time.time()
         batch: Delivery = []
         aborts: list[str] = []
+        tokens_before = self._observer.on_step_start()
         for out in message.outputs:
             self._on_delta(dealer, out, now, batch, aborts)
         for req_id, token in zip(message.token_req_ids, message.token_ids):
             self._on_delta(dealer, protocol.RequestOutputDelta(req_id, [token]), now, batch, aborts)
+        self._observer.on_step_end(tokens_before)  # vLLM's iteration_tokens_total: one observation per step
         if aborts:
             dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
         if message.stats is not None:

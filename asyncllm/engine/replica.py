@@ -257,6 +257,7 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
                                replica.observer.stats.model_name,  # its label: the core names it to attached hosts
                                abandoned=functools.partial(stop_launched, None))  # never told Goodbye: cut at once
     replica.observer.stats.owns_core = core is not None  # before its first snapshot: its counters end with it
+    replica.observer.stats.set_cache_config(prepared.config.cache_config)  # cache_config_info; no snapshot yet
     processor = _processor(replica, prepared, core, spec, timeout_s)
     launched.processor(processor)
     try:
@@ -266,6 +267,7 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
         raise
     if core is None:  # attached: labelled as the core's launcher named the model (its Ready), not with its folder
         replica.observer.set_model_name(ready.model or prepared.config.model)
+    replica.observer.max_model_len = ready.max_model_len  # an unset max_tokens' request_params_max_tokens
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 

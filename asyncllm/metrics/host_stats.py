@@ -11,12 +11,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import zip_longest
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "engine_counters", "summed_snapshots", "NO_COUNTERS"]
+__all__ = ["EngineView", "Histogram", "HostStats", "CACHE_CONFIG_LABELS", "FINISH_REASONS", "cache_config_labels", "engine_counters",
+           "summed_snapshots", "NO_COUNTERS"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -30,6 +31,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 """vLLM's ``request_time_per_output_token_seconds`` buckets."""
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 """1, 2, 5, 10, 20, 50, ... 5,000,000 tokens."""
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+"""vLLM's ``iteration_tokens_total`` buckets."""
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+"""vLLM's ``request_params_n`` buckets."""
 
 FINISH_REASONS = ("stop", "length", "abort", "timeout")
 """Always exported (at 0 until seen), so rate() works from the first request on."""
@@ -68,6 +73,9 @@ class EngineView(NamedTuple):
     retired_engine: SchedulerStats
     closed: bool = False
     """Set by `HostStats.mark_closed` until the next core's snapshot: `scheduler` then holds final counters."""
+    cache_config: tuple[tuple[str, str], ...] = ()
+    """The core's cache settings as vLLM's ``cache_config_info`` labels (`cache_config_labels`) but num_gpu_blocks
+    (its snapshot's): set before the core's first snapshot (`HostStats.set_cache_config`), dropped as it closes."""
 
 
 class HostStats:
@@ -106,6 +114,14 @@ class HostStats:
         self.request_time_per_output_token = Histogram(TPOT_BUCKETS)
         self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_max_num_generation_tokens = Histogram(TOKEN_BUCKETS)
+        """Per request (once, as its last sample finishes): the most tokens one of its samples generated."""
+        self.request_params_n = Histogram(N_BUCKETS)
+        self.request_params_max_tokens = Histogram(TOKEN_BUCKETS)
+        """Per finished sample whose request set max_tokens."""
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        """Per core output batch (one engine step) with outputs for this host: the prompt tokens of the samples
+        whose first token it brought plus the tokens it generated (vLLM's ``iteration_tokens_total``)."""
 
     @property
     def scheduler(self) -> SchedulerStats:
@@ -138,6 +154,11 @@ class HostStats:
     @retired_engine.setter
     def retired_engine(self, value: SchedulerStats) -> None:
         self.engine = self.engine._replace(retired_engine=value)
+
+    def set_cache_config(self, cache_config: Any) -> None:
+        """The core's `CacheConfig`, for ``cache_config_info``: set before its processor starts (no snapshot swaps
+        the view meanwhile), again after a restart."""
+        self.engine = self.engine._replace(cache_config=cache_config_labels(cache_config))
 
     def count_finished(self, finish_reason: str) -> None:
         self.request_success[finish_reason] = self.request_success.get(finish_reason, 0) + 1
@@ -203,6 +224,23 @@ class HostStats:
             weights_version=s.weights_version, is_sleeping=s.sleep_level > 0, sleep_level=s.sleep_level,
             awaiting_weights=s.awaiting_weights,
         )
+
+
+def cache_config_labels(cache_config: Any) -> tuple[tuple[str, str], ...]:
+    """vLLM's ``CacheConfig.metrics_info()`` for the settings asyncllm has, under vLLM's names (``cache_dtype`` is
+    asyncllm's kv_cache_dtype), each value as ``str()`` makes it ("True", "None", "0.9"), as vLLM's."""
+    return tuple((label, str(getattr(cache_config, field))) for label, field in _CACHE_CONFIG_FIELDS)
+
+
+_CACHE_CONFIG_FIELDS = (
+    ("block_size", "block_size"), ("gpu_memory_utilization", "gpu_memory_utilization"),
+    ("swap_space", "swap_space"), ("cache_dtype", "kv_cache_dtype"),
+    ("num_gpu_blocks_override", "num_gpu_blocks_override"), ("enable_prefix_caching", "enable_prefix_caching"),
+    ("prefix_caching_hash_algo", "prefix_caching_hash_algo"), ("kv_cache_memory_bytes", "kv_cache_memory_bytes"),
+    ("kv_offloading_size", "kv_offloading_size"), ("mamba_block_size", "mamba_block_size"),
+)
+"""(vLLM's label, asyncllm's `CacheConfig` field)."""
+CACHE_CONFIG_LABELS = (*(label for label, _ in _CACHE_CONFIG_FIELDS), "num_gpu_blocks")
 
 
 NO_COUNTERS = SchedulerStats()

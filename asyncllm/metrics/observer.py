@@ -54,9 +54,9 @@ class RequestObserver:
     `request_success_total` and is observed in the request histograms on its own
     (its time to first token, inter-token latencies, and as it finishes its
     end-to-end, queue, prefill, decode, inference time, time per output token,
-    prompt and generated tokens: `_sample_tokens`, `_sample_finished`); the span
-    sees the request once, when its last sample finishes (the processor sets
-    `metrics.finished_time` then).
+    prompt and generated tokens, its max_tokens: `_sample_tokens`, `_sample_finished`); the span,
+    ``request_params_n`` and ``request_max_num_generation_tokens`` (vLLM's `ParentRequest`) see the request once,
+    when its last sample finishes (the processor sets `metrics.finished_time` then).
     """
 
     def __init__(self, model_name: str, registry: Any = None, named: bool = True) -> None:
@@ -79,6 +79,14 @@ class RequestObserver:
         self._samples: dict[str, dict[str, RequestMetrics]] = {}
         """n > 1 requests' unfinished samples' own metrics (vLLM's child requests' stats), by core request id
         (`_sample`), until the sample or the request ends."""
+        self._max_tokens: dict[str, int | None] = {}
+        """Sampling requests' max_tokens (None: unset), by request id, for ``request_params_max_tokens``."""
+        self._most_generated: dict[str, int] = {}
+        """n > 1 requests: the most tokens one of their finished samples generated (vLLM's `ParentRequest`)."""
+        self.max_model_len = 0
+        """The core's (`Ready`): an unset max_tokens counts as max_model_len - the prompt's tokens, as vLLM's."""
+        self._step_outputs = False
+        """Whether the core message being processed (`on_step_start`) brought a request output."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
@@ -120,6 +128,8 @@ class RequestObserver:
     # ------------------------------------------------------------ request start
     def on_added(self, job: Submit) -> None:
         """The request was tokenized and sent to the core."""
+        if job.options.pooling is None:
+            self._max_tokens[job.collector.request_id] = job.params.max_tokens
         if self._tracer is not None:
             span = self._start_span(job, len(job.collector.prompt_token_ids))
             if span is not None:
@@ -144,10 +154,25 @@ class RequestObserver:
         self.stats.take_snapshot(stats, reporter)
         multiprocess.resume()  # a forked child (gunicorn --preload) starts writing its series
 
+    def on_step_start(self) -> int:
+        """A core output message (one engine step's outputs for this host) is about to be processed: its token
+        count so far, for `on_step_end`."""
+        self._step_outputs = False
+        return self.stats.prompt_tokens_total + self.stats.generation_tokens_total
+
+    def on_step_end(self, tokens_before: int) -> None:
+        """vLLM's ``iteration_tokens_total``: once per core output batch that brought a request output, the prompt
+        tokens of the samples whose first token it brought plus the tokens it generated (a prefill chunk that ended
+        no prompt brings no output; a batch of errors alone is 0, as vLLM's batch of outputs without tokens)."""
+        if self._step_outputs:
+            stats = self.stats
+            stats.iteration_tokens.observe(stats.prompt_tokens_total + stats.generation_tokens_total - tokens_before)
+
     def on_output(self, collector: RequestCollector, out: RequestOutputDelta, item: StreamDelta | BaseException,
                   now: float, is_prefilling: bool) -> None:
         """One core output delta, after the processor turned it into `item`; `is_prefilling`: its sample had no
         token out before (its first tokens count the prompt, once per sample as vLLM's child requests)."""
+        self._step_outputs = True
         metrics = collector.metrics
         sample = self._sample(collector, out.request_id) if collector.num_samples > 1 else None
         traced = self._traced.get(collector.request_id) if self._traced else None
@@ -222,22 +247,45 @@ class RequestObserver:
         if sample is not None and finish_reason != "abort":
             sample.finished_time = now
             observe_finished(self.stats, sample, len(collector.prompt_token_ids), pooled)
+            self._observe_max_tokens(collector)
+            most = self._most_generated.get(collector.request_id, 0)
+            self._most_generated[collector.request_id] = max(most, sample.num_generated_tokens)
 
     def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float,
                              pooled: bool) -> None:
         self._samples.pop(collector.request_id, None)
-        if finish_reason != "abort" and collector.num_samples == 1:  # an n > 1 request's samples were, each
-            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), pooled)
+        most_generated = self._most_generated.pop(collector.request_id, 0)
+        if finish_reason != "abort":
+            if collector.num_samples == 1:  # an n > 1 request's samples were, each
+                observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids), pooled)
+                self._observe_max_tokens(collector)
+                most_generated = collector.metrics.num_generated_tokens
+            self.stats.request_params_n.observe(collector.num_samples)  # vLLM's parent request, once
+            self.stats.request_max_num_generation_tokens.observe(most_generated)
+        self._max_tokens.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.finish, traced.span, collector.metrics, traced.finish_reasons,
                             collector.num_cached_tokens, now, pooled)
+
+    def _observe_max_tokens(self, collector: RequestCollector) -> None:
+        """A finished sample's max_tokens, as vLLM's ``request_params_max_tokens``: an unset one is what vLLM sets
+        it to (max_model_len - the prompt's tokens); a pooling request has none."""
+        request_id = collector.request_id
+        if request_id in self._max_tokens:
+            max_tokens = self._max_tokens[request_id]
+            if max_tokens is None:
+                max_tokens = self.max_model_len - len(collector.prompt_token_ids)
+            if max_tokens > 0:
+                self.stats.request_params_max_tokens.observe(max_tokens)
 
     # ------------------------------------------------------------ early ends
     def on_aborted(self, collector: RequestCollector, now: float) -> None:
         """The caller left, or the engine closed, before this sample finished (called once per sample)."""
         self.stats.count_finished("abort")
         self._samples.pop(collector.request_id, None)
+        self._max_tokens.pop(collector.request_id, None)
+        self._most_generated.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
@@ -260,6 +308,8 @@ class RequestObserver:
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
         self._samples.pop(collector.request_id, None)
+        self._max_tokens.pop(collector.request_id, None)
+        self._most_generated.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
             self._span_call("end", RequestTracer.fail, traced.span, error, now)

@@ -41,7 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
+from asyncllm.metrics.host_stats import CACHE_CONFIG_LABELS, NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
 from asyncllm.metrics.multiprocess import mirror, multiprocess_dir
 from asyncllm.protocol import SchedulerStats
 
@@ -97,6 +97,11 @@ _HISTOGRAMS: list[tuple[str, str, str]] = [
      "request_time_per_output_token"),
     ("request_prompt_tokens", "Number of prefill tokens processed.", "request_prompt_tokens"),
     ("request_generation_tokens", "Number of generation tokens processed.", "request_generation_tokens"),
+    ("request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+     "request_max_num_generation_tokens"),
+    ("request_params_n", "Histogram of the n request parameter.", "request_params_n"),
+    ("request_params_max_tokens", "Histogram of the max_tokens request parameter.", "request_params_max_tokens"),
+    ("iteration_tokens_total", "Histogram of number of tokens per engine_step.", "iteration_tokens"),
 ]
 
 
@@ -166,7 +171,7 @@ def process_families(collectors: Iterable[AsyncLLMCollector]) -> tuple[list[list
         per_collector.append(list(_families(by_engine, views, gauges=False)))
         for key, group in views.items():
             merged[key].extend(group)
-    return per_collector, list(_gauges(_engine_stats(merged)))
+    return per_collector, list(_gauges(_engine_stats(merged), merged))
 
 
 def _by_engine(sources: list[HostStats]) -> dict[_EngineKey, list[HostStats]]:
@@ -181,13 +186,32 @@ def _views(by_engine: dict[_EngineKey, list[HostStats]]) -> _Views:
     return {key: [h.engine for h in group] for key, group in by_engine.items()}
 
 
-def _gauges(engines: dict[_EngineKey, SchedulerStats]) -> Iterator[Metric]:
+def _gauges(engines: dict[_EngineKey, SchedulerStats], views: _Views) -> Iterator[Metric]:
     for name, doc, read in _GAUGES:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for key, scheduler in engines.items():
             family.add_sample(PREFIX + name, _labels(key), read(scheduler))
         yield family
     yield _lora_info(engines)
+    yield _cache_config_info(views)
+
+
+def _cache_config_info(views: _Views) -> Metric:
+    """vLLM's ``cache_config_info``: value 1, its labels the cache settings of each core reported here (vLLM's
+    `CacheConfig.metrics_info()` names: `cache_config_labels`), num_gpu_blocks the core's; beside vLLM's labels,
+    ``model_name`` (one registry may hold several models). Engines of one model with the same settings: one sample."""
+    names = [*_LABELS, *CACHE_CONFIG_LABELS]
+    family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig", labels=names)
+    seen: set[tuple[str, ...]] = set()
+    for key, group in views.items():
+        for view in group:
+            if view.reports_engine and view.cache_config:
+                labels = _labels(key, **dict(view.cache_config), num_gpu_blocks=str(view.scheduler.num_gpu_blocks))
+                values = tuple(labels[name] for name in names)
+                if values not in seen:
+                    seen.add(values)
+                    family.add_metric(list(values), 1)
+    return family
 
 
 def _families(by_engine: dict[_EngineKey, list[HostStats]], views: _Views | None = None,
@@ -195,7 +219,7 @@ def _families(by_engine: dict[_EngineKey, list[HostStats]], views: _Views | None
     views = _views(by_engine) if views is None else views  # each engine's view read once
     engines = _engine_stats(views)
     if gauges:
-        yield from _gauges(engines)
+        yield from _gauges(engines, views)
     counters = _engine_counters(views, engines)
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)

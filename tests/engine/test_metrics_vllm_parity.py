@@ -108,6 +108,29 @@ async def test_every_request_histogram_observes_each_sample_as_vllms_child_reque
     assert observed["time_to_first_token_seconds"][1] > 2 * metrics.time_to_first_token  # sample 1's waited
 
 
+async def test_the_parent_request_step_and_cache_config_series_as_vllms(engine: AsyncEngine) -> None:
+    """vLLM's ``request_params_n`` and ``request_max_num_generation_tokens`` once per request, ``request_params_max_tokens``
+    per sample, ``iteration_tokens_total`` per step (prompt tokens as each sample's first token comes, generated ones),
+    and ``cache_config_info`` (value 1, the cache settings as labels)."""
+    names = ("request_params_n", "request_max_num_generation_tokens", "request_params_max_tokens",
+             "iteration_tokens_total")
+    before = {name: [_value(engine, f"asyncllm:{name}_{part}") or 0 for part in ("count", "sum")] for name in names}
+    out = await engine.generate([5, 6, 7, 8], SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+    assert [len(sample.token_ids) for sample in out.outputs] == [6, 6]
+    observed = {name: (_value(engine, f"asyncllm:{name}_count") - count, _value(engine, f"asyncllm:{name}_sum") - total)
+                for name, (count, total) in before.items()}
+    assert observed["request_params_n"] == (1, 2) and observed["request_max_num_generation_tokens"] == (1, 6)
+    assert observed["request_params_max_tokens"] == (2, 12)
+    steps, tokens = observed["iteration_tokens_total"]
+    assert tokens == 2 * 4 + 12 and steps >= 6  # one sequence at a time: a step per token at least
+    info = [s for f in engine.metrics_registry.collect() if f.name == "asyncllm:cache_config_info" for s in f.samples]
+    assert [s.value for s in info] == [1]
+    labels = info[0].labels
+    assert (labels["model_name"], labels["engine"], labels["block_size"], labels["enable_prefix_caching"]) == (
+        HUB_ID, "0", str(engine.config.cache_config.block_size), str(engine.config.cache_config.enable_prefix_caching))
+    assert labels["num_gpu_blocks"] == str(engine.stats().num_gpu_blocks)
+
+
 async def test_an_attached_host_labels_its_series_as_the_host_that_launched_the_core(engine: AsyncEngine) -> None:
     """vLLM labels with the model as given (or its served name), never the folder it resolved to."""
     guest = AsyncEngine.connect(engine._core.address, disable_log_stats=True)

@@ -178,3 +178,20 @@ def test_lora_adapter_sets_no_longer_running_leave_the_gauge_file(tmp_path, monk
     assert sorted(json.loads(key)[2].get("running_lora_adapters", "") for key, *_ in held) == ["", "", "", "a19"]
     info = [labels for name, labels in _scrape(str(tmp_path)) if name == "asyncllm:lora_requests_info"]
     assert [dict(labels)["running_lora_adapters"] for labels in info] == ["a19"]
+
+
+def test_cache_config_info_and_the_parent_request_histograms_cross_processes(tmp_path, monkeypatch) -> None:
+    """``cache_config_info`` is a reporter's gauge (value 1 once, not summed); ``request_params_n`` adds up."""
+    from asyncllm.config import CacheConfig
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    (a, reporter), (b, other) = _host(3001, 1, 0.1), _host(3002, 1, 0.1)
+    for stats, reports in ((reporter, True), (other, False)):
+        stats.set_cache_config(CacheConfig(block_size=32))
+        stats.take_snapshot(SchedulerStats(num_gpu_blocks=7), reports)
+        stats.request_params_n.observe(2)
+    a.sync(), b.sync()
+    scraped = _scrape(str(tmp_path))
+    [(labels, value)] = [(dict(k[1]), v) for k, v in scraped.items() if k[0] == "asyncllm:cache_config_info"]
+    assert value == 1 and (labels["block_size"], labels["num_gpu_blocks"], labels["model_name"]) == ("32", "7", "m")
+    m = (("engine", "0"), ("model_name", "m"))
+    assert scraped[("asyncllm:request_params_n_bucket", (m[0], ("le", "2.0"), m[1]))] == 2

@@ -3,7 +3,10 @@ vLLM's V1 observes each child request (vllm/v1/metrics/stats.py, `IterationStats
 
 from __future__ import annotations
 
+from asyncllm import PoolingParams, SamplingParams
 from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.processor_requests import Submit
+from asyncllm.engine.stream import RequestOptions
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.request_timing import apply_events
 from asyncllm.outputs import RequestMetrics, StreamDelta
@@ -115,3 +118,82 @@ def test_every_request_histogram_observes_each_sample_as_vllms_child_requests() 
     assert stats.request_success == {"stop": 1, "length": 1, "abort": 0, "timeout": 0}
     assert (metrics.queue_time, metrics.prefill_time, metrics.inference_time) == (0.5, 1.0, 6.0)  # the request's
     assert observer._samples == {}
+
+
+def _sent(observer: RequestObserver, request_id: str, n: int, max_tokens: int | None, prompt_len: int = 3,
+          pooling: PoolingParams | None = None) -> RequestCollector:
+    collector = RequestCollector(request_id, 100.0, n=n)
+    collector.prompt_token_ids = [1] * prompt_len
+    observer.on_added(Submit(collector, collector.prompt_token_ids, SamplingParams(n=n, max_tokens=max_tokens),
+                             RequestOptions(pooling=pooling)))
+    return collector
+
+
+def _finish(observer: RequestObserver, collector: RequestCollector, index: int, tokens: int, reason: str,
+            last: bool) -> None:
+    """Sample `index`'s `tokens` tokens in one delta, ending it with `reason` (`last`: the request's last sample)."""
+    collector.metrics.first_token_time = collector.metrics.first_token_time or 101.0
+    collector.metrics.num_generated_tokens += tokens
+    collector.metrics.finished_time = 102.0 if last else None
+    core_id = f"{collector.request_id}-{index}" if collector.num_samples > 1 else collector.request_id
+    observer.on_output(collector, RequestOutputDelta(core_id, [7] * tokens, reason),
+                       StreamDelta(index, "x", [7] * tokens, reason), 101.0 + index, True)
+
+
+def test_params_n_and_max_num_generation_tokens_are_observed_once_per_request_as_vllms_parent_request() -> None:
+    """vLLM's `ParentRequest.observe_finished_request`: when the last sample finishes, n and the most tokens one sample
+    generated (n = 1: its own); a request whose samples were aborted (the caller left) is never observed."""
+    observer = RequestObserver("m")
+    pair = _sent(observer, "p", 2, 6)
+    _finish(observer, pair, 0, 3, "stop", last=False)
+    stats = observer.stats
+    assert (stats.request_params_n.count, stats.request_max_num_generation_tokens.count) == (0, 0)  # one unfinished
+    _finish(observer, pair, 1, 2, "length", last=True)
+    single = _sent(observer, "s", 1, 4)
+    _finish(observer, single, 0, 4, "length", last=True)
+    left = _sent(observer, "a", 2, 5)
+    _finish(observer, left, 0, 5, "length", last=False)
+    observer.on_aborted(left, 103.0)  # sample 1 aborted: vLLM's parent never sees its last child finish
+    assert (stats.request_params_n.count, stats.request_params_n.sum) == (2, 3.0)  # 2 and 1
+    assert stats.request_params_n.counts[:2] == [1, 1]  # le=1: the n = 1 request, le=2: the pair
+    assert (stats.request_max_num_generation_tokens.count, stats.request_max_num_generation_tokens.sum) == (2, 7.0)
+    assert observer._most_generated == {} and observer._max_tokens == {}
+
+
+def test_params_max_tokens_is_observed_per_finished_sample_and_an_unset_one_as_vllm_sets_it() -> None:
+    """vLLM's `request_params_max_tokens`: per finished (not aborted) sample, its max_tokens; vLLM sets an unset one
+    to max_model_len - the prompt's tokens; a pooling request has none."""
+    observer = RequestObserver("m")
+    observer.max_model_len = 64
+    pair = _sent(observer, "p", 2, 6)
+    _finish(observer, pair, 0, 3, "stop", last=False)
+    _finish(observer, pair, 1, 6, "length", last=True)
+    unset = _sent(observer, "u", 1, None, prompt_len=4)
+    _finish(observer, unset, 0, 2, "stop", last=True)
+    left = _sent(observer, "a", 1, 9)
+    observer.on_aborted(left, 103.0)
+    pooled = _sent(observer, "e", 1, None, pooling=PoolingParams())
+    pooled.metrics.finished_time = 102.0
+    observer.on_output(pooled, RequestOutputDelta("e", [7], "stop", embedding=b"\0\0\0\0"),
+                       StreamDelta(0, "", [], "stop"), 102.0, True)
+    histogram = observer.stats.request_params_max_tokens
+    assert (histogram.count, histogram.sum) == (3, 72.0)  # 6, 6 and 64 - 4
+    assert (observer.stats.request_params_n.count, observer.stats.request_max_num_generation_tokens.sum) == (3, 8.0)
+
+
+def test_iteration_tokens_observe_each_core_message_with_outputs_as_vllms_engine_step() -> None:
+    """vLLM's `iteration_tokens_total`, once per output batch with outputs: the prompt tokens of the samples whose
+    first token it brought plus its generated tokens; a message without outputs (stats alone) is no observation."""
+    observer = RequestObserver("m")
+    a, b = _sent(observer, "a", 1, 8, prompt_len=5), _sent(observer, "b", 2, 8, prompt_len=3)
+    step = observer.on_step_start()
+    for collector, core_id, first in ((a, "a", True), (b, "b-0", True), (b, "b-1", True)):
+        observer.on_output(collector, RequestOutputDelta(core_id, [7]), StreamDelta(0, "x", [7]), 101.0, first)
+    observer.on_step_end(step)
+    step = observer.on_step_start()
+    observer.on_output(a, RequestOutputDelta("a", [7, 8]), StreamDelta(0, "x", [7, 8]), 102.0, False)
+    observer.on_step_end(step)
+    observer.on_step_end(observer.on_step_start())  # the core's snapshot alone
+    histogram = observer.stats.iteration_tokens
+    assert (histogram.count, histogram.sum) == (2, 16.0)  # 5 + 3 + 3 + 3 tokens, then 2
+    assert histogram.counts[:3] == [0, 1, 1]  # le=1: none, le=8: the 2, le=16: the 14

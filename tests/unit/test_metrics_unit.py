@@ -373,3 +373,23 @@ def test_a_live_host_that_does_not_report_the_engine_still_counts_its_live_core(
     stats.mark_closed()  # the core died
     stats.take_snapshot(SchedulerStats(prefix_cache_queries=4), False)  # the new core's, another host reporting
     assert stats.snapshot().prefix_cache_queries == 34
+
+
+def test_cache_config_info_is_vllms_info_gauge_of_the_reported_cores_settings() -> None:
+    from asyncllm.config import CacheConfig
+    reg = CollectorRegistry()
+    owner, guest = RequestObserver("m", reg), RequestObserver("m", reg)  # two hosts of one core: reported once
+    for observer, reporter in ((owner, True), (guest, False)):
+        observer.stats.set_cache_config(CacheConfig(block_size=32, enable_prefix_caching=False))
+        observer.on_scheduler_stats(SchedulerStats(num_gpu_blocks=10), reporter=reporter)
+    [family] = [f for f in reg.collect() if f.name == "asyncllm:cache_config_info"]
+    [sample] = family.samples
+    assert sample.value == 1 and sample.labels["engine"] == "0" and sample.labels["model_name"] == "m"
+    assert {k: sample.labels[k] for k in ("block_size", "enable_prefix_caching", "num_gpu_blocks", "cache_dtype",
+                                          "num_gpu_blocks_override", "gpu_memory_utilization")} == {
+        "block_size": "32", "enable_prefix_caching": "False", "num_gpu_blocks": "10", "cache_dtype": "auto",
+        "num_gpu_blocks_override": "None", "gpu_memory_utilization": "0.9"}
+    owner.stats.request_params_n.observe(2)
+    owner.on_closed()  # its gauges leave; its histograms stay
+    assert not [f for f in reg.collect() if f.name == "asyncllm:cache_config_info"][0].samples
+    assert reg.get_sample_value("asyncllm:request_params_n_bucket", {"model_name": "m", "engine": "0", "le": "2.0"}) == 1
