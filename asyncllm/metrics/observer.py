@@ -45,6 +45,26 @@ class _Traced:
         self.finish_reasons: list[str] = []
 
 
+class _SampleSpans:
+    """An n > 1 request's spans, one per sample (vLLM's child requests' spans), by sample index (None: not
+    recording, or ended), with each sample's own metrics and cached prompt tokens from its first token on."""
+
+    __slots__ = ("spans", "samples", "num_cached_tokens")
+
+    def __init__(self, spans: list[Any]) -> None:
+        self.spans = spans
+        self.samples: list[RequestMetrics | None] = [None] * len(spans)
+        self.num_cached_tokens = [0] * len(spans)
+
+    def span_for(self, item: StreamDelta | BaseException) -> Any:
+        """The span of the sample `item` came from; None for an error (it ends every unfinished sample's span
+        failed, `on_error`: the error delta's core events, if any, go on none)."""
+        return None if isinstance(item, BaseException) else self.spans[item.index]
+
+    def open_spans(self) -> list[tuple[int, Any]]:
+        return [(index, span) for index, span in enumerate(self.spans) if span is not None]
+
+
 class RequestObserver:
     """Owns one engine's `HostStats`, its registry attachment and its request spans.
 
@@ -54,7 +74,8 @@ class RequestObserver:
     `request_success_total` and is observed in the request histograms on its own
     (its time to first token, inter-token latencies, and as it finishes its
     end-to-end, queue, prefill, decode, inference time, time per output token,
-    prompt and generated tokens, its max_tokens: `_sample_tokens`, `_sample_finished`); the span,
+    prompt and generated tokens, its max_tokens: `_sample_tokens`, `_sample_finished`) and has its own span, as
+    vLLM's output processor traces each child (`_SampleSpans`: its own events, first token, figures and finish);
     ``request_params_n`` and ``request_max_num_generation_tokens`` (vLLM's `ParentRequest`) see the request once,
     when its last sample finishes (the processor sets `metrics.finished_time` then).
     """
@@ -67,8 +88,8 @@ class RequestObserver:
         self.registry = attach(self.stats, registry)
         """The `CollectorRegistry` the metrics live in (the host's, or a private one)."""
         self._tracer = RequestTracer(model_name) if tracing_available() else None
-        self._traced: dict[str, _Traced] = {}
-        """request_id -> its span, only while the host has a tracer provider."""
+        self._traced: dict[str, _Traced | _SampleSpans] = {}
+        """request_id -> its span (n > 1: its samples'), only while the host has a tracer provider."""
         self.model_name: str | None = model_name if named else None
         """The model as named (a hub id, not the folder it resolved to; the bundled model's `asyncllm-tiny`): an
         attached host's is its core's launcher's (`set_model_name`; None until attached); `serve_as` keeps it."""
@@ -131,22 +152,30 @@ class RequestObserver:
         if job.options.pooling is None:
             self._max_tokens[job.collector.request_id] = job.params.max_tokens
         if self._tracer is not None:
-            span = self._start_span(job, len(job.collector.prompt_token_ids))
-            if span is not None:
-                self._traced[job.collector.request_id] = _Traced(span)
+            traced = self._start_traced(job, len(job.collector.prompt_token_ids))
+            if traced is not None:
+                self._traced[job.collector.request_id] = traced
 
     def on_rejected(self, job: Submit, error: BaseException, now: float) -> None:
         """The host refused the request before sending it (a bad prompt, a duplicate id)."""
         if self._tracer is not None:
-            span = self._start_span(job, 0)
-            if span is not None:
-                self._span_call("end", RequestTracer.fail, span, error, now)
+            self._fail_spans(self._start_traced(job, 0), error, now)
 
-    def _start_span(self, job: Submit, num_prompt_tokens: int) -> Any:
+    def _start_traced(self, job: Submit, num_prompt_tokens: int) -> _Traced | _SampleSpans | None:
+        """The request's span, or an n > 1 request's spans, one per sample; None when none records."""
+        num_samples = job.collector.num_samples
+        if num_samples == 1:
+            span = self._start_span(job, num_prompt_tokens, None)
+            return None if span is None else _Traced(span)
+        spans = [self._start_span(job, num_prompt_tokens, index) for index in range(num_samples)]
+        return _SampleSpans(spans) if any(span is not None for span in spans) else None
+
+    def _start_span(self, job: Submit, num_prompt_tokens: int, sample_index: int | None) -> Any:
         assert self._tracer is not None
         operation = span_operation(job.chat, job.options.pooling is not None)
         return self._span_call("start", self._tracer.start, job.collector.request_id, job.params, operation,
-                               num_prompt_tokens, job.trace_context, job.collector.metrics.arrival_time)
+                               num_prompt_tokens, job.trace_context, job.collector.metrics.arrival_time,
+                               sample_index)
 
     # ------------------------------------------------------------ outputs
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
@@ -176,12 +205,13 @@ class RequestObserver:
         metrics = collector.metrics
         sample = self._sample(collector, out.request_id) if collector.num_samples > 1 else None
         traced = self._traced.get(collector.request_id) if self._traced else None
+        span = None if traced is None else traced.span if sample is None else traced.span_for(item)
         if out.events:
             apply_events(metrics, out.events)
             if sample is not None:
                 apply_events(sample, out.events)
-            if traced is not None:
-                self._span_call("annotate", RequestTracer.add_core_events, traced.span, out.events)
+            if span is not None:
+                self._span_call("annotate", RequestTracer.add_core_events, span, out.events)
         if isinstance(item, BaseException):
             self.on_error(collector, item, now)
             return
@@ -192,14 +222,14 @@ class RequestObserver:
             stats, last = self.stats, metrics.last_token_time
             if is_prefilling:
                 stats.prompt_tokens_total += len(collector.prompt_token_ids)
+            if span is not None and (last if sample is None else sample.last_token_time) is None:
+                self._span_first_token(traced, span, sample, item, out, now)
             if sample is not None:
                 self._sample_tokens(sample, now, 0 if pooled else len(out.new_token_ids))
             elif last is None:
                 stats.time_to_first_token.observe(now - metrics.arrival_time)
             elif now != last:  # once per core step
                 stats.inter_token_latency.observe(now - last)
-            if last is None and traced is not None:
-                self._span_call("annotate", RequestTracer.first_token, traced.span, now)
             metrics.last_token_time = now
             stats.generation_tokens_total += 0 if pooled else len(out.new_token_ids)
         finish_reason = "stop" if pooled and item.finish_reason else item.finish_reason  # vLLM's pooling: STOP
@@ -207,10 +237,28 @@ class RequestObserver:
             self.stats.count_finished(finish_reason)
             if sample is not None:
                 self._sample_finished(collector, out.request_id, finish_reason, now, pooled)
-            if traced is not None:
+                if span is not None:
+                    self._end_sample_span(traced, item.index, sample, finish_reason, now, pooled)
+            elif traced is not None:
                 traced.finish_reasons.append(finish_reason)
             if metrics.finished_time is not None:  # the request's last sample
                 self._on_request_finished(collector, finish_reason, now, pooled)
+
+    def _span_first_token(self, traced: Any, span: Any, sample: RequestMetrics | None, item: StreamDelta,
+                          out: RequestOutputDelta, now: float) -> None:
+        """The first token of the request (n > 1: of the sample, whose metrics and cached tokens its span keeps)."""
+        self._span_call("annotate", RequestTracer.first_token, span, now)
+        if sample is not None:
+            traced.samples[item.index], traced.num_cached_tokens[item.index] = sample, out.num_cached_tokens
+
+    def _end_sample_span(self, traced: _SampleSpans, index: int, sample: RequestMetrics, finish_reason: str,
+                         now: float, pooled: bool) -> None:
+        """An n > 1 request's sample finished: its span ends with its own figures and finish reason, as vLLM's
+        output processor traces each finished child request (`do_tracing`)."""
+        span, traced.spans[index] = traced.spans[index], None
+        sample.finished_time = now  # an aborted one's too: not observed, but its span has its e2e as a request's
+        self._span_call("end", RequestTracer.finish, span, sample, [finish_reason], traced.num_cached_tokens[index],
+                        now, pooled)
 
     def _sample(self, collector: RequestCollector, core_id: str) -> RequestMetrics:
         """An n > 1 request's sample's own metrics (vLLM's child request's `RequestStateStats`), from the request's
@@ -264,7 +312,7 @@ class RequestObserver:
             self.stats.request_max_num_generation_tokens.observe(most_generated)
         self._max_tokens.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
-        if traced is not None:
+        if isinstance(traced, _Traced):  # an n > 1 request's sample spans ended each as its sample finished
             self._span_call("end", RequestTracer.finish, traced.span, collector.metrics, traced.finish_reasons,
                             collector.num_cached_tokens, now, pooled)
 
@@ -287,18 +335,22 @@ class RequestObserver:
         self._max_tokens.pop(collector.request_id, None)
         self._most_generated.pop(collector.request_id, None)
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
-        if traced is not None:
+        if isinstance(traced, _Traced):
             reasons = [*traced.finish_reasons, "abort"]  # the samples' that finished before, as a finished span's
             self._span_call("end", RequestTracer.cancel, traced.span, collector.metrics, reasons, now)
+        elif traced is not None:  # the first call ends every unfinished sample's span (the others find none)
+            for index, span in traced.open_spans():
+                metrics = traced.samples[index] or RequestMetrics(arrival_time=collector.metrics.arrival_time)
+                self._span_call("end", RequestTracer.cancel, span, metrics, ["abort"], now)
 
     def on_ended_unsent(self, job: Submit, error: BaseException | None, now: float) -> None:
         """The request ended before it was sent to the core (parked while its adapter was checked: asyncllm/engine/
         processor_lora.py), counted as a sent one that ended so: each sample aborted (None: the caller left, or the
-        engine closed) or failed with `error`; its span starts and ends at once."""
+        engine closed) or failed with `error`; its span (n > 1: each sample's) starts and ends at once."""
         if self._tracer is not None:
-            span = self._start_span(job, 0)
-            if span is not None:  # an id in flight is refused, parked ones' too: none other has this key
-                self._traced[job.collector.request_id] = _Traced(span)
+            traced = self._start_traced(job, 0)
+            if traced is not None:  # an id in flight is refused, parked ones' too: none other has this key
+                self._traced[job.collector.request_id] = traced
         for _ in range(job.params.n):
             if error is None:
                 self.on_aborted(job.collector, now)
@@ -310,9 +362,15 @@ class RequestObserver:
         self._samples.pop(collector.request_id, None)
         self._max_tokens.pop(collector.request_id, None)
         self._most_generated.pop(collector.request_id, None)
-        traced = self._traced.pop(collector.request_id, None) if self._traced else None
-        if traced is not None:
+        self._fail_spans(self._traced.pop(collector.request_id, None) if self._traced else None, error, now)
+
+    def _fail_spans(self, traced: _Traced | _SampleSpans | None, error: BaseException, now: float) -> None:
+        """End the request's span failed (n > 1: each unfinished sample's)."""
+        if isinstance(traced, _Traced):
             self._span_call("end", RequestTracer.fail, traced.span, error, now)
+        elif traced is not None:
+            for _, span in traced.open_spans():
+                self._span_call("end", RequestTracer.fail, span, error, now)
 
     def on_closed(self) -> None:
         """The engine closed for good: its counters stay in the registry's summed series, its gauges leave."""

@@ -1,4 +1,5 @@
-"""One OpenTelemetry span per request, from the tracer provider the host set.
+"""One OpenTelemetry span per request (an n > 1 request: one per sample, as vLLM's V1 one per child request), from
+the tracer provider the host set.
 
 The engine never installs a provider or an exporter: spans come from
 ``opentelemetry.trace.get_tracer("asyncllm")``, which is a no-op until the
@@ -120,12 +121,12 @@ class RequestTracer:
         self._tracer = otel_trace.get_tracer("asyncllm", __version__)
 
     def start(self, request_id: str, params: SamplingParams, operation: str, num_prompt_tokens: int,
-              context: Any, arrival_time: float) -> Any:
+              context: Any, arrival_time: float, sample_index: int | None = None) -> Any:
         """A recording span, or None when the host set no tracer provider (nothing more to pay); `operation`:
-        `span_operation`'s."""
+        `span_operation`'s; `sample_index`: the span of that sample of an n > 1 request (vLLM's child request's)."""
         span = self._tracer.start_span(
-            f"{operation} {self.model_name}", context=context, kind=SpanKind.INTERNAL,
-            start_time=_ns(arrival_time), attributes=self._request_attributes(operation, request_id, params),
+            f"{operation} {self.model_name}", context=context, kind=SpanKind.INTERNAL, start_time=_ns(arrival_time),
+            attributes=self._request_attributes(operation, request_id, params, sample_index),
         )
         if not span.is_recording():
             return None
@@ -134,7 +135,8 @@ class RequestTracer:
                                  "gen_ai.usage.prompt_tokens": num_prompt_tokens})  # vLLM's name
         return span
 
-    def _request_attributes(self, operation: str, request_id: str, params: SamplingParams) -> dict[str, Any]:
+    def _request_attributes(self, operation: str, request_id: str, params: SamplingParams,
+                            sample_index: int | None) -> dict[str, Any]:
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": "asyncllm",
@@ -144,6 +146,9 @@ class RequestTracer:
         }
         if operation == "embeddings":
             return attributes  # its sampling parameters are the pooling path's own, not the caller's
+        if sample_index is not None:  # vLLM's child request: the sample's own parameters (n = 1, its seed)
+            attributes |= {"asyncllm.request.sample_index": sample_index, "gen_ai.request.choice.count": params.n}
+            params = params.for_sample(sample_index)
         attributes |= {
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p,
@@ -173,8 +178,8 @@ class RequestTracer:
     @staticmethod
     def finish(span: Any, metrics: RequestMetrics, finish_reasons: list[str], num_cached_tokens: int,
                now: float, pooled: bool = False) -> None:
-        """End the span of a request whose samples all finished (status ERROR "cancelled" if one was aborted); a
-        pooling request's (`pooled`) has no output tokens and no decode time."""
+        """End the span of a request whose samples all finished, or of one sample of an n > 1 request (status ERROR
+        "cancelled" if one was aborted); a pooling request's (`pooled`) has no output tokens and no decode time."""
         span.set_attributes(_timing_attributes(metrics, num_cached_tokens, pooled))
         span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
         span.add_event("finished", {"finish_reason": finish_reasons[-1]}, timestamp=_ns(now))
@@ -184,8 +189,8 @@ class RequestTracer:
 
     @staticmethod
     def cancel(span: Any, metrics: RequestMetrics, finish_reasons: list[str], now: float) -> None:
-        """End the span of a request its caller left (or the engine closed) before it finished: `finish_reasons`,
-        the samples' that finished and "abort"."""
+        """End the span of a request (or of an n > 1 request's sample) its caller left, or the engine closed, before
+        it finished: `finish_reasons`, the samples' that finished and "abort"."""
         span.set_attributes(_timing_attributes(metrics, None))
         span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
         span.add_event("finished", {"finish_reason": "abort"}, timestamp=_ns(now))

@@ -309,12 +309,19 @@ async def test_a_processor_thread_failing_mid_message_fails_the_request_it_held(
             processor.submit(late)  # a request racing the engine's death: a typed error, never queued
 
 
-async def test_a_request_with_two_samples_has_one_span(engine: AsyncEngine) -> None:
+async def test_a_request_with_two_samples_has_a_span_per_sample(engine: AsyncEngine) -> None:
+    """As vLLM's V1 traces each child request: one span per sample, its own tokens and finish, under the caller's."""
     before = _scrape(engine)
-    await engine.generate(PROMPTS[3], SamplingParams(n=2, max_tokens=4, ignore_eos=True), request_id="traced-n2")
-    (span,) = _spans_named("traced-n2")
-    assert span.attributes["gen_ai.response.finish_reasons"] == ("length", "length")
-    assert (span.attributes["gen_ai.usage.output_tokens"], span.attributes["gen_ai.request.choice.count"]) == (8, 2)
+    with trace.get_tracer("test").start_as_current_span("caller") as caller:
+        await engine.generate(PROMPTS[3], SamplingParams(n=2, max_tokens=4, ignore_eos=True), request_id="traced-n2")
+    spans = sorted(_spans_named("traced-n2"), key=lambda span: span.attributes["asyncllm.request.sample_index"])
+    assert [span.attributes["asyncllm.request.sample_index"] for span in spans] == [0, 1]
+    for span in spans:
+        a = span.attributes
+        assert span.parent.span_id == caller.get_span_context().span_id
+        assert (a["gen_ai.response.finish_reasons"], a["gen_ai.usage.output_tokens"]) == (("length",), 4)
+        assert (a["gen_ai.request.n"], a["gen_ai.request.choice.count"], a["gen_ai.request.id"]) == (1, 2, "traced-n2")
+        assert a["gen_ai.latency.e2e"] > 0 and span.status.status_code is StatusCode.UNSET
     after = _scrape(engine)
     assert after["length"] - before["length"] == 2  # one per sample, as vLLM counts child requests
     assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 2  # each
