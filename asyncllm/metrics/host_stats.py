@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["EngineView", "Histogram", "HostStats", "CACHE_CONFIG_LABELS", "FINISH_REASONS", "cache_config_labels", "engine_counters",
-           "summed_snapshots", "NO_COUNTERS"]
+__all__ = ["EngineView", "Histogram", "HostStats", "CACHE_CONFIG_LABELS", "FINISH_REASONS", "cache_config_labels",
+           "engine_counters", "summed_snapshots", "NO_COUNTERS"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

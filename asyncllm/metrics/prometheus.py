@@ -41,7 +41,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from asyncllm.metrics.host_stats import CACHE_CONFIG_LABELS, NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
+from asyncllm.metrics.host_stats import (
+    CACHE_CONFIG_LABELS, NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots,
+)
 from asyncllm.metrics.multiprocess import mirror, multiprocess_dir
 from asyncllm.protocol import SchedulerStats
 
