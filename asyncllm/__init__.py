@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     )
     from asyncllm.lora import LoRARequest
     from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
-    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
+    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingParams, ScoringOutput
     from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
 __version__ = "0.1.0"
@@ -49,6 +49,7 @@ __all__ = [
     "EmbeddingOutput",
     "ClassificationOutput",
     "ScoringOutput",
+    "PoolingOutput",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",
@@ -71,7 +72,8 @@ _HOMES = {
     **dict.fromkeys(("SamplingParams", "RequestOutputKind", "StructuredOutputs"), "asyncllm.sampling"),
     "LoRARequest": "asyncllm.lora",
     **dict.fromkeys(("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"), "asyncllm.beam_search"),
-    **dict.fromkeys(("PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput"), "asyncllm.pooling"),
+    **dict.fromkeys(("PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingOutput"),
+                    "asyncllm.pooling"),
     **dict.fromkeys(("StreamDelta", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineStats"),
                     "asyncllm.outputs"),
     **dict.fromkeys(("AsyncLLMError", "ConfigError", "NotBuiltError", "InvalidRequestError", "EngineOverloadedError",

@@ -112,7 +112,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 POOLING_OPERATIONS = {"embed": "embedding generation", "classify": "classification", "score": "score",
-                      "rerank": "embedding generation", "pooling": "embedding generation"}
+                      "rerank": "embedding generation", "pooling": "embedding generation",
+                      "token_embed": "embedding generation", "token_classify": "embedding generation"}
 """A pooling API's operation in vLLM's context-length error, by the API whatever the model (vLLM keys the word by
 the request's type: /score says "score" on an embedding model too, and /rerank, not in its mapping, "embedding
 generation" on a cross-encoder too, as /pooling, whose request is an embedding request's subclass, whatever its

@@ -8,7 +8,10 @@ use; MEAN (all prompt rows averaged) and CLS (the first row) when the model's
 it to `dimensions` (Matryoshka), normalizes it (L2) when asked, and returns it
 with the step's output; the sampled token is dropped. docs/embeddings.md has the details. A classification request
 (``task="classify"``) runs the same way, and the worker applies the model's
-``score`` head to that hidden state instead (docs/pooling.md).
+``score`` head to that hidden state instead (docs/pooling.md). A per-token embedding request
+(``task="token_embed"``, vLLM's ALL pooling; `AsyncEngine.encode`) gets every prompt token's final hidden
+state, each truncated and normalized as an embedding is (`PoolingOutput`); a per-token classification
+(``task="token_classify"``) a classification model's ``score`` head applied to every prompt row.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.outputs import RequestMetrics
 
-__all__ = ["PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "POOLING_TASKS",
-           "POOLING_TYPES", "check_pooler_config"]
+__all__ = ["PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingOutput",
+           "POOLING_TASKS", "POOLING_TYPES", "PER_TOKEN_TASKS", "check_pooler_config", "encode_params", "token_rows"]
 
-POOLING_TASKS = ("embed", "classify")
-"""What a pooling request returns: ``embed`` the hidden state, ``classify`` a classification model's logits."""
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+"""What a pooling request returns: ``embed`` the hidden state, ``classify`` a classification model's logits,
+``token_embed`` every prompt token's hidden state, ``token_classify`` every prompt token's logits (vLLM's per-token
+tasks, its ALL pooling)."""
+
+PER_TOKEN_TASKS = ("token_embed", "token_classify")
+"""The tasks that pool every prompt row (``pooling_type`` ``"ALL"``)."""
 
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -73,24 +81,36 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     """Keep the first this many features (Matryoshka embeddings); None: all ``hidden_size``."""
     task: str = "embed"
     """``"embed"``; ``"classify"`` (what `AsyncEngine.classify` and `score` send): the model's ``score`` head
-    applied to the hidden state, raw logits (``normalize`` and ``dimensions`` do not apply)."""
+    applied to the hidden state, raw logits (``normalize`` and ``dimensions`` do not apply); ``"token_embed"``
+    (what `AsyncEngine.encode` sends for it): one embedding per prompt token (``normalize`` and ``dimensions``
+    apply to each); ``"token_classify"``: a classification model's raw logits per prompt token."""
     pooling_type: str = "LAST"
     """Set by the engine from the model's pooling (`POOLING_TYPES`; ``pooler_config`` or the checkpoint's
-    sentence-transformers config), not by callers: which prompt rows make the embedding."""
+    sentence-transformers config), not by callers: which prompt rows make the embedding. ``"ALL"`` for the
+    `PER_TOKEN_TASKS` (every row, vLLM's ALL pooling)."""
     token_type_start: int | None = None
     """Set by the engine for a `score` pair, not by callers: the prompt index where the tokenizer's
     ``token_type_ids`` turn 1 (the second text; vLLM's ``compressed_token_type_ids``). None: every token type 0."""
+    use_activation: bool | None = None
+    """``token_classify`` only (vLLM's): False returns the raw logits; None or True each token's through the model's
+    activation (`classify`'s: softmax over the labels, sigmoid for one)."""
 
     def validate(self, hidden_size: int | None = None) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError("normalize", f"must be a bool or None, got {self.normalize!r}")
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type not in POOLING_TYPES and (self.pooling_type != "ALL" or self.task not in PER_TOKEN_TASKS):
             raise InvalidRequestError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got "
                                                       f"{self.pooling_type!r}")
         if self.task not in POOLING_TASKS:
             raise InvalidRequestError("task", f"must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
-        if self.task == "classify" and self.dimensions is not None:
+        if self.task in ("classify", "token_classify") and self.dimensions is not None:
             raise InvalidRequestError("dimensions", "applies to embeddings, not to classification")
+        if self.task == "token_classify" and self.normalize is not None:
+            raise InvalidRequestError("normalize", "applies to embeddings, not to classification")
+        if self.use_activation is not None and (self.task != "token_classify" or
+                                                not isinstance(self.use_activation, bool)):
+            raise InvalidRequestError("use_activation", "is true, false or None, for task 'token_classify' only, got "
+                                                        f"{self.use_activation!r} for task {self.task!r}")
         if self.dimensions is None:
             return
         if not is_int(self.dimensions) or self.dimensions < 1:
@@ -98,6 +118,33 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
         if hidden_size is not None and self.dimensions > hidden_size:
             raise InvalidRequestError("dimensions", f"is {self.dimensions}, but the model's embeddings have "
                                                     f"{hidden_size} features")
+
+
+ENCODE_TASKS = ("embed", "token_embed", "token_classify")
+"""The ``pooling_task`` values `AsyncEngine.encode` takes (vLLM's ``LLM.encode`` takes every ``PoolingTask``)."""
+
+
+def encode_params(pooling_task: Any, pooling_params: PoolingParams | None) -> PoolingParams:
+    """`AsyncEngine.encode`'s request: `pooling_params` (None: the defaults) with `pooling_task` as its task, as vLLM's
+    ``LLM.encode`` sets it; `InvalidRequestError` naming ``pooling_task`` for a missing or unserved one."""
+    if pooling_task is None:
+        raise InvalidRequestError("pooling_task", f"is required for encode, one of {', '.join(ENCODE_TASKS)} (vLLM's "
+                                                  "LLM.encode requires it too)")
+    if pooling_task in ("classify", "score"):
+        raise InvalidRequestError("pooling_task", f"{pooling_task!r}: use classify() or score() for it")
+    if pooling_task not in ENCODE_TASKS:
+        raise InvalidRequestError("pooling_task", f"must be one of {', '.join(ENCODE_TASKS)}, got {pooling_task!r}")
+    if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+        raise InvalidRequestError("pooling_params", f"must be an asyncllm.PoolingParams, got {pooling_params!r}")
+    return msgspec.structs.replace(pooling_params or PoolingParams(), task=pooling_task)
+
+
+def token_rows(flat: list[float], num_tokens: int) -> list[list[float]]:
+    """A ``token_embed`` result's embeddings, one per prompt token, from the worker's ``num_tokens`` rows of floats
+    one after the other."""
+    width, extra = divmod(len(flat), num_tokens)
+    assert num_tokens > 0 and not extra, (len(flat), num_tokens)
+    return [flat[i * width : (i + 1) * width] for i in range(num_tokens)]
 
 
 class _FlatOutputs:
@@ -118,6 +165,20 @@ class EmbeddingOutput(_FlatOutputs):
     request_id: str
     prompt_token_ids: list[int]
     embedding: list[float]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class PoolingOutput(_FlatOutputs):
+    """The result of `AsyncEngine.encode` (vLLM's ``PoolingRequestOutput``, flattened: ``out.data`` is vLLM's
+    ``out.outputs.data``, as lists of floats rather than a tensor)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[list[float]] | list[float]
+    """``token_embed``: one embedding per prompt token, in prompt order; ``token_classify``: one list of
+    (activated) logits per prompt token; ``embed``: the prompt's embedding."""
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 

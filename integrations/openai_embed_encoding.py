@@ -113,7 +113,7 @@ def _items(vectors: Sequence[Sequence[float]], chunks: list[bytes], req: Any) ->
     items, offset = [], 0
     for index, (vector, chunk) in enumerate(zip(vectors, chunks)):
         items.append({"index": index, "embed_dtype": req.embed_dtype, "endianness": req.endianness,
-                      "start": offset, "end": offset + len(chunk), "shape": [len(vector)]})
+                      "start": offset, "end": offset + len(chunk), "shape": list(np.shape(vector))})
         offset += len(chunk)
     return items
 

@@ -166,8 +166,11 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | Med
                     lora: LoRARequest | None = None, *,
                     until: Callable[[], Awaitable[object]] | None = None,
                     request_log: RequestLogger | None = None,
-                    request_id: str | None = None, model_name: str | None = None) -> list[EmbeddingOutput]:
-    """Embed every prompt at once, results in input order; `request_log` logs each as ``request_id-i`` (the
+                    request_id: str | None = None, model_name: str | None = None,
+                    pooling: PoolingParams | None = None) -> list[Any]:
+    """Embed every prompt at once, results in input order (`EmbeddingOutput`s; `pooling` None: the request's
+    `pooling_params`; a per-token task's: `PoolingOutput`s of `AsyncEngine.encode`); `request_log` logs each as
+    ``request_id-i`` (the
     response's id; None: ``embd-`` and a random id). A refusal of ``dimensions`` names the model `model_name`
     (the server's served name, as vLLM's ``served_model_name``; None: the engine's, the model as configured).
 
@@ -176,7 +179,7 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | Med
     away) does the same and raises `ClientDisconnected`. An engine error naming ``prompt`` names the request's
     field (``input`` or ``messages``); a context-length error keeps it (``input_tokens``: `errors.context_param`).
     """
-    pooling = pooling_params(req)
+    pooling = pooling_params(req) if pooling is None else pooling
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", logged_prompts(prompts), pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora,
                "add_special_tokens": input_special_tokens(req)}

@@ -9,8 +9,11 @@ classification model, ``embed`` for any other. ``embed`` runs
 `AsyncEngine.embed` (each item's ``data`` is the embedding), ``classify`` and
 ``score`` `AsyncEngine.classify` (the activated logits: ``classify``'s
 activation, or the cross-encoder's ``score`` activation; ``use_activation``
-false: the raw logits). A task the model does not serve is a 400 in vLLM's
-words; the per-token tasks (``token_embed``, ``token_classify``) are not built.
+false: the raw logits), ``token_embed`` and ``token_classify``
+`AsyncEngine.encode` (each item's ``data`` is a list per prompt token: its
+embedding, or its score-head probabilities; vLLM's ALL pooling). A task the
+model does not serve is a 400 in vLLM's words; ``token_classify`` on an encoder
+classifier (BERT, ...) is not built.
 docs/integrations/openai-server.md#pooling has the details.
 """
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -26,11 +31,12 @@ from starlette.routing import Route
 from asyncllm.engine.pooling_model import activate
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all, embedding_prompts, pooled_response,
-                                                    pooling_request_id)
+                                                    pooling_params, pooling_request_id)
 from asyncllm.integrations.openai_protocol import decode_request
 from asyncllm.integrations.openai_score import classify_all, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
-from asyncllm.pooling import ClassificationOutput, EmbeddingOutput
+from asyncllm.models.architectures import ENCODER_ARCHITECTURES
+from asyncllm.pooling import PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -40,11 +46,11 @@ if TYPE_CHECKING:
 __all__ = ["PoolingRequest", "POOLING_ROUTE_TASKS", "pooling_routes", "model_pooling_tasks", "pooling_task"]
 
 POOLING_ROUTE_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
-"""vLLM's pooling tasks (its ``PoolingTask``); the first three are built."""
+"""vLLM's pooling tasks (its ``PoolingTask``)."""
 
-_BUILT_TASKS = ("embed", "classify", "score")
 _TASK_PARAMETERS = {"embed": ("dimensions", "normalize"), "classify": ("use_activation",),
-                    "score": ("use_activation",)}
+                    "score": ("use_activation",), "token_embed": ("dimensions", "normalize"),
+                    "token_classify": ("use_activation",)}
 """The parameters each task takes (vLLM's ``PoolingParams.valid_parameters``)."""
 _ACTIVATION_NAMES = ("softmax", "activation", "use_activation")
 """``use_activation`` and its older names, in the order vLLM reads them (``get_use_activation``)."""
@@ -84,10 +90,6 @@ def pooling_task(req: PoolingRequest, model_tasks: tuple[str, ...]) -> str:
     task = req.task or model_tasks[0]
     if task not in model_tasks:
         raise InvalidRequestError("task", f"Task {task} is not supported, it must be one of {model_tasks}.")
-    if task not in _BUILT_TASKS:
-        raise InvalidRequestError("task", f"{task!r} (per-token pooling, vLLM's ALL pooling: one row per prompt "
-                                          f"token) is not built in asyncllm; built for this model: "
-                                          f"{', '.join(t for t in model_tasks if t in _BUILT_TASKS)}")
     valid = _TASK_PARAMETERS[task]
     for name in ("dimensions", "normalize", *_ACTIVATION_NAMES):
         parameter = "use_activation" if name in _ACTIVATION_NAMES else name
@@ -104,14 +106,20 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     if not engine.started:
         await engine.start()
     task = pooling_task(req, model_pooling_tasks(engine))
+    assert engine.pooling_model is not None, "set by start"
+    if task == "token_classify" and engine.pooling_model.architecture in ENCODER_ARCHITECTURES:
+        raise InvalidRequestError("task", f"'token_classify' on {engine.pooling_model.architecture} (an encoder "
+                                          "classifier, whose head reads the CLS row) is not built in asyncllm")
     prompts = await embedding_prompts(server, req, task, api="pooling")
     request_id = pooling_request_id("pool", req, request.headers)
     until, log = (lambda: wait_disconnect(request)), server.request_log
-    outputs: list[EmbeddingOutput] | list[ClassificationOutput]
-    if task == "embed":
+    outputs: list[EmbeddingOutput] | list[PoolingOutput] | list[ClassificationOutput]
+    if task in ("embed", *PER_TOKEN_TASKS):
+        activated = _use_activation(req) if task == "token_classify" else None
+        pooling = msgspec.structs.replace(pooling_params(req), task=task, use_activation=activated)
         outputs = await embed_all(engine, prompts, req, lora, until=until, request_log=log, request_id=request_id,
-                                  model_name=server.model_name)
-        pooled = [out.embedding for out in outputs]
+                                  model_name=server.model_name, pooling=pooling)
+        pooled = [out.embedding if task == "embed" else out.data for out in outputs]
     else:
         outputs = await classify_all(engine, prompts, pooling_options(req, lora), until=until, request_log=log, request_id=request_id,
                                      field="input" if req.messages is None else "messages", api="pooling")

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.engine.pooling_chat import classify_chat, embed_chat
 from asyncllm.engine import scoring
 from asyncllm.engine.stream import RequestOptions
+from asyncllm.errors import InvalidRequestError
+from asyncllm.pooling import PER_TOKEN_TASKS
 from asyncllm.integrations.openai_messages import chat_messages, has_media_parts
 
 if TYPE_CHECKING:
@@ -61,7 +63,14 @@ def logged_prompts(prompts: list[Any]) -> list[Any]:
 
 def embed_one(engine: AsyncEngine, prompt: Any, pooling: PoolingParams,
               options: dict[str, Any]) -> Awaitable[EmbeddingOutput]:
-    """`AsyncEngine.embed` of a prompt, or `embed_chat` of a `MediaChat` (`options`: embed's keyword arguments)."""
+    """`AsyncEngine.embed` of a prompt, or `embed_chat` of a `MediaChat` (`options`: embed's keyword arguments);
+    `AsyncEngine.encode` of a prompt for a per-token ``pooling.task`` (/pooling's ``token_embed`` and
+    ``token_classify``)."""
+    if pooling.task in PER_TOKEN_TASKS:
+        if isinstance(prompt, MediaChat):
+            raise InvalidRequestError("messages", f"task {pooling.task!r} with media parts in messages is not built "
+                                                  "in asyncllm (text messages and input are)")
+        return engine.encode(prompt, pooling, pooling_task=pooling.task, **options)
     if not isinstance(prompt, MediaChat):
         return engine.embed(prompt, pooling, **options)
     options = {**options, **prompt.options}

@@ -40,3 +40,13 @@ def hf_classifier_logits(path: str, token_ids: list[int]) -> list[float]:
 
     with torch.no_grad():
         return _hf_classifier(path)(torch.tensor([token_ids])).logits[0].tolist()
+
+
+def hf_token_classifier_logits(path: str, token_ids: list[int]) -> list[list[float]]:
+    """transformers' float32 score-head logits at every position of one prompt (its classifier computes them all
+    before taking the last token's)."""
+    import torch
+
+    model = _hf_classifier(path)
+    with torch.no_grad():
+        return model.score(model.model(torch.tensor([token_ids])).last_hidden_state)[0].tolist()

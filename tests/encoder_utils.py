@@ -104,7 +104,7 @@ def hf_sentence_embedding(folder: str, text: str, pooling: str, dimensions: int 
                           max_length: int | None = None) -> list[float]:
     """transformers' normalized sentence embedding of ``text`` (cut by the tokenizer to ``max_length`` tokens, as
     sentence-transformers cuts): the mean or the first of the last hidden states, through the folder's Dense
-    modules, its first ``dimensions``."""
+    modules, its first ``dimensions``; ``pooling`` "all": every token's row so (``token_embed``), one list each."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -113,14 +113,14 @@ def hf_sentence_embedding(folder: str, text: str, pooling: str, dimensions: int 
     with torch.no_grad():
         cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
         hidden = model(**tokenizer(text, return_tensors="pt", **cut)).last_hidden_state[0]
-    vector = hidden.mean(0) if pooling == "mean" else hidden[0]
+    vector = hidden if pooling == "all" else hidden.mean(0) if pooling == "mean" else hidden[0]
     modules = json.loads((Path(folder) / "modules.json").read_text()) if (Path(folder) / "modules.json").exists() else []
     for module in modules:  # sentence-transformers' Dense projections (bias-free, Identity) after the pooling
         if module["type"].endswith(".Dense"):
             from safetensors.torch import load_file
 
-            vector = load_file(str(Path(folder) / module["path"] / "model.safetensors"))["linear.weight"] @ vector
-    return torch.nn.functional.normalize(vector[:dimensions], dim=0).tolist()
+            vector = vector @ load_file(str(Path(folder) / module["path"] / "model.safetensors"))["linear.weight"].T
+    return torch.nn.functional.normalize(vector[..., :dimensions], dim=-1).tolist()
 
 
 def hf_pair_logits(folder: str, text_1: str, text_2: str | None = None) -> list[float]:

@@ -144,3 +144,11 @@ def hf_last_hidden_state(path: str, token_ids: list[int]) -> list[float]:
 
     with torch.no_grad():
         return _hf_base(path)(torch.tensor([token_ids])).last_hidden_state[0, -1].tolist()
+
+
+def hf_last_hidden_states(path: str, token_ids: list[int]) -> list[list[float]]:
+    """transformers' final hidden states (after the last norm) of every token of one sequence, in float32."""
+    import torch
+
+    with torch.no_grad():
+        return _hf_base(path)(torch.tensor([token_ids])).last_hidden_state[0].tolist()

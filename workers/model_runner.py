@@ -201,7 +201,7 @@ class ModelRunner(KVCacheSetup):
             hidden = graphs.forward(inputs if positions is inputs.positions else replace(inputs, positions=positions))
         else:
             hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, **extra)
-        if self.pooler.pools_all:  # MEAN / CLS embeddings: every prompt row of theirs, chunk by chunk
+        if self.pooler.pools_all:  # MEAN / CLS / ALL pooling: every prompt row of theirs, chunk by chunk
             self.pooler.observe(inputs.req_ids, inputs.attn_metadata.query_start_loc_cpu, hidden)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:

@@ -10,7 +10,11 @@ scheduler gives these requests no prefix-cache hits, so every prompt row is
 computed here; docs/embeddings.md), then through the checkpoint's
 sentence-transformers Dense modules where it has them. A classification request
 (``task="classify"``) gets the model's ``score`` head applied to the last row
-instead: its logits, in float32 (asyncllm/models/classifier.py).
+instead: its logits, in float32 (asyncllm/models/classifier.py). A per-token
+request (``task="token_embed"``, ALL pooling) keeps every prompt row of its
+chunks and returns them all, each projected, truncated and normalized as an
+embedding is: ``prompt_len * dimensions`` float32s, in prompt order
+(``token_classify``: each row through the score head, ``prompt_len * num_labels``).
 """
 
 from __future__ import annotations
@@ -40,14 +44,18 @@ class Pooler:
         embedding before ``dimensions`` and the norm; None without any."""
         self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
         """MEAN / CLS requests: the float32 sum of their prompt rows so far (CLS: the first row) and the row count."""
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        """ALL (``token_embed``, ``token_classify``) requests: their prompt rows so far, one tensor per chunk."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         self.requests.update_states(sched_out)
         for req_id in sched_out.finished_req_ids:
             self.pooled.pop(req_id, None)
+            self.rows.pop(req_id, None)
         for new in sched_out.new_reqs:  # (re)started from its first token: recomputes every row
             if new.num_computed_tokens == 0:
                 self.pooled.pop(new.req_id, None)
+                self.rows.pop(new.req_id, None)
 
     @property
     def pools_all(self) -> bool:
@@ -55,12 +63,16 @@ class Pooler:
         return any(params.pooling_type != "LAST" for params in self.requests.values())
 
     def observe(self, req_ids: list[str], query_start_loc: list[int], hidden: torch.Tensor) -> None:
-        """Add this step's rows of the MEAN / CLS requests (request i owns rows ``query_start_loc[i:i+2]``)."""
+        """Add this step's rows of the MEAN / CLS / ALL requests (request i owns rows ``query_start_loc[i:i+2]``)."""
         for i, req_id in enumerate(req_ids):
             params = self.requests.get(req_id)
             if params is None or params.pooling_type == "LAST":
                 continue
-            rows = hidden[query_start_loc[i] : query_start_loc[i + 1]].float()
+            rows = hidden[query_start_loc[i] : query_start_loc[i + 1]]
+            if params.pooling_type == "ALL":  # a copy (the step's hidden buffer may be reused), in the model dtype
+                self.rows.setdefault(req_id, []).append(rows.clone())
+                continue
+            rows = rows.float()
             total, count = self.pooled.get(req_id, (None, 0))
             if params.pooling_type == "CLS":
                 if total is None:
@@ -89,17 +101,19 @@ class Pooler:
             if params is None:
                 continue
             hidden = selected[row]
-            if params.pooling_type != "LAST":  # MEAN / CLS embeddings; an encoder classifier's CLS row
+            if params.pooling_type == "ALL":  # token_embed / token_classify: every prompt row, one result each
+                hidden = torch.cat(self.rows.pop(req_id))
+            elif params.pooling_type != "LAST":  # MEAN / CLS embeddings; an encoder classifier's CLS row
                 total, count = self.pooled.pop(req_id)
                 hidden = total / count
             out[req_id] = self._pool(params, hidden).cpu().numpy().astype("<f4").tobytes()
         return out
 
     def _pool(self, params: PoolingParams, hidden: torch.Tensor) -> torch.Tensor:
-        if params.task == "classify":
+        if params.task in ("classify", "token_classify"):
             assert self.classifier is not None, "the host sends classification requests to classifiers only"
             return self.classifier(hidden)
         if self.projection is not None:
             hidden = self.projection(hidden.to(next(self.projection.parameters()).dtype))  # type: ignore[attr-defined]
-        vector = hidden[: params.dimensions].float()
-        return F.normalize(vector, dim=0) if params.normalize is not False else vector
+        vector = hidden[..., : params.dimensions].float()  # one row, or ALL pooling's row per token
+        return F.normalize(vector, dim=-1) if params.normalize is not False else vector

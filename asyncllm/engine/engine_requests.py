@@ -1,6 +1,7 @@
 """`EngineRequests`: the request methods of `AsyncEngine` (asyncllm/engine/async_engine.py), a mixin, with the
 defaults of a request given no `SamplingParams` (`default_sampling_params`): `stream`,
-`chat`, `generate`, and the pooling (`embed`, `classify`, `score`), speech (`transcribe`), batch (`generate_many`)
+`chat`, `generate`, and the pooling (`embed`, `encode`, `classify`, `score`), speech (`transcribe`), batch
+(`generate_many`)
 and beam-search forms built on them, and vLLM's `abort` (by request id) and `get_tokenizer`. Each request goes through
 the engine's `_submit` (by `RequestStream`)."""
 
@@ -19,7 +20,8 @@ from asyncllm.engine.stream import RequestOptions, RequestStream
 from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
-from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
+from asyncllm.pooling import (PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingParams,
+                              ScoringOutput, encode_params, token_rows)
 from asyncllm.sampling import RequestOutputKind, SamplingParams
 from asyncllm.speech import transcribe, transcribe_segments
 from asyncllm.speech_segments import Segment
@@ -35,6 +37,7 @@ class EngineRequests:
         _drain: EngineDrain
         _in_flight: weakref.WeakSet[RequestCollector]
         tokenizer: Any
+        pooling_model: Any
 
         async def start(self) -> None: ...
 
@@ -146,11 +149,41 @@ class EngineRequests:
         (docs/embeddings.md). It is scheduled like any request (one prefill and one dropped token), so
         embeddings and generations share batches. `add_special_tokens` (vLLM's; None: True) as for `stream`."""
         pooling = PoolingParams() if pooling_params is None else pooling_params
+        if getattr(pooling, "task", None) == "token_embed":
+            raise InvalidRequestError("pooling_params", "task 'token_embed' returns one embedding per prompt token: "
+                                                        "use encode(prompt, pooling_task='token_embed')")
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling,
                                  data_parallel_rank=data_parallel_rank, add_special_tokens=add_special_tokens)
         collector = await self._pool(prompt, options, truncate_prompt_tokens)
         return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
                                collector.metrics, collector.num_cached_tokens)
+
+    async def encode(self, prompt: Any, pooling_params: PoolingParams | None = None, *,
+                     pooling_task: str | None = None, priority: int = 0, request_id: str | None = None,
+                     timeout: float | None = None, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None, truncate_prompt_tokens: int | None = None,
+                     data_parallel_rank: int | None = None, add_special_tokens: bool | None = None) -> PoolingOutput:
+        """vLLM's ``LLM.encode``: the pooler's output for `pooling_task` (required): ``"token_embed"`` one embedding
+        per prompt token (every token's final hidden state, normalized and cut to ``dimensions`` as `embed`'s;
+        vLLM's ALL pooling), ``"token_classify"`` a classification model's probabilities per prompt token (its score
+        head on every row, through `classify`'s activation unless ``use_activation=False``), ``"embed"`` `embed`'s
+        vector (docs/pooling.md#per-token-pooling-token_embed-token_classify).
+        Scheduled as `embed` is, without prefix-cache hits for the per-token tasks; other options as for `embed`."""
+        pooling = encode_params(pooling_task, pooling_params)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling,
+                                 data_parallel_rank=data_parallel_rank, add_special_tokens=add_special_tokens)
+        collector = await self._pool(prompt, options, truncate_prompt_tokens)
+        assert collector.embedding is not None, collector
+        data = collector.embedding
+        if pooling.task in PER_TOKEN_TASKS:
+            data = token_rows(data, len(collector.prompt_token_ids))
+        if pooling.task == "token_classify" and pooling.use_activation is not False:
+            from asyncllm.engine.pooling_model import activate
+
+            assert self.pooling_model is not None and self.pooling_model.classifier is not None, "checked on submit"
+            data = [activate(row, self.pooling_model.classifier.classify_activation) for row in data]
+        return PoolingOutput(collector.request_id, collector.prompt_token_ids, data, collector.metrics,
+                             collector.num_cached_tokens)
 
     async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncllm.errors import EngineDeadError
+from asyncllm.models.architectures import ENCODER_ARCHITECTURES
 
 if TYPE_CHECKING:
     from asyncllm.engine.pooling_model import PoolingModel
@@ -71,14 +72,18 @@ class EngineState:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """What the model serves, in vLLM's task names (vLLM's ``get_supported_tasks``; starts the engine): a
-        classifier's ``("classify", "score")``, an encoder's ``("embed",)``, a causal LM's ``("generate",
-        "embed")`` (asyncllm's causal LMs embed too; ``("generate",)`` with runner='generate', ``("embed",)`` with
-        runner='pooling'), a speech-to-text model's with ``"transcription"``."""
+        classifier's ``("classify", "score", "token_classify")`` (an encoder classifier's without the last), an
+        encoder's ``("embed", "token_embed")``, a causal LM's
+        ``("generate", "embed", "token_embed")`` (asyncllm's causal LMs embed too; ``("generate",)`` with
+        runner='generate', ``("embed", "token_embed")`` with runner='pooling'), a speech-to-text model's with
+        ``"transcription"``. ``token_embed``: per-token embeddings (`encode`), served wherever ``embed`` is."""
         await self.start()
         model = self.pooling_model
-        if model is not None and model.classifier is not None:
-            return ("classify", "score")
-        tasks = ("generate", "embed") if model is None or model.generates else ("embed",)
+        if model is not None and model.classifier is not None:  # token_classify: decoder classifiers' heads only
+            return ("classify", "score") if model.architecture in ENCODER_ARCHITECTURES else \
+                ("classify", "score", "token_classify")
+        pooling = ("embed", "token_embed")
+        tasks = ("generate", *pooling) if model is None or model.generates else pooling
         if model is not None and model.runner == "generate":  # runner='generate': no pooling (vLLM's)
             tasks = ("generate",)
         return (*tasks, "transcription") if self.speech_to_text is not None and "generate" in tasks else tasks

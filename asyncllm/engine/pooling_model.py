@@ -177,11 +177,13 @@ class PoolingModel:
         classification request's with the pooling type (an encoder's head reads the CLS row)."""
         if pooling is None:
             return pooling
-        if pooling.task != "embed":  # token_type_start: set for a score pair only, when it is tokenized
+        if pooling.task == "classify":  # token_type_start: set for a score pair only, when it is tokenized
             return msgspec.structs.replace(pooling, pooling_type=self.pooling_type, token_type_start=None)
+        if pooling.task == "token_classify":  # the score head on every prompt row
+            return msgspec.structs.replace(pooling, pooling_type="ALL", token_type_start=None)
         normalize = self.normalize if pooling.normalize is None else pooling.normalize
-        return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type,
-                                       token_type_start=None)
+        pooling_type = "ALL" if pooling.task == "token_embed" else self.pooling_type  # every prompt row: vLLM's
+        return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=pooling_type, token_type_start=None)
 
     def check(self, pooling: PoolingParams | None) -> None:
         """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation); a refusal of
@@ -196,17 +198,20 @@ class PoolingModel:
             raise InvalidRequestError("prompt", f"this engine runs {arch} with runner='pooling': it serves embeddings "
                                                 "only, not generation (start it with runner='generate' or 'auto')")
         if self.classifier is not None:
-            if task != "classify":
+            if task == "token_classify" and arch in ENCODER_ARCHITECTURES:
+                raise InvalidRequestError("model", f"token_classify on {arch} is not built in asyncllm (an encoder's "
+                                                   "head reads the CLS row; decoder classifiers' heads serve it)")
+            if task not in ("classify", "token_classify"):
                 raise InvalidRequestError("prompt" if task == "generate" else "model",
                                           f"this model ({arch}) serves classification and scores only: use "
                                           "classify() or score() (/classify, /score, /rerank)")
-        elif task == "classify":
-            raise InvalidRequestError("model", f"this model ({arch}) has no classification head: classify needs a "
+        elif task in ("classify", "token_classify"):
+            raise InvalidRequestError("model", f"this model ({arch}) has no classification head: {task} needs a "
                                                "*ForSequenceClassification checkpoint")
         elif task == "generate" and not self.generates:
             raise InvalidRequestError("prompt", f"this model ({arch}, no LM head) serves embeddings only: use "
                                                 "embed() or /v1/embeddings")
-        elif task == "embed" and pooling.dimensions is not None:
+        elif task in ("embed", "token_embed") and pooling.dimensions is not None:
             (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
 
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None

@@ -322,7 +322,8 @@ def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> 
     """A classification on a model without a score head would end its workers; the host refuses what the model does
     not serve (`PoolingModel.check`), and so does the core."""
     task = "generate" if pooling is None else pooling.task
-    if tasks is not None and task not in tasks:
+    served = {"token_embed": "embed", "token_classify": "classify"}.get(task, task)  # per-token: as per prompt
+    if tasks is not None and served not in tasks:
         raise InvalidRequestError("prompt" if pooling is None else "model",  # as the host (`PoolingModel.check`)
                                   f"this model serves {' and '.join(sorted(tasks))} requests only, not {task}")
 

@@ -16,7 +16,7 @@ import pytest_asyncio
 from asyncllm import AsyncEngine, InvalidRequestError, PoolingParams
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client
-from classifier_utils import hf_classifier_logits, tiny_classifier
+from classifier_utils import hf_classifier_logits, hf_token_classifier_logits, tiny_classifier
 from engine_helpers import random_prompts
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -151,7 +151,8 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
     length = engine.config.max_model_len
     refused = [({"input": "a", "task": "embed"}, "task", "Task embed is not supported, it must be one of ('classify', "
                                                          "'score', 'token_classify')."),
-               ({"input": "a", "task": "token_classify"}, "task", "'token_classify' (per-token pooling"),
+               ({"input": "a", "task": "token_classify", "normalize": True}, "normalize",
+                "Task token_classify only supports ['use_activation']"),
                ({"input": "a", "normalize": True}, "normalize", "Task classify only supports ['use_activation']"),
                ({"input": "a", "task": "score", "dimensions": 4}, "dimensions", "Task score only supports"),
                ({"input": [5] * (length + 1)}, "input_tokens", "in the input for embedding generation."),
@@ -176,6 +177,36 @@ async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> 
     assert chat["usage"]["prompt_tokens"] == len(ids)
     for error, (_, param, message) in zip(errors, refused):
         assert error["param"] == param and message in error["message"], error
+
+
+async def test_token_classify_is_the_score_head_on_every_prompt_token(engine: AsyncEngine, reranker: str) -> None:
+    """vLLM's ``token_classify`` (ALL pooling through the score head): every prompt token's logits as transformers'
+    classifier computes them before it takes the last, across 24-token chunks, no prefix-cache hit (a classification
+    cached the prompt's first blocks), through classify's activation unless ``use_activation`` false; the server's
+    /pooling gives the same rows."""
+    prompt = [3 + (41 * i) % 480 for i in range(50)]
+    first = await engine.classify(prompt[:40])  # its blocks enter the cache
+    probs, raw = await asyncio.gather(engine.encode(prompt, pooling_task="token_classify"),
+                                      engine.encode(prompt, PoolingParams(use_activation=False),
+                                                    pooling_task="token_classify"))
+    want = hf_token_classifier_logits(reranker, prompt)
+    assert len(raw.data) == len(prompt) == len(want) and raw.num_cached_tokens == probs.num_cached_tokens == 0
+    assert max(abs(got[0] - row[0]) for got, row in zip(raw.data, want)) < TOLERANCE
+    assert max(abs(got[0] - _sigmoid(row[0])) for got, row in zip(probs.data, raw.data)) < TOLERANCE
+    assert abs(raw.data[39][0] - first.logits[0]) < TOLERANCE  # the prefix's last row is its classification
+    assert await engine.get_supported_tasks() == ("classify", "score", "token_classify")
+    for kwargs, field in [({"pooling_params": PoolingParams(normalize=True)}, "normalize"),
+                          ({"pooling_params": PoolingParams(dimensions=1)}, "dimensions")]:
+        with pytest.raises(InvalidRequestError) as info:
+            await engine.encode(prompt, pooling_task="token_classify", **kwargs)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="serves classification and scores only") as info:
+        await engine.encode(prompt, pooling_task="token_embed")
+    assert info.value.field == "model"
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        served = (await client.post("/pooling", json={"input": prompt, "task": "token_classify",
+                                                      "use_activation": False})).json()
+    assert max(abs(a[0] - b[0]) for a, b in zip(served["data"][0]["data"], raw.data)) < TOLERANCE
 
 
 async def test_the_server_classifies_chat_messages(engine: AsyncEngine, reranker: str) -> None:

@@ -80,7 +80,8 @@ async def _served_as_the_docs_show(engine: AsyncEngine, path: str) -> None:
 
 async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp_path) -> None:
     """EmbeddingGemma's form: Gemma 3 layers attending both ways (within 4 positions in the sliding layers; the
-    prompts are longer), mean pooling, two Dense projections (32 -> 48 -> 32), Matryoshka truncation after them."""
+    prompts are longer), mean pooling, two Dense projections (32 -> 48 -> 32), Matryoshka truncation after them;
+    ``token_embed`` rows through the same projections (vLLM's TokenEmbeddingPoolerHead)."""
     path = make_tiny_encoder(tmp_path / "gemma", "embeddinggemma", pooling="mean", dense=(48, 32))
     async with AsyncEngine(path, disable_log_stats=True, hf_overrides={"matryoshka_dimensions": [16]}) as engine:
         assert (engine.config.enable_chunked_prefill, engine.config.enable_prefix_caching) == (False, False)
@@ -92,18 +93,26 @@ async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp
         with pytest.raises(InvalidRequestError, match=r"only supports \[16\] matryoshka dimensions") as info:
             await engine.embed(TEXTS[0], PoolingParams(dimensions=8))  # vLLM's: only matryoshka_dimensions
         assert info.value.field == "dimensions"
+        tokens = await engine.encode(TEXTS[2], PoolingParams(dimensions=16), pooling_task="token_embed")
+        expected = hf_sentence_embedding(path, TEXTS[2], "all", 16)  # each row projected, cut, normalized
+        assert len(tokens.data) == len(tokens.prompt_token_ids) == len(expected)
+        assert np.abs(np.array(tokens.data) - np.array(expected)).max() < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])  # ModernBERT's head: tests/unit/test_bert_model.py
 async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind: str) -> None:
     """A one-logit cross-encoder (bge-reranker's form: XLM-R; ms-marco MiniLM's: BERT, whose pair's second text
     has token type 1): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`
-    of one text its logit."""
+    of one text its logit; ``token_classify`` refused by name (not built for an encoder's CLS head)."""
     path = make_tiny_encoder(tmp_path / kind, kind, num_labels=1)
     query, documents = TEXTS[0], TEXTS[1:] + ["paged attention is what the engine does"]
     async with AsyncEngine(path, disable_log_stats=True) as engine:
         scores = await engine.score(query, documents)
         single = await engine.classify(TEXTS[2])
+        assert await engine.get_supported_tasks() == ("classify", "score")  # no token_classify: not built for encoders
+        with pytest.raises(InvalidRequestError, match="token_classify on .* is not built") as info:
+            await engine.encode(TEXTS[2], pooling_task="token_classify")
+        assert info.value.field == "model"
     for document, out in zip(documents, scores):
         [logit] = hf_pair_logits(path, query, document)
         assert out.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5), document

@@ -106,7 +106,7 @@ async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_l
     async with engine:
         await engine.check_health()  # vLLM's health and state calls (asyncllm/engine/engine_state.py)
         assert engine.is_running and not engine.errored and not engine.is_stopped
-        assert await engine.get_supported_tasks() == ("generate", "embed")
+        assert await engine.get_supported_tasks() == ("generate", "embed", "token_embed")
         worker = worker_pids(engine._core.pid)[-1]
         streams = Streams(engine, PROMPTS)
         await streams.wait_for_tokens(3)

@@ -122,13 +122,17 @@ async def test_v1_embeddings_and_pooling_of_chat_messages_with_an_image_url(engi
         embedded = await client.post("/v1/embeddings", json=body)
         pooled = await client.post("/pooling", json={**body, "task": "embed"})
         normalized = await client.post("/v1/embeddings", json={"messages": body["messages"]})
+        per_token = await client.post("/pooling", json={**body, "task": "token_embed"})  # not built with media
     assert embedded.status_code == pooled.status_code == normalized.status_code == 200, embedded.text
     np.testing.assert_allclose(embedded.json()["data"][0]["embedding"], hidden[-1], rtol=0, atol=1e-5)
     np.testing.assert_allclose(pooled.json()["data"][0]["data"], hidden[-1], rtol=0, atol=1e-5)
     np.testing.assert_allclose(normalized.json()["data"][0]["embedding"], unit(hidden[-1]), rtol=0, atol=1e-6)
     assert embedded.json()["usage"]["prompt_tokens"] == len(ids)
+    assert per_token.status_code == 400 and per_token.json()["error"]["param"] == "messages", per_token.text
+    assert "'token_embed' with media parts in messages is not built" in per_token.json()["error"]["message"]
     logged = [r.getMessage() for r in caplog.records if "prompt:" in r.getMessage()]
-    assert len(logged) == 3 and all('{"type": "image_url"}' in line and "base64" not in line for line in logged)
+    assert len(logged) == 4  # the refused token_embed request is logged too
+    assert all('{"type": "image_url"}' in line and "base64" not in line for line in logged)
 
 
 @pytest.mark.parametrize("change, param, words", [

@@ -31,7 +31,7 @@ async def test_runner_pooling_embeds_and_refuses_generation(tiny_llama: str) -> 
     prompt = [5, 9, 14, 200, 31]
     async with AsyncEngine(tiny_llama, runner="pooling", max_model_len=64, disable_log_stats=True) as engine:
         assert (engine.config.runner, engine.config.convert) == ("pooling", "embed")
-        assert await engine.get_supported_tasks() == ("embed",)
+        assert await engine.get_supported_tasks() == ("embed", "token_embed")
         out = await engine.embed(prompt)
         want = _hf_last_state(tiny_llama, tuple(prompt))
         assert max(abs(a - b) for a, b in zip(out.embedding, want)) < TOLERANCE and len(out.embedding) == len(want)

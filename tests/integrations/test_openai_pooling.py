@@ -1,11 +1,13 @@
 """vLLM's ``POST /pooling`` over an embedding model (the bundled one): each item's ``data`` is what /v1/embeddings
 answers for the same body (every input shape, chat ``messages``, ``dimensions`` and ``normalize``), base64 as its
-float32 bytes, vLLM's response shape and ids; tasks the model does not serve, tasks not built and parameters a task
+float32 bytes, vLLM's response shape and ids; ``token_embed``'s row per prompt token;
+tasks the model does not serve, tasks not built and parameters a task
 does not take are 400s naming the field. (A classification model's /pooling: tests/engine/test_classification.py.)"""
 
 from __future__ import annotations
 
 import base64
+import json
 import struct
 
 import pytest
@@ -64,10 +66,37 @@ async def test_base64_is_the_float32_bytes_and_request_id_names_the_response(app
     assert len(floats) == 192  # the bundled model's hidden size
 
 
+async def test_token_embed_is_one_embedding_per_prompt_token(app) -> None:
+    """``task: "token_embed"`` (vLLM's ALL pooling): ``data`` holds a list per prompt token, normalized by default (the
+    last one is ``embed``'s vector), cut and left raw as asked; base64 and ``bytes`` carry the rows one after the
+    other (the ``bytes`` metadata's ``shape`` [tokens, dimensions], as vLLM's)."""
+    rows = (await _post(app, "/pooling", {"input": TOKENS, "task": "token_embed"}))["data"][0]["data"]
+    pooled = (await _post(app, "/pooling", {"input": TOKENS}))["data"][0]["data"]
+    raw = (await _post(app, "/pooling", {"input": [TOKENS, TOKENS[:3]], "task": "token_embed", "dimensions": 16,
+                                         "normalize": False}))["data"]
+    assert len(rows) == len(TOKENS) and all(len(row) == 192 for row in rows)
+    assert all(abs(sum(x * x for x in row) - 1.0) < 1e-5 for row in rows)
+    assert rows[-1] == pytest.approx(pooled, abs=1e-6)
+    assert [len(item["data"]) for item in raw] == [len(TOKENS), 3] and len(raw[0]["data"][0]) == 16
+    assert all(abs(sum(x * x for x in row) - 1.0) > 1e-3 for row in raw[0]["data"])  # not normalized
+    assert sum(raw[1]["data"], []) == pytest.approx(sum(raw[0]["data"][:3], []), abs=1e-5)  # causal: a prefix's rows
+    encoded = (await _post(app, "/pooling", {"input": TOKENS, "task": "token_embed", "encoding_format": "base64"}))
+    raw_bytes = base64.b64decode(encoded["data"][0]["data"])
+    assert list(struct.unpack(f"<{len(raw_bytes) // 4}f", raw_bytes)) == pytest.approx(sum(rows, []), abs=1e-7)
+    async with asgi_client(app) as client:
+        response = await client.post("/pooling", json={"input": TOKENS, "task": "token_embed",
+                                                       "encoding_format": "bytes"})
+    assert response.status_code == 200 and json.loads(response.headers["metadata"])["data"][0]["shape"] == [9, 192]
+
+
 @pytest.mark.parametrize("body, param, message", [
     ({"input": "a", "task": "classify"}, "task", "Task classify is not supported, it must be one of ('embed', "
                                                  "'token_embed')."),
-    ({"input": "a", "task": "token_embed"}, "task", "'token_embed' (per-token pooling"),
+    ({"input": "a", "task": "token_classify"}, "task", "Task token_classify is not supported, it must be one of "
+                                                       "('embed', 'token_embed')."),
+    ({"input": "a", "task": "token_embed", "use_activation": True}, "use_activation", "Task token_embed only "
+                                                                                      "supports ['dimensions', "
+                                                                                      "'normalize'] parameters"),
     ({"input": "a", "task": "encode"}, "task", "Invalid enum value 'encode'"),
     ({"input": "a", "use_activation": False}, "use_activation", "Task embed only supports ['dimensions', "
                                                                 "'normalize'] parameters"),

@@ -71,6 +71,21 @@ def test_what_a_host_sends_passes(fields: dict) -> None:
     check_add_request(_message(**fields), VOCAB, tasks=GENERATES)
 
 
+def test_token_embed_goes_where_embed_does() -> None:
+    """A per-token embedding (``token_embed``, ALL pooling) is served by a model that embeds, refused by a
+    classifier's core; ``token_classify`` by a classifier's only (a worker without a score head would fail)."""
+    message = _message(pooling=PoolingParams(task="token_embed", pooling_type="ALL"), params={"max_tokens": 1})
+    check_add_request(message, VOCAB, tasks=GENERATES)
+    check_add_request(message, VOCAB, tasks=frozenset({"embed"}))
+    with pytest.raises(InvalidRequestError, match="not token_embed") as info:
+        check_add_request(message, VOCAB, tasks=frozenset({"classify"}))
+    assert info.value.field == "model"
+    per_token = _message(pooling=PoolingParams(task="token_classify", pooling_type="ALL"), params={"max_tokens": 1})
+    check_add_request(per_token, VOCAB, tasks=frozenset({"classify"}))  # token_classify: where classify goes
+    with pytest.raises(InvalidRequestError, match="not token_classify"):
+        check_add_request(per_token, VOCAB, tasks=GENERATES)
+
+
 def test_served_tasks_follow_the_architecture() -> None:
     def tasks(arch: str) -> frozenset[str] | None:
         return served_tasks([arch])
