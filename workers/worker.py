@@ -290,8 +290,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def cpu_threads(ranks_on_host: int) -> int | None:
     """Torch threads of one CPU worker: its share of the cores (every replica's workers share them), or None
-    when ``OMP_NUM_THREADS`` is set, whose count torch already took at import."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    when ``OMP_NUM_THREADS`` is a count (an int >= 1), which torch already took at import (another value it ignores:
+    the share then)."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) >= 1:
         return None
     return max(1, (os.cpu_count() or 1) // ranks_on_host)
 

@@ -38,15 +38,17 @@ Replay = list[tuple[int, concurrent.futures.Future[Any]]]
 class _PinCall:
     """One `pin_lora` in progress: whether its id was pinned before it, and whether `remove_lora` removed it since."""
 
-    __slots__ = ("pinned_before", "removed", "given", "checked", "late", "refused")
+    __slots__ = ("pinned_before", "removed", "given", "checked", "late", "late_answers", "refused")
 
     def __init__(self, pinned_before: bool, given: LoRARequest, checked: LoRARequest) -> None:
         self.pinned_before, self.removed = pinned_before, False
         self.given, self.checked = given, checked  # (replica 0's): what a core restarted meanwhile pins
         self.late: list["Processor"] = []
         """The processors of cores restarted while it was in progress, pinned by `pin_again` (undone with it)."""
+        self.late_answers: list[concurrent.futures.Future[Any]] = []
+        """Those cores' answers, which the call awaits before it succeeds: a refusal fails it, undone everywhere."""
         self.refused: BaseException | None = None
-        """The error of such a core that refused it (`settle`): the call fails with it, undone everywhere."""
+        """A restarted core's refusal of the id while the call was in progress (`settle`): the call fails with it."""
 
 
 class EnginePins:
@@ -76,8 +78,6 @@ class EnginePins:
         self._calls.setdefault(lora_id, []).append(call)
         try:
             await self._pin_everywhere(processors, checked, call)
-            if call.refused is not None:  # a core restarted meanwhile refused it: refused by a replica
-                await self._undo(processors, checked, call, call.refused)
         finally:
             calls = self._calls[lora_id]
             calls.remove(call)
@@ -93,6 +93,7 @@ class EnginePins:
         try:
             await every_replica([processor.lora_call(protocol.PinLoRA("", lora))
                                  for processor, lora in zip(processors, checked)])
+            await _late_answers(call)
         except BaseException as exc:  # refused by a replica, a core dead, or cancelled: undone everywhere first
             await self._undo(processors, checked, call, exc)
 
@@ -123,16 +124,20 @@ class EnginePins:
         here should that call be undone."""
         sent: Replay = []
         pins = dict(self.pinned)
+        late: dict[int, list[_PinCall]] = {}
         for lora_id, calls in self._calls.items():  # pins in progress, sent to the replicas live when they began
             live = [call for call in calls if not call.removed]
             if live and lora_id not in pins:
                 pins[lora_id] = (live[-1].given, live[-1].checked)
-                for call in live:
-                    call.late.append(processor)
+                late[lora_id] = live
         for lora_id, (given, checked) in pins.items():
             processor.remember_lora(given, checked)
             processor.pin_lora_id(lora_id)
-            sent.append((lora_id, processor.lora_call(protocol.PinLoRA("", checked))))
+            answer = processor.lora_call(protocol.PinLoRA("", checked))
+            for call in late.get(lora_id, ()):
+                call.late.append(processor)
+                call.late_answers.append(answer)
+            sent.append((lora_id, answer))
         return sent
 
     async def settle(self, sent: Replay, replicas: "ReplicaSet") -> None:
@@ -144,10 +149,9 @@ class EnginePins:
             except EngineDeadError:
                 continue
             except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this pin
-                in_progress = [call for call in self._calls.get(lora_id, ()) if not call.removed]
-                if in_progress and lora_id not in self.pinned:  # its call fails with this, undone everywhere
-                    for call in in_progress:
-                        call.refused = exc
+                for call in self._calls.get(lora_id, ()):  # calls in progress fail with it (never recorded)
+                    call.refused = exc
+                if lora_id not in self.pinned:  # only in progress: its calls undo it (`_late_answers`)
                     continue
                 logger.error("the restarted engine core could not pin LoRA adapter id %d again (%s): it is unpinned "
                              "on every replica", lora_id, exc)
@@ -175,6 +179,19 @@ def check_not_removed(processors: list["Processor"], lora_id: int, call: str) ->
         field = "lora_id" if call == "pin_lora" else "lora_request"
         raise InvalidRequestError(field, f"lora_int_id {lora_id} was removed (remove_lora) while {call} checked its "
                                          "adapter")
+
+
+async def _late_answers(call: _PinCall) -> None:
+    """Wait for the cores restarted while `call` was in progress (`pin_again` pinned it there too): the first
+    refusal among their answers, or one `settle` saw for the id, is raised (a core dead again pins it at its own
+    restart, from the record)."""
+    while call.late_answers:  # (another may restart meanwhile)
+        try:
+            await asyncio.wrap_future(call.late_answers.pop(0))
+        except EngineDeadError:
+            continue
+    if call.refused is not None:
+        raise call.refused
 
 
 async def _unpin(processors: list["Processor"], checked: list[LoRARequest]) -> bool:

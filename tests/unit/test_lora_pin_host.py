@@ -218,3 +218,63 @@ def test_a_pin_whose_id_was_removed_during_its_check_names_lora_id(monkeypatch: 
     for replica, took in zip(replicas, workers):
         assert (replica.core.lora_ids.pinned, replica.pinned, took.took()) == ({}, set(), [])
     assert engine._pins.pinned == {}
+
+
+def test_a_pin_waits_for_a_core_restarted_meanwhile_and_fails_with_its_late_refusal(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Replica 1 restarts while `pin_lora(3)` is in progress and answers the replayed pin only after replica 0
+    answered the call's own: the call waits for that answer, so its refusal fails the call, undone everywhere,
+    rather than a success the restart then drops."""
+    replicas, workers = _replicas(monkeypatch, tmp_path)
+    engine = _engine(replicas[:1])
+    restarted = replicas[1]
+    live = SimpleNamespace(any_alive=True, live_processors=lambda: replicas)
+    workers[1].unreadable.add(replicas[0].given.lora_path)  # what pin_again sends: replica 0's checked
+
+    async def pin_across_a_late_refusal() -> None:
+        replicas[0].hold = restarted.hold = True
+        task = asyncio.create_task(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(replicas[0].started.wait, 30)
+        settling = asyncio.create_task(engine._pins.settle(engine._pins.pin_again(restarted), live))
+        replicas[0].release.set()
+        await asyncio.sleep(0.3)
+        assert not task.done()  # replica 0 answered; the restarted core has not
+        restarted.release.set()
+        with pytest.raises(Exception) as raised:
+            await asyncio.wait_for(task, 30)
+        assert not isinstance(raised.value, asyncio.CancelledError)
+        await asyncio.wait_for(settling, 30)
+
+    asyncio.run(pin_across_a_late_refusal())
+    assert engine._pins.pinned == {}
+    for replica in replicas:
+        assert replica.pinned == set() and replica.core.lora_ids.pinned == {}
+
+
+def test_a_pinned_id_pinned_again_while_a_restarted_core_refuses_it_is_pinned_nowhere(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Pinned on replica 0 (replica 1 down), pinned again (in progress) while replica 1's restarted core refuses the
+    replayed pin: `settle` unpins it everywhere and the call in progress fails with that refusal, so the record
+    and the cores agree (nothing pinned) and no later restart replays it."""
+    replicas, workers = _replicas(monkeypatch, tmp_path)
+    engine = _engine(replicas[:1])
+    live = SimpleNamespace(any_alive=True, live_processors=lambda: replicas)
+    workers[1].unreadable.add(replicas[0].given.lora_path)
+
+    async def pin_again_across_a_refusal() -> None:
+        assert await EngineControl.pin_lora(engine, 3) is True  # type: ignore[arg-type]
+        replicas[0].hold = True
+        task = asyncio.create_task(EngineControl.pin_lora(engine, 3))  # type: ignore[arg-type]
+        assert await asyncio.to_thread(replicas[0].started.wait, 30)
+        settling = asyncio.create_task(engine._pins.settle(engine._pins.pin_again(replicas[1]), live))
+        await asyncio.sleep(0.3)  # refused there; settle's unpin waits behind replica 0's held pin
+        replicas[0].release.set()
+        with pytest.raises(Exception) as raised:
+            await asyncio.wait_for(task, 30)
+        assert not isinstance(raised.value, asyncio.CancelledError)
+        await asyncio.wait_for(settling, 30)
+
+    asyncio.run(pin_again_across_a_refusal())
+    assert engine._pins.pinned == {}
+    for replica in replicas:
+        assert replica.pinned == set() and replica.core.lora_ids.pinned == {}

@@ -21,5 +21,6 @@ def test_omp_num_threads_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 16)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(1) is None  # torch keeps the count it read at import
-    monkeypatch.setenv("OMP_NUM_THREADS", "")
-    assert cpu_threads(2) == 8
+    for ignored in ("", "0", "abc", "-2"):  # not a count: torch ignores it, so the worker takes its share
+        monkeypatch.setenv("OMP_NUM_THREADS", ignored)
+        assert cpu_threads(2) == 8, ignored
