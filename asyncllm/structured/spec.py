@@ -152,6 +152,9 @@ def _check_schema(schema: object) -> None:
         json.dumps(schema, sort_keys=True)  # would be one JSON key: sorting them refuses them)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError("structured", f"json must be a JSON schema of JSON values: {exc}") from None
+    if _nesting(schema) > MAX_SCHEMA_NESTING:
+        raise InvalidRequestError("structured", f"json is nested deeper than {MAX_SCHEMA_NESTING} levels of objects "
+                                                "and arrays (xgrammar's compile time grows steeply with the depth)")
     try:
         keyword = _unenforced_keyword(schema)
     except RecursionError:
@@ -159,6 +162,25 @@ def _check_schema(schema: object) -> None:
     if keyword is not None:
         raise InvalidRequestError("structured", f"json uses {keyword}, which xgrammar does not enforce (vLLM refuses "
                                                 "it too with its xgrammar backend): remove it, or check it yourself")
+
+
+MAX_SCHEMA_NESTING = 128
+"""Most levels of JSON objects and arrays in a schema (about 64 nested subschemas): deeper, xgrammar's compile takes
+seconds to minutes a schema, runs on after its request's timeout, and a few such requests would hold every compile
+thread (asyncllm's bound; vLLM has none)."""
+
+
+def _nesting(value: object) -> int:
+    """How many objects and arrays deep `value` nests (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        level.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 _STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",

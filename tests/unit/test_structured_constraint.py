@@ -47,6 +47,27 @@ def test_invalid_constraint_names_structured(structured: object, why: str) -> No
     assert why in str(info.value)
 
 
+def _nested_arrays(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_compiles() -> None:
+    """xgrammar's compile time grows steeply with the depth (seconds at 300 levels, past the timeout at 800, and the
+    compile thread runs on): more than MAX_SCHEMA_NESTING levels of objects and arrays are refused, as a dict or as
+    JSON text; 127 pass."""
+    from asyncllm.structured.spec import MAX_SCHEMA_NESTING
+
+    assert MAX_SCHEMA_NESTING == 128
+    StructuredOutputs(json=_nested_arrays(126)).validate()  # 127 objects deep
+    for too_deep in (_nested_arrays(128), json.dumps(_nested_arrays(800))):
+        with pytest.raises(InvalidRequestError, match="json is nested deeper than 128 levels") as info:
+            SamplingParams(structured=StructuredOutputs(json=too_deep)).validate()
+        assert info.value.field == "structured"
+
+
 def test_min_tokens_is_refused_with_a_constraint() -> None:
     with pytest.raises(InvalidRequestError, match="^structured: cannot be combined with min_tokens > 0$"):
         SamplingParams(min_tokens=2, structured=StructuredOutputs(regex="a")).validate()
