@@ -26,7 +26,7 @@ __all__ = ["SleepController"]
 
 logger = logging.getLogger("asyncllm.engine.core")
 
-_NOT_ENABLED = ("True to call sleep() / wake_up(): start the engine with enable_sleep_mode=True "
+_NOT_ENABLED = ("sleep() and wake_up() need True: start the engine with enable_sleep_mode=True "
                 "(--enable-sleep-mode), as vLLM requires")
 
 

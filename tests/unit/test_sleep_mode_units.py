@@ -150,6 +150,7 @@ def test_the_core_refuses_without_enable_sleep_mode_by_name() -> None:
     [stats, reply] = core.sent
     error = sleep_error(reply)
     assert stats == "stats" and isinstance(error, ConfigError) and error.field == "enable_sleep_mode"
+    assert str(error).startswith("enable_sleep_mode=False is not allowed: sleep() and wake_up() need True: start")
     assert core.executor.commands == [] and not controller.holds_steps
     core.config = core.config.replace(enable_sleep_mode=True)
     controller.handle(b"peer", protocol.Sleep("s2", 3))  # checked in the core too: not every peer is an AsyncEngine
