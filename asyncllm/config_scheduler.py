@@ -56,8 +56,9 @@ class SchedulerConfig:
     max_num_queued_tokens: int | None = None
     """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""
     structured_output_compile_timeout_s: float = 30.0
-    """Structured output: a request whose grammar has not compiled after this many seconds fails with
-    InvalidRequestError (the first structured request's tokenizer loading does not count)."""
+    """Structured output: a request whose grammar has not compiled this many seconds after a compile thread took it
+    fails with InvalidRequestError (waiting behind other grammars, and the first structured request's tokenizer
+    loading, do not count)."""
     structured_output_disable_any_whitespace: bool = False
     """vLLM's ``structured_outputs_config.disable_any_whitespace``: JSON output in xgrammar's compact layout (``", "``
     between items, ``": "`` after keys, no other whitespace); False (as vLLM's default) lets the model write any JSON

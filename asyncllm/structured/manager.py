@@ -50,12 +50,14 @@ logger = logging.getLogger("asyncllm.structured")
 
 
 class _Pending:
-    __slots__ = ("request", "future", "submitted_at")
+    __slots__ = ("request", "future", "submitted_at", "compiling_since")
 
     def __init__(self, request: Request, future: Future[Any], submitted_at: float) -> None:
         self.request = request
         self.future = future
         self.submitted_at = submitted_at
+        self.compiling_since: float | None = None
+        """When a poll first saw a compile thread on its grammar (None: queued behind others' grammars)."""
 
 
 class StructuredOutputManager:
@@ -164,13 +166,18 @@ class StructuredOutputManager:
         return ready, failed
 
     def _check(self, entry: _Pending, now: float) -> InvalidRequestError | None:
-        """The timeout error once `compile_timeout_s` passed since submission (or since the vocabulary was ready)."""
+        """The timeout error once `compile_timeout_s` passed since a compile thread took the grammar (or since the
+        vocabulary was ready): a grammar queued behind others' is not timed by their compile time."""
         if entry.future.done():
             return None
         ready_since = self._compilers.ready_since if self._compilers is not None else None
         if ready_since is None:
             return None  # the first job is still loading the tokenizer: that does not count against the grammar
-        if now - max(entry.submitted_at, ready_since) < self.compile_timeout_s:
+        if entry.compiling_since is None:
+            if not entry.future.running():
+                return None  # queued: every compile thread busy with other grammars (the request's timeout runs)
+            entry.compiling_since = now
+        if now - max(entry.compiling_since, ready_since) < self.compile_timeout_s:
             return None
         return InvalidRequestError("structured", f"grammar compilation timed out after {self.compile_timeout_s} s "
                                                  "(structured_output_compile_timeout_s)")

@@ -273,7 +273,9 @@ def test_manager_timeout_and_abort_while_compiling(manager_args) -> None:
     assert "slow-2" not in manager.pending and not manager.pending["slow"].future.cancelled()
     while manager._compilers.ready_since is None:  # the tokenizer loading does not count
         time.sleep(0.01)
-    now[0] = 5.0 + time.monotonic()  # past the deadline whatever ready_since is
+    now[0] = time.monotonic()
+    assert manager.poll() == ([], [])  # a compile thread has it from now (`compiling_since`)
+    now[0] += 5.0  # past the deadline whatever ready_since is
     ready, failed = manager.poll()
     assert ready == [] and not manager.pending
     [(client, delta)] = failed
@@ -392,3 +394,22 @@ def test_request_timeout_counts_while_parked(manager_args) -> None:
     ready, [(client, delta)] = manager.poll()
     assert ready == [] and (client, delta.request_id, delta.finish_reason, delta.error) == (b"c", "parked-too-long", "timeout", None)
     assert pool.released == [(pool.futures[1], False)] and not manager.active
+
+
+def test_a_grammar_queued_behind_others_is_not_timed_by_their_compile() -> None:
+    """The compile timeout runs from when a compile thread takes the grammar: one queued while every thread compiles
+    other clients' grammars is not failed for their compile time (a few slow schemas timed out everyone's)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from asyncllm.structured.manager import StructuredOutputManager, _Pending
+
+    manager = StructuredOutputManager("unused", 512, compile_timeout_s=30.0)
+    manager._compilers = SimpleNamespace(ready_since=0.0)  # type: ignore[assignment]
+    entry = _Pending(_request("r", StructuredOutputs(regex="a")), Future(), submitted_at=0.0)
+    assert manager._check(entry, 100.0) is None  # queued for 100 s: not timed
+    assert entry.future.set_running_or_notify_cancel()
+    assert manager._check(entry, 101.0) is None and entry.compiling_since == 101.0
+    assert manager._check(entry, 130.0) is None
+    error = manager._check(entry, 131.0)
+    assert error is not None and "grammar compilation timed out after 30.0 s" in str(error)
