@@ -395,21 +395,3 @@ def test_request_timeout_counts_while_parked(manager_args) -> None:
     assert ready == [] and (client, delta.request_id, delta.finish_reason, delta.error) == (b"c", "parked-too-long", "timeout", None)
     assert pool.released == [(pool.futures[1], False)] and not manager.active
 
-
-def test_a_grammar_queued_behind_others_is_not_timed_by_their_compile() -> None:
-    """The compile timeout runs from when a compile thread takes the grammar: one queued while every thread compiles
-    other clients' grammars is not failed for their compile time (a few slow schemas timed out everyone's)."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from asyncllm.structured.manager import StructuredOutputManager, _Pending
-
-    manager = StructuredOutputManager("unused", 512, compile_timeout_s=30.0)
-    manager._compilers = SimpleNamespace(ready_since=0.0)  # type: ignore[assignment]
-    entry = _Pending(_request("r", StructuredOutputs(regex="a")), Future(), submitted_at=0.0)
-    assert manager._check(entry, 100.0) is None  # queued for 100 s: not timed
-    assert entry.future.set_running_or_notify_cancel()
-    assert manager._check(entry, 101.0) is None and entry.compiling_since == 101.0
-    assert manager._check(entry, 130.0) is None
-    error = manager._check(entry, 131.0)
-    assert error is not None and "grammar compilation timed out after 30.0 s" in str(error)
