@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from asyncllm import AsyncEngine, EngineDeadError
+from asyncllm.config import CacheConfig
 from asyncllm.engine import off_loop, replica
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.launched import Launched
@@ -30,7 +31,7 @@ def test_a_start_its_loop_closed_on_is_dropped_by_the_next_loop(monkeypatch: pyt
     """A loop stopped and closed while the engine started (``loop.stop()``, Ctrl-C out of ``run_until_complete``)
     left the engine "starting in another event loop" for good, its core running, and aclose() raising "Event loop
     is closed": the next loop drops that start, stopping its processor and core, and starts afresh."""
-    prepared = SimpleNamespace(config=None, hf_config_json=None)
+    prepared = SimpleNamespace(config=SimpleNamespace(cache_config=CacheConfig()), hf_config_json=None)
     monkeypatch.setattr(replica, "prepare", lambda config, resolved=False: prepared)
     spawned: list[subprocess.Popen] = []
     closed: list[bool] = []
