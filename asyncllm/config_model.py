@@ -42,17 +42,19 @@ class ModelConfig:
     model: str = ""
     """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
     runner: str = "auto"
-    """vLLM's: generate serves generation only, pooling embeddings / classification only (draft: refused, drafts are
-    speculative_config's); auto: pooling for an embedding or classifier architecture, else a causal LM serves both
+    """vLLM's: generate serves generation only, pooling embeddings / classification / rewards only (draft: refused,
+    drafts are speculative_config's); auto: pooling for an embedding, classifier or reward architecture (or
+    convert='reward'), else a causal LM serves both
     generation and embeddings (asyncllm's; vLLM's auto generates only). The engine's config shows it resolved
     (docs/pooling.md#runner-and-convert)."""
     convert: str = "auto"
     """vLLM's adapters for runner='pooling': embed serves a causal LM's embeddings (LAST pooling, normalized, as
     vLLM's as_embedding_model), classify needs a classification head (a *ForSequenceClassification checkpoint),
-    none keeps the model as it is; reward is not built. auto: embed for a causal LM under runner='pooling'."""
+    none keeps the model as it is, reward serves every prompt token's hidden state (vLLM's as_reward_model:
+    token_classify only; a causal LM or bare decoder). auto: embed for a causal LM under runner='pooling'."""
     task: str | None = None
     """vLLM's deprecated --task (generate, embed, embedding, classify, score, transcription, auto), mapped onto runner
-    and convert as vLLM maps it, with vLLM's deprecation warning; draft and reward are refused."""
+    and convert as vLLM maps it (reward: convert reward), with vLLM's deprecation warning; draft is refused."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id; defaults to `model`."""
     tokenizer_mode: str = "auto"
@@ -137,7 +139,9 @@ class ModelConfig:
     processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
     temperature, min-p, top-k and top-p for sampled rows: the distribution a token was drawn from)."""
     pooler_config: dict[str, Any] | None = None
-    """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
+    """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md);
+    with convert='reward': {"pooling_type": "ALL"|"STEP", "step_tag_id": int, "returned_token_ids": [int, ...],
+    "use_activation": bool} (docs/pooling.md#reward-models)."""
     enable_sleep_mode: bool = False
     """Allow `AsyncEngine.sleep()` / `wake_up()` (vLLM's sleep mode, docs/sleep-mode.md): free the GPU memory of the
     weights (level 1: kept in CPU memory; level 2: discarded) and of the KV cache between RL rollouts."""
@@ -196,7 +200,7 @@ class ModelConfig:
                            sampling_overrides("override_generation_config", self.override_generation_config))
         check_sampling_fields("override_generation_config", self.override_generation_config)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
-        check_pooler_config(self.pooler_config)
+        check_pooler_config(self.pooler_config, reward="reward" in (self.convert, self.task))
         check_json_dict("hf_overrides", self.hf_overrides)
 
 

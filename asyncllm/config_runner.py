@@ -5,14 +5,14 @@ config is built (the model not read yet); what they mean for a model is decided 
 from __future__ import annotations
 
 from asyncllm.config_checks import check_choice
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 
 __all__ = ["CONVERTS", "POOLING_CONVERTS", "RUNNERS", "TASKS", "check_runner_fields"]
 
 RUNNERS = ("auto", "generate", "pooling", "draft")
 """vLLM's ``--runner`` values; draft is refused (a draft model is the target's ``speculative_config``)."""
 CONVERTS = ("auto", "none", "embed", "classify", "reward")
-"""vLLM's ``--convert`` values; reward is not built (vLLM's ``as_reward_model``: every token's hidden state)."""
+"""vLLM's ``--convert`` values (reward: vLLM's ``as_reward_model``, every prompt token's hidden state)."""
 POOLING_CONVERTS = ("embed", "classify", "reward")
 """The converts that adapt a model for the pooling runner (vLLM's ``_RUNNER_CONVERTS["pooling"]``)."""
 TASKS = ("auto", "generate", "embedding", "embed", "classify", "score", "reward", "transcription", "draft")
@@ -26,14 +26,11 @@ _DRAFT = ("a draft model runs inside its target's engine, configured through spe
 def check_runner_fields(runner: object, convert: object, task: object) -> None:
     """`ConfigError` naming the field for a value vLLM does not know, for runner='draft' and task='draft' (drafts are
     configured through speculative_config), for a convert the generate runner does not take, and for task given with
-    runner or convert (task is vLLM's deprecated spelling of them); `NotBuiltError` for convert='reward'."""
+    runner or convert (task is vLLM's deprecated spelling of them)."""
     check_choice("runner", runner, RUNNERS)
     if runner == "draft":
         raise ConfigError("runner", runner, f"'auto', 'generate' or 'pooling': {_DRAFT}")
     check_choice("convert", convert, CONVERTS)
-    if convert == "reward":
-        raise NotBuiltError("convert", convert, "the reward adapter (vLLM's as_reward_model: every prompt token's "
-                                                "hidden state; embed and classify are built)")
     if runner == "generate" and convert in POOLING_CONVERTS:
         raise ConfigError("convert", convert, "'auto' or 'none' with runner='generate' (embed, classify and reward "
                                               "adapt a model for runner='pooling', as vLLM's)")
@@ -42,8 +39,6 @@ def check_runner_fields(runner: object, convert: object, task: object) -> None:
     check_choice("task", task, TASKS)
     if task == "draft":
         raise ConfigError("task", task, f"another task: {_DRAFT}")
-    if task == "reward":
-        raise NotBuiltError("task", task, "the reward adapter (vLLM maps task='reward' to convert='reward')")
     if runner != "auto" or convert != "auto":
         raise ConfigError("task", task, f"None with runner={runner!r} / convert={convert!r}: task is vLLM's "
                                         "deprecated spelling of runner and convert; give those alone")

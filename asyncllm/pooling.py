@@ -11,7 +11,8 @@ with the step's output; the sampled token is dropped. docs/embeddings.md has the
 ``score`` head to that hidden state instead (docs/pooling.md). A per-token embedding request
 (``task="token_embed"``, vLLM's ALL pooling; `AsyncEngine.encode`) gets every prompt token's final hidden
 state, each truncated and normalized as an embedding is (`PoolingOutput`); a per-token classification
-(``task="token_classify"``) a classification model's ``score`` head applied to every prompt row.
+(``task="token_classify"``) a classification model's ``score`` head applied to every prompt row; on a reward model
+(``convert="reward"``, vLLM's ``as_reward_model``) every prompt row itself, or STEP pooling's rows and columns.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.outputs import RequestMetrics
 
 __all__ = ["PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "PoolingOutput",
-           "POOLING_TASKS", "POOLING_TYPES", "PER_TOKEN_TASKS", "check_pooler_config", "encode_params", "token_rows"]
+           "POOLING_TASKS", "POOLING_TYPES", "PER_TOKEN_TASKS", "REWARD_POOLING_TYPES", "check_pooler_config",
+           "check_step_fields", "encode_params", "token_rows"]
 
 POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 """What a pooling request returns: ``embed`` the hidden state, ``classify`` a classification model's logits,
@@ -41,34 +43,70 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 """How an embedding is made from the prompt's final hidden states: the last token's row, the mean of all rows, or
 the first token's row (docs/embeddings.md)."""
 
-_UNBUILT_POOLING_TYPES = ("ALL", "STEP")
+REWARD_POOLING_TYPES = ("ALL", "STEP")
+"""A reward model's pooling (``convert="reward"``, vLLM's ``as_reward_model``): every prompt row (ALL), or the rows of
+the step tag tokens, with the chosen columns (STEP: ``step_tag_id``, ``returned_token_ids``)."""
 _POOLER_KEYS = ("pooling_type", "normalize")
+_REWARD_POOLER_KEYS = ("step_tag_id", "returned_token_ids", "use_activation")
 _UNBUILT_POOLER_KEYS = ("dimensions", "enable_chunked_processing", "max_embed_len", "activation", "softmax",
-                        "step_tag_id", "returned_token_ids", "logit_bias", "use_activation")
+                        "logit_bias")
 
 
-def check_pooler_config(value: Any) -> None:
+def check_pooler_config(value: Any, reward: bool = False) -> None:
     """`ConfigError` unless ``value`` is None or a dict of vLLM ``PoolerConfig`` fields asyncllm applies
-    (``pooling_type`` one of `POOLING_TYPES`, ``normalize`` a bool); `NotBuiltError` for those it does not."""
+    (``pooling_type`` one of `POOLING_TYPES`, ``normalize`` a bool; for a reward model, ``reward``: ``pooling_type``
+    ALL or STEP, ``step_tag_id``, ``returned_token_ids`` and ``use_activation``); `NotBuiltError` for those it does
+    not."""
     if value is None:
         return
     if not isinstance(value, dict):
         raise ConfigError("pooler_config", value, "a dict of PoolerConfig fields (pooling_type, normalize), or None")
-    for key, item in value.items():
-        if key in _UNBUILT_POOLER_KEYS:
+    built = (*_POOLER_KEYS, *_REWARD_POOLER_KEYS) if reward else _POOLER_KEYS
+    for key in value:
+        if key in _UNBUILT_POOLER_KEYS or key in _REWARD_POOLER_KEYS and not reward:
             raise NotBuiltError("pooler_config", value, f"the pooler_config field {key!r} (built: "
-                                                        f"{', '.join(_POOLER_KEYS)})")
-        if key not in _POOLER_KEYS:
-            raise ConfigError("pooler_config", value, f"PoolerConfig fields ({', '.join(_POOLER_KEYS)}); "
-                                                      f"{key!r} is not one")
+                                                        f"{', '.join(built)}; step_tag_id, returned_token_ids and "
+                                                        "use_activation for convert='reward')")
+        if key not in built:
+            raise ConfigError("pooler_config", value, f"PoolerConfig fields ({', '.join(built)}); {key!r} is not one")
     kind = value.get("pooling_type")
-    if kind is not None:
-        if kind in _UNBUILT_POOLING_TYPES:
-            raise NotBuiltError("pooler_config", value, f"{kind} pooling (built: {', '.join(POOLING_TYPES)})")
+    if reward:
+        _check_reward_pooler(value)
+    elif kind is not None:
+        if kind in REWARD_POOLING_TYPES:
+            raise NotBuiltError("pooler_config", value, f"{kind} pooling (built: {', '.join(POOLING_TYPES)}; ALL and "
+                                                        "STEP for convert='reward')")
         if kind not in POOLING_TYPES:
             raise ConfigError("pooler_config", value, f"pooling_type one of {', '.join(POOLING_TYPES)}")
     if "normalize" in value and not isinstance(value["normalize"], bool):
         raise ConfigError("pooler_config", value, "normalize True or False")
+
+
+def _check_reward_pooler(value: dict[str, Any]) -> None:
+    kind = value.get("pooling_type")
+    if kind is not None and kind not in REWARD_POOLING_TYPES:
+        raise ConfigError("pooler_config", value, "pooling_type ALL or STEP for a reward model (convert='reward': "
+                                                  "one result per prompt token)")
+    if "normalize" in value:
+        raise ConfigError("pooler_config", value, "no normalize for a reward model (its rows are not embeddings)")
+    for key in ("step_tag_id", "returned_token_ids"):
+        if value.get(key) is not None and kind != "STEP":
+            raise ConfigError("pooler_config", value, f"{key} with pooling_type 'STEP' only (it picks the rows or "
+                                                      "columns STEP pooling returns)")
+    check_step_fields(value.get("step_tag_id"), value.get("returned_token_ids"),
+                      lambda message: ConfigError("pooler_config", value, message))
+    if value.get("use_activation") not in (None, True, False):
+        raise ConfigError("pooler_config", value, "use_activation True or False")
+
+
+def check_step_fields(step_tag_id: Any, returned_token_ids: Any, error: Any) -> None:
+    """``step_tag_id`` a token id (int >= 0) or None, ``returned_token_ids`` a non-empty list of column indices or
+    None; ``error(message)`` the exception to raise."""
+    if step_tag_id is not None and (not is_int(step_tag_id) or step_tag_id < 0):
+        raise error(f"step_tag_id a token id (an int >= 0), got {step_tag_id!r}")
+    if returned_token_ids is not None and (not isinstance(returned_token_ids, (list, tuple)) or not returned_token_ids
+                                           or not all(is_int(i) and i >= 0 for i in returned_token_ids)):
+        raise error(f"returned_token_ids a non-empty list of ints >= 0, got {returned_token_ids!r}")
 
 
 class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -87,18 +125,26 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     pooling_type: str = "LAST"
     """Set by the engine from the model's pooling (`POOLING_TYPES`; ``pooler_config`` or the checkpoint's
     sentence-transformers config), not by callers: which prompt rows make the embedding. ``"ALL"`` for the
-    `PER_TOKEN_TASKS` (every row, vLLM's ALL pooling)."""
+    `PER_TOKEN_TASKS` (every row, vLLM's ALL pooling); ``"STEP"`` for a reward model's ``token_classify`` (every row,
+    then ``step_tag_id`` / ``returned_token_ids`` and the activation in the worker: vLLM's StepPooler)."""
     token_type_start: int | None = None
     """Set by the engine for a `score` pair, not by callers: the prompt index where the tokenizer's
     ``token_type_ids`` turn 1 (the second text; vLLM's ``compressed_token_type_ids``). None: every token type 0."""
     use_activation: bool | None = None
     """``token_classify`` only (vLLM's): False returns the raw logits; None or True each token's through the model's
     activation (`classify`'s: softmax over the labels, sigmoid for one)."""
+    step_tag_id: int | None = None
+    """A reward model with STEP pooling only (vLLM's): keep the rows of the prompt tokens with this id; None: the
+    model's ``pooler_config`` value (None there: every row)."""
+    returned_token_ids: list[int] | None = None
+    """A reward model with STEP pooling only (vLLM's): keep these columns of each row (e.g. a process reward model's
+    good and bad tokens); None: the model's ``pooler_config`` value (None there: every column)."""
 
     def validate(self, hidden_size: int | None = None) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise InvalidRequestError("normalize", f"must be a bool or None, got {self.normalize!r}")
-        if self.pooling_type not in POOLING_TYPES and (self.pooling_type != "ALL" or self.task not in PER_TOKEN_TASKS):
+        if self.pooling_type not in POOLING_TYPES and (self.pooling_type != "ALL" or self.task not in PER_TOKEN_TASKS) \
+                and (self.pooling_type != "STEP" or self.task != "token_classify"):
             raise InvalidRequestError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got "
                                                       f"{self.pooling_type!r}")
         if self.task not in POOLING_TASKS:
@@ -111,6 +157,11 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
                                                 not isinstance(self.use_activation, bool)):
             raise InvalidRequestError("use_activation", "is true, false or None, for task 'token_classify' only, got "
                                                         f"{self.use_activation!r} for task {self.task!r}")
+        if self.step_tag_id is not None or self.returned_token_ids is not None:
+            if self.task != "token_classify":
+                raise InvalidRequestError("step_tag_id" if self.step_tag_id is not None else "returned_token_ids",
+                                          f"is for a reward model's task 'token_classify', not {self.task!r}")
+            check_step_fields(self.step_tag_id, self.returned_token_ids, _step_error)
         if self.dimensions is None:
             return
         if not is_int(self.dimensions) or self.dimensions < 1:
@@ -118,6 +169,11 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
         if hidden_size is not None and self.dimensions > hidden_size:
             raise InvalidRequestError("dimensions", f"is {self.dimensions}, but the model's embeddings have "
                                                     f"{hidden_size} features")
+
+
+def _step_error(message: str) -> InvalidRequestError:
+    field, text = message.split(" ", 1)
+    return InvalidRequestError(field, f"must be {text}")
 
 
 ENCODE_TASKS = ("embed", "token_embed", "token_classify")
@@ -142,8 +198,11 @@ def encode_params(pooling_task: Any, pooling_params: PoolingParams | None) -> Po
 def token_rows(flat: list[float], num_tokens: int) -> list[list[float]]:
     """A ``token_embed`` result's embeddings, one per prompt token, from the worker's ``num_tokens`` rows of floats
     one after the other."""
+    if num_tokens == 0:  # STEP pooling of a prompt without the step tag
+        assert not flat, len(flat)
+        return []
     width, extra = divmod(len(flat), num_tokens)
-    assert num_tokens > 0 and not extra, (len(flat), num_tokens)
+    assert not extra, (len(flat), num_tokens)
     return [flat[i * width : (i + 1) * width] for i in range(num_tokens)]
 
 

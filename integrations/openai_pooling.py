@@ -79,6 +79,8 @@ def model_pooling_tasks(engine: AsyncEngine) -> tuple[str, ...]:
     """The tasks vLLM serves for the engine's (started) model, its own first: a classification model's, or an
     embedding model's (asyncllm's causal LMs embed too)."""
     assert engine.pooling_model is not None, "set by start"
+    if engine.pooling_model.reward is not None:  # convert='reward': per-token rows only (vLLM's as_reward_model)
+        return ("token_classify",)
     if engine.pooling_model.classifier is not None:
         return ("classify", "score", "token_classify")
     return ("embed", "token_embed")

@@ -14,7 +14,8 @@ instead: its logits, in float32 (asyncllm/models/classifier.py). A per-token
 request (``task="token_embed"``, ALL pooling) keeps every prompt row of its
 chunks and returns them all, each projected, truncated and normalized as an
 embedding is: ``prompt_len * dimensions`` float32s, in prompt order
-(``token_classify``: each row through the score head, ``prompt_len * num_labels``).
+(``token_classify``: each row through the score head, ``prompt_len * num_labels``; on a reward model,
+``convert="reward"``, the rows themselves, STEP's rows and columns, through the activation: `Pooler._reward`).
 """
 
 from __future__ import annotations
@@ -45,14 +46,20 @@ class Pooler:
         self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
         """MEAN / CLS requests: the float32 sum of their prompt rows so far (CLS: the first row) and the row count."""
         self.rows: dict[str, list[torch.Tensor]] = {}
-        """ALL (``token_embed``, ``token_classify``) requests: their prompt rows so far, one tensor per chunk."""
+        """ALL (``token_embed``, ``token_classify``) and STEP (a reward model's) requests: their prompt rows so far, one
+        tensor per chunk."""
+        self.step_tokens: dict[str, list[int]] = {}
+        """A reward model's STEP requests with a ``step_tag_id``: their prompt's token ids (which rows to keep)."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         self.requests.update_states(sched_out)
         for req_id in sched_out.finished_req_ids:
             self.pooled.pop(req_id, None)
             self.rows.pop(req_id, None)
+            self.step_tokens.pop(req_id, None)
         for new in sched_out.new_reqs:  # (re)started from its first token: recomputes every row
+            if new.pooling is not None and new.pooling.step_tag_id is not None:
+                self.step_tokens[new.req_id] = list(new.token_ids)
             if new.num_computed_tokens == 0:
                 self.pooled.pop(new.req_id, None)
                 self.rows.pop(new.req_id, None)
@@ -69,7 +76,7 @@ class Pooler:
             if params is None or params.pooling_type == "LAST":
                 continue
             rows = hidden[query_start_loc[i] : query_start_loc[i + 1]]
-            if params.pooling_type == "ALL":  # a copy (the step's hidden buffer may be reused), in the model dtype
+            if params.pooling_type in ("ALL", "STEP"):  # a copy (the step's buffer may be reused), in the model dtype
                 self.rows.setdefault(req_id, []).append(rows.clone())
                 continue
             rows = rows.float()
@@ -101,13 +108,34 @@ class Pooler:
             if params is None:
                 continue
             hidden = selected[row]
-            if params.pooling_type == "ALL":  # token_embed / token_classify: every prompt row, one result each
+            if params.pooling_type in ("ALL", "STEP"):  # token_embed / token_classify: every prompt row, one each
                 hidden = torch.cat(self.rows.pop(req_id))
             elif params.pooling_type != "LAST":  # MEAN / CLS embeddings; an encoder classifier's CLS row
                 total, count = self.pooled.pop(req_id)
                 hidden = total / count
-            out[req_id] = self._pool(params, hidden).cpu().numpy().astype("<f4").tobytes()
+            if params.pooling_type == "STEP":  # a reward model's rows: through its head where it has one
+                rows = hidden if self.classifier is None else self.classifier(hidden)
+                pooled = self._reward(params, rows, self.step_tokens.pop(req_id, None))
+            else:
+                pooled = self._pool(params, hidden)
+            out[req_id] = pooled.cpu().numpy().astype("<f4").tobytes()
         return out
+
+    @staticmethod
+    def _reward(params: PoolingParams, hidden: torch.Tensor, tokens: list[int] | None) -> torch.Tensor:
+        """A reward model's rows (vLLM's StepPooler; ALL without ``step_tag_id`` and ``returned_token_ids``): every
+        prompt row (as_reward_model's hidden state, or a reward head's logits) in float32, the columns
+        ``returned_token_ids`` and the rows of the ``step_tag_id`` tokens, then the activation (softmax over each
+        row, sigmoid for one column) unless ``use_activation`` is False."""
+        scores = hidden.float()
+        if params.returned_token_ids:
+            scores = scores[:, list(params.returned_token_ids)]
+        if params.step_tag_id is not None and tokens is not None:
+            ids = torch.tensor(tokens[: scores.shape[0]], device=scores.device)
+            scores = scores[ids == params.step_tag_id]
+        if params.use_activation is False:
+            return scores
+        return torch.sigmoid(scores) if scores.shape[-1] < 2 else torch.softmax(scores, dim=-1)
 
     def _pool(self, params: PoolingParams, hidden: torch.Tensor) -> torch.Tensor:
         if params.task in ("classify", "token_classify"):

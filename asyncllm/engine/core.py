@@ -86,7 +86,7 @@ class EngineCore:
         available = self.executor.start()
         self.mm_cache.piece_merge = self.executor.mm_piece_merge
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
-        self.tasks = served_tasks(self.executor.served_architectures, config.runner)
+        self.tasks = served_tasks(self.executor.served_architectures, config.runner, config.convert)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         self.config = config = served_config(config, self.num_gpu_blocks, auto_fit,  # vLLM's -1
                                                    self.executor.kv_budget_field)

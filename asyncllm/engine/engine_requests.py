@@ -166,7 +166,8 @@ class EngineRequests:
         """vLLM's ``LLM.encode``: the pooler's output for `pooling_task` (required): ``"token_embed"`` one embedding
         per prompt token (every token's final hidden state, normalized and cut to ``dimensions`` as `embed`'s;
         vLLM's ALL pooling), ``"token_classify"`` a classification model's probabilities per prompt token (its score
-        head on every row, through `classify`'s activation unless ``use_activation=False``), ``"embed"`` `embed`'s
+        head on every row, through `classify`'s activation unless ``use_activation=False``; a reward model's rows,
+        docs/pooling.md#reward-models), ``"embed"`` `embed`'s
         vector (docs/pooling.md#per-token-pooling-token_embed-token_classify).
         Scheduled as `embed` is, without prefix-cache hits for the per-token tasks; other options as for `embed`."""
         pooling = encode_params(pooling_task, pooling_params)
@@ -175,13 +176,9 @@ class EngineRequests:
         collector = await self._pool(prompt, options, truncate_prompt_tokens)
         assert collector.embedding is not None, collector
         data = collector.embedding
-        if pooling.task in PER_TOKEN_TASKS:
-            data = token_rows(data, len(collector.prompt_token_ids))
-        if pooling.task == "token_classify" and pooling.use_activation is not False:
-            from asyncllm.engine.pooling_model import activate
-
-            assert self.pooling_model is not None and self.pooling_model.classifier is not None, "checked on submit"
-            data = [activate(row, self.pooling_model.classifier.classify_activation) for row in data]
+        if pooling.task in PER_TOKEN_TASKS:  # rows, activated (token_classify): `PoolingModel.token_rows`
+            data = token_rows(data, len(collector.prompt_token_ids)) if self.pooling_model is None else \
+                self.pooling_model.token_rows(pooling, data, collector.prompt_token_ids)
         return PoolingOutput(collector.request_id, collector.prompt_token_ids, data, collector.metrics,
                              collector.num_cached_tokens)
 

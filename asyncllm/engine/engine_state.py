@@ -75,10 +75,13 @@ class EngineState:
         classifier's ``("classify", "score", "token_classify")`` (an encoder classifier's without the last), an
         encoder's ``("embed", "token_embed")``, a causal LM's
         ``("generate", "embed", "token_embed")`` (asyncllm's causal LMs embed too; ``("generate",)`` with
-        runner='generate', ``("embed", "token_embed")`` with runner='pooling'), a speech-to-text model's with
+        runner='generate', ``("embed", "token_embed")`` with runner='pooling'), a reward model's (convert='reward')
+        ``("token_classify",)``, a speech-to-text model's with
         ``"transcription"``. ``token_embed``: per-token embeddings (`encode`), served wherever ``embed`` is."""
         await self.start()
         model = self.pooling_model
+        if model is not None and model.reward is not None:  # convert='reward': vLLM's as_reward_model's one task
+            return ("token_classify",)
         if model is not None and model.classifier is not None:  # token_classify: decoder classifiers' heads only
             return ("classify", "score") if model.architecture in ENCODER_ARCHITECTURES else \
                 ("classify", "score", "token_classify")

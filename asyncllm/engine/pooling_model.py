@@ -1,7 +1,9 @@
 """What the served model does, read from its config on the host: `PoolingModel` (torch-free).
 
 A causal LM generates and embeds; a bare decoder (``LlamaModel`` & co.) embeds
-only; a ``*ForSequenceClassification`` checkpoint classifies and scores only.
+only; a ``*ForSequenceClassification`` checkpoint classifies and scores only; a
+reward model (``convert="reward"``, the Qwen2 reward architectures) serves
+``token_classify`` only (`RewardPooling`, asyncllm/engine/reward_pooling.py).
 The processor thread refuses any other request by name before tokenizing it
 (`PoolingModel.check`). A classifier's `ClassifierHead` holds what the host
 needs to turn its logits into vLLM's outputs: the label names, the activations
@@ -22,11 +24,14 @@ from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
+    REWARD_ARCHITECTURES,
 )
 from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
-from asyncllm.pooling import PoolingParams
+from asyncllm.engine.reward_pooling import RewardPooling
+from asyncllm.pooling import PoolingParams, token_rows
 
-__all__ = ["ClassifierHead", "Matryoshka", "MatryoshkaRefusal", "PoolingModel", "lowercases", "lowered",
+__all__ = ["ClassifierHead", "Matryoshka", "MatryoshkaRefusal", "PoolingModel", "RewardPooling", "lowercases",
+           "lowered",
            "pooling_model_of", "sentence_transformers_config", "sentence_transformers_normalize",
            "sentence_transformers_pooling"]
 
@@ -171,12 +176,22 @@ class PoolingModel:
     runner: str = "auto"
     """The engine's resolved ``runner`` (asyncllm/engine/runner.py): generate refuses pooling requests, pooling
     refuses generation; auto takes what the architecture serves."""
+    reward: RewardPooling | None = None
+    """Set for a reward model (``convert="reward"``): it serves ``token_classify`` only."""
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
         classification request's with the pooling type (an encoder's head reads the CLS row)."""
         if pooling is None:
             return pooling
+        if self.reward is not None:  # token_classify only (`check`)
+            reward, step = self.reward, self.reward.pooling_type == "STEP"
+            return msgspec.structs.replace(
+                pooling, pooling_type="STEP", token_type_start=None,  # the worker's reward rows (workers/pooler.py)
+                use_activation=reward.use_activation if pooling.use_activation is None else pooling.use_activation,
+                step_tag_id=reward.step_tag_id if step and pooling.step_tag_id is None else pooling.step_tag_id,
+                returned_token_ids=list(reward.returned_token_ids or ()) or None if step and
+                pooling.returned_token_ids is None else pooling.returned_token_ids)
         if pooling.task == "classify":  # token_type_start: set for a score pair only, when it is tokenized
             return msgspec.structs.replace(pooling, pooling_type=self.pooling_type, token_type_start=None)
         if pooling.task == "token_classify":  # the score head on every prompt row
@@ -190,6 +205,24 @@ class PoolingModel:
         ``dimensions`` is a `MatryoshkaRefusal`."""
         task = "generate" if pooling is None else pooling.task
         arch = self.architecture
+        for name in ("step_tag_id", "returned_token_ids"):
+            if getattr(pooling, name, None) is not None and (self.reward is None or
+                                                             self.reward.pooling_type != "STEP"):
+                valid = ["dimensions", "normalize"] if task in ("embed", "token_embed") else ["use_activation"]
+                raise InvalidRequestError(name, f"Task {task} only supports {valid} parameters, does not support "
+                                                f"[{name!r}] parameters (vLLM's words: {name} is for a reward model "
+                                                "with pooler_config pooling_type 'STEP')")
+        if self.reward is not None:
+            if pooling is not None and self.reward.out_of_range(pooling.returned_token_ids):
+                raise InvalidRequestError("returned_token_ids", f"must index the rows' {self.reward.width} columns "
+                                                                "(the hidden size; a reward head's outputs), got "
+                                                                f"{pooling.returned_token_ids}")
+            if task != "token_classify":
+                raise InvalidRequestError("prompt" if task == "generate" else "model",
+                                          f"this engine serves {arch} as a reward model: it "
+                                          f"serves token_classify only, not {task} (encode(prompt, "
+                                          "pooling_task='token_classify'), or /pooling)")
+            return
         if self.runner == "generate" and task != "generate":
             raise InvalidRequestError("model", f"this engine runs {arch} with runner='generate': it serves generation "
                                                f"only, not {task} requests (start it with runner='pooling' for those)")
@@ -213,6 +246,20 @@ class PoolingModel:
                                                 "embed() or /v1/embeddings")
         elif task in ("embed", "token_embed") and pooling.dimensions is not None:
             (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
+
+    def token_rows(self, pooling: PoolingParams, flat: list[float], prompt_token_ids: list[int]) -> list[list[float]]:
+        """A per-token request's rows from the worker's floats (`pooling` as the request gave it): one per prompt
+        token (a reward model's STEP: one per step tag), a classifier's through `classify`'s activation unless
+        ``use_activation`` is False (a reward model's rows come activated from the worker)."""
+        if self.reward is not None:
+            applied = self.apply(pooling)
+            assert applied is not None
+            return token_rows(flat, self.reward.num_rows(applied, prompt_token_ids))
+        rows = token_rows(flat, len(prompt_token_ids))
+        if pooling.task != "token_classify" or pooling.use_activation is False:
+            return rows
+        assert self.classifier is not None, "checked on submit"
+        return [activate(row, self.classifier.classify_activation) for row in rows]
 
     def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None
                     ) -> tuple[list[int], int | None]:
@@ -281,12 +328,16 @@ def sentence_transformers_pooling(path: str | None) -> str | None:
 
 def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
                      pooler_config: dict[str, Any] | None = None, matryoshka: Matryoshka | None = None,
-                     runner: str = "auto") -> PoolingModel:
+                     runner: str = "auto", convert: str = "auto") -> PoolingModel:
     """What ``architecture`` serves; a classifier's head from its config (`NotBuiltError` for an activation
     asyncllm does not apply); embeddings' pooling from ``pooler_config``, else the checkpoint folder's
     sentence-transformers config, else LAST (a causal LM's: vLLM's as_embedding_model's LAST, normalized); `runner`:
-    the engine's resolved runner."""
+    the engine's resolved runner; `convert` its resolved convert (reward: a `RewardPooling`)."""
     pooler = pooler_config or {}
+    if convert == "reward" or architecture in REWARD_ARCHITECTURES:  # runner.py refuses it on the others
+        return PoolingModel(architecture, False, None, "ALL", False, None,
+                            bool(sentence_transformers_config(path).get("do_lower_case", False)), runner,
+                            RewardPooling.of(architecture, pooler, getattr(hf_config, "hidden_size", None)))
     normalize = pooler.get("normalize")
     normalize = sentence_transformers_normalize(path) if normalize is None else bool(normalize)
     lower = bool(sentence_transformers_config(path).get("do_lower_case", False))

@@ -32,6 +32,7 @@ from asyncllm.models.architectures import (
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
+    REWARD_ARCHITECTURES,
     architecture_of,
     max_positions,
     serves_text_only,
@@ -191,7 +192,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
                     default_sampling_fields(sampling_fields_of(config.generation_config, generation),
                                             config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config,
-                                     Matryoshka.of(hf_config, config.model), resolved.runner),
+                                     Matryoshka.of(hf_config, config.model), resolved.runner, resolved.convert),
                     _embeds_width(config, arch, multimodal, text_config),
                     SuppressedTokens.of(generation, text_config.vocab_size, source_of(config.generation_config, path)))
 
@@ -244,9 +245,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ENCODER_ARCHITECTURES + ("LongcatFlashForCausalLM",)
-"""The encoders take no adapters, nor LongCat-Flash (its two attention blocks per layer: not built). The state-space
-models without attention (Mamba, Falcon Mamba, Mamba2) take them
+_NO_LORA = ENCODER_ARCHITECTURES + REWARD_ARCHITECTURES + ("LongcatFlashForCausalLM",)
+"""The encoders and the reward models' own classes take no adapters (not built), nor LongCat-Flash (its two attention
+blocks per layer: not built). The state-space models without attention (Mamba, Falcon Mamba, Mamba2) take them
 on their mixers' projections (``in_proj``, ``out_proj``; Mamba's ``x_proj``, ``dt_proj`` too: asyncllm/models/mamba.py).
 Every other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused

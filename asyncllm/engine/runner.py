@@ -12,7 +12,12 @@ from typing import Any
 
 from asyncllm.config_runner import POOLING_CONVERTS
 from asyncllm.errors import ConfigError
-from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
+from asyncllm.models.architectures import (
+    CLASSIFICATION_ARCHITECTURES,
+    EMBEDDING_ARCHITECTURES,
+    ENCODER_ARCHITECTURES,
+    REWARD_ARCHITECTURES,
+)
 
 __all__ = ["TASK_DEPRECATION", "resolve_runner", "task_runner"]
 
@@ -51,7 +56,7 @@ def resolve_runner(config: Any, arch: str) -> dict[str, Any]:
         warnings.warn(message, DeprecationWarning, stacklevel=2)
         field = "task"
     classifier = arch in CLASSIFICATION_ARCHITECTURES
-    pooling_model = classifier or arch in EMBEDDING_ARCHITECTURES
+    pooling_model = classifier or arch in EMBEDDING_ARCHITECTURES or arch in REWARD_ARCHITECTURES
     if runner == "auto" and (pooling_model or convert in POOLING_CONVERTS):
         runner = "pooling"
         logger.info("Resolved `--runner auto` to `--runner pooling`. Pass the value explicitly to silence this "
@@ -70,6 +75,15 @@ def resolve_runner(config: Any, arch: str) -> dict[str, Any]:
                           "as_seq_cls_model on it; serve a *ForSequenceClassification checkpoint, or this one "
                           "with hf_overrides {'architectures': ['<Family>ForSequenceClassification'], "
                           "'classifier_from_token': [...]} (docs/pooling.md)")
+    if convert == "reward" and (classifier or arch in ENCODER_ARCHITECTURES):
+        raise ConfigError(field if field == "task" else "convert", config.task or convert,
+                          f"'auto' or 'none' for {arch}: it pools with its own head or pooler (vLLM's as_reward_model "
+                          "leaves such a model unchanged); convert='reward' adapts a causal LM or a bare decoder "
+                          "(docs/pooling.md#reward-models)")
+    if convert in ("embed", "classify") and arch in REWARD_ARCHITECTURES:
+        raise ConfigError(field if field == "task" else "convert", config.task or convert,
+                          f"'auto', 'none' or 'reward' for {arch}: a reward model serves token_classify only "
+                          "(docs/pooling.md#reward-models)")
     if convert == "embed" and classifier:
         raise ConfigError(field if field == "task" else "convert", config.task or convert,
                           f"'auto', 'none' or 'classify' for {arch}: a classifier serves classification and scores, "

@@ -19,7 +19,7 @@ from typing import Any
 from asyncllm import protocol
 from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
-from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
+from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, REWARD_ARCHITECTURES
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -302,14 +302,18 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
                                                        "or a stop token while min_tokens holds): none is left to sample")
 
 
-def served_tasks(architectures: Sequence[str] | None, runner: str = "auto") -> frozenset[str] | None:
+def served_tasks(architectures: Sequence[str] | None, runner: str = "auto",
+                 convert: str = "auto") -> frozenset[str] | None:
     """What a model of these ``architectures`` (its config's, as the workers serve it) serves ("generate", "embed",
-    "classify") under the config's resolved ``runner`` (generate: generation only; pooling: no generation), as
+    "classify"; a reward model's, ``convert="reward"``: "token_classify" only) under the config's resolved ``runner``
+    (generate: generation only; pooling: no generation), as
     `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner without a config):
     then requests are not checked against it."""
     if architectures is None:
         return None
     architectures = list(architectures) or [None]
+    if convert == "reward" or architectures[0] in REWARD_ARCHITECTURES:  # docs/pooling.md#reward-models
+        return frozenset({"token_classify"})
     if architectures[0] in CLASSIFICATION_ARCHITECTURES:
         return frozenset({"classify"})
     if architectures[0] in EMBEDDING_ARCHITECTURES:  # no LM head
@@ -322,7 +326,8 @@ def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> 
     """A classification on a model without a score head would end its workers; the host refuses what the model does
     not serve (`PoolingModel.check`), and so does the core."""
     task = "generate" if pooling is None else pooling.task
-    served = {"token_embed": "embed", "token_classify": "classify"}.get(task, task)  # per-token: as per prompt
+    served = task if tasks is not None and task in tasks else \
+        {"token_embed": "embed", "token_classify": "classify"}.get(task, task)  # per-token: as per prompt
     if tasks is not None and served not in tasks:
         raise InvalidRequestError("prompt" if pooling is None else "model",  # as the host (`PoolingModel.check`)
                                   f"this model serves {' and '.join(sorted(tasks))} requests only, not {task}")

@@ -16,6 +16,7 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
+           "REWARD_ARCHITECTURES",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -145,8 +146,11 @@ CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSeq
                                 *ENCODER_CLASSIFIER_ARCHITECTURES)
 """Decoders with a ``score`` head over the last token (classifiers, reward models, cross-encoders): they serve
 classification and scores only (docs/pooling.md)."""
+REWARD_ARCHITECTURES = ("Qwen2ForRewardModel", "Qwen2ForProcessRewardModel")
+"""Reward models with their own head on every prompt row (asyncllm/models/reward.py): they serve ``token_classify``
+only, vLLM's ALL (the reward model) and STEP (the process reward model) pooling (docs/pooling.md#reward-models)."""
 SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
-                           + CLASSIFICATION_ARCHITECTURES)
+                           + CLASSIFICATION_ARCHITECTURES + REWARD_ARCHITECTURES)
 
 
 ARCHITECTURE_ALIASES = {"LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration"}

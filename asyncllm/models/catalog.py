@@ -10,7 +10,8 @@ import pathlib
 
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
-    MULTIMODAL_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
+    MULTIMODAL_ARCHITECTURES, REWARD_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
+    TEXT_ONLY_CAPABLE_ARCHITECTURES,
 )
 
 __all__ = ["markdown", "rows"]
@@ -33,6 +34,8 @@ def _kind(arch: str) -> str:
         return "embedding"
     if arch in CLASSIFICATION_ARCHITECTURES:
         return "classification"
+    if arch in REWARD_ARCHITECTURES:
+        return "reward"
     if arch in STATE_SPACE_ARCHITECTURES:
         return "state-space (no attention)"
     kind = "hybrid" if arch in HYBRID_ARCHITECTURES else "text"
@@ -43,7 +46,8 @@ def _doc(arch: str) -> str:
     """The doc that describes ``arch`` (the first whose text names it in backticks), as a relative link."""
     if arch in _GENERAL:
         return _GENERAL[arch]
-    by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md"}
+    by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md",
+               "reward": "pooling.md"}
     kind = _kind(arch).split(" (")[0].removesuffix(", experts")
     if kind in by_kind:
         return by_kind[kind]

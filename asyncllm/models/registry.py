@@ -244,6 +244,8 @@ _MODELS = LazyClasses({
     "MistralForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
     "Qwen2ForSequenceClassification": ("classifier:sequence_classifier", "qwen2:Qwen2ForCausalLM"),
     "Qwen3ForSequenceClassification": ("classifier:sequence_classifier", "qwen3:Qwen3ForCausalLM"),
+    "Qwen2ForRewardModel": ("reward:qwen2_reward_model", "qwen2:Qwen2ForCausalLM"),
+    "Qwen2ForProcessRewardModel": ("reward:qwen2_process_reward_model", "qwen2:Qwen2ForCausalLM"),
 })
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
