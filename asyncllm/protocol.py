@@ -166,6 +166,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Woken after a level-2 sleep with no `UpdateWeights` since: no step runs until one succeeds."""
     preempted_prefix_cache_hits: int = 0
     """Tokens preempted requests found again in the prefix cache at their readmission (not in `prefix_cache_hits`)."""
+    host_samples_queued: int = 0
+    """Per host (each host's `Outputs` carry its own): the samples (`AddRequest.num_samples`) of the requests of this
+    host the core queued or parked so far, counted from 0 by each core process; its admission estimate counts its
+    submissions past them (asyncllm/engine/admission.py)."""
 
     @property
     def kv_cache_usage(self) -> float:

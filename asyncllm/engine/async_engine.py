@@ -152,7 +152,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         observer = self._observer if index == 0 else RequestObserver(config.model, self.metrics_registry)
         if config.data_parallel_size > 1:
             observer.stats.engine_index = index  # Prometheus labels its series engine="<index>" (else "0")
-        admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
+        admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens, observer.stats)
         name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
         restart = weakly(self._restart_replica)  # a running core's supervisor must not keep us alive
         # None once we are collected: nothing to restart (our finalizer stops the replicas)
@@ -367,6 +367,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
                                            options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
                                      logprobs=params.logprobs is not None, admitted=admitted, accepted=accepted)
+        admitted.track(collector)  # ended (aborted, say) before the core queued it: un-counted (admission.py)
         self._replicas.placed(replica, collector)
         self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))

@@ -127,8 +127,7 @@ class EngineCore:
         while self._running:
             in_flight = self.overlap is not None and self.overlap.in_flight
             runnable = self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps
-            has_work = in_flight or runnable
-            changed = self._drain_inbox(block=not has_work)
+            changed = self._drain_inbox(block=not (in_flight or runnable))  # idle: wait for a message
             if not self._running:
                 break
             changed |= self._drop_dead_clients()  # one clock comparison between checks
@@ -202,10 +201,11 @@ class EngineCore:
         stats.sleep_level, stats.awaiting_weights = self.sleep.sleep_level, self.sleep.awaiting_weights
         if self.structured.pending:  # requests waiting for their grammar wait too
             stats.num_requests_waiting += len(self.structured.pending)
-        now = time.time()
+        now, queued = time.time(), self.samples.queued
         for client_id in self.clients:
             token_req_ids, token_ids = tokens.get(client_id, ([], []))
             deltas, token_req_ids = host_outputs(client_id, per_client.get(client_id, []), token_req_ids)
+            stats.host_samples_queued = queued.get(client_id, 0)  # its own (encoded now, by `send`)
             self.io.send(client_id, protocol.Outputs(deltas, stats, now,
                                                      stats_reporter=client_id == self.stats_reporter,
                                                      token_req_ids=token_req_ids, token_ids=token_ids))

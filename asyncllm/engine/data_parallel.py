@@ -77,7 +77,8 @@ def replica_env(devices: list[list[str]] | None, index: int) -> dict[str, str] |
 def load_score(stats: SchedulerStats, num_waiting: int) -> int:
     """``4 x waiting + running`` (vLLM's DP load balancer): `stats` is the replica's core's latest snapshot,
     `num_waiting` the host's estimate of its waiting requests (`HostAdmission.num_waiting`: the snapshot's plus the
-    core requests sent since it arrived, less those that failed since: refused, they never queued)."""
+    requests sent to the core that its ``host_samples_queued`` does not count yet, less those that failed: refused,
+    they never queued)."""
     return WAITING_WEIGHT * num_waiting + stats.num_requests_running
 
 

@@ -58,6 +58,9 @@ class SampleGroups:
         """Sample 0s (n > 1) refused for a processor-cache miss: their host resends each after all its siblings."""
         self._resent: set[str] = set()
         """Resent ones (`_missed`) come again, being added or parked for their grammar: no sibling is to come."""
+        self.queued: dict[bytes, int] = {}
+        """Each host's samples (`Request.num_samples`) queued or parked so far: its `SchedulerStats.host_samples_queued`
+        (asyncllm/engine/admission.py)."""
 
     def check(self, key: str) -> None:
         """A sample arrives: raise the error of its sample 0, if that was refused."""
@@ -78,6 +81,7 @@ class SampleGroups:
         else:
             self._core.scheduler.add_request(request)
             self._resent.discard(request.request_id)
+        self.queued[request.client_id] = self.queued.get(request.client_id, 0) + request.num_samples
 
     def admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """Queue the requests whose grammar is ready; error deltas for those that failed or timed out."""
@@ -105,6 +109,7 @@ class SampleGroups:
                 self._resent.discard(key)
 
     def forget_client(self, client_id: bytes) -> None:
+        self.queued.pop(client_id, None)
         tag = host_tag(client_id)
         self._refused = {key: exc for key, exc in self._refused.items() if not key.startswith(tag)}
         self._missed = {key for key in self._missed if not key.startswith(tag)}

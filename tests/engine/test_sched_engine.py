@@ -4,7 +4,6 @@ is, admission control on the host and in the core, and KV-cache sizing errors at
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import httpx
@@ -52,23 +51,15 @@ async def _wait_for(engine: AsyncEngine, predicate, timeout: float = 30.0) -> No
         await asyncio.sleep(0.01)
 
 
-@contextlib.contextmanager
-def _estimate_frozen(engine: AsyncEngine):
-    """Inside, the host's admission estimate counts from the snapshot it has now: a snapshot arriving meanwhile but
-    taken before the core received the requests sent since resets their count (the estimate's documented lag,
-    asyncllm/engine/admission.py), which let a request the estimate refuses reach the core, refused there in the
-    core's words instead (a flaky test, about 1 run in 10 on an idle machine)."""
-    replica = engine._replicas.replicas[0]
-    frozen, admit = replica.observer.stats.scheduler, replica.admission.admit
-    replica.admission.admit = lambda stats, *args, **kwargs: admit(frozen, *args, **kwargs)
-    try:
-        yield
-    finally:
-        del replica.admission.admit
-
-
 async def _wait_idle(engine: AsyncEngine) -> None:
     await _wait_for(engine, lambda s: s.num_requests_running == s.num_requests_waiting == s.num_used_blocks == 0)
+
+
+def _counts_nothing_of_its_own(engine: AsyncEngine) -> bool:
+    """Idle, the host's estimate is the core's snapshot alone: each request it counted left the count, as a snapshot's
+    `host_samples_queued` passed it or as it failed (asyncllm/engine/admission.py)."""
+    replica = engine._replicas.replicas[0]
+    return replica.admission.num_waiting(replica.observer.stats.scheduler) == 0
 
 
 async def _start_long(engine: AsyncEngine):
@@ -155,9 +146,7 @@ async def test_a_request_times_out_while_decoding(engine: AsyncEngine, step_s: f
 async def test_the_host_refuses_past_max_num_queued_requests_before_tokenizing(engine: AsyncEngine) -> None:
     long = await _start_long(engine)
     waiting = [asyncio.ensure_future(engine.generate([5, 6], GREEDY)) for _ in range(2)]
-    # the core's snapshot counts them: a snapshot taken before the core received them (it resets the host's count of
-    # requests sent since, docs/reliability.md) can no longer let the third reach the core
-    await _wait_for(engine, lambda s: s.num_requests_waiting == 2)
+    await asyncio.sleep(0)  # both admitted: counted by the host until a snapshot counts them (whenever it was taken)
     # "about": the host's estimate refused it in _submit, before the processor thread saw it
     with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 2 requests"):
         await engine.generate("never tokenized", GREEDY)
@@ -178,6 +167,7 @@ async def test_the_core_refuses_past_max_num_queued_tokens(engine: AsyncEngine) 
     await long.aclose()
     assert len((await queued).token_ids) == 8
     await _wait_idle(engine)
+    assert _counts_nothing_of_its_own(engine)  # the refused one too
 
 
 async def test_an_idle_engine_takes_n_samples_past_max_num_queued_requests(engine: AsyncEngine) -> None:
@@ -186,6 +176,7 @@ async def test_an_idle_engine_takes_n_samples_past_max_num_queued_requests(engin
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, n=4)
     assert [len(o.token_ids) for o in (await engine.generate([5, 6, 7], params)).outputs] == [2, 2, 2, 2]
     await _wait_idle(engine)
+    assert _counts_nothing_of_its_own(engine)  # its 4 samples, counted at once by the core as by the host
 
 
 async def test_requests_the_host_refuses_leave_an_idle_engine_admitting(engine: AsyncEngine) -> None:
@@ -218,11 +209,10 @@ async def test_a_busy_engine_refuses_a_group_past_max_num_queued_requests(engine
     long = await _start_long(engine)
     waiting = asyncio.ensure_future(engine.generate([5, 6], GREEDY))
     await _wait_for(engine, lambda s: s.num_requests_waiting == 1)
-    with _estimate_frozen(engine):
-        with admission_group():  # 1 waiting + the group's 2 requests pass the limit: refused (its second one)
-            first, second = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(2)]
-        with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 2 requests"):
-            await second
+    with admission_group():  # 1 waiting + the group's 2 requests pass the limit: refused (its second one)
+        first, second = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(2)]
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 2 requests"):
+        await second
     await long.aclose()
     assert len((await first).token_ids) == len((await waiting).token_ids) == 8
     await _wait_idle(engine)
@@ -234,16 +224,16 @@ async def test_a_group_on_a_busy_seat_passes_the_limit_by_its_size_only(engine: 
     of no group is refused as ever once 2 wait."""
     long = await _start_long(engine)
     await _wait_for(engine, lambda s: s.num_requests_waiting == 0)
-    with _estimate_frozen(engine):
-        with admission_group(2):
-            tasks = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(5)]
-        with pytest.raises(EngineOverloadedError, match=r"=2 \(its admission group may pass it by 2\): about 4 "):
-            await tasks[4]
-        with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 4 requests"):
-            await engine.generate([5, 6], GREEDY)
+    with admission_group(2):
+        tasks = [asyncio.ensure_future(engine.generate(_prompt(3, i), GREEDY)) for i in range(5)]
+    with pytest.raises(EngineOverloadedError, match=r"=2 \(its admission group may pass it by 2\): about 4 requests"):
+        await tasks[4]
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 4 requests"):
+        await engine.generate([5, 6], GREEDY)
     await long.aclose()
     assert [len((await task).token_ids) for task in tasks[:4]] == [8] * 4
     await _wait_idle(engine)
+    assert _counts_nothing_of_its_own(engine)
 
 
 async def test_the_server_admits_a_requests_prompts_together(engine: AsyncEngine) -> None:

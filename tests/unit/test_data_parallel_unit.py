@@ -60,7 +60,7 @@ def test_too_few_devices_is_a_config_error(monkeypatch) -> None:
     assert info.value.field == "data_parallel_size" and "4 CUDA devices, but 3 are visible" in str(info.value)
 
 
-def test_the_score_counts_waiting_four_times_and_what_was_sent_since_the_snapshot() -> None:
+def test_the_score_counts_waiting_four_times_and_what_the_snapshot_does_not_count_yet() -> None:
     admission = HostAdmission(None, None)  # no queue limit: it still counts for the balancer
 
     def score(stats: SchedulerStats) -> int:
@@ -70,7 +70,8 @@ def test_the_score_counts_waiting_four_times_and_what_was_sent_since_the_snapsho
     assert score(snapshot) == 4 * 1 + 3
     admission.admit(snapshot, "x", chat=False, num_samples=2)
     assert score(snapshot) == 4 * 3 + 3
-    assert score(SchedulerStats(num_requests_running=5)) == 5  # a new snapshot counts them itself
+    assert score(SchedulerStats(num_requests_running=3, num_requests_waiting=1)) == 4 * 3 + 3  # taken before they came
+    assert score(SchedulerStats(num_requests_running=5, host_samples_queued=2)) == 5  # a new snapshot counts them itself
 
 
 def test_requests_failing_before_a_new_snapshot_stop_steering_the_balancer() -> None:

@@ -24,16 +24,18 @@ def test_disabled_admission_refuses_nothing_but_counts_for_the_balancer():
     assert not admission.enabled and admission.num_waiting(stats) == 10**6 + 100
 
 
-def test_submissions_count_until_the_next_snapshot():
+def test_submissions_count_until_a_snapshot_counts_them():
     admission = HostAdmission(max_num_queued_requests=3, max_num_queued_tokens=None)
     stats = SchedulerStats(num_requests_waiting=1)
     admission.admit(stats, "a", chat=False)
     admission.admit(stats, "b", chat=False)  # 1 waiting + 1 submitted < 3
     with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=3: about 3 requests"):
         admission.admit(stats, "c", chat=False)
-    admission.admit(SchedulerStats(num_requests_waiting=2), "c", chat=False)  # a new snapshot: counts restart
-    with pytest.raises(EngineOverloadedError):
-        admission.admit(SchedulerStats(num_requests_waiting=3), "d", chat=False)
+    with pytest.raises(EngineOverloadedError, match="about 3 requests"):  # the core queued both: 3 wait
+        admission.admit(SchedulerStats(num_requests_waiting=3, host_samples_queued=2), "c", chat=False)
+    admission.admit(SchedulerStats(num_requests_waiting=2, host_samples_queued=2), "c", chat=False)  # one ran
+    with pytest.raises(EngineOverloadedError, match="about 3 requests"):  # c not queued yet: still counted
+        admission.admit(SchedulerStats(num_requests_waiting=2, host_samples_queued=2), "d", chat=False)
 
 
 def test_n_samples_count_as_n_requests():
@@ -48,7 +50,7 @@ def test_n_samples_count_as_n_requests():
 def test_token_limit_accepts_any_prompt_on_an_empty_queue():
     admission = HostAdmission(max_num_queued_requests=None, max_num_queued_tokens=100)
     admission.admit(SchedulerStats(), [1] * 500, chat=False)  # nothing queued: accepted (the core agrees)
-    stats = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=60)
+    stats = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=60, host_samples_queued=1)  # it, queued
     admission.admit(stats, "x" * 160, chat=False)  # 60 + 40 = 100: fits
     with pytest.raises(EngineOverloadedError, match="about 100 tokens are already waiting and this prompt has about 1"):
         admission.admit(stats, "abcd", chat=False)
@@ -71,9 +73,9 @@ def test_token_limit_counts_n_prompts():
         admission.admit(stats, "x" * 84, chat=False, num_samples=2)  # 60 + 2 x 21 > 100
 
 
-def test_a_failed_request_is_uncounted_until_a_new_snapshot():
-    """`Admitted.retract`: a request failing before the next snapshot (refused, never queued) stops counting at once,
-    and once only; after a new snapshot it is a no-op (the count restarted from that snapshot)."""
+def test_a_failed_request_is_uncounted_unless_a_snapshot_counts_it():
+    """`Admitted.retract`: a request failing before the core queued it (refused, never queued) stops counting at once,
+    and once only; one the latest snapshot counts (queued, then failed) is the snapshot's alone."""
     admission = HostAdmission(max_num_queued_requests=2, max_num_queued_tokens=10)
     stats = SchedulerStats()
     refused = admission.admit(stats, [1] * 40, chat=False, num_samples=2)
@@ -83,9 +85,85 @@ def test_a_failed_request_is_uncounted_until_a_new_snapshot():
     admission.admit(stats, [1] * 5, chat=False)  # 5 + 5 <= 10 tokens, 1 + 1 <= 2 requests
     with pytest.raises(EngineOverloadedError):
         admission.admit(stats, [1], chat=False)
-    counted = admission.admit(SchedulerStats(num_requests_waiting=1), [1], chat=False)
-    new = SchedulerStats(num_requests_waiting=1)
-    admission.admit(new, [1], chat=False)  # a new snapshot: counts 1 waiting + this one
-    counted.retract()  # counted on the old snapshot: changes nothing
-    with pytest.raises(EngineOverloadedError):
+    counted = admission.admit(SchedulerStats(num_requests_waiting=1, host_samples_queued=2), [1], chat=False)
+    new = SchedulerStats(num_requests_waiting=1, host_samples_queued=3)
+    admission.admit(new, [1], chat=False)  # a new snapshot that counts `counted`: 1 waiting + this one
+    counted.retract()  # counted by the snapshot: changes nothing
+    with pytest.raises(EngineOverloadedError, match="about 2 requests"):
         admission.admit(new, [1], chat=False)
+
+
+class _Stats:
+    """A replica's `HostStats`: the core's latest snapshot, replaced as the processor thread receives one."""
+
+    def __init__(self, scheduler: SchedulerStats) -> None:
+        self.scheduler = scheduler
+
+
+class _Request:
+    """A `RequestCollector`, as `Admitted.track` sees it."""
+
+    finished = False
+
+
+def test_a_snapshot_taken_before_the_core_got_the_requests_still_counts_them():
+    """The lag this closes: a snapshot the core took before it received this host's latest requests arrives after
+    they were sent; it does not count them (its `host_samples_queued` says so), so the host still does, and refuses
+    in its own words ("about") what the core would refuse in its own."""
+    admission = HostAdmission(max_num_queued_requests=3, max_num_queued_tokens=20)
+    admission.admit(SchedulerStats(num_requests_waiting=1, num_waiting_tokens=4), [1] * 6, chat=False, num_samples=2)
+    older = SchedulerStats(num_requests_waiting=1, num_waiting_tokens=4, num_steps_total=7)  # taken before they came
+    assert admission.num_waiting(older) == 3
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=3: about 3 requests are already"):
+        admission.admit(older, [1], chat=False)
+    admission = HostAdmission(max_num_queued_requests=None, max_num_queued_tokens=20)
+    admission.admit(SchedulerStats(num_requests_waiting=1, num_waiting_tokens=4), [1] * 6, chat=False, num_samples=2)
+    with pytest.raises(EngineOverloadedError, match="about 16 tokens are already waiting and this prompt has about 5"):
+        admission.admit(older, [1] * 5, chat=False)
+    counts = SchedulerStats(num_requests_waiting=3, num_waiting_tokens=16, host_samples_queued=2)  # the core has them
+    assert admission.num_waiting(counts) == 3
+    admission.admit(counts, [1] * 4, chat=False)  # 16 + 4 <= 20: the snapshot's own count, no more
+
+
+def test_the_snapshot_a_failing_request_is_checked_on_is_the_latest():
+    """A request the core queued then failed (or refused: never counted) between two admissions: the replica's latest
+    snapshot (`latest`), not yet seen by an admission, says which."""
+    latest = _Stats(SchedulerStats())
+    admission = HostAdmission(None, None, latest)  # type: ignore[arg-type]
+    queued_then_failed = admission.admit(latest.scheduler, "a", chat=False, num_samples=2)
+    refused = admission.admit(latest.scheduler, "b", chat=False)
+    admission.admit(latest.scheduler, "c", chat=False)
+    latest.scheduler = SchedulerStats(num_requests_waiting=2, host_samples_queued=2)  # a queued, b and c not yet
+    queued_then_failed.retract()  # the snapshot counts it: no change
+    refused.retract()  # the core refused it: it never counts
+    assert admission.num_waiting(latest.scheduler) == 2 + 1  # a's 2 samples (the snapshot's) + c
+    latest.scheduler = SchedulerStats(num_requests_waiting=2, host_samples_queued=3)  # c queued, a's samples ran
+    assert admission.num_waiting(latest.scheduler) == 2
+
+
+def test_a_restarted_core_counts_from_0_and_never_below():
+    admission = HostAdmission(None, None)
+    admission.num_waiting(SchedulerStats(host_samples_queued=100))  # the old core's count
+    for prompt in "abc":
+        admission.admit(SchedulerStats(host_samples_queued=100), prompt, chat=False)
+    assert admission.num_waiting(SchedulerStats()) == 3  # a dead core's zeroed view: nothing counted by it
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=1, host_samples_queued=1)) == 1 + 2  # a new core
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=2, host_samples_queued=50)) == 2  # never < 0
+    admission.admit(SchedulerStats(num_requests_waiting=2, host_samples_queued=50), "d", chat=False)
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=2, host_samples_queued=50)) == 3
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=2, host_samples_queued=51)) == 2
+
+
+def test_a_request_that_ended_before_the_core_queued_it_stops_counting():
+    """Aborted while still on its way (or dropped): an ended request first in line leaves the count, so none counts
+    forever; one the core queued ahead of an elder (sent out of order) frees it once the elder is queued too."""
+    admission = HostAdmission(None, None)
+    aborted, request = admission.admit(SchedulerStats(), "a", chat=False), _Request()
+    aborted.track(request)
+    waiting, running = admission.admit(SchedulerStats(), "b", chat=False, num_samples=2), _Request()
+    waiting.track(running)
+    request.finished = True
+    assert admission.num_waiting(SchedulerStats(num_steps_total=1)) == 2  # a left, b's 2 samples count
+    admission.admit(SchedulerStats(), "c", chat=False)
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=1, host_samples_queued=1)) == 1 + 3  # c first
+    assert admission.num_waiting(SchedulerStats(num_requests_waiting=3, host_samples_queued=3)) == 3  # b too
