@@ -234,6 +234,11 @@ class AdapterChecker:
         with self._lock:
             return set(self._checked)
 
+    def known(self) -> list[tuple[LoRARequest, LoRARequest]]:
+        """Every checked id's (given, checked) adapter, least recently used first (a restarted core binds them)."""
+        with self._lock:
+            return list(self._checked.values())
+
     def forget(self, lora_int_id: int) -> bool:
         """`AsyncEngine.remove_lora`: the id names nothing here any more (nor is it pinned), and its checks in flight
         record nothing; whether it named an adapter or was being checked."""

@@ -325,7 +325,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         config = self.config if owned else prepared.config  # a shared core's: its memory, timeouts, ... may be new
         self.config = served_max_model_len(self._replicas.replicas, config)  # the restarted core's fit counts
         replica.admission.follow(self.config.max_num_queued_requests, self.config.max_num_queued_tokens)
-        await self._replay_on_restart(replica, owned)  # weights and pins, sent before any request reaches it
+        await self._replay_on_restart(replica, owned, processor)  # weights, adapters: before any request reaches it
 
     # ------------------------------------------------------------ stats
     def stats(self) -> EngineStats:

@@ -5,8 +5,10 @@ rank reads the adapter into its CPU cache and a slot and keeps it there (workers
 rank did is the id pinned in the core (`HostLoRAIds.pinned`, which the scheduler counts against ``max_loras``).
 A pinned id removed (`RemoveLoRA`), or whose host detached, or unpinned by its host (a `PinLoRA` with ``unpin``: its
 `pin_lora` refused by another data-parallel replica), is unpinned on the workers too (`unpin_removed`).
+Every refusal names ``lora_id``, `pin_lora`'s only argument (`pin_refusal`: binding names the generate path's fields).
 Restarted workers pin the pinned adapters again (`pin_again`); a restarted core starts with none, as it starts
-with no id bound, and its host pins them again (`EnginePins.pin_again`, asyncllm/engine/engine_pins.py).
+with no id bound, and its host pins them again and adds its other ids again (`EnginePins.pin_again`,
+asyncllm/engine/engine_pins.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 
 from asyncllm import errors, protocol
 from asyncllm.engine.core_weights import answer_between_steps
+from asyncllm.engine.lora_ids import pin_refusal
 from asyncllm.lora import LoRARequest
 
 if TYPE_CHECKING:
@@ -40,7 +43,8 @@ def pin_lora(core: "EngineCore", client_id: bytes, message: protocol.PinLoRA) ->
         lora = core.lora_ids.bind(client_id, message.lora, core.config.enable_lora)
         core.lora_ids.check_pin(lora, core.running_lora_ids())
     except errors.InvalidRequestError as exc:
-        core.io.send(client_id, protocol.LoRAPinned(message.call_id, **protocol.call_error_fields(exc)))
+        refusal = pin_refusal(exc, message.lora.lora_int_id)
+        core.io.send(client_id, protocol.LoRAPinned(message.call_id, **protocol.call_error_fields(refusal)))
         return
     answer_between_steps(core, client_id, lambda: _pin_on_workers(core, message.call_id, lora))
 

@@ -26,6 +26,8 @@ from asyncllm.outputs import EngineStats
 if TYPE_CHECKING:
     import torch
 
+    from asyncllm.engine.processor import Processor
+
 __all__ = ["EngineControl"]
 
 
@@ -86,7 +88,7 @@ class EngineControl:
         there until `remove_lora` of the id unpins it; on every replica (one that has not seen the id checks and
         binds it first). Returns True. `InvalidRequestError` naming ``lora_id``, the engine serving on: an id this
         engine does not know, more pinned adapters than ``max_loras`` slots, the last slot while requests with other
-        adapters are in the engine, an adapter the workers cannot read (``lora_path``: a folder the core cannot read);
+        adapters are in the engine, an adapter the workers cannot read (a folder the core cannot read);
         refused by any replica, it is pinned on none (docs/lora.md)."""
         if not is_int(lora_id):
             raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
@@ -94,11 +96,12 @@ class EngineControl:
         await self._pins.pin(await self._replicas.serving_processors(), lora_id)
         return True
 
-    async def _replay_on_restart(self, replica: Replica, owned: bool) -> None:
-        """A core the supervisor restarted: the pinned adapters pinned again and (an `owned` core) the last weight
-        update loaded again, both sent before any request can reach it, then their answers awaited."""
+    async def _replay_on_restart(self, replica: Replica, owned: bool, dead: "Processor | None" = None) -> None:
+        """A core the supervisor restarted: the LoRA adapters its host knew (the `dead` processor's record) added and
+        the pinned ones pinned again, and (an `owned` core) the last weight update loaded again, all sent before any
+        request can reach it, then their answers awaited."""
         assert replica.processor is not None
-        pinning = self._pins.pin_again(replica.processor)
+        pinning = self._pins.pin_again(replica.processor, dead if self.config.enable_lora else None)
         if owned:
             await self._weights.replay(replica)
         await self._pins.settle(pinning, self._replicas)

@@ -1,5 +1,5 @@
 """`EnginePins`: the host's side of `AsyncEngine.pin_lora` across replicas (docs/lora.md), and the engine's pinned
-adapters, which a core restarted by its supervisor pins again.
+adapters, which a core restarted by its supervisor pins again (its host's other adapter ids it adds again).
 
 A pin is sent to every replica's core (asyncllm/engine/core_lora.py runs it on the workers); refused by any, or the
 call cancelled, it is undone on every replica (a `PinLoRA` with ``unpin``) and the call returns only once each core
@@ -8,7 +8,8 @@ often it came. An id pinned before the call (pinning again changes nothing) is n
 id while its pin is sent (`forget`) leaves nothing recorded. The record (`pinned`: the adapter as given and as
 checked) is what `pin_again` sends to a restarted core, before any request reaches it, with the pins in progress
 (begun while that replica was down, so not sent to it: undone there too should their call be undone); a pin that
-core refuses (the folder unreadable since) is undone on every replica and logged.
+core refuses (the folder unreadable since) is undone on every replica and logged. Every refusal of a `pin_lora`
+names ``lora_id``, its only argument (`pin_refusal`), the host's check's and the cores' alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm import protocol
 from asyncllm.engine.engine_weights import every_replica
+from asyncllm.engine.lora_ids import pin_refusal
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 
@@ -31,8 +33,16 @@ __all__ = ["EnginePins", "checked_everywhere", "check_not_removed"]
 
 logger = logging.getLogger("asyncllm.engine")
 
-Replay = list[tuple[int, concurrent.futures.Future[Any]]]
-"""A restarted core's pins sent (`EnginePins.pin_again`): each id and the future of its answer."""
+
+class Replay:
+    """What `EnginePins.pin_again` sent a restarted core through its `processor`: the adapters added again (each as
+    given, and the future of the core's answer) and the pins (each id, and its answer's future)."""
+
+    __slots__ = ("processor", "adds", "pins")
+
+    def __init__(self, processor: "Processor", adds: list[tuple[LoRARequest, concurrent.futures.Future[Any]]],
+                 pins: list[tuple[int, concurrent.futures.Future[Any]]]) -> None:
+        self.processor, self.adds, self.pins = processor, adds, pins
 
 
 class _PinCall:
@@ -70,14 +80,14 @@ class EnginePins:
         try:
             checked = await checked_everywhere(processors, given)
         except InvalidRequestError as exc:  # the check's (a bad folder, removed meanwhile): pin_lora's argument
-            if exc.field != "lora_request":
-                raise
-            raise InvalidRequestError("lora_id", exc.message, code=exc.code) from None
+            raise pin_refusal(exc, lora_id) from None
         check_not_removed(processors, lora_id, "pin_lora")
         call = _PinCall(lora_id in self.pinned, given, checked[0])
         self._calls.setdefault(lora_id, []).append(call)
         try:
             await self._pin_everywhere(processors, checked, call)
+        except InvalidRequestError as exc:  # a core's (named so by any core of this version; a restarted one's)
+            raise pin_refusal(exc, lora_id) from None
         finally:
             calls = self._calls[lora_id]
             calls.remove(call)
@@ -117,12 +127,13 @@ class EnginePins:
         for call in self._calls.get(lora_id, ()):
             call.removed = True
 
-    def pin_again(self, processor: "Processor") -> Replay:
-        """A restarted core's processor: every pinned adapter known to its host again (as checked: nothing read
-        here) and pinned in the core, sent now, before any request can reach it; `settle` awaits the answers. A
+    def pin_again(self, processor: "Processor", dead: "Processor | None" = None) -> Replay:
+        """A restarted core's processor: with `dead`, the processor of the core that died (an engine serving LoRA),
+        the host's record of adapters passes to it (`adopt_loras`: the host outlived its core) and every id not pinned
+        is added again (`AddLoRA`); every pinned adapter is known to its host again (as checked: nothing read here)
+        and pinned in the core; all sent now, before any request can reach it; `settle` awaits the answers. A
         `pin_lora` in progress (begun while this replica was down: not sent here) is pinned here too, and undone
         here should that call be undone."""
-        sent: Replay = []
         pins = dict(self.pinned)
         late: dict[int, list[_PinCall]] = {}
         for lora_id, calls in self._calls.items():  # pins in progress, sent to the replicas live when they began
@@ -130,6 +141,9 @@ class EnginePins:
             if live and lora_id not in pins:
                 pins[lora_id] = (live[-1].given, live[-1].checked)
                 late[lora_id] = live
+        if dead is not None:
+            processor.adopt_loras(dead)
+        sent = Replay(processor, [] if dead is None else processor.add_loras_again(pins.keys()), [])
         for lora_id, (given, checked) in pins.items():
             processor.remember_lora(given, checked)
             processor.pin_lora_id(lora_id)
@@ -137,13 +151,24 @@ class EnginePins:
             for call in late.get(lora_id, ()):
                 call.late.append(processor)
                 call.late_answers.append(answer)
-            sent.append((lora_id, answer))
+            sent.pins.append((lora_id, answer))
         return sent
 
     async def settle(self, sent: Replay, replicas: "ReplicaSet") -> None:
-        """The restarted core's answers to `pin_again`: a pin it refused (its folder unreadable since) is undone on
-        every replica and forgotten, logged; a core dead again pins it at its own restart."""
-        for lora_id, future in sent:
+        """The restarted core's answers to `pin_again`: an adapter it refused to add (its folder unreadable since) is
+        forgotten by its host, a pin it refused undone on every replica and forgotten, logged; a core dead again gets
+        them at its own restart."""
+        for given, future in sent.adds:
+            try:
+                await asyncio.wrap_future(future)
+            except EngineDeadError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this adapter
+                logger.error("the restarted engine core could not add LoRA adapter %r (id %d) again (%s): forgotten; "
+                             "used again, it is checked afresh", given.lora_name, given.lora_int_id, exc)
+                if sent.processor.lora_given(given.lora_int_id) == given:  # (not removed and added anew since)
+                    sent.processor.forget_lora(given.lora_int_id)
+        for lora_id, future in sent.pins:
             try:
                 await asyncio.wrap_future(future)
             except EngineDeadError:

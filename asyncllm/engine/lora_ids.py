@@ -39,7 +39,7 @@ from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora import KEPT_LORA_IDS, IdleIds, LoRARequest, read_adapter
 
-__all__ = ["HostLoRAIds", "PendingLoRACalls"]
+__all__ = ["HostLoRAIds", "PendingLoRACalls", "pin_refusal"]
 
 
 class HostLoRAIds:
@@ -201,3 +201,12 @@ class PendingLoRACalls(PendingSleepCalls):
         if isinstance(reply, protocol.LoRAPinned):
             return True
         return reply.removed if isinstance(reply, protocol.LoRARemoved) else None
+
+
+def pin_refusal(exc: InvalidRequestError, lora_id: int) -> InvalidRequestError:
+    """`exc` named as `pin_lora`'s only argument, ``lora_id``: `HostLoRAIds.bind` names the generate path's
+    (``lora_request``; ``lora_path``: a folder the core cannot read, its message then says whose)."""
+    if exc.field == "lora_id":
+        return exc
+    message = exc.message if exc.field != "lora_path" else f"the adapter of lora_int_id {lora_id}: {exc.message}"
+    return InvalidRequestError("lora_id", message, code=exc.code)

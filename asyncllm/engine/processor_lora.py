@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Container
 
 import zmq
 
@@ -152,6 +152,22 @@ class ProcessorLoRA:
         """A restarted core's pinned adapter (`EnginePins.pin_again`): known again as checked before, nothing read."""
         if self._lora is not None:
             self._lora.check(given, checked)
+
+    def adopt_loras(self, before: "ProcessorLoRA") -> None:
+        """A restarted core's new processor: the host's record of adapters (`AdapterChecker`: the ids checked, pinned,
+        being checked) is the dead processor's, not an empty one: the host outlived its core, so `list_loras` stays as
+        before the crash and the new core is told them (`add_loras_again`; the pinned ones `EnginePins.pin_again`)."""
+        if self._lora is not None and before._lora is not None:
+            self._lora = before._lora
+
+    def add_loras_again(self, skip: Container[int]) -> list[tuple[LoRARequest, concurrent.futures.Future[Any]]]:
+        """A restarted core: an `AddLoRA` for each adapter id this host knows but those in `skip` (pinned: pinned
+        again), least recently used first, as checked before (nothing read here), sent now, before any request can
+        reach the core; each adapter as given with the future of the core's answer."""
+        if self._lora is None:
+            return []
+        return [(given, self.lora_call(protocol.AddLoRA("", checked))) for given, checked in self._lora.known()
+                if given.lora_int_id not in skip]
 
     def pin_lora_id(self, lora_int_id: int, pinned: bool = True) -> None:
         """`AsyncEngine.pin_lora`: a pinned id is never forgotten as idle (``pinned`` False: it may be again)."""

@@ -71,7 +71,8 @@ def test_the_core_pins_on_every_rank_and_refuses_by_name(monkeypatch: pytest.Mon
     assert (replies[-1].error_field, replies[-1].error) == ("lora_id", "unreadable")
     assert workers.took() == [(2, False), (2, True)] and list(core.lora_ids.pinned) == [1]
     core._handle(b"h", protocol.PinLoRA("gone", LoRARequest("gone", 9, str(tmp_path / "gone"))))
-    assert replies[-1].error_field == "lora_path" and workers.took() == []
+    assert replies[-1].error_field == "lora_id" and workers.took() == []  # (an AddLoRA: lora_path)
+    assert replies[-1].error.startswith("the adapter of lora_int_id 9: the engine core cannot use it: the adapter at ")
 
     _add(core, "r", lora=LoRARequest("c", 5, c))  # adapter c in the core: the last slot stays unpinned
     workers.unreadable.clear()
