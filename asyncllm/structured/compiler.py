@@ -16,6 +16,11 @@ grammar larger than that alone serves its requests without being kept. A job
 nobody waits for any more is cancelled if it has not started; one already
 running in xgrammar's C++ cannot be interrupted, so it finishes in the
 background and its result stays in the cache for the next request.
+
+The threads take the jobs fairly between clients (asyncllm/structured/fair_queue.py):
+the client that runs the fewest compiles first, in turns, and one more thread
+(up to `_MAX_THREADS`) for a client whose grammar waits while another client's
+slow ones hold more than their share of the threads.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import queue
 import re
 import sys
 import threading
@@ -36,6 +40,7 @@ from typing import Any
 
 from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
+from asyncllm.structured.fair_queue import CompileJob, FairJobQueue
 from asyncllm.structured.spec import StructuredOutputs, looks_like_lark
 
 __all__ = ["GrammarCompilerPool", "check_xgrammar_installed"]
@@ -49,7 +54,8 @@ _NUM_THREADS = 2
 """Compile threads for queued jobs. Daemon threads (not a ThreadPoolExecutor, whose threads the
 interpreter joins at exit): a runaway compile must not delay the core's shutdown."""
 _MAX_THREADS = 8
-"""Threads at most, counting those still busy with an abandoned (timed-out or aborted) compile."""
+"""Threads at most, counting those still busy with an abandoned (timed-out or aborted) compile and those started
+for a starved client (`FairJobQueue.starved`)."""
 
 _xgrammar_installed: bool | None = None
 
@@ -149,12 +155,14 @@ class GrammarCompilerPool:
         self._revision = revision
         self._trust_remote_code = trust_remote_code
         self._vocab_size = vocab_size
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], bytes, tuple[str, str]] | None] = queue.SimpleQueue()
-        """(future, its cache key, the constraint's (kind, text)): the text is held until the job is done."""
+        self._jobs = FairJobQueue()
+        """The queued jobs by client: a job's constraint text is held until it is done."""
         self._threads_lock = threading.Lock()
         self._num_threads = 0
         self._abandoned: set[Future[Any]] = set()
         """Running compiles nobody waits for whose thread has a replacement: that thread exits when it is done."""
+        self._num_extra = 0
+        """Threads started for a starved client (`FairJobQueue.starved`): the next ones to finish a job go."""
         self._num_busy = 0
         for _ in range(_NUM_THREADS):
             self._start_thread()
@@ -188,16 +196,22 @@ class GrammarCompilerPool:
 
         return pack_tokens(self.space_tokens, (self.bitmask_vocab_size + 31) // 32)
 
-    def submit(self, structured: StructuredOutputs) -> Future[Any]:
-        """The future of `structured`'s compiled grammar: from the cache, or a new job."""
+    def submit(self, structured: StructuredOutputs, client_id: bytes = b"") -> Future[Any]:
+        """The future of `structured`'s compiled grammar: from the cache, or a new job in `client_id`'s queue (a queued
+        job of another client's: in this client's queue too, it runs at the first of their turns)."""
         constraint = structured.cache_key()
         key = constraint_digest(constraint)
         future = self._cache.get(key)
-        if future is not None and not (future.cancelled() or (future.done() and future.exception() is not None)):
+        if future is None or future.cancelled() or (future.done() and future.exception() is not None):
+            future = Future()
+            self._cache.add(key, future)
+        elif future.running() or future.done():
             return future
-        future: Future[Any] = Future()
-        self._jobs.put((future, key, constraint))
-        self._cache.add(key, future)
+        self._jobs.put(CompileJob(future, key, constraint), client_id)
+        with self._threads_lock:
+            if self._num_threads < _MAX_THREADS and self._jobs.starved(self._num_threads - len(self._abandoned)):
+                self._num_extra += 1
+                self._start_thread()
         return future
 
     def release(self, structured: StructuredOutputs, future: Future[Any], still_wanted: bool) -> None:
@@ -222,25 +236,28 @@ class GrammarCompilerPool:
         """Stop the threads once they finish their current job (queued jobs are cancelled)."""
         for future in self._cache.futures():
             future.cancel()
-        with self._threads_lock:
-            for _ in range(self._num_threads):
-                self._jobs.put(None)
+        self._jobs.close()
 
     # ------------------------------------------------------------ compile threads
     def _start_thread(self) -> None:
         self._num_threads += 1
+        self._jobs.add_thread()
         threading.Thread(target=self._work, name="asyncllm-grammar", daemon=True).start()
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job[0].set_running_or_notify_cancel() and self._run(*job):  # else cancelled while queued
-                return  # this thread was replaced
-            del job  # nothing of the job (its text, an uncached grammar) is held while waiting for the next
+        while (taken := self._jobs.take()) is not None:
+            job, client_id = taken
+            leaving = self._run(job.future, job.key, job.constraint)
+            self._jobs.done(client_id, leaving)
+            if leaving:
+                return
+            del job, taken  # nothing of the job (its text, an uncached grammar) is held while waiting for the next
         with self._threads_lock:
             self._num_threads -= 1
 
     def _run(self, future: Future[Any], key: bytes, constraint: tuple[str, str]) -> bool:
-        """Compile `constraint` into `future`; True when this thread was replaced and goes."""
+        """Compile `constraint` into `future` (marked running by `FairJobQueue.take`); True when this thread goes:
+        replaced (`_abandoned`) or one too many (`_num_extra`)."""
         with self._threads_lock:
             self._num_busy += 1
         try:
@@ -255,6 +272,10 @@ class GrammarCompilerPool:
             self._num_busy -= 1
             if future in self._abandoned:  # this thread was replaced: it goes, its replacement stays
                 self._abandoned.discard(future)
+                self._num_threads -= 1
+                return True
+            if self._num_extra:  # the pool is back to its size once a started-for-fairness thread's worth is done
+                self._num_extra -= 1
                 self._num_threads -= 1
                 return True
         return False

@@ -101,9 +101,8 @@ class StructuredOutputManager:
             self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision,
                                                   self._trust_remote_code, any_whitespace=self._any_whitespace,
                                                   tokenizer_mode=self._tokenizer_mode)
-        structured = request.params.structured
-        assert structured is not None
-        self.pending[request.request_id] = _Pending(request, self._compilers.submit(structured), self._clock())
+        future = self._compilers.submit(request.params.structured, request.client_id)  # type: ignore[arg-type]
+        self.pending[request.request_id] = _Pending(request, future, self._clock())  # its client's turn: fair_queue.py
 
     def abort(self, req_ids: list[str], client_id: bytes) -> None:
         """`client_id`'s parked requests among these stop waiting (their job is cancelled if nobody else waits).

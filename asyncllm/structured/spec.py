@@ -90,6 +90,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
                 raise InvalidRequestError("structured", "choice must be a non-empty list of non-empty strings")
         elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
             raise InvalidRequestError("structured", f"{kind} must be a non-empty string")
+        if kind != "json":
+            _check_size(kind, self.cache_key()[1])
 
     def _check_start_after(self) -> None:
         for name in ("start_after_token_ids", "start_after_suffix_token_ids", "start_after_opener_token_ids"):
@@ -181,6 +183,42 @@ def _nesting(value: object) -> int:
         deepest = max(deepest, depth)
         level.extend((child, depth + 1) for child in children)
     return deepest
+
+
+MAX_GRAMMAR_CHARS = 100_000
+"""Most characters in a regex, a grammar, or a choice list's JSON text. xgrammar's compile time grows faster than the
+text. Measured with xgrammar 0.2.9 and a 32,000-token vocabulary on 2 CPU cores shared with other jobs (load average
+7 to 10: several times an idle core's times): 100,000 characters compile in about 2 s (a literal regex, an alternation
+of 10,000 words, 10,000 choices); 200,000 of a literal in 7.5 s, 450,000 of an alternation in 17.5 s, 600,000 of
+choices in 20 s, an EBNF grammar of 330,000 (10,000 rules) in 26 s, a literal of 1,000,000 in over 40 s, running on
+after its request's timeout (asyncllm's bound; vLLM has none)."""
+
+MAX_REPETITION = 10_000
+"""Largest count of a bounded repetition (``{n}``, ``{n,}``, ``{m,n}``; Lark's ``~ n``, ``~ m..n``). xgrammar 0.2
+compiles any count like 1,000 (``[a-z]{1,1000000000}`` in 6 s), but the 0.1 releases pyproject allows expand the
+item once per count: with 0.1.21, ``(a|b){1000}`` 1 s, ``[a-z]{1,1000}`` 15 s, ``(a|b){10000}`` and ``[a-z]{1,10000}``
+over 30 s, a count of millions its memory's worth (same measurements)."""
+
+_COUNTS = {False: re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}"),
+           True: re.compile(r"(?<!\\)\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}|~\s*(\d+)(?:\s*\.\.\s*(\d+))?")}
+"""A bounded repetition's counts: ``{n}``, ``{n,}``, ``{m,n}`` (not escaped); in a grammar Lark's ``~ n``, ``~ m..n``."""
+_QUOTED = re.compile(r'"(?:\\.|[^"\\])*"')
+"""A grammar's quoted string: its braces are its text."""
+
+
+def _check_size(kind: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        what = "choice list's JSON text" if kind == "choice" else kind
+        raise InvalidRequestError("structured", f"the {what} is longer than {MAX_GRAMMAR_CHARS} characters "
+                                                f"(MAX_GRAMMAR_CHARS; xgrammar's compile time grows steeply with it)")
+    if kind == "choice":
+        return
+    grammar = kind == "grammar"
+    counted = _QUOTED.sub('""', text) if grammar else text
+    largest = max((int(n) for match in _COUNTS[grammar].finditer(counted) for n in match.groups() if n), default=0)
+    if largest > MAX_REPETITION:
+        raise InvalidRequestError("structured", f"the {kind} repeats an item {largest} times, more than "
+                                                f"{MAX_REPETITION} (MAX_REPETITION)")
 
 
 _STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",

@@ -364,7 +364,7 @@ class _ManualPool:
         self.futures: list = []
         self.released: list = []
 
-    def submit(self, structured: StructuredOutputs):
+    def submit(self, structured: StructuredOutputs, client_id: bytes = b""):
         from concurrent.futures import Future
 
         self.futures.append(Future())
