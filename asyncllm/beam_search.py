@@ -39,7 +39,7 @@ from asyncllm.engine.validation import check_text, check_untokenized, max_prompt
 from asyncllm.generation_config import SuppressedTokens
 from asyncllm.mm.host import MEDIA_KEYS, plain_prompt
 from asyncllm.outputs import Logprob, RequestOutput
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import SamplingParams, numpy_number
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -60,6 +60,13 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     """Kept for vLLM compatibility: beam search has no stop strings, so it changes nothing but must be False."""
+
+    def __post_init__(self) -> None:
+        """numpy's scalars (``np.float32`` temperatures, ``np.int64`` widths) as Python's int and float, as
+        `SamplingParams` takes them."""
+        for name, value in vars(self).items():
+            if numpy_number(value):
+                object.__setattr__(self, name, value.item())
 
     def validate(self, max_logprobs: int = -1) -> None:
         """`InvalidRequestError` naming the bad field; `max_logprobs`: the engine's, which each step's top

@@ -19,7 +19,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.structured.spec import KINDS, StructuredOutputs
 
 __all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "from_vllm_structured",
-           "sample_seed"]
+           "numpy_number", "sample_seed"]
 
 _MAX_SEED = 2**63 - 1
 _MIN_SEED = -(2**63)
@@ -190,10 +190,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         as vLLM takes them: the wire encodes those only."""
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            if _numpy_number(value):
+            if numpy_number(value):
                 setattr(self, name, value.item())
-        if isinstance(self.logit_bias, dict) and any(map(_numpy_number, [*self.logit_bias, *self.logit_bias.values()])):
-            self.logit_bias = {(k.item() if _numpy_number(k) else k): (v.item() if _numpy_number(v) else v)
+        if isinstance(self.logit_bias, dict) and any(map(numpy_number, [*self.logit_bias, *self.logit_bias.values()])):
+            self.logit_bias = {(k.item() if numpy_number(k) else k): (v.item() if numpy_number(v) else v)
                                for k, v in self.logit_bias.items()}
 
     def _validate_logits_params(self) -> None:
@@ -380,7 +380,7 @@ def _distinct(token_ids: list[int]) -> list[int]:
     return token_ids if len(distinct) == len(token_ids) else distinct
 
 
-def _numpy_number(value: object) -> bool:
+def numpy_number(value: object) -> bool:
     """A numpy integer or floating scalar (not numpy's bool: a bool field takes Python's only)."""
     return type(value).__module__ == "numpy" and hasattr(value, "item") and type(value).__name__ != "bool_" \
         and isinstance(value.item(), (int, float))

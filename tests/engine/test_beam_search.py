@@ -109,3 +109,16 @@ async def test_an_invalid_beam_search_is_refused_before_the_engine_starts(tiny_l
         assert not engine.started
     finally:
         await engine.aclose()
+
+
+def test_numpy_scalars_are_taken_as_python_numbers() -> None:
+    """An ``np.float32`` temperature (a numpy sweep's) and ``np.int64`` sizes, as `SamplingParams` takes them."""
+    import numpy as np
+
+    params = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int32(4), temperature=np.float32(0.5),
+                              length_penalty=np.float64(1.5))
+    params.validate()
+    assert [type(v) for v in (params.beam_width, params.max_tokens, params.temperature, params.length_penalty)] \
+        == [int, int, float, float]
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=np.float32("nan")).validate()
