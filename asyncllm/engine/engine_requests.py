@@ -182,6 +182,11 @@ class EngineRequests:
         return PoolingOutput(collector.request_id, collector.prompt_token_ids, data, collector.metrics,
                              collector.num_cached_tokens)
 
+    async def reward(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> PoolingOutput:
+        """vLLM's ``LLM.reward``: a reward model's rows per prompt token (every token, or STEP's step tags), that is
+        `encode` with ``pooling_task="token_classify"``; `options` as `encode`'s (docs/pooling.md#reward-models)."""
+        return await self.encode(prompt, pooling_params, pooling_task="token_classify", **options)
+
     async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None,

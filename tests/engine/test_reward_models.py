@@ -45,8 +45,7 @@ async def test_reward_rows_equal_transformers_hidden_states_across_chunks(tiny_l
         assert await engine.get_supported_tasks() == ("token_classify",)  # vLLM's as_reward_model pooler
         await engine.encode(cached, pooling_task="token_classify")  # its blocks cached: the next take no hits
         activated = await asyncio.gather(*(engine.encode(p, pooling_task="token_classify") for p in PROMPTS))
-        raw = await asyncio.gather(*(engine.encode(p, PoolingParams(use_activation=False),
-                                                   pooling_task="token_classify") for p in PROMPTS))
+        raw = await asyncio.gather(*(engine.reward(p, PoolingParams(use_activation=False)) for p in PROMPTS))
         refusals = []
         for call in (engine.embed(PROMPTS[2]), engine.generate(PROMPTS[2]), engine.classify(PROMPTS[2]),
                      engine.encode(PROMPTS[2], pooling_task="token_embed"),
