@@ -12,8 +12,8 @@ activation, or the cross-encoder's ``score`` activation; ``use_activation``
 false: the raw logits), ``token_embed`` and ``token_classify``
 `AsyncEngine.encode` (each item's ``data`` is a list per prompt token: its
 embedding, or its score-head probabilities; vLLM's ALL pooling). A task the
-model does not serve is a 400 in vLLM's words; ``token_classify`` on an encoder
-classifier (BERT, ...) is not built.
+model does not serve is a 400 in vLLM's words; a token classifier
+(``BertForTokenClassification``, ...) serves ``token_classify`` only, its own task.
 docs/integrations/openai-server.md#pooling has the details.
 """
 
@@ -35,7 +35,7 @@ from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all
 from asyncllm.integrations.openai_protocol import decode_request
 from asyncllm.integrations.openai_score import classify_all, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
-from asyncllm.models.architectures import ENCODER_ARCHITECTURES
+from asyncllm.models.architectures import TOKEN_CLASSIFICATION_ARCHITECTURES
 from asyncllm.pooling import PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class PoolingRequest(EmbeddingRequest, kw_only=True, forbid_unknown_fields=True)
     """The body of ``POST /pooling``: ``/v1/embeddings``' with vLLM's task and activation switch."""
 
     task: Literal["embed", "classify", "score", "token_embed", "token_classify"] | None = None
-    """What to pool (`POOLING_ROUTE_TASKS`); None: the model's own (``classify`` or ``embed``)."""
+    """What to pool (`POOLING_ROUTE_TASKS`); None: the model's own (``classify``, ``token_classify`` or ``embed``)."""
     use_activation: bool | None = None
     """``classify`` and ``score``: false returns the raw logits; null or true the activated ones."""
     softmax: bool | None = None
@@ -81,8 +81,9 @@ def model_pooling_tasks(engine: AsyncEngine) -> tuple[str, ...]:
     assert engine.pooling_model is not None, "set by start"
     if engine.pooling_model.reward is not None:  # convert='reward': per-token rows only (vLLM's as_reward_model)
         return ("token_classify",)
-    if engine.pooling_model.classifier is not None:
-        return ("classify", "score", "token_classify")
+    if engine.pooling_model.classifier is not None:  # a token classifier (NER, vLLM's *ForTokenClassification): its one
+        return ("token_classify",) if engine.pooling_model.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES else \
+            ("classify", "score", "token_classify")
     return ("embed", "token_embed")
 
 
@@ -108,10 +109,6 @@ async def _pool(server: OpenAIServer, request: Request) -> Response:
     if not engine.started:
         await engine.start()
     task = pooling_task(req, model_pooling_tasks(engine))
-    assert engine.pooling_model is not None, "set by start"
-    if task == "token_classify" and engine.pooling_model.architecture in ENCODER_ARCHITECTURES:
-        raise InvalidRequestError("task", f"'token_classify' on {engine.pooling_model.architecture} (an encoder "
-                                          "classifier, whose head reads the CLS row) is not built in asyncllm")
     prompts = await embedding_prompts(server, req, task, api="pooling")
     request_id = pooling_request_id("pool", req, request.headers)
     until, log = (lambda: wait_disconnect(request)), server.request_log

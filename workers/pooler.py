@@ -14,7 +14,8 @@ instead: its logits, in float32 (asyncllm/models/classifier.py). A per-token
 request (``task="token_embed"``, ALL pooling) keeps every prompt row of its
 chunks and returns them all, each projected, truncated and normalized as an
 embedding is: ``prompt_len * dimensions`` float32s, in prompt order
-(``token_classify``: each row through the score head, ``prompt_len * num_labels``; on a reward model,
+(``token_classify``: each row through the score head, or the model's ``token_classify`` head where it has one: the
+encoders', ``prompt_len * num_labels``; on a reward model,
 ``convert="reward"``, the rows themselves, STEP's rows and columns, through the activation: `Pooler._reward`).
 """
 
@@ -140,6 +141,8 @@ class Pooler:
     def _pool(self, params: PoolingParams, hidden: torch.Tensor) -> torch.Tensor:
         if params.task in ("classify", "token_classify"):
             assert self.classifier is not None, "the host sends classification requests to classifiers only"
+            if params.task == "token_classify":  # an encoder's per-row head where it has one (asyncllm/models/bert.py)
+                return getattr(getattr(self.classifier, "__self__", None), "token_classify", self.classifier)(hidden)
             return self.classifier(hidden)
         if self.projection is not None:
             hidden = self.projection(hidden.to(next(self.projection.parameters()).dtype))  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncllm.errors import EngineDeadError
-from asyncllm.models.architectures import ENCODER_ARCHITECTURES
+from asyncllm.models.architectures import TOKEN_CLASSIFICATION_ARCHITECTURES
 
 if TYPE_CHECKING:
     from asyncllm.engine.pooling_model import PoolingModel
@@ -72,7 +72,8 @@ class EngineState:
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """What the model serves, in vLLM's task names (vLLM's ``get_supported_tasks``; starts the engine): a
-        classifier's ``("classify", "score", "token_classify")`` (an encoder classifier's without the last), an
+        classifier's ``("classify", "score", "token_classify")`` (a token classifier's, ``BertForTokenClassification``
+        & co., ``("token_classify",)``), an
         encoder's ``("embed", "token_embed")``, a causal LM's
         ``("generate", "embed", "token_embed")`` (asyncllm's causal LMs embed too; ``("generate",)`` with
         runner='generate', ``("embed", "token_embed")`` with runner='pooling'), a reward model's (convert='reward')
@@ -82,8 +83,8 @@ class EngineState:
         model = self.pooling_model
         if model is not None and model.reward is not None:  # convert='reward': vLLM's as_reward_model's one task
             return ("token_classify",)
-        if model is not None and model.classifier is not None:  # token_classify: decoder classifiers' heads only
-            return ("classify", "score") if model.architecture in ENCODER_ARCHITECTURES else \
+        if model is not None and model.classifier is not None:  # a token classifier (NER): token_classify only
+            return ("token_classify",) if model.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES else \
                 ("classify", "score", "token_classify")
         pooling = ("embed", "token_embed")
         tasks = ("generate", *pooling) if model is None or model.generates else pooling

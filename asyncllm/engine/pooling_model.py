@@ -1,8 +1,9 @@
 """What the served model does, read from its config on the host: `PoolingModel` (torch-free).
 
 A causal LM generates and embeds; a bare decoder (``LlamaModel`` & co.) embeds
-only; a ``*ForSequenceClassification`` checkpoint classifies and scores only; a
-reward model (``convert="reward"``, the Qwen2 reward architectures) serves
+only; a ``*ForSequenceClassification`` checkpoint classifies and scores only (and
+``token_classify``); a ``*ForTokenClassification`` encoder serves ``token_classify``
+only; a reward model (``convert="reward"``, the Qwen2 reward architectures) serves
 ``token_classify`` only (`RewardPooling`, asyncllm/engine/reward_pooling.py).
 The processor thread refuses any other request by name before tokenizing it
 (`PoolingModel.check`). A classifier's `ClassifierHead` holds what the host
@@ -25,6 +26,7 @@ from asyncllm.models.architectures import (
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     REWARD_ARCHITECTURES,
+    TOKEN_CLASSIFICATION_ARCHITECTURES,
 )
 from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
 from asyncllm.engine.reward_pooling import RewardPooling
@@ -231,9 +233,10 @@ class PoolingModel:
             raise InvalidRequestError("prompt", f"this engine runs {arch} with runner='pooling': it serves embeddings "
                                                 "only, not generation (start it with runner='generate' or 'auto')")
         if self.classifier is not None:
-            if task == "token_classify" and arch in ENCODER_ARCHITECTURES:
-                raise InvalidRequestError("model", f"token_classify on {arch} is not built in asyncllm (an encoder's "
-                                                   "head reads the CLS row; decoder classifiers' heads serve it)")
+            if arch in TOKEN_CLASSIFICATION_ARCHITECTURES and task != "token_classify":
+                raise InvalidRequestError("prompt" if task == "generate" else "model",
+                                          f"this model ({arch}, a token classifier) serves token_classify only, not "
+                                          f"{task}: use encode(prompt, pooling_task='token_classify') or /pooling")
             if task not in ("classify", "token_classify"):
                 raise InvalidRequestError("prompt" if task == "generate" else "model",
                                           f"this model ({arch}) serves classification and scores only: use "
@@ -249,8 +252,10 @@ class PoolingModel:
 
     def token_rows(self, pooling: PoolingParams, flat: list[float], prompt_token_ids: list[int]) -> list[list[float]]:
         """A per-token request's rows from the worker's floats (`pooling` as the request gave it): one per prompt
-        token (a reward model's STEP: one per step tag), a classifier's through `classify`'s activation unless
-        ``use_activation`` is False (a reward model's rows come activated from the worker)."""
+        token (a reward model's STEP: one per step tag), a classifier's through `classify`'s activation (the
+        config's ``problem_type``, else a softmax over the labels, a sigmoid for one: vLLM's ``get_act_fn`` for
+        token_classify too) unless ``use_activation`` is False (a reward model's rows come activated from the
+        worker)."""
         if self.reward is not None:
             applied = self.apply(pooling)
             assert applied is not None
@@ -343,7 +348,9 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
     lower = bool(sentence_transformers_config(path).get("do_lower_case", False))
     if architecture in CLASSIFICATION_ARCHITECTURES:
         own = "LAST"  # where the head reads: a decoder's last row, an encoder's CLS row (or ModernBERT's mean)
-        if architecture in ENCODER_ARCHITECTURES:
+        if architecture in TOKEN_CLASSIFICATION_ARCHITECTURES:  # every row (vLLM's tok_pooling_type ALL)
+            own = "ALL"
+        elif architecture in ENCODER_ARCHITECTURES:
             own = "MEAN" if getattr(hf_config, "classifier_pooling", "cls") == "mean" else "CLS"
         if pooler.get("pooling_type", own) != own:
             raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")

@@ -65,6 +65,7 @@ async def score(engine: AsyncEngine, text_1: Any, text_2: Any, options: RequestO
             raise InvalidRequestError("use_activation", "false reads a cross-encoder's raw logit; this model scores by "
                                                         "the cosine similarity of embeddings, which has no activation")
         return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens)
+    engine.pooling_model.check(_CLASSIFY)  # a token classifier (token_classify only) refused by name
     if head.num_labels != 1:
         raise InvalidRequestError("model", f"score needs a cross-encoder (a classification model with one label); "
                                            f"this one has {head.num_labels}: use classify()")

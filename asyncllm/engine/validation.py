@@ -19,7 +19,8 @@ from typing import Any
 from asyncllm import protocol
 from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
-from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, REWARD_ARCHITECTURES
+from asyncllm.models.architectures import (CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, REWARD_ARCHITECTURES,
+                                           TOKEN_CLASSIFICATION_ARCHITECTURES)
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -305,14 +306,16 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
 def served_tasks(architectures: Sequence[str] | None, runner: str = "auto",
                  convert: str = "auto") -> frozenset[str] | None:
     """What a model of these ``architectures`` (its config's, as the workers serve it) serves ("generate", "embed",
-    "classify"; a reward model's, ``convert="reward"``: "token_classify" only) under the config's resolved ``runner``
-    (generate: generation only; pooling: no generation), as
+    "classify"; a reward model's, ``convert="reward"``, and a token classifier's: "token_classify" only) under the
+    config's resolved ``runner`` (generate: generation only; pooling: no generation), as
     `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner without a config):
     then requests are not checked against it."""
     if architectures is None:
         return None
     architectures = list(architectures) or [None]
     if convert == "reward" or architectures[0] in REWARD_ARCHITECTURES:  # docs/pooling.md#reward-models
+        return frozenset({"token_classify"})
+    if architectures[0] in TOKEN_CLASSIFICATION_ARCHITECTURES:  # NER-style taggers: every row's labels only
         return frozenset({"token_classify"})
     if architectures[0] in CLASSIFICATION_ARCHITECTURES:
         return frozenset({"classify"})

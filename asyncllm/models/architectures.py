@@ -16,7 +16,7 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
-           "REWARD_ARCHITECTURES",
+           "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -134,18 +134,24 @@ def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "Gemma3TextModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
-ENCODER_ARCHITECTURES = ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
+TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertForTokenClassification")
+"""Encoder token classifiers (NER and other taggers): a ``classifier`` on every token's final hidden state; they
+serve ``token_classify`` only (docs/pooling.md, "Token classifiers")."""
+ENCODER_ARCHITECTURES = (ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
+                         + TOKEN_CLASSIFICATION_ARCHITECTURES)
 """Bidirectional encoders (asyncllm/models/bert.py, modernbert.py, embedding_gemma.py): sentence-embedding models
-(bge, e5, gte, all-MiniLM, multilingual-e5, gte-modernbert, EmbeddingGemma) and cross-encoders (bge-reranker, ms-marco MiniLM, gte-reranker-modernbert); each prompt computed whole in one step, no
+(bge, e5, gte, all-MiniLM, multilingual-e5, gte-modernbert, EmbeddingGemma), cross-encoders (bge-reranker, ms-marco
+MiniLM, gte-reranker-modernbert) and token classifiers; each prompt computed whole in one step, no
 chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
 saves: embedding models such as e5-mistral) and the encoders."""
 CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
                                 "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
-                                *ENCODER_CLASSIFIER_ARCHITECTURES)
-"""Decoders with a ``score`` head over the last token (classifiers, reward models, cross-encoders): they serve
-classification and scores only (docs/pooling.md)."""
+                                *ENCODER_CLASSIFIER_ARCHITECTURES, *TOKEN_CLASSIFICATION_ARCHITECTURES)
+"""Models with a classification head: decoders with a ``score`` head over the last token and encoders with theirs
+(classifiers, reward models, cross-encoders) serve classification and scores (and ``token_classify``); the token
+classifiers ``token_classify`` only (docs/pooling.md)."""
 REWARD_ARCHITECTURES = ("Qwen2ForRewardModel", "Qwen2ForProcessRewardModel")
 """Reward models with their own head on every prompt row (asyncllm/models/reward.py): they serve ``token_classify``
 only, vLLM's ALL (the reward model) and STEP (the process reward model) pooling (docs/pooling.md#reward-models)."""

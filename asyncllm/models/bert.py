@@ -11,6 +11,8 @@ The projections are the parallel linears (query, key and value fused in one colu
 projections row-parallel), so tensor parallelism splits the heads and the intermediate features; the embeddings
 and norms are replicated. The checkpoint's ``pooler.dense`` (BERT's next-sentence head) is not used: sentence
 embeddings pool the last hidden states (CLS by default, or as the checkpoint's sentence-transformers config says).
+The classifiers' heads: ``BertForSequenceClassification`` (and RoBERTa's, XLM-R's) on the CLS row,
+``BertForTokenClassification`` on every row (docs/pooling.md).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from asyncllm.models.encoder import EncoderModel, prompt_spans
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-__all__ = ["BertEmbeddingModel", "BertForSequenceClassification", "position_offset"]
+__all__ = ["BertEmbeddingModel", "BertForSequenceClassification", "BertForTokenClassification", "position_offset"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -201,3 +203,29 @@ class BertForSequenceClassification(BertEmbeddingModel):
         if isinstance(self.classifier, nn.ModuleDict):
             return self.classifier["out_proj"](torch.tanh(self.classifier["dense"](hidden))).float()
         return self.classifier(torch.tanh(self.pooler["dense"](hidden))).float()
+
+    def token_classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every prompt row ``[T, hidden]`` -> float32 logits ``[T, num_labels]`` (``token_classify``), as vLLM's
+        ``DispatchPooler.for_seq_cls`` computes them: the ``classifier`` alone on each row for BERT (its ``pooler``
+        reads the CLS row only), RoBERTa's and XLM-R's whole ``classifier`` head (dense, tanh, out_proj)."""
+        hidden = hidden.to(self.word_embeddings.weight.dtype)
+        if isinstance(self.classifier, nn.ModuleDict):
+            return self.classify(hidden)
+        return self.classifier(hidden).float()
+
+
+class BertForTokenClassification(BertEmbeddingModel):
+    """A token classifier (NER and other taggers): the encoder, then ``classifier`` (a linear layer over
+    ``num_labels``) on every token's final hidden state, as transformers' ``BertForTokenClassification`` (whose
+    checkpoint has no ``pooler``). It serves ``token_classify`` only, every prompt row (vLLM's ALL pooling); the
+    head is small: every rank keeps all of it."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
+        self.classifier = nn.Linear(hf_config.hidden_size, hf_config.num_labels, dtype=kwargs["dtype"])
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[..., hidden]`` -> float32 logits ``[..., num_labels]``, row by row."""
+        return self.classifier(hidden.to(self.word_embeddings.weight.dtype)).float()
+
+    token_classify = classify

@@ -11,7 +11,7 @@ import pathlib
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES, REWARD_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
-    TEXT_ONLY_CAPABLE_ARCHITECTURES,
+    TEXT_ONLY_CAPABLE_ARCHITECTURES, TOKEN_CLASSIFICATION_ARCHITECTURES,
 )
 
 __all__ = ["markdown", "rows"]
@@ -32,6 +32,8 @@ def _kind(arch: str) -> str:
         return "image-text" + experts + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
     if arch in EMBEDDING_ARCHITECTURES:
         return "embedding"
+    if arch in TOKEN_CLASSIFICATION_ARCHITECTURES:
+        return "token classification"
     if arch in CLASSIFICATION_ARCHITECTURES:
         return "classification"
     if arch in REWARD_ARCHITECTURES:
@@ -47,7 +49,7 @@ def _doc(arch: str) -> str:
     if arch in _GENERAL:
         return _GENERAL[arch]
     by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md",
-               "reward": "pooling.md"}
+               "token classification": "pooling.md", "reward": "pooling.md"}
     kind = _kind(arch).split(" (")[0].removesuffix(", experts")
     if kind in by_kind:
         return by_kind[kind]

@@ -1,4 +1,5 @@
-"""ModernBERT encoders for embeddings and reranking: ``ModernBertModel``, ``ModernBertForSequenceClassification``.
+"""ModernBERT encoders for embeddings, reranking and tagging: ``ModernBertModel``,
+``ModernBertForSequenceClassification``, ``ModernBertForTokenClassification``.
 
 gte-modernbert, nomic-modernbert-embed, modernbert-embed and the gte / Alibaba ModernBERT rerankers. Like BERT
 (asyncllm/models/bert.py) each prompt is computed whole in one step with bidirectional attention and no KV cache,
@@ -7,7 +8,7 @@ halves, one ``rope_theta`` for the global layers and one for the local ones), th
 (``layer_types``: ``sliding_attention``) see the tokens at most ``sliding_window`` away on either side, the MLP
 is a GLU (the activation on the first half of ``Wi``'s output, times the second half), and no projection or norm
 has a bias by default. The classifier's head (``head``: dense, activation, norm; then ``classifier``) reads the
-CLS row or the mean of the rows (``classifier_pooling``).
+CLS row or the mean of the rows (``classifier_pooling``); the token classifier's reads every row.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from asyncllm.models.encoder import EncoderModel, prompt_spans
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader, weight_narrow
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-__all__ = ["ModernBertEmbeddingModel", "ModernBertForSequenceClassification"]
+__all__ = ["ModernBertEmbeddingModel", "ModernBertForSequenceClassification", "ModernBertForTokenClassification"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
@@ -174,3 +175,16 @@ class ModernBertForSequenceClassification(ModernBertEmbeddingModel):
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.tok_embeddings.weight.dtype)
         return self.classifier(self.head["norm"](self.head_act(self.head["dense"](hidden)))).float()
+
+    def token_classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every prompt row ``[T, hidden]`` -> float32 logits ``[T, num_labels]`` (``token_classify``): the
+        ``classifier`` alone on each row, as vLLM's ``DispatchPooler.for_seq_cls`` (its ``head`` is the pooler's)."""
+        return self.classifier(hidden.to(self.tok_embeddings.weight.dtype)).float()
+
+
+class ModernBertForTokenClassification(ModernBertForSequenceClassification):
+    """A token classifier: the encoder, then the prediction ``head`` (dense, activation, norm) and ``classifier``
+    on every token's final hidden state, as transformers' ``ModernBertForTokenClassification`` (its dropout is
+    off at inference). It serves ``token_classify`` only, every prompt row (vLLM's ALL pooling)."""
+
+    token_classify = ModernBertForSequenceClassification.classify

@@ -240,6 +240,8 @@ _MODELS = LazyClasses({
     "ModernBertModel": "modernbert:ModernBertEmbeddingModel",
     "Gemma3TextModel": "embedding_gemma:EmbeddingGemmaModel",
     "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",
+    "BertForTokenClassification": "bert:BertForTokenClassification",
+    "ModernBertForTokenClassification": "modernbert:ModernBertForTokenClassification",
     "LlamaForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
     "MistralForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
     "Qwen2ForSequenceClassification": ("classifier:sequence_classifier", "qwen2:Qwen2ForCausalLM"),

@@ -103,16 +103,14 @@ async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp
 async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind: str) -> None:
     """A one-logit cross-encoder (bge-reranker's form: XLM-R; ms-marco MiniLM's: BERT, whose pair's second text
     has token type 1): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`
-    of one text its logit; ``token_classify`` refused by name (not built for an encoder's CLS head)."""
+    of one text its logit; ``token_classify`` served beside them (its rows:
+    tests/engine/test_encoder_token_classification.py)."""
     path = make_tiny_encoder(tmp_path / kind, kind, num_labels=1)
     query, documents = TEXTS[0], TEXTS[1:] + ["paged attention is what the engine does"]
     async with AsyncEngine(path, disable_log_stats=True) as engine:
         scores = await engine.score(query, documents)
         single = await engine.classify(TEXTS[2])
-        assert await engine.get_supported_tasks() == ("classify", "score")  # no token_classify: not built for encoders
-        with pytest.raises(InvalidRequestError, match="token_classify on .* is not built") as info:
-            await engine.encode(TEXTS[2], pooling_task="token_classify")
-        assert info.value.field == "model"
+        assert await engine.get_supported_tasks() == ("classify", "score", "token_classify")  # vLLM's for_seq_cls
     for document, out in zip(documents, scores):
         [logit] = hf_pair_logits(path, query, document)
         assert out.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5), document
