@@ -161,12 +161,14 @@ class HostAdmission:
         """`stats` is the latest snapshot from the core; a new object means a new snapshot: the requests its count of
         this host's queued samples passed since the last one leave `_unqueued`, oldest first (and those that ended
         before any counted them). A lower count is a new core's, counting from 0."""
-        if stats is self._snapshot:
+        credit, unqueued = self._credit, self._unqueued
+        if stats is not self._snapshot:
+            queued, last = stats.host_samples_queued, self._queued
+            self._snapshot, self._queued = stats, queued
+            credit += queued - last if queued >= last else queued
+        elif not unqueued:
             return
-        queued, last = stats.host_samples_queued, self._queued
-        self._snapshot, self._queued = stats, queued
-        credit = self._credit + (queued - last if queued >= last else queued)
-        unqueued = self._unqueued
+        # the same snapshot too: one that ended unsent (aborted while parked for its LoRA check) brings no new one
         while unqueued:
             first = next(iter(unqueued))
             if first.num_requests <= credit:

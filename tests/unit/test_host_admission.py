@@ -167,3 +167,16 @@ def test_a_request_that_ended_before_the_core_queued_it_stops_counting():
     admission.admit(SchedulerStats(), "c", chat=False)
     assert admission.num_waiting(SchedulerStats(num_requests_waiting=1, host_samples_queued=1)) == 1 + 3  # c first
     assert admission.num_waiting(SchedulerStats(num_requests_waiting=3, host_samples_queued=3)) == 3  # b too
+
+
+def test_a_request_ended_before_the_core_got_it_stops_counting_without_a_new_snapshot():
+    """Aborted while parked for its LoRA check (never sent: the core hears nothing, an idle one sends no snapshot):
+    the next admission, on the same snapshot, must not count it, else `max_num_queued_requests` such aborts refuse
+    every later request for good (none reaches the core, which would send the snapshot that frees them)."""
+    admission = HostAdmission(max_num_queued_requests=1, max_num_queued_tokens=None)
+    idle = SchedulerStats()
+    parked, request = admission.admit(idle, "a", chat=False), _Request()
+    parked.track(request)
+    request.finished = True  # aborted while parked: no message to the core, no new snapshot
+    assert admission.num_waiting(idle) == 0
+    admission.admit(idle, "b", chat=False)  # the queue is empty: accepted
