@@ -71,6 +71,9 @@ class EngineControl:
         processors = await self._replicas.serving_processors()
         self._pins.forget(lora_id)
         forgot = [processor.forget_lora(lora_id) for processor in processors]
+        # a replica restarting meanwhile (another serves): its new processor adopts the dead one's record of ids
+        forgot += [replica.processor.forget_lora(lora_id) for replica in self._replicas.replicas
+                   if replica.processor is not None and replica.processor not in processors]
         removed = await every_replica([processor.lora_call(protocol.RemoveLoRA("", lora_id))
                                        for processor in processors])
         return any(forgot) or any(removed)

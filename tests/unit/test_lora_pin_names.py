@@ -140,3 +140,32 @@ def test_a_restarted_core_is_given_the_hosts_adapter_ids_again(monkeypatch: pyte
     assert list(core.lora_ids.pinned) == [3] and workers.took() == [(3, False)]
     assert new.lora_ids() == {3, 4, 6} and set(pins.pinned) == {3}
     assert "could not add LoRA adapter 'c' (id 5) again" in caplog.text
+
+
+def test_an_id_removed_while_another_replica_restarts_is_not_added_again_there(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path) -> None:
+    """Two replicas know id 4; replica 1's core died and restarts (its dead processor still holds the host's
+    record, which the new one adopts) while replica 0 serves: `remove_lora(4)` acts on replica 0 at once. The
+    restarted replica must not add 4 again (bound to its old folder: the id used again must be checked afresh)."""
+    (tmp_path / "r0").mkdir()
+    core0, _, replies0, _, folders = _pinning_core(monkeypatch, tmp_path / "r0")
+    adapter = LoRARequest("b", 4, folders[1])
+    live = _Host(_checker(), _CoreThread(core0, replies0, adapter))
+    dead = _Host(_checker(), _CoreThread(core0, [], adapter))  # (no call reaches it)
+    for host in (live, dead):
+        host.remember_lora(adapter, adapter)
+
+    async def serving_processors() -> list:
+        return [live]  # replica 1 restarts: not serving
+
+    engine = SimpleNamespace(start=lambda: asyncio.sleep(0), _pins=EnginePins(),
+                             _replicas=SimpleNamespace(serving_processors=serving_processors, replicas=[
+                                 SimpleNamespace(processor=live), SimpleNamespace(processor=dead)]))
+    assert asyncio.run(EngineControl.remove_lora(engine, 4)) is True  # type: ignore[arg-type]
+    (tmp_path / "r1").mkdir()
+    core1, _, replies, _, _ = _pinning_core(monkeypatch, tmp_path / "r1")
+    new = _Host(_checker(), _CoreThread(core1, replies, adapter))
+    pins = engine._pins
+    asyncio.run(pins.settle(pins.pin_again(new, dead), SimpleNamespace(any_alive=True,  # type: ignore[arg-type]
+                                                                        live_processors=lambda: [new, live])))
+    assert new.lora_ids() == set() and replies == []
