@@ -215,6 +215,7 @@ def _check_size(kind: str, text: str) -> None:
         return
     grammar = kind == "grammar"
     counted = _QUOTED.sub('""', text) if grammar else text
+    counted = counted.replace("\\\\", "_")  # an escaped backslash (``\\{n}`` repeats it): no brace's escape
     largest = max((int(n) for match in _COUNTS[grammar].finditer(counted) for n in match.groups() if n), default=0)
     if largest > MAX_REPETITION:
         raise InvalidRequestError("structured", f"the {kind} repeats an item {largest} times, more than "

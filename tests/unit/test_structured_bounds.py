@@ -80,3 +80,11 @@ def test_regexes_that_compile_in_seconds_at_most_pass(regex: str) -> None:
 ])
 def test_grammars_that_compile_in_seconds_at_most_pass(grammar: str) -> None:
     StructuredOutputs(grammar=grammar).validate()
+
+
+def test_a_repetition_after_an_escaped_backslash_counts() -> None:
+    r"""``\\{n}`` repeats a literal backslash n times (the brace is not escaped: the backslash before it is); ``\{n}``
+    is a literal brace, and ``\\\{n}`` a backslash and a brace."""
+    _refused(StructuredOutputs(regex=r"a\\{100000}"), "repeats an item 100000 times")
+    StructuredOutputs(regex=r"a\{100000}").validate()
+    StructuredOutputs(regex=r"a\\\{100000}").validate()
