@@ -157,6 +157,8 @@ def _check_schema(schema: object) -> None:
     if _nesting(schema) > MAX_SCHEMA_NESTING:
         raise InvalidRequestError("structured", f"json is nested deeper than {MAX_SCHEMA_NESTING} levels of objects "
                                                 "and arrays (xgrammar's compile time grows steeply with the depth)")
+    for pattern in _patterns(schema):
+        _check_size("json schema's pattern", pattern)
     try:
         keyword = _unenforced_keyword(schema)
     except RecursionError:
@@ -183,6 +185,20 @@ def _nesting(value: object) -> int:
         deepest = max(deepest, depth)
         level.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def _patterns(schema: object) -> list[str]:
+    """The regexes of `schema` and its subschemas: ``pattern`` values and ``patternProperties`` keys (no recursion)."""
+    found, level = [], [schema]
+    while level:
+        item = level.pop()
+        if isinstance(item, dict):
+            found += [item["pattern"]] if isinstance(item.get("pattern"), str) else []
+            found += list(item["patternProperties"]) if isinstance(item.get("patternProperties"), dict) else []
+            level.extend(item.values())
+        elif isinstance(item, list):
+            level.extend(item)
+    return found
 
 
 MAX_GRAMMAR_CHARS = 100_000

@@ -88,3 +88,15 @@ def test_a_repetition_after_an_escaped_backslash_counts() -> None:
     _refused(StructuredOutputs(regex=r"a\\{100000}"), "repeats an item 100000 times")
     StructuredOutputs(regex=r"a\{100000}").validate()
     StructuredOutputs(regex=r"a\\\{100000}").validate()
+
+
+def test_a_json_schemas_patterns_are_bounded_as_regexes() -> None:
+    """``pattern`` values and ``patternProperties`` keys anywhere in the schema: xgrammar compiles them as regexes."""
+    deep = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "string",
+                                                                              "pattern": "[a-z]{1,20000}"}}}}
+    _refused(StructuredOutputs(json=deep), "^structured: the json schema's pattern repeats an item 20000 times, more "
+                                           "than 10000 \\(MAX_REPETITION\\)$")
+    keys = {"type": "object", "patternProperties": {"x" * (MAX_GRAMMAR_CHARS + 1): {"type": "string"}}}
+    _refused(StructuredOutputs(json=keys), "^structured: the json schema's pattern is longer than 100000 characters")
+    StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]{1,100}"},
+                                                             "b": {"type": "string", "maxLength": 100000}}}).validate()
