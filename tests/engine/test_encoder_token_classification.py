@@ -16,6 +16,7 @@ from asgi_helpers import asgi_client
 from encoder_utils import _tokenizer, make_tiny_encoder
 
 from asyncllm import AsyncEngine, InvalidRequestError, PoolingParams, SamplingParams
+from asyncllm.errors import ConfigError
 from asyncllm.integrations.openai_server import create_app
 
 TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
@@ -148,3 +149,28 @@ def test_the_core_serves_a_token_classifier_token_classify_only() -> None:
     config = BertConfig(architectures=["BertForTokenClassification"])
     assert architecture_of(config) == "BertForTokenClassification"
     assert get_model_class(config).__name__ == "BertForTokenClassification"
+
+
+def test_token_classifier_checkpoint_names(tmp_path) -> None:
+    """Older transformers saved ``BertForTokenClassification`` with BERT's ``pooler`` (transformers ignores it):
+    such a checkpoint loads; a tensor the model has no place for is refused by name (the loader, no engine)."""
+    from safetensors.torch import load_file, save_file
+
+    from asyncllm.config import EngineConfig
+    from asyncllm.models.loader import load_hf_config, load_model
+
+    path = _make_token_classifier(tmp_path / "bert", "bert")
+    [file] = Path(path).glob("*.safetensors")
+    weights = load_file(file)
+    assert {"classifier.weight", "classifier.bias"} <= set(weights) and not any("pooler" in k for k in weights)
+
+    def load() -> object:
+        return load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+
+    save_file({**weights, "bert.pooler.dense.weight": torch.zeros(32, 32), "bert.pooler.dense.bias": torch.zeros(32)},
+              file, metadata={"format": "pt"})
+    assert torch.equal(load().classifier.weight, weights["classifier.weight"])
+    save_file({**weights, "bert.extra.weight": torch.zeros(2)}, file, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="unexpected weights: bert.extra.weight") as info:
+        load()
+    assert info.value.field == "model"
