@@ -159,21 +159,13 @@ class EnginePins:
         forgotten by its host, a pin it refused undone on every replica and forgotten, logged; a core dead again gets
         them at its own restart."""
         for given, future in sent.adds:
-            try:
-                await asyncio.wrap_future(future)
-            except EngineDeadError:
-                continue
-            except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this adapter
+            if (exc := await _refusal(future)) is not None:  # logged: the restart goes on without this adapter
                 logger.error("the restarted engine core could not add LoRA adapter %r (id %d) again (%s): forgotten; "
                              "used again, it is checked afresh", given.lora_name, given.lora_int_id, exc)
                 if sent.processor.lora_given(given.lora_int_id) == given:  # (not removed and added anew since)
                     sent.processor.forget_lora(given.lora_int_id)
         for lora_id, future in sent.pins:
-            try:
-                await asyncio.wrap_future(future)
-            except EngineDeadError:
-                continue
-            except Exception as exc:  # noqa: BLE001 - logged: the restart goes on without this pin
+            if (exc := await _refusal(future)) is not None:  # logged: the restart goes on without this pin
                 for call in self._calls.get(lora_id, ()):  # calls in progress fail with it (never recorded)
                     call.refused = exc
                 if lora_id not in self.pinned:  # only in progress: its calls undo it (`_late_answers`)
@@ -204,6 +196,18 @@ def check_not_removed(processors: list["Processor"], lora_id: int, call: str) ->
         field = "lora_id" if call == "pin_lora" else "lora_request"
         raise InvalidRequestError(field, f"lora_int_id {lora_id} was removed (remove_lora) while {call} checked its "
                                          "adapter")
+
+
+async def _refusal(future: concurrent.futures.Future[Any]) -> Exception | None:
+    """A restarted core's answer: its refusal, or None when it agreed or died again (it is sent again at that core's
+    own restart)."""
+    try:
+        await asyncio.wrap_future(future)
+    except EngineDeadError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - the caller logs it and goes on
+        return exc
+    return None
 
 
 async def _late_answers(call: _PinCall) -> None:
