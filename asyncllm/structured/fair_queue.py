@@ -41,6 +41,8 @@ class FairJobQueue:
         self._cond = threading.Condition()
         self._queued: OrderedDict[bytes, deque[CompileJob]] = OrderedDict()
         """Clients with queued jobs, the next to be served first (a served client goes last)."""
+        self._members: dict[bytes, set[Future[Any]]] = {}
+        """The futures in each client's queue (`put` queues a future once per client)."""
         self._running: Counter[bytes] = Counter()
         """Compiles each client's turn took and that are not `done` yet."""
         self._idle = 0
@@ -51,9 +53,10 @@ class FairJobQueue:
         """Queue `job` for `client_id`, unless its future is already in that client's queue (another client's request
         waiting for a queued job: its future in this client's queue too)."""
         with self._cond:
-            jobs = self._queued.setdefault(client_id, deque())
-            if not any(queued.future is job.future for queued in jobs):
-                jobs.append(job)
+            members = self._members.setdefault(client_id, set())
+            if job.future not in members:  # a set: a client's thousands of queued grammars cost no scan
+                members.add(job.future)
+                self._queued.setdefault(client_id, deque()).append(job)
                 self._cond.notify()
 
     def add_thread(self) -> None:
@@ -70,10 +73,8 @@ class FairJobQueue:
                 if client_id is None:
                     self._cond.wait()
                     continue
-                job = self._queued[client_id].popleft()
                 self._queued.move_to_end(client_id)  # its turn is over
-                if not self._queued[client_id]:
-                    del self._queued[client_id]
+                job = self._pop_head(client_id)
                 if job.future.set_running_or_notify_cancel():  # else cancelled since `_next_client` looked
                     self._running[client_id] += 1
                     self._idle -= 1
@@ -122,7 +123,14 @@ class FairJobQueue:
         cancelled while queued."""
         for client_id in list(self._queued):
             jobs = self._queued[client_id]
-            while jobs and (jobs[0].future.running() or jobs[0].future.done()):
-                jobs.popleft()
-            if not jobs:
-                del self._queued[client_id]
+            while client_id in self._queued and (jobs[0].future.running() or jobs[0].future.done()):
+                self._pop_head(client_id)
+
+    def _pop_head(self, client_id: bytes) -> CompileJob:
+        """The first job of `client_id`'s queue, taken out (the client out of `_queued` once it has none)."""
+        jobs = self._queued[client_id]
+        job = jobs.popleft()
+        self._members[client_id].discard(job.future)
+        if not jobs:
+            del self._queued[client_id], self._members[client_id]
+        return job
