@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from asyncllm.models.layers import LoadedWeight, new_param, weight_narrow
 
-__all__ = ["ScoreHead", "SequenceClassification", "sequence_classifier"]
+__all__ = ["HeadOnDecoder", "ScoreHead", "SequenceClassification", "sequence_classifier"]
 
 
 class ScoreHead(nn.Module):
@@ -34,8 +34,9 @@ class ScoreHead(nn.Module):
         return F.linear(hidden, self.weight)
 
 
-class SequenceClassification:
-    """Mixed in before a causal LM class: its decoder, no LM head, and a ``score`` head."""
+class HeadOnDecoder:
+    """Mixed in before a causal LM class: its decoder and no LM head (a head of the subclass's reads the hidden
+    states); a pooling request's one sampled token (dropped by the host) is id 0 (`compute_logits`)."""
 
     has_lm_head = False
 
@@ -43,6 +44,17 @@ class SequenceClassification:
         super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
         self.lm_head = None  # never loaded nor run: `compute_logits` below stands in for it
         self.vocab_size: int = hf_config.vocab_size
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Zero logits: the request's one sampled token is id 0."""
+        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
+
+
+class SequenceClassification(HeadOnDecoder):
+    """Mixed in before a causal LM class: its decoder, no LM head, and a ``score`` head."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
         self.score = ScoreHead(hf_config.hidden_size, hf_config.num_labels, kwargs["dtype"])
         self.from_tokens: list[int] | None = getattr(hf_config, "classifier_from_token_ids", None)
         """A causal LM served as a classifier (``hf_overrides`` ``classifier_from_token``; the host resolved the
@@ -55,10 +67,6 @@ class SequenceClassification:
         """Final hidden states ``[..., hidden]`` -> float32 logits ``[..., num_labels]`` (in the model's dtype
         first, as transformers computes them)."""
         return self.score(hidden).float()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Zero logits: a classification request's one sampled token (dropped by the host) is id 0."""
-        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """The decoder's weights as the causal LM loads them, and ``score.weight`` into the head."""

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from asyncllm.models.classifier import HeadOnDecoder
 from asyncllm.models.layers import LoadedWeight, new_param
 
 __all__ = ["REWARD_LABELS", "RewardHead", "RewardModel", "qwen2_process_reward_model", "qwen2_reward_model"]
@@ -45,15 +46,11 @@ class RewardHead(nn.Module):
                 "score.2.weight": self.out_weight, "score.2.bias": self.out_bias}.get(ckpt_name)
 
 
-class RewardModel:
+class RewardModel(HeadOnDecoder):
     """Mixed in before a causal LM class: its decoder, no LM head, and the reward head ``score``."""
 
-    has_lm_head = False
-
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
-        self.lm_head = None  # never loaded nor run: `compute_logits` below stands in for it
-        self.vocab_size: int = hf_config.vocab_size
+        super().__init__(hf_config, **kwargs)
         labels = REWARD_LABELS[type(self).__name__]
         self.score = RewardHead(hf_config.hidden_size, labels, kwargs["dtype"])
 
@@ -61,10 +58,6 @@ class RewardModel:
         """Final hidden states ``[..., hidden]`` -> float32 rewards ``[..., num_labels]`` (computed in the model's
         dtype, as the checkpoints' code computes them)."""
         return self.score(hidden).float()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Zero logits: a reward request's one sampled token (dropped by the host) is id 0."""
-        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
 
     def checkpoint_weight_names(self) -> set[str]:
         names = {name for name in super().checkpoint_weight_names()  # type: ignore[misc]
