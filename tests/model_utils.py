@@ -203,6 +203,18 @@ def assert_paged_logits_match_checkpoint(model: Any, path: str, seq_lens: list[i
         assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
 
 
+def spawn_ranks(fn, args: tuple, nprocs: int = 2) -> None:
+    """``torch.multiprocessing.spawn``'s ranks, forked from a server that imported torch, transformers and these
+    helpers once (Python's forkserver start method) rather than each a new interpreter importing them (~4 s of CPU
+    a rank); an error in a rank still propagates as its traceback."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "transformers", "model_utils", "asyncllm.models.loader"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -263,12 +275,11 @@ def assert_tp2_logits_match_checkpoint(path: str, out_dir: Any, seq_lens: list[i
                                        seed: int, atol: float = 1e-4) -> None:
     """Two spawned gloo ranks (`tp_worker`) run random sequences of ``seq_lens`` tokens by ``schedule``: every
     rank's float32 logits equal transformers' for the checkpoint at ``path`` within ``atol``."""
-    import torch.multiprocessing as mp
     from hf_reference import hf_logits as hf_path_logits
 
     gen = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
-    mp.spawn(tp_worker, args=(2, free_port(), [path], str(out_dir), sequences, schedule), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), [path], str(out_dir), sequences, schedule))
     for rank in range(2):
         for tokens, logits in zip(sequences, torch.load(os.path.join(str(out_dir), f"rank{rank}_0.pt")), strict=True):
             torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=atol, rtol=0)

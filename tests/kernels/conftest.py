@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 
+import interpreter_calls
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+interpreter_calls.install()

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import assert_paged_logits_match_checkpoint, free_port, tp_worker
+from model_utils import assert_paged_logits_match_checkpoint, free_port, spawn_ranks, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import NotBuiltError
@@ -111,7 +110,7 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     path = tiny_checkpoint("afmoe")
     gen = torch.Generator().manual_seed(2)
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in SEQ_LENS]
-    mp.spawn(tp_worker, args=(2, free_port(), [path], str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), [path], str(tmp_path), sequences, SCHEDULE))
     for rank in range(2):
         for tokens, logits in zip(sequences, torch.load(tmp_path / f"rank{rank}_0.pt"), strict=True):
             torch.testing.assert_close(logits, hf_logits(path, tokens), atol=1e-4, rtol=0)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import PagedRun, free_port, tp_worker
+from model_utils import PagedRun, free_port, spawn_ranks, tp_worker
 from test_granite_olmo2_models import _assert_match_transformers  # within 1e-4, argmax equal, far from uniform
 
 from asyncllm.config import EngineConfig
@@ -136,7 +135,7 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     paths = [tiny_checkpoint("bloom", **SIX_HEADS), tiny_checkpoint("mpt", **SIX_HEADS),
              tiny_checkpoint("falcon", **FALCON_RW)]
     sequences = _sequences(2)
-    mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), paths, str(tmp_path), sequences, SCHEDULE))
     for index, path in enumerate(paths):
         for rank in range(2):
             _assert_match_transformers(path, sequences, torch.load(tmp_path / f"rank{rank}_{index}.pt"))

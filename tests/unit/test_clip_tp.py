@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import free_port, gloo_rank
+from model_utils import free_port, gloo_rank, spawn_ranks
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
 from asyncllm.attention.selector import get_attention_backend
@@ -102,7 +101,7 @@ def _shard(full: torch.Tensor, name: str, rank: int) -> torch.Tensor:
 def test_weights_mode_shards_the_tower_and_projector_and_gives_the_whole_towers_features(tmp_path):
     weights, pixels, expected = _reference()
     torch.save((weights, pixels, expected), tmp_path / "ref.pt")
-    mp.spawn(_tp_rank, args=(2, free_port(), str(tmp_path / "ref.pt"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_tp_rank, (2, free_port(), str(tmp_path / "ref.pt"), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for rank, got in enumerate(ranks):
         sharded, whole = got["weights"], got["data"]

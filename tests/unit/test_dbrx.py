@@ -13,9 +13,8 @@ import pathlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hf_reference import hf_logits
-from model_utils import PagedRun, free_port, tp_worker
+from model_utils import PagedRun, free_port, spawn_ranks, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.models.dbrx import DbrxForCausalLM, llama_view
@@ -141,7 +140,7 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     both hold it) and half of every expert's intermediate rows; every rank's logits equal transformers'."""
     paths = [tiny_checkpoint("dbrx"), tiny_checkpoint("dbrx", **VARIANTS["released_routing"])]
     sequences = _sequences(2)
-    mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), paths, str(tmp_path), sequences, SCHEDULE))
     for index, path in enumerate(paths):
         for rank in range(2):
             _assert_match_transformers(path, sequences, torch.load(tmp_path / f"rank{rank}_{index}.pt"))

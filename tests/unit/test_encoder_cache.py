@@ -8,8 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import free_port, gloo_rank
+from model_utils import free_port, gloo_rank, spawn_ranks
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -250,7 +249,7 @@ def _dp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_data_parallel_encoding_splits_unevenly_and_gathers_everything(tmp_path):
-    mp.spawn(_dp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_dp_rank, (2, free_port(), str(tmp_path)))
     expected = encode_items(_FakeEncoder(), IMAGES, torch.device("cpu"))
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     for got in ranks:

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hf_reference import hf_logits
-from model_utils import PagedRun, free_port, tp_worker
+from model_utils import PagedRun, free_port, spawn_ranks, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
@@ -157,7 +156,7 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
              tiny_checkpoint("cohere", use_qk_norm=True),  # Command R+: each rank its heads' q/k norms
              tiny_checkpoint("stablelm", qk_layernorm=True)]  # stablelm-2-12b's: per-head norms stacked at load
     sequences = _sequences(2)
-    mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), paths, str(tmp_path), sequences, SCHEDULE))
     for index, path in enumerate(paths):
         for rank in range(2):
             _assert_match_transformers(path, sequences, torch.load(tmp_path / f"rank{rank}_{index}.pt"))

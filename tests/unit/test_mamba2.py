@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hf_reference import hf_logits
-from model_utils import PagedRun, free_port, tp_worker
+from model_utils import PagedRun, free_port, spawn_ranks, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.kernels import reference
@@ -129,6 +128,6 @@ def test_granite4_over_two_ranks(tmp_path) -> None:
     each: every rank's logits equal transformers'."""
     path = tiny_checkpoint("granitemoehybrid")
     sequences = _sequences(5)
-    mp.spawn(tp_worker, args=(2, free_port(), [path], str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    spawn_ranks(tp_worker, (2, free_port(), [path], str(tmp_path), sequences, SCHEDULE))
     for rank in range(2):
         _assert_logits(path, torch.load(tmp_path / f"rank{rank}_0.pt"), sequences)

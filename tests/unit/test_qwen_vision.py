@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import free_port, gloo_rank
+from model_utils import free_port, gloo_rank, spawn_ranks
 from qwen_vl_utils import load_tower, random_patches
 from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -135,7 +134,7 @@ def test_two_ranks_hold_their_shards_and_give_the_one_rank_output(tmp_path):
         with torch.no_grad():
             reference[version] = (weights, pixels, grids, _tower(version, weights)(pixels, grids))
     torch.save(reference, tmp_path / "ref.pt")
-    mp.spawn(_tp_rank, args=(2, free_port(), str(tmp_path / "ref.pt"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_tp_rank, (2, free_port(), str(tmp_path / "ref.pt"), str(tmp_path)))
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for version, (weights, _, _, expected) in reference.items():

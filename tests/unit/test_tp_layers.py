@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import PagedRun, free_port, save_tiny_checkpoint, tp_worker
+from model_utils import PagedRun, free_port, save_tiny_checkpoint, spawn_ranks, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -90,7 +89,7 @@ def test_tp2_logits_equal_tp1(tmp_path):
         paths.append(str(path))
     paths += [tiny_checkpoint(arch) for arch in TINY_TP_ARCHS]
     args = (2, free_port(), paths, str(tmp_path), SEQUENCES, SCHEDULE)
-    mp.spawn(tp_worker, args=args, nprocs=2, join=True)
+    spawn_ranks(tp_worker, args)
     for index, path in enumerate(paths):
         hf_config = load_hf_config(path)
         model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
