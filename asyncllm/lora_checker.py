@@ -23,6 +23,7 @@ from asyncllm.lora import (_FIELD, _TENSOR_NAME, KEPT_LORA_IDS, Adapter, Adapter
                            check_finite, read_adapter)
 from asyncllm.lora_experts import ExpertLayer, expert_problem, is_expert_path
 from asyncllm.lora_hybrid_shapes import kimi_linear_shapes, minimax_shapes, state_space_shapes, zamba2_shapes
+from asyncllm.models.architectures import base_architecture
 from asyncllm.models.family_config import kv_heads, latent_attention_shapes, mlp_width
 
 __all__ = ["AdapterChecker", "module_shapes", "layer_module_shapes"]
@@ -96,7 +97,7 @@ def _linear_attention_shapes(hf_config: Any, hidden: int, q: int) -> dict[str, t
 
 def _architecture(hf_config: Any) -> str | None:
     architectures = getattr(hf_config, "architectures", None) or []
-    return architectures[0] if architectures else None
+    return base_architecture(architectures[0]) if architectures else None
 
 
 class AdapterChecker:

@@ -33,7 +33,7 @@ from asyncllm.models.architectures import (
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     REWARD_ARCHITECTURES,
-    architecture_of,
+    architecture_of, base_architecture,
     max_positions,
     serves_text_only,
 )
@@ -131,7 +131,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         config.trust_remote_code)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len,
                               **resolve_runner(config, arch))  # runner, convert, task: docs/pooling.md
-    if arch in HYBRID_ARCHITECTURES:
+    if base_architecture(arch) in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)
     if config.skip_tokenizer_init and multimodal:
         raise ConfigError("skip_tokenizer_init", True, f"False for {arch} with images (its processor places image "
@@ -150,7 +150,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         resolved = resolved.replace(speculative_config=prepare_draft_model(
             config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
             multimodal, arch, config.download_dir))
-    if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
+    if config.enable_expert_parallel and base_architecture(arch) not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:

@@ -16,7 +16,7 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
-           "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES",
+           "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES", "DECODER_CLASSIFIER_BASES", "base_architecture",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -119,11 +119,17 @@ classes)."""
 
 
 def has_experts(hf_config: Any, arch: str) -> bool:
-    """Whether the checkpoint's model has experts: an MoE architecture's, but a Gemma 4 decoder's only with
-    ``enable_moe_block`` (its dense sizes share the architecture name)."""
+    """Whether the checkpoint's model has experts: an MoE architecture's (a classifier's: its decoder's), but a
+    Gemma 4 decoder's only with ``enable_moe_block`` (its dense sizes share the architecture name)."""
+    arch = base_architecture(arch)
     if arch.startswith("Gemma4"):
         return bool(getattr(getattr(hf_config, "text_config", None) or hf_config, "enable_moe_block", False))
     return arch in MOE_ARCHITECTURES
+
+
+def base_architecture(arch: str) -> str:
+    """The causal LM whose decoder `arch` runs (a decoder classifier's: `DECODER_CLASSIFIER_BASES`), else `arch`."""
+    return DECODER_CLASSIFIER_BASES.get(arch, arch)
 
 
 def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
@@ -146,9 +152,22 @@ chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
 saves: embedding models such as e5-mistral) and the encoders."""
-CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
-                                "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
-                                *ENCODER_CLASSIFIER_ARCHITECTURES, *TOKEN_CLASSIFICATION_ARCHITECTURES)
+DECODER_CLASSIFIER_BASES = {
+    **{f"{family}ForSequenceClassification": f"{family}ForCausalLM" for family in (
+        "Arcee", "Bloom", "DeepseekV2", "DeepseekV3", "Exaone4", "Falcon", "Gemma", "Gemma2", "Glm", "Glm4",
+        "GPTBigCode", "GPTJ", "GPTNeoX", "GptOss", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Jamba", "Llama",
+        "MiniCPM3", "MiniMax", "Ministral", "Ministral3", "Mistral", "Mistral4", "Mixtral", "Mpt", "Nemotron", "Olmo",
+        "Olmo2", "Olmo3", "OPT", "Phi", "Phi3", "Phimoe", "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "Qwen3Next",
+        "SeedOss", "SmolLM3", "StableLm", "Starcoder2", "Zamba2")},
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+    "Qwen3_5TextForSequenceClassification": "Qwen3_5ForCausalLM",
+    "GPT2ForSequenceClassification": "GPT2LMHeadModel",
+}
+"""transformers' ``*ForSequenceClassification`` of a decoder family (every one transformers has for a family here)
+-> the causal LM whose decoder it is, under a ``score`` head on the last token: vLLM resolves such an architecture
+to its family's model the same way (as_seq_cls_model). docs/pooling.md#classification-models."""
+CLASSIFICATION_ARCHITECTURES = (*DECODER_CLASSIFIER_BASES, *ENCODER_CLASSIFIER_ARCHITECTURES,
+                                *TOKEN_CLASSIFICATION_ARCHITECTURES)
 """Models with a classification head: decoders with a ``score`` head over the last token and encoders with theirs
 (classifiers, reward models, cross-encoders) serve classification and scores (and ``token_classify``); the token
 classifiers ``token_classify`` only (docs/pooling.md)."""

@@ -13,7 +13,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
-    ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
+    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
 )
 from asyncllm.models.family_config import mlp_width
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
@@ -96,7 +96,7 @@ def headless(cls: type) -> type:
     return type(cls.__name__ + "Headless", (cls,), {"has_lm_head": False})
 
 
-_MODELS = LazyClasses({
+_SPECS: dict[str, str | tuple[str, str]] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
@@ -242,13 +242,11 @@ _MODELS = LazyClasses({
     "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",
     "BertForTokenClassification": "bert:BertForTokenClassification",
     "ModernBertForTokenClassification": "modernbert:ModernBertForTokenClassification",
-    "LlamaForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
-    "MistralForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
-    "Qwen2ForSequenceClassification": ("classifier:sequence_classifier", "qwen2:Qwen2ForCausalLM"),
-    "Qwen3ForSequenceClassification": ("classifier:sequence_classifier", "qwen3:Qwen3ForCausalLM"),
     "Qwen2ForRewardModel": ("reward:qwen2_reward_model", "qwen2:Qwen2ForCausalLM"),
     "Qwen2ForProcessRewardModel": ("reward:qwen2_process_reward_model", "qwen2:Qwen2ForCausalLM"),
-})
+}
+_MODELS = LazyClasses({**_SPECS, **{arch: ("classifier:sequence_classifier", _SPECS[base])
+                                    for arch, base in DECODER_CLASSIFIER_BASES.items()}})
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
