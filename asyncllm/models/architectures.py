@@ -16,7 +16,8 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
-           "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES", "DECODER_CLASSIFIER_BASES", "base_architecture",
+           "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES", "DECODER_CLASSIFIER_BASES", "HEADLESS_BASES",
+           "base_architecture",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -128,8 +129,9 @@ def has_experts(hf_config: Any, arch: str) -> bool:
 
 
 def base_architecture(arch: str) -> str:
-    """The causal LM whose decoder `arch` runs (a decoder classifier's: `DECODER_CLASSIFIER_BASES`), else `arch`."""
-    return DECODER_CLASSIFIER_BASES.get(arch, arch)
+    """The causal LM whose decoder `arch` runs (a decoder classifier's, a bare decoder's: `DECODER_CLASSIFIER_BASES`,
+    `HEADLESS_BASES`), else `arch`."""
+    return DECODER_CLASSIFIER_BASES.get(arch) or HEADLESS_BASES.get(arch, arch)
 
 
 def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
@@ -149,7 +151,25 @@ ENCODER_ARCHITECTURES = (ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_AR
 (bge, e5, gte, all-MiniLM, multilingual-e5, gte-modernbert, EmbeddingGemma), cross-encoders (bge-reranker, ms-marco
 MiniLM, gte-reranker-modernbert) and token classifiers; each prompt computed whole in one step, no
 chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
+HEADLESS_BASES = {
+    **{f"{family}Model": f"{family}ForCausalLM" for family in (
+        "Afmoe", "Apertus", "Arcee", "Bloom", "Cohere", "Cohere2", "Cwm", "DeepseekV2", "DeepseekV3", "DeepseekV32",
+        "Dots1", "Ernie4_5", "Ernie4_5_Moe", "Exaone4", "ExaoneMoe", "FlexOlmo", "Gemma", "Gemma2", "Glm", "Glm4",
+        "Glm4Moe", "Glm4MoeLite", "GlmMoeDsa", "GPTBigCode", "GptOss", "Granite", "GraniteMoe", "GraniteMoeHybrid",
+        "GraniteMoeShared", "Helium", "HunYuanDenseV1", "HunYuanMoEV1", "Jais2", "KimiLinear", "Llama",
+        "LongcatFlash", "MiniCPM3", "MiniMax", "MiniMaxM2", "Ministral", "Ministral3", "Mistral", "Mistral4",
+        "Mixtral", "Nemotron", "Olmo", "Olmo2", "Olmo3", "Olmoe", "OPT", "Phi3", "Qwen2", "Qwen2Moe", "Qwen3",
+        "Qwen3Moe", "Qwen3Next", "SeedOss", "SmolLM3", "SolarOpen", "StableLm", "Starcoder2", "VaultGemma", "Youtu")},
+    "GPT2Model": "GPT2LMHeadModel",
+    "Gemma3nTextModel": "Gemma3nForCausalLM",
+    "Llama4TextModel": "Llama4ForCausalLM",
+    "Qwen3_5MoeTextModel": "Qwen3_5MoeForCausalLM",
+    "Qwen3_5TextModel": "Qwen3_5ForCausalLM",
+}
+"""A bare decoder's checkpoint (what transformers' ``AutoModel`` saves: no LM head, names without the causal LM's
+prefix) -> the causal LM whose decoder it is; served as an embedding model (vLLM resolves an unregistered ``*Model``
+to its family's model the same way: as_embedding_model). docs/embeddings.md."""
+EMBEDDING_ARCHITECTURES = (*HEADLESS_BASES, *ENCODER_EMBEDDING_ARCHITECTURES)
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
 saves: embedding models such as e5-mistral) and the encoders."""
 DECODER_CLASSIFIER_BASES = {

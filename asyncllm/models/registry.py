@@ -13,7 +13,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
-    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
+    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
 )
 from asyncllm.models.family_config import mlp_width
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
@@ -227,10 +227,6 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "Zamba2ForCausalLM": "zamba2:Zamba2ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ernie_seed_arcee:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "hunyuan:HunYuanMoEV1ForCausalLM",
-    "LlamaModel": ("registry:headless", "llama:LlamaForCausalLM"),
-    "MistralModel": ("registry:headless", "llama:LlamaForCausalLM"),
-    "Qwen2Model": ("registry:headless", "qwen2:Qwen2ForCausalLM"),
-    "Qwen3Model": ("registry:headless", "qwen3:Qwen3ForCausalLM"),
     "BertModel": "bert:BertEmbeddingModel",
     "RobertaModel": "bert:BertEmbeddingModel",
     "XLMRobertaModel": "bert:BertEmbeddingModel",
@@ -245,8 +241,9 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "Qwen2ForRewardModel": ("reward:qwen2_reward_model", "qwen2:Qwen2ForCausalLM"),
     "Qwen2ForProcessRewardModel": ("reward:qwen2_process_reward_model", "qwen2:Qwen2ForCausalLM"),
 }
-_MODELS = LazyClasses({**_SPECS, **{arch: ("classifier:sequence_classifier", _SPECS[base])
-                                    for arch, base in DECODER_CLASSIFIER_BASES.items()}})
+_MODELS = LazyClasses({**_SPECS,
+                       **{arch: ("classifier:sequence_classifier", _SPECS[base]) for arch, base in DECODER_CLASSIFIER_BASES.items()},
+                       **{arch: ("registry:headless", _SPECS[base]) for arch, base in HEADLESS_BASES.items()}})
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 

@@ -1,4 +1,5 @@
-"""Checkpoints of bare decoders (``LlamaModel``, ``Qwen3Model``: what AutoModel saves, as embedding models ship)
+"""Checkpoints of bare decoders (``LlamaModel``, ``Qwen3Model``, ``Gemma2Model``, a hybrid's ``Qwen3NextModel``: what
+AutoModel saves, as embedding models ship)
 load without an LM head and serve embeddings equal to transformers'; generation is refused by name."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import shutil
 import pytest
 
 from asyncllm import AsyncEngine, InvalidRequestError
+from asyncllm.tiny import tiny_checkpoint
 
 
 def _bare_decoder(source: str, folder: str) -> str:
@@ -24,13 +26,13 @@ def _bare_decoder(source: str, folder: str) -> str:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-async def test_a_bare_decoder_serves_embeddings_only(family: str, tmp_path, request) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "qwen3_next"])  # bge-multilingual-gemma2; a hybrid
+async def test_a_bare_decoder_serves_embeddings_only(family: str, tmp_path) -> None:
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModel
 
-    path = _bare_decoder(request.getfixturevalue(f"tiny_{family}"), str(tmp_path / family))
+    path = _bare_decoder(tiny_checkpoint(family), str(tmp_path / family))
     assert AutoConfig.from_pretrained(path).architectures[0].endswith("Model")
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         assert not any(name.startswith(("model.", "lm_head")) for name in f.keys())

@@ -1,0 +1,77 @@
+"""Every decoder family's bare-decoder checkpoint (what transformers' ``AutoModel`` saves: ``GPT2Model``,
+``Gemma2Model``, ``Qwen3_5TextModel``, ...; the registry's `HEADLESS_BASES`) loads as its causal LM without an LM
+head, and its last-token embedding through the real loader and the model runner equals transformers'
+``last_hidden_state`` (normalized) within 1e-5. Through the engine: tests/engine/test_embedding_models.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from asyncllm import PoolingParams, SamplingParams
+from asyncllm.config import EngineConfig
+from asyncllm.models.architectures import EMBEDDING_ARCHITECTURES, HEADLESS_BASES, TEXT_ARCHITECTURES, base_architecture
+from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from asyncllm.tiny import tiny_checkpoint
+from asyncllm.workers.model_runner import ModelRunner
+
+PROMPTS = {"a": [5, 9, 14, 3, 77, 21], "b": [30, 4, 4, 17]}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "phi3", "granite",
+            "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2",
+            "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "hunyuan_v1_dense", "gpt_oss",
+            "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2",
+            "granitemoehybrid", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "llama4", "glm4_moe_lite", "apertus",
+            "mistral4", "solar_open", "gemma", "exaone_moe", "helium", "vaultgemma", "granitemoeshared", "flex_olmo",
+            "stablelm", "nemotron", "gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "cwm", "youtu", "gemma3n",
+            "minicpm3", "longcat_flash", "kimi_linear", "bloom", "deepseek_v32", "glm_moe_dsa", "minimax", "afmoe")
+"""The tiny checkpoint of each family in `HEADLESS_BASES`."""
+
+
+def test_every_bare_decoder_is_transformers_own_over_a_served_causal_lm() -> None:
+    import transformers
+
+    from asyncllm.models.registry import get_model_class
+
+    assert len(HEADLESS_BASES) == len(FAMILIES) == 68
+    for arch, base in HEADLESS_BASES.items():
+        assert hasattr(transformers, arch), arch
+        assert base in TEXT_ARCHITECTURES and arch in EMBEDDING_ARCHITECTURES and base_architecture(arch) == base
+        cls = get_model_class(SimpleNamespace(architectures=[arch]))
+        assert not cls.has_lm_head and issubclass(cls, get_model_class(SimpleNamespace(architectures=[base]))), arch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bare_decoder_embeddings_equal_transformers(family: str, tmp_path) -> None:
+    from transformers import AutoModel
+
+    source = tiny_checkpoint(family)
+    model = AutoModel.from_pretrained(source, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    for name in os.listdir(source):
+        if "token" in name:
+            shutil.copy(os.path.join(source, name), tmp_path)
+    arch = json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    assert HEADLESS_BASES[arch] == json.loads(open(os.path.join(source, "config.json")).read())["architectures"][0]
+    config = EngineConfig.create(str(tmp_path), max_model_len=64, block_size=4, max_num_seqs=8,
+                                 max_num_batched_tokens=64, device="cpu", dtype="float32")
+    runner = ModelRunner(config, rank=0, tp_size=1, device=torch.device("cpu"))
+    runner.load_model()
+    runner.init_cache(32)
+    free, embed = iter(range(32)), PoolingParams(task="embed")
+    new = [NewRequestData(rid, prompt, len(prompt), SamplingParams(temperature=0.0, max_tokens=1),
+                          [next(free) for _ in range(-(-len(prompt) // 4))], 0, pooling=embed)
+           for rid, prompt in PROMPTS.items()]
+    scheduled = {rid: len(prompt) for rid, prompt in PROMPTS.items()}
+    out = runner.execute_model(SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values())))
+    for rid, prompt in PROMPTS.items():
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        got = np.frombuffer(out.embeddings[rid], dtype="<f4")
+        want = torch.nn.functional.normalize(hidden, dim=0).numpy()
+        assert np.abs(got / np.linalg.norm(got) - want).max() < 1e-5, (family, got[:4], want[:4])
