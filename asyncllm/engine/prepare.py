@@ -24,10 +24,10 @@ from asyncllm.models.mistral_format import mistral_files, uses_mistral_weights
 from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of, sentence_transformers_config
+from asyncllm.engine.classifier_tokens import classifier_from_tokens
 from asyncllm.engine.runner import resolve_runner
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES,
-    CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -142,7 +142,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         if tokenizer is None:
             raise ConfigError("skip_tokenizer_init", True, "False with classifier_from_token (its tokens are looked "
                                                            "up in the tokenizer)")
-        _classifier_from_tokens(text_config, arch, tokenizer)
+        classifier_from_tokens(text_config, arch, tokenizer)
     if arch in ENCODER_ARCHITECTURES:
         resolved = _encoder_config(resolved)
     spec = config.scheduler_config.speculative
@@ -297,26 +297,6 @@ def _lora_config(arch: str, text_config: Any) -> Any:
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
 a longer one is not sent, and the workers read config.json themselves."""
-
-
-def _classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:
-    """vLLM's ``classifier_from_token`` (``hf_overrides``): a causal LM's checkpoint served as a classifier whose
-    head is its LM head's rows of these tokens. Their ids go to the workers in the config, with the label count
-    (one for ``is_original_qwen3_reranker``: the second token's row less the first's)."""
-    tokens = hf_config.classifier_from_token
-    field_value = f"classifier_from_token={tokens!r}"
-    if arch not in CLASSIFICATION_ARCHITECTURES or arch in ENCODER_ARCHITECTURES:
-        raise ConfigError("hf_overrides", field_value, "a decoder served as *ForSequenceClassification (set "
-                                                       "'architectures' too, e.g. ['Qwen3ForSequenceClassification'])")
-    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens] if isinstance(tokens, list) else []
-    unknown = [t for t, i in zip(tokens, ids) if not isinstance(i, int) or i == tokenizer.unk_token_id]
-    difference = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
-    if not ids or unknown or (difference and len(ids) != 2):
-        raise ConfigError("hf_overrides", field_value, "a list of tokens of the vocabulary (two with "
-                                                       f"is_original_qwen3_reranker){'; unknown: ' if unknown else ''}"
-                                                       f"{', '.join(map(repr, unknown))}")
-    hf_config.classifier_from_token_ids = ids
-    hf_config.num_labels = 1 if difference else len(ids)
 
 
 def _encoder_config(config: EngineConfig) -> EngineConfig:

@@ -59,8 +59,9 @@ class SequenceClassification(HeadOnDecoder):
         self.from_tokens: list[int] | None = getattr(hf_config, "classifier_from_token_ids", None)
         """A causal LM served as a classifier (``hf_overrides`` ``classifier_from_token``; the host resolved the
         tokens' ids): the head is the LM head's rows of these tokens, read from the checkpoint."""
-        self.token_difference = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
-        """Qwen3-Reranker: one label, the second token's row less the first's (sigmoid = softmax over the two)."""
+        self.token_difference = bool(getattr(hf_config, "classifier_token_difference", False))
+        """vLLM's ``from_2_way_softmax`` (Qwen3-Reranker's): one label, the second token's row less the first's
+        (sigmoid = softmax over the two); the host resolved it (asyncllm/engine/classifier_tokens.py)."""
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
