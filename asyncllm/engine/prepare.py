@@ -154,7 +154,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
+        if (multimodal or base_architecture(arch) in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
                                                      "architectures that take them; where its LoRA column says "
                                                      "'as text', serve it as text: limit_mm_per_prompt of 0 for "

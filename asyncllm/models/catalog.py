@@ -11,7 +11,7 @@ import pathlib
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES, REWARD_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
-    TEXT_ONLY_CAPABLE_ARCHITECTURES, TOKEN_CLASSIFICATION_ARCHITECTURES,
+    TEXT_ONLY_CAPABLE_ARCHITECTURES, TOKEN_CLASSIFICATION_ARCHITECTURES, base_architecture,
 )
 
 __all__ = ["markdown", "rows"]
@@ -70,7 +70,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     out = []
     for arch in sorted(set(SUPPORTED_ARCHITECTURES)):
         multimodal = arch in MULTIMODAL_ARCHITECTURES
-        lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or arch in _NO_LORA)
+        lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or base_architecture(arch) in _NO_LORA)
         as_text = arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and arch not in _NO_LORA
         kind = _kind(arch)
         adaptable = "experts" in kind and getattr(_MODELS.get(arch), "lora_experts", False)
