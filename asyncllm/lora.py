@@ -49,9 +49,10 @@ DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (
 attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``; the
 attention-free Mamba models' mixers' (``mixer.in_proj``, ...)."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                            ("model.text_model.", "model."))
+                            ("model.text_model.", "model."), ("layers.", "model.layers."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones; Idefics3's and SmolVLM's
-``text_model``) -> the decoder's names."""
+``text_model``), and a bare decoder's layers (an adapter trained on ``AutoModel``: an embedding model's) -> the
+decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
                       "vision_model.",  # Llama 4's tower (its image-text checkpoints serve text)
                       "model.vision_model.", "model.connector.", "model.embed_vision.",  # Idefics3's, Gemma 4's

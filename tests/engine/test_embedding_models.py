@@ -46,3 +46,34 @@ async def test_a_bare_decoder_serves_embeddings_only(family: str, tmp_path) -> N
         hidden = AutoModel.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).last_hidden_state[0, -1]
     want = torch.nn.functional.normalize(hidden, dim=0)
     assert (torch.tensor(out.embedding) - want).abs().max() < 1e-5
+
+
+async def test_a_bare_decoder_takes_adapters_trained_on_it_or_on_its_causal_lm(tmp_path) -> None:
+    """An embedding model's adapter trained on ``AutoModel`` (PEFT names ``base_model.model.layers...``) and one
+    trained on the causal LM (``base_model.model.model.layers...``): each embedding equals PEFT's over the model it
+    was trained on."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from asyncllm.lora import LoRARequest
+    from lora_utils import make_adapter
+
+    source = tiny_checkpoint("llama")
+    folder = str(tmp_path)
+    path = _bare_decoder(source, os.path.join(folder, "bare"))
+    on_bare = make_adapter(path, os.path.join(folder, "on_bare"), seed=5, auto_class=AutoModel)
+    on_causal = make_adapter(source, os.path.join(folder, "on_causal"), seed=6)
+    prompt = [5, 9, 14, 3, 77]
+    async with AsyncEngine(path, enable_lora=True, max_lora_rank=8, disable_log_stats=True) as engine:
+        outs = [await engine.embed(prompt, lora_request=LoRARequest(name, i + 1, adapter))
+                for i, (name, adapter) in enumerate((("bare", on_bare), ("causal", on_causal)))]
+    with torch.no_grad():
+        bare = PeftModel.from_pretrained(AutoModel.from_pretrained(path, dtype=torch.float32), on_bare).eval()
+        causal = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32),
+                                           on_causal).eval()
+        wants = [bare(torch.tensor([prompt])).last_hidden_state[0, -1],
+                 causal(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]]
+    for out, want in zip(outs, wants):
+        assert (torch.tensor(out.embedding) - torch.nn.functional.normalize(want, dim=0)).abs().max() < 1e-5
+    assert (torch.tensor(outs[0].embedding) - torch.tensor(outs[1].embedding)).abs().max() > 1e-2
