@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from asyncllm import PoolingParams, SamplingParams
-from asyncllm.config import EngineConfig
 from asyncllm.models.architectures import EMBEDDING_ARCHITECTURES, HEADLESS_BASES, TEXT_ARCHITECTURES, base_architecture
-from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.tiny import tiny_checkpoint
-from asyncllm.workers.model_runner import ModelRunner
+from classifier_utils import pooling_step
 
 PROMPTS = {"a": [5, 9, 14, 3, 77, 21], "b": [30, 4, 4, 17]}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "phi3", "granite",
@@ -58,20 +55,10 @@ def test_bare_decoder_embeddings_equal_transformers(family: str, tmp_path) -> No
             shutil.copy(os.path.join(source, name), tmp_path)
     arch = json.loads((tmp_path / "config.json").read_text())["architectures"][0]
     assert HEADLESS_BASES[arch] == json.loads(open(os.path.join(source, "config.json")).read())["architectures"][0]
-    config = EngineConfig.create(str(tmp_path), max_model_len=64, block_size=4, max_num_seqs=8,
-                                 max_num_batched_tokens=64, device="cpu", dtype="float32")
-    runner = ModelRunner(config, rank=0, tp_size=1, device=torch.device("cpu"))
-    runner.load_model()
-    runner.init_cache(32)
-    free, embed = iter(range(32)), PoolingParams(task="embed")
-    new = [NewRequestData(rid, prompt, len(prompt), SamplingParams(temperature=0.0, max_tokens=1),
-                          [next(free) for _ in range(-(-len(prompt) // 4))], 0, pooling=embed)
-           for rid, prompt in PROMPTS.items()]
-    scheduled = {rid: len(prompt) for rid, prompt in PROMPTS.items()}
-    out = runner.execute_model(SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values())))
+    rows, _ = pooling_step(str(tmp_path), "embed", PROMPTS)
     for rid, prompt in PROMPTS.items():
         with torch.no_grad():
             hidden = model(torch.tensor([prompt])).last_hidden_state[0, -1]
-        got = np.frombuffer(out.embeddings[rid], dtype="<f4")
+        got = rows[rid]
         want = torch.nn.functional.normalize(hidden, dim=0).numpy()
         assert np.abs(got / np.linalg.norm(got) - want).max() < 1e-5, (family, got[:4], want[:4])

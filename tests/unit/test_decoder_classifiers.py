@@ -11,17 +11,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
-from asyncllm import PoolingParams, SamplingParams
 from asyncllm.config import EngineConfig
 from asyncllm.engine.runner import resolve_runner
 from asyncllm.models.architectures import (CLASSIFICATION_ARCHITECTURES, DECODER_CLASSIFIER_BASES, TEXT_ARCHITECTURES,
                                            base_architecture, has_experts)
-from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.tiny import tiny_checkpoint
-from asyncllm.workers.model_runner import ModelRunner
-from classifier_utils import hf_classifier_logits, tiny_classifier
+from classifier_utils import hf_classifier_logits, pooling_step, tiny_classifier
 
 PROMPTS = {"a": [5, 9, 14, 3, 77, 21], "b": [30, 4, 4, 17], "c": [88, 12, 25, 6, 7, 9, 10, 11, 40]}
 TOLERANCES = {"zamba2": 2e-4}
@@ -59,19 +55,10 @@ def test_family_classifier_logits_equal_transformers(family: str, tmp_path) -> N
     arch = json.loads((tmp_path / "config.json").read_text())["architectures"][0]
     assert DECODER_CLASSIFIER_BASES[arch] == json.loads(
         open(os.path.join(tiny_checkpoint(family), "config.json")).read())["architectures"][0]
-    config = EngineConfig.create(path, max_model_len=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                                 device="cpu", dtype="float32")
+    config = EngineConfig.create(path)
     assert resolve_runner(config, arch)["runner"] == "pooling"
-    runner = ModelRunner(config, rank=0, tp_size=1, device=torch.device("cpu"))
-    runner.load_model()
-    runner.init_cache(32)
-    free, classify = iter(range(32)), PoolingParams(task="classify")
-    new = [NewRequestData(rid, prompt, len(prompt), SamplingParams(temperature=0.0, max_tokens=1),
-                          [next(free) for _ in range(-(-len(prompt) // 4))], 0, pooling=classify)
-           for rid, prompt in PROMPTS.items()]
-    scheduled = {rid: len(prompt) for rid, prompt in PROMPTS.items()}
-    out = runner.execute_model(SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values())))
+    rows, runner = pooling_step(path, "classify", PROMPTS)
     for rid, prompt in PROMPTS.items():
-        got, want = np.frombuffer(out.embeddings[rid], dtype="<f4"), np.array(hf_classifier_logits(path, prompt))
+        got, want = rows[rid], np.array(hf_classifier_logits(path, prompt))
         assert got.shape == (3,) and np.abs(got - want).max() < TOLERANCES.get(family, 1e-5), (family, got, want)
     assert runner.model.lm_head is None
