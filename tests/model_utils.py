@@ -206,7 +206,8 @@ def assert_paged_logits_match_checkpoint(model: Any, path: str, seq_lens: list[i
 def spawn_ranks(fn, args: tuple, nprocs: int = 2) -> None:
     """``torch.multiprocessing.spawn``'s ranks, forked from a server that imported torch, transformers and these
     helpers once (Python's forkserver start method) rather than each a new interpreter importing them (~4 s of CPU
-    a rank); an error in a rank still propagates as its traceback."""
+    a rank); an error in a rank still propagates as its traceback. The ranks see the environment the server started
+    with (this process's at the first call), not a later `monkeypatch.setenv`."""
     import multiprocessing
 
     import torch.multiprocessing as mp
