@@ -345,10 +345,11 @@ FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4F
 
 
 def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
-    from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
+    from asyncllm.models.architectures import (architecture_of, base_architecture, has_experts,
+                                               refuse_quantized_multimodal)
 
     arch = architecture_of(hf_config)
-    if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
+    if has_experts(hf_config, arch) and base_architecture(arch) in FUSED_EXPERT_ARCHITECTURES:
         raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (fp8 experts stored per expert "
                                             "are served, block-wise or per tensor; online quantization='fp8' "
                                             "of a float checkpoint quantizes the experts too, but for gpt-oss)")

@@ -133,17 +133,17 @@ def compressed_tensors_config(section: dict[str, Any], hf_config: Any, model: st
 
 
 def _refuse_architecture(hf_config: Any, model: str) -> None:
-    from asyncllm.models.architectures import architecture_of, has_experts
+    from asyncllm.models.architectures import architecture_of, base_architecture, has_experts
 
     arch = architecture_of(hf_config)
     from asyncllm.models.checkpoint import FUSED_EXPERT_ARCHITECTURES
 
-    if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
+    if has_experts(hf_config, arch) and base_architecture(arch) in FUSED_EXPERT_ARCHITECTURES:
         raise _not_built(model, f"a mixture-of-experts model whose experts are stored fused ({arch}; experts "
                                 "stored per expert in a pack-quantized integer scheme, or in fp8 or int8 with "
                                 "dynamic activations, are served)")
-    if arch in _REFUSED_ARCHITECTURES:
-        raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")
+    if base_architecture(arch) in _REFUSED_ARCHITECTURES:
+        raise _not_built(model, f"{_REFUSED_ARCHITECTURES[base_architecture(arch)]}: {arch}")
 
 
 def _refuse_extras(section: dict[str, Any], model: str) -> None:

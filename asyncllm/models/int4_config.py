@@ -120,11 +120,12 @@ def _gptq_config(section: dict[str, Any], model: str, ignored: tuple[str, ...]) 
 
 
 def _refuse_architecture(hf_config: Any, model: str, method: str, ignored: tuple[str, ...]) -> None:
-    from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
+    from asyncllm.models.architectures import (architecture_of, base_architecture, has_experts,
+                                               refuse_quantized_multimodal)
     from asyncllm.models.checkpoint import FUSED_EXPERT_ARCHITECTURES
 
     arch = architecture_of(hf_config)
-    if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
+    if has_experts(hf_config, arch) and base_architecture(arch) in FUSED_EXPERT_ARCHITECTURES:
         raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint (its experts are stored fused; "
                                 "per-expert AWQ / GPTQ experts are served)")
     refuse_quantized_multimodal(arch, model, method, lambda name: any(entry in name for entry in ignored))
