@@ -49,6 +49,18 @@ def test_every_family_classifier_is_transformers_own_over_a_served_causal_lm() -
     assert not has_experts(SimpleNamespace(), "Gemma2ForSequenceClassification")
 
 
+def test_a_classifiers_prequantized_checkpoint_is_refused_as_its_causal_lms() -> None:
+    """gpt-oss stores its experts fused: a pre-quantized (GPTQ) checkpoint of its classifier is refused as the
+    causal LM's is, naming the classifier."""
+    from asyncllm import NotBuiltError
+    from asyncllm.models.int4_config import _refuse_architecture
+
+    for arch in ("GptOssForCausalLM", "GptOssForSequenceClassification"):
+        with pytest.raises(NotBuiltError, match="experts are stored fused") as info:
+            _refuse_architecture(SimpleNamespace(architectures=[arch]), "m", "gptq", ())
+        assert arch in str(info.value)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_classifier_logits_equal_transformers(family: str, tmp_path) -> None:
     path = tiny_classifier(tiny_checkpoint(family), str(tmp_path), num_labels=3, seed=1)
