@@ -36,9 +36,9 @@ def classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:
     unknown = [t for t, i in zip(tokens, ids) if not isinstance(i, int) or i == tokenizer.unk_token_id]
     difference = method == METHODS[0]
     if not ids or unknown or (difference and len(ids) != 2):
+        missing = f"; unknown: {', '.join(map(repr, unknown))}" if unknown else ""
         raise ConfigError("hf_overrides", field_value, f"a list of tokens of the vocabulary (two with {METHODS[0]} "
-                                                       f"or is_original_qwen3_reranker){'; unknown: ' if unknown else ''}"
-                                                       f"{', '.join(map(repr, unknown))}")
+                                                       f"or is_original_qwen3_reranker){missing}")
     hf_config.classifier_from_token_ids = ids
     hf_config.classifier_token_difference = difference
     hf_config.num_labels = 1 if difference else len(ids)

@@ -30,7 +30,7 @@ class LlamaWeights:
         names = set()
         for name, _ in self.named_parameters():
             names.update(ckpt for ckpt, _ in self._unpacked(name))
-        return names if self.has_lm_head else names - {"lm_head.weight"}
+        return names if self.has_lm_head else names - {"lm_head.weight", "lm_head.bias"}
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Load (checkpoint name, weight) pairs, each rank keeping its shard.

@@ -13,7 +13,8 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
-    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
+    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES,
+    TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
 )
 from asyncllm.models.family_config import mlp_width
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
@@ -92,8 +93,16 @@ def _resolve(spec: str) -> Any:
 
 
 def headless(cls: type) -> type:
-    """`cls` for a bare decoder's checkpoint (``LlamaModel`` & co.): no LM head to load (embeddings only)."""
-    return type(cls.__name__ + "Headless", (cls,), {"has_lm_head": False})
+    """`cls` for a bare decoder's checkpoint (``LlamaModel`` & co.): no LM head to load (embeddings only), and the
+    checkpoint's names under the causal LM's decoder prefix (``hf_decoder_prefix``: ``model.``, GPT-NeoX's
+    ``gpt_neox.``, ...) before the family's own renames read them."""
+    prefix = getattr(cls, "hf_decoder_prefix", "model.")
+
+    def load_weights(self: Any, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return cls.load_weights(self, ((name if name.startswith(prefix) else prefix + name, weight)
+                                       for name, weight in weights))
+
+    return type(cls.__name__ + "Headless", (cls,), {"has_lm_head": False, "load_weights": load_weights})
 
 
 _SPECS: dict[str, str | tuple[str, str]] = {
@@ -241,9 +250,11 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "Qwen2ForRewardModel": ("reward:qwen2_reward_model", "qwen2:Qwen2ForCausalLM"),
     "Qwen2ForProcessRewardModel": ("reward:qwen2_process_reward_model", "qwen2:Qwen2ForCausalLM"),
 }
-_MODELS = LazyClasses({**_SPECS,
-                       **{arch: ("classifier:sequence_classifier", _SPECS[base]) for arch, base in DECODER_CLASSIFIER_BASES.items()},
-                       **{arch: ("registry:headless", _SPECS[base]) for arch, base in HEADLESS_BASES.items()}})
+_MODELS = LazyClasses({
+    **_SPECS,
+    **{arch: ("classifier:sequence_classifier", _SPECS[base]) for arch, base in DECODER_CLASSIFIER_BASES.items()},
+    **{arch: ("registry:headless", _SPECS[base]) for arch, base in HEADLESS_BASES.items()},
+})
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 

@@ -20,14 +20,18 @@ from classifier_utils import pooling_step
 
 PROMPTS = {"a": [5, 9, 14, 3, 77, 21], "b": [30, 4, 4, 17]}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "phi3", "granite",
-            "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2",
-            "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "hunyuan_v1_dense", "gpt_oss",
+            "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere",
+            "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "hunyuan_v1_dense", "gpt_oss",
             "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "minimax_m2",
-            "granitemoehybrid", "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "llama4", "glm4_moe_lite", "apertus",
-            "mistral4", "solar_open", "gemma", "exaone_moe", "helium", "vaultgemma", "granitemoeshared", "flex_olmo",
-            "stablelm", "nemotron", "gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "cwm", "youtu", "gemma3n",
-            "minicpm3", "longcat_flash", "kimi_linear", "bloom", "deepseek_v32", "glm_moe_dsa", "minimax", "afmoe")
+            "granitemoehybrid", "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe", "dots1",
+            "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open", "gemma", "gemma4",
+            "exaone_moe", "helium", "vaultgemma", "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron",
+            "gpt_neox", "opt", "gptj", "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3",
+            "dbrx", "longcat_flash", "zamba2", "kimi_linear", "mpt", "deepseek_v32", "glm_moe_dsa", "minimax",
+            "afmoe", "gpt2", "gpt_bigcode", "bloom")
 """The tiny checkpoint of each family in `HEADLESS_BASES`."""
+TOLERANCES = {"zamba2": 1e-4}
+"""Zamba2's as its causal LM's (tests/unit/test_zamba2.py: transformers' own float32 error there reaches 1e-4)."""
 
 
 def test_every_bare_decoder_is_transformers_own_over_a_served_causal_lm() -> None:
@@ -35,7 +39,7 @@ def test_every_bare_decoder_is_transformers_own_over_a_served_causal_lm() -> Non
 
     from asyncllm.models.registry import get_model_class
 
-    assert len(HEADLESS_BASES) == len(FAMILIES) == 68
+    assert len(HEADLESS_BASES) == len(FAMILIES) == 83
     for arch, base in HEADLESS_BASES.items():
         assert hasattr(transformers, arch), arch
         assert base in TEXT_ARCHITECTURES and arch in EMBEDDING_ARCHITECTURES and base_architecture(arch) == base
@@ -61,4 +65,5 @@ def test_bare_decoder_embeddings_equal_transformers(family: str, tmp_path) -> No
             hidden = model(torch.tensor([prompt])).last_hidden_state[0, -1]
         got = rows[rid]
         want = torch.nn.functional.normalize(hidden, dim=0).numpy()
-        assert np.abs(got / np.linalg.norm(got) - want).max() < 1e-5, (family, got[:4], want[:4])
+        error = np.abs(got / np.linalg.norm(got) - want).max()
+        assert error < TOLERANCES.get(family, 1e-5), (family, error)
