@@ -35,7 +35,6 @@ from asyncllm.integrations.openai_embeddings import (EmbeddingRequest, embed_all
 from asyncllm.integrations.openai_protocol import decode_request
 from asyncllm.integrations.openai_score import classify_all, pooling_options
 from asyncllm.integrations.starlette import wait_disconnect
-from asyncllm.models.architectures import TOKEN_CLASSIFICATION_ARCHITECTURES
 from asyncllm.pooling import PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput
 
 if TYPE_CHECKING:
@@ -79,12 +78,7 @@ def model_pooling_tasks(engine: AsyncEngine) -> tuple[str, ...]:
     """The tasks vLLM serves for the engine's (started) model, its own first: a classification model's, or an
     embedding model's (asyncllm's causal LMs embed too)."""
     assert engine.pooling_model is not None, "set by start"
-    if engine.pooling_model.reward is not None:  # convert='reward': per-token rows only (vLLM's as_reward_model)
-        return ("token_classify",)
-    if engine.pooling_model.classifier is not None:  # a token classifier (NER, vLLM's *ForTokenClassification): its one
-        return ("token_classify",) if engine.pooling_model.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES else \
-            ("classify", "score", "token_classify")
-    return ("embed", "token_embed")
+    return engine.pooling_model.pooling_tasks
 
 
 def pooling_task(req: PoolingRequest, model_tasks: tuple[str, ...]) -> str:

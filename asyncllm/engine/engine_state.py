@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from asyncllm.errors import EngineDeadError
-from asyncllm.models.architectures import TOKEN_CLASSIFICATION_ARCHITECTURES
 
 if TYPE_CHECKING:
     from asyncllm.engine.pooling_model import PoolingModel
@@ -81,12 +80,9 @@ class EngineState:
         ``"transcription"``. ``token_embed``: per-token embeddings (`encode`), served wherever ``embed`` is."""
         await self.start()
         model = self.pooling_model
-        if model is not None and model.reward is not None:  # convert='reward': vLLM's as_reward_model's one task
-            return ("token_classify",)
-        if model is not None and model.classifier is not None:  # a token classifier (NER): token_classify only
-            return ("token_classify",) if model.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES else \
-                ("classify", "score", "token_classify")
-        pooling = ("embed", "token_embed")
+        pooling = ("embed", "token_embed") if model is None else model.pooling_tasks
+        if "embed" not in pooling:  # a classifier's or a reward model's (convert='reward': vLLM's as_reward_model)
+            return pooling
         tasks = ("generate", *pooling) if model is None or model.generates else pooling
         if model is not None and model.runner == "generate":  # runner='generate': no pooling (vLLM's)
             tasks = ("generate",)

@@ -181,6 +181,15 @@ class PoolingModel:
     reward: RewardPooling | None = None
     """Set for a reward model (``convert="reward"``): it serves ``token_classify`` only."""
 
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        """vLLM's pooling tasks the model serves, its own first: a reward model's and a token classifier's
+        ``("token_classify",)``, another classifier's ``("classify", "score", "token_classify")``, else an embedding
+        model's ``("embed", "token_embed")`` (asyncllm's causal LMs embed too)."""
+        if self.reward is not None or self.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES:
+            return ("token_classify",)
+        return ("classify", "score", "token_classify") if self.classifier is not None else ("embed", "token_embed")
+
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
         classification request's with the pooling type (an encoder's head reads the CLS row)."""
