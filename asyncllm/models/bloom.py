@@ -62,7 +62,6 @@ class BloomModel(LlamaModel):
 class BloomForCausalLM(GPTNeoXForCausalLM):
     """ALiBi attention with biases, LayerNorms (one after the embeddings), a GELU MLP, the LM head tied."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = BloomModel
     embedding_checkpoint_name = "transformer.word_embeddings.weight"

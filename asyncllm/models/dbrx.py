@@ -108,7 +108,6 @@ class DbrxModel(LlamaModel):
 class DbrxForCausalLM(MoECausalLM, LlamaForCausalLM):
     """Llama's layers with bias-free LayerNorms, a clamped fused q/k/v and p-normed top-k experts."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = DbrxModel
 

@@ -70,7 +70,6 @@ class FalconModel(LlamaModel):
 class FalconForCausalLM(LlamaForCausalLM):
     """Falcon's three layer shapes over LayerNorms, a GELU MLP, fused q/k/v cut at load."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = FalconModel
     packed_modules: dict[str, list[tuple[str, object]]] = {

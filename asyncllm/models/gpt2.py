@@ -91,7 +91,6 @@ class GPT2Model(LearnedPositionModel):
 class GPT2LMHeadModel(LlamaForCausalLM):
     """GPT-2: learned positions, pre-LayerNorm layers with biases, a GELU MLP, the LM head tied."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = GPT2Model
     packed_modules: dict[str, list[tuple[str, object]]] = {

@@ -58,7 +58,6 @@ class GPTNeoXModel(LlamaModel):
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     """Parallel (or sequential) layers with LayerNorms, a fused per-head q/k/v cut at load, a GELU MLP."""
     hf_decoder_prefix = "gpt_neox."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = GPTNeoXModel
     packed_modules: dict[str, list[tuple[str, object]]] = {

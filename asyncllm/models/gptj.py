@@ -30,7 +30,6 @@ _LAYER_NAMES = ((".ln_1.", ".input_layernorm."), (".attn.out_proj.", ".self_attn
 class GPTJForCausalLM(InterleavedRotaryLoading, LlamaForCausalLM):
     """Parallel layers, an interleaved partial rotary (reordered at load), a GELU MLP, a biased LM head."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = PhiModel
     lm_head_bias = True

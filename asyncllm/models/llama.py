@@ -314,6 +314,9 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
     """Whether the LM head has a bias (Phi's; `has_lm_head_bias` where the config says)."""
     model_cls: type[LlamaModel] = LlamaModel
     """The decoder stack (embeddings, layers, final norm) under ``model.``."""
+    hf_decoder_prefix = "model."
+    """The decoder's names' prefix in a causal LM checkpoint (GPT-2's ``transformer.``, GPT-NeoX's ``gpt_neox.``): a
+    bare decoder's checkpoint lacks it (`asyncllm.models.registry.headless` puts it back)."""
 
     # fused parameter -> the checkpoint matrices stacked in it, with their shard ids
     packed_modules: dict[str, list[tuple[str, object]]] = {

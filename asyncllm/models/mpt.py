@@ -65,7 +65,6 @@ class MptModel(LlamaModel):
 class MptForCausalLM(LlamaForCausalLM):
     """ALiBi attention without biases, a clamped fused q/k/v, bias-free LayerNorms, a GELU MLP, the LM head tied."""
     hf_decoder_prefix = "transformer."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = MptModel
     packed_modules: dict[str, list[tuple[str, object]]] = {

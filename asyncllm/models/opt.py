@@ -114,7 +114,6 @@ class OPTModel(LearnedPositionModel):
 class OPTForCausalLM(GPT2LMHeadModel):
     """OPT: learned positions (offset 2), pre- or post-norm layers, a ReLU MLP, the LM head tied."""
     hf_decoder_prefix = "model."
-    """The decoder's names in a causal LM checkpoint (a bare decoder's lack it: `registry.headless`)."""
 
     model_cls = OPTModel
     conv1d = fused_qkv = False

@@ -96,7 +96,7 @@ def headless(cls: type) -> type:
     """`cls` for a bare decoder's checkpoint (``LlamaModel`` & co.): no LM head to load (embeddings only), and the
     checkpoint's names under the causal LM's decoder prefix (``hf_decoder_prefix``: ``model.``, GPT-NeoX's
     ``gpt_neox.``, ...) before the family's own renames read them."""
-    prefix = getattr(cls, "hf_decoder_prefix", "model.")
+    prefix = cls.hf_decoder_prefix
 
     def load_weights(self: Any, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return cls.load_weights(self, ((name if name.startswith(prefix) else prefix + name, weight)
