@@ -27,6 +27,7 @@ from asyncllm.models.architectures import (
     ENCODER_ARCHITECTURES,
     REWARD_ARCHITECTURES,
     TOKEN_CLASSIFICATION_ARCHITECTURES,
+    serves_as_encoder,
 )
 from asyncllm.models.st_dense import dense_modules, read_st_config, st_modules
 from asyncllm.engine.reward_pooling import RewardPooling
@@ -365,7 +366,7 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
             raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own,
                             do_lower_case=lower, runner=runner)
-    default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
+    default = "CLS" if serves_as_encoder(architecture, hf_config) else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     dense_modules(path)  # its Dense modules readable, their activations built (the workers apply them)
     return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES and runner != "pooling", None,

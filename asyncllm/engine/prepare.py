@@ -28,6 +28,7 @@ from asyncllm.engine.classifier_tokens import classifier_from_tokens
 from asyncllm.engine.runner import resolve_runner
 from asyncllm.models.architectures import (
     AUDIO_ARCHITECTURES,
+    DUAL_ENCODER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
@@ -35,6 +36,7 @@ from asyncllm.models.architectures import (
     REWARD_ARCHITECTURES,
     architecture_of, base_architecture,
     max_positions,
+    serves_as_encoder,
     serves_text_only,
 )
 from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
@@ -130,7 +132,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
         config.trust_remote_code)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len,
-                              **resolve_runner(config, arch))  # runner, convert, task: docs/pooling.md
+                              **resolve_runner(config, arch, hf_config))  # runner, convert, task: docs/pooling.md
     if base_architecture(arch) in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)
     if config.skip_tokenizer_init and multimodal:
@@ -143,7 +145,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
             raise ConfigError("skip_tokenizer_init", True, "False with classifier_from_token (its tokens are looked "
                                                            "up in the tokenizer)")
         classifier_from_tokens(text_config, arch, tokenizer)
-    if arch in ENCODER_ARCHITECTURES:
+    if serves_as_encoder(arch, hf_config):
         resolved = _encoder_config(resolved)
     spec = config.scheduler_config.speculative
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
@@ -154,7 +156,8 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if (multimodal or base_architecture(arch) in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
+        unbuilt = multimodal or base_architecture(arch) in _NO_LORA or serves_as_encoder(arch, hf_config)
+        if unbuilt and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
                                                      "architectures that take them; where its LoRA column says "
                                                      "'as text', serve it as text: limit_mm_per_prompt of 0 for "
@@ -188,13 +191,23 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     eos = eos_token_ids(tokenizer, generation, getattr(text_config, "eos_token_id", None))
     return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
-                    embedding_width(path, text_config.hidden_size),
+                    embedding_width(path, _pooled_width(hf_config, text_config, arch, limits)),
                     default_sampling_fields(sampling_fields_of(config.generation_config, generation),
                                             config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config,
                                      Matryoshka.of(hf_config, config.model), resolved.runner, resolved.convert),
                     _embeds_width(config, arch, multimodal, text_config),
                     SuppressedTokens.of(generation, text_config.vocab_size, source_of(config.generation_config, path)))
+
+
+def _pooled_width(hf_config: Any, text_config: Any, arch: str, limits: Any) -> int:
+    """The width of the rows a pooling model pools: the hidden size, or a text-or-image model's shared space's
+    (CLIP's ``projection_dim``: the class's ``embedding_width``)."""
+    if arch not in DUAL_ENCODER_ARCHITECTURES:
+        return int(text_config.hidden_size)
+    from asyncllm.models.registry import get_model_class
+
+    return get_model_class(hf_config, limits).embedding_width(hf_config)
 
 
 def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config: Any) -> int | None:
@@ -206,7 +219,7 @@ def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config
     for what, unbuilt in ((f"{arch} (it takes {media})", multimodal),
                           ("a draft model, EAGLE head or MTP layer (n-gram drafts work)",
                            spec is not None and spec.method != "ngram"),
-                          (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES),
+                          (f"the encoder {arch}", serves_as_encoder(arch, text_config)),
                           (f"{arch} (its per-layer inputs are looked up by token id)",
                            bool(getattr(text_config, "hidden_size_per_layer_input", 0)))):  # Gemma 3n, Gemma 4
         if unbuilt:

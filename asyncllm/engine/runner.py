@@ -15,8 +15,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     EMBEDDING_ARCHITECTURES,
-    ENCODER_ARCHITECTURES,
     REWARD_ARCHITECTURES,
+    serves_as_encoder,
 )
 
 __all__ = ["TASK_DEPRECATION", "resolve_runner", "task_runner"]
@@ -44,9 +44,9 @@ def task_runner(task: str, arch: str) -> tuple[str, str, str]:
     return "auto", "auto", "Please remove this option."  # task="auto"
 
 
-def resolve_runner(config: Any, arch: str) -> dict[str, Any]:
-    """The fields ``runner``, ``convert`` and ``task`` (None) for a model of ``arch``; a `ConfigError` naming the
-    field for a runner or convert the model cannot take."""
+def resolve_runner(config: Any, arch: str, hf_config: Any = None) -> dict[str, Any]:
+    """The fields ``runner``, ``convert`` and ``task`` (None) for a model of ``arch`` (its ``hf_config``: whether it
+    is an encoder, `serves_as_encoder`); a `ConfigError` naming the field for a runner or convert it cannot take."""
     runner, convert, task = config.runner, config.convert, config.task
     field = "runner"
     if task is not None:
@@ -75,7 +75,7 @@ def resolve_runner(config: Any, arch: str) -> dict[str, Any]:
                           "as_seq_cls_model on it; serve a *ForSequenceClassification checkpoint, or this one "
                           "with hf_overrides {'architectures': ['<Family>ForSequenceClassification'], "
                           "'classifier_from_token': [...]} (docs/pooling.md)")
-    if convert == "reward" and (classifier or arch in ENCODER_ARCHITECTURES):
+    if convert == "reward" and (classifier or serves_as_encoder(arch, hf_config)):
         raise ConfigError(field if field == "task" else "convert", config.task or convert,
                           f"'auto' or 'none' for {arch}: it pools with its own head or pooler (vLLM's as_reward_model "
                           "leaves such a model unchanged); convert='reward' adapts a causal LM or a bare decoder "

@@ -96,7 +96,7 @@ def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError("prompt", f"'prompt' must be a str, got {type(text).__name__}")
     if ids is not None and not isinstance(ids, list):
         raise InvalidRequestError("prompt.prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
-    if bool(text) == bool(ids):
+    if bool(text) == bool(ids) and not (text == "" and prompt.get("images")):  # CLIP's image prompt: empty text
         why = "both 'prompt' and 'prompt_token_ids'" if text else "neither a non-empty 'prompt' nor 'prompt_token_ids'"
         raise InvalidRequestError("prompt", f"{why}: {_DICT_SHAPE}; got keys {sorted(prompt)}")
     return prompt

@@ -1,18 +1,14 @@
 """Host-side multimodal processing: images, videos and audios -> processed items, prompt -> placeholder tokens.
 
-Runs on the processor thread (never the event loop). Each image's placeholder
-token in the prompt (LLaVA's ``<image>``) is expanded to one token per feature
-row its encoder outputs, so prompt positions and KV blocks cover image
-features one to one; the items carry their offsets. The HF image processor is
-the checkpoint's own (``AutoImageProcessor`` from the model folder). A video's
-placeholder (Qwen-VL's ``<|video_pad|>``) becomes the tokens and items the model
-makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). An audio's
-(Qwen2-Audio's ``<|AUDIO|>``) becomes one token per encoder row, its features the
-checkpoint's feature extractor's (``AutoFeatureExtractor``). The host's
-half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
-or the shm ring's writer (asyncllm/mm/shm_ring.py). Each input's items are made
-by `MediaItems` (asyncllm/mm/media_items.py); the HF processors are loaded by
-asyncllm/mm/hf_processors.py.
+Runs on the processor thread (never the event loop). Each image's placeholder token in the prompt (LLaVA's
+``<image>``) is expanded to one token per feature row its encoder outputs, so prompt positions and KV blocks cover
+image features one to one; the items carry their offsets. The HF image processor is the checkpoint's own
+(``AutoImageProcessor`` from the model folder). A video's placeholder (Qwen-VL's ``<|video_pad|>``) becomes the
+tokens and items the model makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). An audio's (Qwen2-Audio's
+``<|AUDIO|>``) becomes one token per encoder row, its features the checkpoint's feature extractor's
+(``AutoFeatureExtractor``). The host's half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
+or the shm ring's writer (asyncllm/mm/shm_ring.py). Each input's items are made by `MediaItems`
+(asyncllm/mm/media_items.py); the HF processors are loaded by asyncllm/mm/hf_processors.py.
 """
 
 from __future__ import annotations
@@ -142,6 +138,7 @@ class MultiModalProcessor(MediaItems):
         self.max_image_pixels = max_image_pixels
         self.max_images = max_images
         """``limit_mm_per_prompt["image"]``: more images in one prompt fail it before any is read (None: no limit)."""
+        self._image_prompt = getattr(model_cls, "mm_image_prompt", None)  # CLIP's: text or one image per prompt
         self.max_videos = max_videos
         """``limit_mm_per_prompt["video"]``."""
         self.video_num_frames = video_num_frames
@@ -223,6 +220,8 @@ class MultiModalProcessor(MediaItems):
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = request_kwargs = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
+        if self._image_prompt is not None and inputs.images:
+            token_ids = self._image_prompt(self.tokenizer, token_ids, inputs.images)
         written = token_ids  # mistral_common's rows of each image (its encoding, vLLM's prompts): one placeholder each
         token_ids = one_placeholder_each(self.tokenizer, token_ids) if is_mistral(self.tokenizer) else token_ids
         with_audio = {**self._engine_own, **overrides}.get("use_audio_in_video", False)
@@ -240,7 +239,8 @@ class MultiModalProcessor(MediaItems):
         media = {kind: self._checked(getattr(inputs, kind + "s"), getattr(inputs, kind + "_uuids"), fields[kind], kind,
                                      limits[kind]) for kind in token_of}
         tokens = {token: kind for kind, token in token_of.items() if token is not None}
-        slots = [(i, tokens[t]) for i, t in enumerate(token_ids) if t in tokens]
+        scanned = inputs.images or self._image_prompt is None  # an image-only model's text has no placeholder
+        slots = [(i, tokens[t]) for i, t in enumerate(token_ids) if t in tokens] if scanned else []
         for kind, (given, _) in media.items():
             count = sum(1 for _, k in slots if k == kind or with_audio and kind == "audio" and k == "video")
             if count != len(given):
@@ -301,6 +301,8 @@ class MultiModalProcessor(MediaItems):
         marker = self._markers()[kind]
         if marker is None:
             raise InvalidRequestError("messages", f"{self._model_cls.__name__} takes no {kind}s")
+        if getattr(self._model_cls, "mm_image_prompt", None) is not None:
+            return ""  # CLIP's: no placeholder text (vLLM's None), an image chat's text is the template's alone
         if not getattr(self._model_cls, "mm_string_placeholder", True):
             raise InvalidRequestError("chat_template_content_format", f"'string' with {kind} parts is not built for "
                                       f"{self._model_cls.__name__} (vLLM writes its own placeholder text there, "

@@ -17,7 +17,7 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
            "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES", "DECODER_CLASSIFIER_BASES", "HEADLESS_BASES",
-           "base_architecture",
+           "base_architecture", "serves_as_encoder",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -100,7 +100,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                             "MllamaForConditionalGeneration", "Phi4MultimodalForCausalLM",
                             "PaddleOCRVLForConditionalGeneration", "HunYuanVLForConditionalGeneration",
-                            "AriaForConditionalGeneration")
+                            "AriaForConditionalGeneration", "CLIPModel", "SiglipModel")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only), as LLaVA-NeXT-Video does."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
@@ -139,7 +139,7 @@ def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
     return arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and limits is not None and not any(limits.values())
 
 
-ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "Gemma3TextModel")
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertForTokenClassification")
@@ -147,10 +147,20 @@ TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertF
 serve ``token_classify`` only (docs/pooling.md, "Token classifiers")."""
 ENCODER_ARCHITECTURES = (ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
                          + TOKEN_CLASSIFICATION_ARCHITECTURES)
-"""Bidirectional encoders (asyncllm/models/bert.py, modernbert.py, embedding_gemma.py): sentence-embedding models
-(bge, e5, gte, all-MiniLM, multilingual-e5, gte-modernbert, EmbeddingGemma), cross-encoders (bge-reranker, ms-marco
-MiniLM, gte-reranker-modernbert) and token classifiers; each prompt computed whole in one step, no
-chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
+"""Bidirectional encoders (asyncllm/models/bert.py, modernbert.py): sentence-embedding models (bge, e5, gte,
+all-MiniLM, multilingual-e5, gte-modernbert), cross-encoders (bge-reranker, ms-marco MiniLM,
+gte-reranker-modernbert) and token classifiers; each prompt computed whole in one step, no chunked prefill, no
+prefix caching (docs/embeddings.md, docs/pooling.md). EmbeddingGemma is one by its config: `serves_as_encoder`."""
+
+
+def serves_as_encoder(arch: str, hf_config: Any) -> bool:
+    """Whether a checkpoint of ``arch`` runs as a bidirectional encoder: an `ENCODER_ARCHITECTURES` one, or
+    EmbeddingGemma (``Gemma3TextModel`` whose config sets ``use_bidirectional_attention``:
+    asyncllm/models/embedding_gemma.py); a causal ``Gemma3TextModel`` is a bare decoder (`HEADLESS_BASES`)."""
+    return arch in ENCODER_ARCHITECTURES or (
+        arch == "Gemma3TextModel" and bool(getattr(hf_config, "use_bidirectional_attention", False)))
+
+
 HEADLESS_BASES = {
     **{f"{family}Model": f"{family}ForCausalLM" for family in (
         "Afmoe", "Apertus", "Arcee", "Bamba", "Bloom", "Cohere", "Cohere2", "Cwm", "Dbrx", "DeepseekV2",
@@ -163,6 +173,7 @@ HEADLESS_BASES = {
         "Qwen2", "Qwen2Moe", "Qwen3", "Qwen3Moe", "Qwen3Next", "SeedOss", "SmolLM3", "SolarOpen", "StableLm",
         "Starcoder2", "VaultGemma", "Youtu", "Zamba2")},
     "GPT2Model": "GPT2LMHeadModel",
+    "Gemma3TextModel": "Gemma3ForCausalLM",  # with use_bidirectional_attention: EmbeddingGemma (serves_as_encoder)
     "Gemma3nTextModel": "Gemma3nForCausalLM",
     "Gemma4TextModel": "Gemma4ForCausalLM",
     "Llama4TextModel": "Llama4ForCausalLM",
@@ -172,7 +183,10 @@ HEADLESS_BASES = {
 """A bare decoder's checkpoint (what transformers' ``AutoModel`` saves: no LM head, names without the causal LM's
 prefix) -> the causal LM whose decoder it is; served as an embedding model (vLLM resolves an unregistered ``*Model``
 to its family's model the same way: as_embedding_model). docs/embeddings.md."""
-EMBEDDING_ARCHITECTURES = (*HEADLESS_BASES, *ENCODER_EMBEDDING_ARCHITECTURES)
+DUAL_ENCODER_ARCHITECTURES = ("CLIPModel", "SiglipModel")
+"""Text-or-image embedding models (asyncllm/models/clip_embedding.py, siglip_embedding.py): a prompt's text or its
+one image as a point of the shared space (docs/embeddings.md#clip-and-siglip-text-or-image-embeddings)."""
+EMBEDDING_ARCHITECTURES = (*HEADLESS_BASES, *ENCODER_EMBEDDING_ARCHITECTURES, *DUAL_ENCODER_ARCHITECTURES)
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
 saves: embedding models such as e5-mistral) and the encoders."""
 DECODER_CLASSIFIER_BASES = {
@@ -197,8 +211,8 @@ classifiers ``token_classify`` only (docs/pooling.md)."""
 REWARD_ARCHITECTURES = ("Qwen2ForRewardModel", "Qwen2ForProcessRewardModel")
 """Reward models with their own head on every prompt row (asyncllm/models/reward.py): they serve ``token_classify``
 only, vLLM's ALL (the reward model) and STEP (the process reward model) pooling (docs/pooling.md#reward-models)."""
-SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
-                           + CLASSIFICATION_ARCHITECTURES + REWARD_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
+                                             + CLASSIFICATION_ARCHITECTURES + REWARD_ARCHITECTURES))
 
 
 ARCHITECTURE_ALIASES = {"LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration"}

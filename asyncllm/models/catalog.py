@@ -27,6 +27,8 @@ _GENERAL = {"LlamaForCausalLM": "quickstart.md", "MistralForCausalLM": "quicksta
 def _kind(arch: str) -> str:
     if arch in AUDIO_ARCHITECTURES:
         return "audio-text" + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
+    if arch in MULTIMODAL_ARCHITECTURES and arch in EMBEDDING_ARCHITECTURES:
+        return "image-text embedding"  # CLIP
     if arch in MULTIMODAL_ARCHITECTURES:
         experts = ", experts" if arch in MOE_ARCHITECTURES else ""
         return "image-text" + experts + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
@@ -48,7 +50,8 @@ def _doc(arch: str) -> str:
     """The doc that describes ``arch`` (the first whose text names it in backticks), as a relative link."""
     if arch in _GENERAL:
         return _GENERAL[arch]
-    by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md",
+    by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md",
+               "image-text embedding": "embeddings.md", "classification": "pooling.md",
                "token classification": "pooling.md", "reward": "pooling.md"}
     kind = _kind(arch).split(" (")[0].removesuffix(", experts")
     if kind in by_kind:

@@ -24,15 +24,15 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["CLIPVisionTower", "activation", "check_encoder_split"]
+__all__ = ["CLIPVisionTower", "activation", "check_encoder_split", "quick_gelu"]
 
 
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "quick_gelu": _quick_gelu,
+    "quick_gelu": quick_gelu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,

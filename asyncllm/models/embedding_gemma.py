@@ -1,11 +1,13 @@
 """EmbeddingGemma (``Gemma3TextModel`` with ``use_bidirectional_attention``): Gemma 3's text layers as a
-bidirectional encoder for embeddings (google/embeddinggemma-300m).
+bidirectional encoder for embeddings (google/embeddinggemma-300m). A ``Gemma3TextModel`` without it is Gemma 3's
+causal decoder, served as every bare decoder is (`gemma3_text_model` chooses; docs/embeddings.md).
 
 The layers, norms, rotary embeddings (one per layer type) and weight names are Gemma 3's (asyncllm/models/gemma.py,
-gemma3.py; a bare ``Gemma3TextModel`` checkpoint: no ``model.`` prefix, no LM head); only the attention differs:
-every token of a prompt sees every other, in the sliding layers those less than ``sliding_window // 2 + 1`` away on
-either side (transformers' bidirectional window: 257 for config.json's 512), so each prompt is computed whole in one step without a KV cache, as the
-BERT-family encoders are (asyncllm/models/encoder.py; docs/embeddings.md). Its sentence-transformers pipeline (mean
+gemma3.py; a bare ``Gemma3TextModel`` checkpoint, read through `headless`: no ``model.`` prefix, no LM head); only
+the attention differs: every token of a prompt sees every other, in the sliding layers those less than
+``sliding_window // 2 + 1`` away on either side (transformers' bidirectional window: 257 for config.json's 512), so
+each prompt is computed whole in one step without a KV cache, as the BERT-family encoders are
+(asyncllm/models/encoder.py; docs/embeddings.md). Its sentence-transformers pipeline (mean
 pooling, two Dense projections, the norm) is applied after the model (asyncllm/models/st_dense.py).
 """
 
@@ -19,12 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
-from asyncllm.errors import NotBuiltError
 from asyncllm.kernels import reference
+from asyncllm.models.architectures import serves_as_encoder
 from asyncllm.models.encoder import prompt_spans
 from asyncllm.models.gemma3 import Gemma3ForCausalLM
+from asyncllm.models.registry import _MODELS, headless
 
-__all__ = ["BidirectionalAttention", "EmbeddingGemmaModel", "bidirectional_window"]
+__all__ = ["BidirectionalAttention", "EmbeddingGemmaModel", "bidirectional_window", "gemma3_text_model"]
 
 
 class BidirectionalAttention(nn.Module):
@@ -60,17 +63,20 @@ def bidirectional_window(hf_config: Any) -> int:
     return int(hf_config.to_dict()["sliding_window"]) // 2 + 1
 
 
-class EmbeddingGemmaModel(Gemma3ForCausalLM):
-    """Gemma 3's text model with bidirectional attention over whole prompts; its output is the final-normed hidden
-    states (embeddings only: no LM head is read)."""
+def gemma3_text_model(hf_config: Any) -> type:
+    """``Gemma3TextModel``'s class by its config (the registry's variant): EmbeddingGemma where `serves_as_encoder`
+    (``use_bidirectional_attention``), else Gemma 3's causal decoder as a bare decoder (`HEADLESS_BASES`), as vLLM
+    serves it: an embedding model, LAST pooling by default."""
+    return EmbeddingGemmaModel if serves_as_encoder("Gemma3TextModel", hf_config) else _MODELS["Gemma3TextModel"]
 
-    has_lm_head = False
+
+class EmbeddingGemmaModel(headless(Gemma3ForCausalLM)):  # type: ignore[misc]
+    """Gemma 3's bare text model with bidirectional attention over whole prompts; its output is the final-normed
+    hidden states (embeddings only: no LM head is read)."""
+
     is_encoder = True
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        if not getattr(hf_config, "use_bidirectional_attention", False):
-            raise NotBuiltError("model", "Gemma3TextModel", "a Gemma3TextModel with causal attention (its "
-                                                            "bidirectional form, EmbeddingGemma, is built)")
         config = copy.copy(hf_config)
         config.use_bidirectional_attention = False  # Gemma's causal decoder refuses it; its attention is swapped here
         super().__init__(config, **kwargs)

@@ -43,8 +43,6 @@ class LlamaWeights:
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, weight in weights:
-            if not self.has_lm_head and not ckpt_name.startswith("model."):
-                ckpt_name = "model." + ckpt_name  # a bare decoder's names
             if "rotary_emb.inv_freq" in ckpt_name or (self.tie_word_embeddings and ckpt_name == "lm_head.weight"):
                 continue
             param_name, shard_id = self._packed(ckpt_name)

@@ -13,8 +13,8 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
-    DECODER_CLASSIFIER_BASES, ENCODER_ARCHITECTURES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES,
-    TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
+    DECODER_CLASSIFIER_BASES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
+    architecture_of, serves_as_encoder, serves_text_only,
 )
 from asyncllm.models.family_config import mlp_width
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
@@ -243,7 +243,8 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "RobertaForSequenceClassification": "bert:BertForSequenceClassification",
     "XLMRobertaForSequenceClassification": "bert:BertForSequenceClassification",
     "ModernBertModel": "modernbert:ModernBertEmbeddingModel",
-    "Gemma3TextModel": "embedding_gemma:EmbeddingGemmaModel",
+    "CLIPModel": "clip_embedding:CLIPEmbeddingModel",
+    "SiglipModel": "siglip_embedding:SiglipEmbeddingModel",
     "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",
     "BertForTokenClassification": "bert:BertForTokenClassification",
     "ModernBertForTokenClassification": "modernbert:ModernBertForTokenClassification",
@@ -289,8 +290,9 @@ def _llava_variant(hf_config: Any) -> type[CausalLM]:
     return PixtralLlavaForConditionalGeneration if vision == "pixtral" else _MODELS["LlavaForConditionalGeneration"]
 
 
-_VARIANTS: dict[str, Any] = {"LlavaForConditionalGeneration": _llava_variant}
-"""Architectures whose class depends on more of the config than its name."""
+_VARIANTS = LazyClasses({"LlavaForConditionalGeneration": "registry:_llava_variant",
+                         "Gemma3TextModel": "embedding_gemma:gemma3_text_model"})  # EmbeddingGemma or causal
+"""Architectures whose class depends on more of the config than its name: a function of the config naming it."""
 
 
 @dataclass(frozen=True)
@@ -375,7 +377,7 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
 def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     """Per-rank KV-cache shape; KV heads are replicated when there are fewer than ranks."""
     check_tensor_parallel(hf_config, tp_size)
-    if (getattr(hf_config, "architectures", None) or [""])[0] in ENCODER_ARCHITECTURES:
+    if serves_as_encoder((getattr(hf_config, "architectures", None) or [""])[0], hf_config):
         # an encoder keeps no KV; one small layer's worth backs the scheduler's block accounting
         return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])

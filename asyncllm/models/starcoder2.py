@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.clip import quick_gelu
 from asyncllm.models.layers import RMSNorm, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -23,6 +24,7 @@ from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer,
 __all__ = ["BiasLayerNorm", "GatelessMLP", "Starcoder2ForCausalLM"]
 
 _ACTIVATIONS = {"gelu": functools.partial(F.gelu, approximate="none"), "relu": F.relu,
+                "quick_gelu": quick_gelu,  # CLIP's text transformer
                 **dict.fromkeys(("gelu_pytorch_tanh", "gelu_new", "gelu_fast"),
                                 functools.partial(F.gelu, approximate="tanh"))}
 """transformers' activations of the gateless MLPs (its tanh GELUs agree with torch's to rounding)."""

@@ -68,9 +68,9 @@ def check_request(
     if longest > max_num_batched_tokens:
         raise InvalidRequestError(
             "prompt",
-            f"an image (or PaliGemma's prompt) of {longest} tokens that attend to each other must be prefilled in "
-            f"one step, more than max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens to at "
-            f"least {longest}",
+            f"an image (or a prompt read both ways: PaliGemma's, SigLIP's text) of {longest} tokens that attend to "
+            f"each other must be prefilled in one step, more than max_num_batched_tokens={max_num_batched_tokens}: "
+            f"raise max_num_batched_tokens to at least {longest}",
         )
     if not splits_prompts and num_prompt > max_num_batched_tokens:
         raise InvalidRequestError(

@@ -26,7 +26,8 @@ def _bare_decoder(source: str, folder: str) -> str:
     return folder
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "qwen3_next"])  # bge-multilingual-gemma2; a hybrid
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "qwen3_next", "gemma3"])  # bge-multilingual-gemma2;
+# a hybrid; a causal Gemma3TextModel (not EmbeddingGemma: its Gemma 3 causal decoder, LAST pooling)
 async def test_a_bare_decoder_serves_embeddings_only(family: str, tmp_path) -> None:
     import torch
     from safetensors import safe_open
