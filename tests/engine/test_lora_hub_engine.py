@@ -155,10 +155,19 @@ async def test_remove_lora_while_the_adapter_downloads_wins(tiny_llama: str, eng
     folder = make_adapter(tiny_llama, str(tmp_path / "removed"), seed=54, rank=4)
     gate = hub.repo("asyncllm-test/removed-adapter", folder)
     lora = LoRARequest("removed", 54, "asyncllm-test/removed-adapter")
+    joined: list[int] = []  # the ids whose in-flight check a call joined (the request's on the processor thread)
+    checking = lora_checker.AdapterChecker.checking
+    monkeypatch.setattr(lora_checker.AdapterChecker, "checking",
+                        lambda checker, request: joined.append(request.lora_int_id) or checking(checker, request))
     waiting = [asyncio.create_task(engine.generate([5, 6, 7], GREEDY, lora_request=lora, request_id="parked")),
                asyncio.create_task(engine.add_lora(lora))]
     try:
         await hub.wait_started()
+        for _ in range(3000):  # both parked on the check before the removal (a later call would check afresh)
+            if joined.count(54) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert joined.count(54) == 2
         assert await engine.remove_lora(54) is True  # it was being checked
     finally:
         gate.set()
