@@ -34,7 +34,8 @@ def _tokenizer(token_types: bool):
 
 def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
                       num_labels: int | None = None, dense: tuple[int, ...] = ()) -> str:
-    """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``), ``ModernBertModel``
+    """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``), ``RobertaForMaskedLM``
+    (``"roberta-mlm"``), ``ModernBertModel``
     (``"modernbert"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
     ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
     sentence-transformers Pooling module choosing it, ``dense`` (widths) Dense modules after it (bias-free,
@@ -67,6 +68,10 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                   pad_token_id=0, bos_token_id=2, eos_token_id=3)
         model = Gemma3TextModel(config)
+    elif kind == "roberta-mlm":  # RoBERTa as its masked-LM pretraining saves it (an LM head, no pooler)
+        from transformers import RobertaConfig, RobertaForMaskedLM
+
+        model = RobertaForMaskedLM(RobertaConfig(**shape, pad_token_id=0, type_vocab_size=1))
     else:
         config = XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1)  # positions from 1
         model = (XLMRobertaModel if num_labels is None else XLMRobertaForSequenceClassification)(config)

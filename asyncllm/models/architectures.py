@@ -139,7 +139,8 @@ def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
     return arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and limits is not None and not any(limits.values())
 
 
-ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel",
+                                   "RobertaForMaskedLM")  # vLLM embeds with its encoder, the LM head unread
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertForTokenClassification")

@@ -238,6 +238,7 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "HunYuanMoEV1ForCausalLM": "hunyuan:HunYuanMoEV1ForCausalLM",
     "BertModel": "bert:BertEmbeddingModel",
     "RobertaModel": "bert:BertEmbeddingModel",
+    "RobertaForMaskedLM": "bert:BertEmbeddingModel",
     "XLMRobertaModel": "bert:BertEmbeddingModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",
     "RobertaForSequenceClassification": "bert:BertForSequenceClassification",

@@ -126,3 +126,16 @@ async def test_an_encoder_with_a_token_budget_below_max_model_len_is_refused_at_
     with pytest.raises(ConfigError, match="max_num_batched_tokens=16 .*at least max_model_len=40"):
         async with AsyncEngine(path, max_num_batched_tokens=16, max_model_len=40):
             pass
+
+
+async def test_a_roberta_masked_lm_checkpoint_embeds_with_its_encoder(tmp_path) -> None:
+    """vLLM serves ``RobertaForMaskedLM`` as an embedding model: the encoder's CLS row (positions after
+    ``pad_token_id``), its LM head unread; generation refused."""
+    path = make_tiny_encoder(tmp_path / "roberta", "roberta-mlm")
+    assert json.loads((Path(path) / "config.json").read_text())["architectures"] == ["RobertaForMaskedLM"]
+    async with AsyncEngine(path, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS))
+        with pytest.raises(InvalidRequestError):
+            await engine.generate(TEXTS[0], SamplingParams(max_tokens=2))
+    for text, out in zip(TEXTS, outs):
+        np.testing.assert_allclose(out.embedding, hf_sentence_embedding(path, text, "cls"), rtol=0, atol=1e-5)
