@@ -71,6 +71,10 @@ class CLIPEmbeddingModel(VisionLanguageModel):
     """``mm_encoder_tp_mode="data"``: the tower whole on every rank, a step's images split across them."""
     mm_default_image_limit = 1
     text_decoder_cls: type[CLIPTextDecoder] = CLIPTextDecoder
+    text_head_bias = False
+    """Whether ``text_projection`` has a bias (SigLIP's text head does)."""
+    family = "CLIP"
+    """The family's name in request errors."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, mm_encoder_tp_mode: str = "weights",
                  **decoder_options: Any) -> None:
@@ -86,9 +90,6 @@ class CLIPEmbeddingModel(VisionLanguageModel):
         self.language_model = self.text_decoder_cls(text, dtype=dtype, tp=tp, **decoder_options)
         self.text_projection = nn.Linear(text.hidden_size, self.width, bias=self.text_head_bias, dtype=dtype)
         self.build_vision(hf_config, encoder_tp, dtype)
-
-    text_head_bias = False
-    """Whether ``text_projection`` has a bias (SigLIP's text head does)."""
 
     @staticmethod
     def embedding_width(hf_config: Any) -> int:
@@ -134,18 +135,19 @@ class CLIPEmbeddingModel(VisionLanguageModel):
         """The row an image prompt is (vLLM's dummy token 0; never read: the image's embedding replaces it)."""
         return 0
 
-    @staticmethod
-    def mm_image_prompt(tokenizer: Any, token_ids: list[int], images: Any) -> list[int]:
+    @classmethod
+    def mm_image_prompt(cls, tokenizer: Any, token_ids: list[int], images: Any) -> list[int]:
         """An image prompt as its one placeholder row; the text given with the image may hold special tokens only
         (vLLM's rule: an empty prompt), else `InvalidRequestError`, as for more than one image (``images`` not a
         list: the processor's check says so)."""
         if isinstance(images, (list, tuple)) and len(images) > 1:
-            raise InvalidRequestError("prompt.images", f"{len(images)} images: CLIP embeds one image per prompt")
+            raise InvalidRequestError("prompt.images", f"{len(images)} images: {cls.family} embeds one image per "
+                                                       "prompt")
         special = set(tokenizer.all_special_ids)
         if any(token not in special for token in token_ids):
-            raise InvalidRequestError("prompt", "text with an image: CLIP embeds a prompt's text or its one image, "
-                                                "not both (give the image with an empty prompt)")
-        return [0]
+            raise InvalidRequestError("prompt", f"text with an image: {cls.family} embeds a prompt's text or its one "
+                                                "image, not both (give the image with an empty prompt)")
+        return [cls.mm_placeholder_token_id(None)]
 
     @staticmethod
     def mm_pixel_values(processed: Any) -> np.ndarray:

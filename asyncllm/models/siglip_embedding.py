@@ -55,6 +55,7 @@ class SiglipEmbeddingModel(CLIPEmbeddingModel):
     ``projection_size``-wide rows (the vision width, which they must equal)."""
 
     text_head_bias = True
+    family = "SigLIP"
 
     @staticmethod
     def embedding_width(hf_config: Any) -> int:
