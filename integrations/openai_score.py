@@ -201,7 +201,8 @@ class _Handlers:
         firsts, seconds = scoring.score_pairs(text_1, text_2)
         if engine.pooling_model.classifier is None:
             texts = [text_1] if isinstance(text_1, str) else list(text_1)
-            log_under(request_log, request_id, texts + seconds, PoolingParams(), lora)
+            task = "token_embed" if engine.pooling_model.late_interaction else "embed"  # ColBERT's: MaxSim
+            log_under(request_log, request_id, texts + seconds, PoolingParams(task=task), lora)
             return
         sep = getattr(engine.tokenizer, "sep_token", None) or ""
         pairs = [f"{first}{sep}{second}" for first, second in zip(firsts, seconds)]

@@ -4,7 +4,8 @@ A causal LM generates and embeds; a bare decoder (``LlamaModel`` & co.) embeds
 only; a ``*ForSequenceClassification`` checkpoint classifies and scores only (and
 ``token_classify``); a ``*ForTokenClassification`` encoder serves ``token_classify``
 only; a reward model (``convert="reward"``, the Qwen2 reward architectures) serves
-``token_classify`` only (`RewardPooling`, asyncllm/engine/reward_pooling.py).
+``token_classify`` only (`RewardPooling`, asyncllm/engine/reward_pooling.py); a
+ColBERT (``HF_ColBERT``, late interaction) ``token_embed`` only.
 The processor thread refuses any other request by name before tokenizing it
 (`PoolingModel.check`). A classifier's `ClassifierHead` holds what the host
 needs to turn its logits into vLLM's outputs: the label names, the activations
@@ -25,6 +26,7 @@ from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
+    LATE_INTERACTION_ARCHITECTURES,
     REWARD_ARCHITECTURES,
     TOKEN_CLASSIFICATION_ARCHITECTURES,
     serves_as_encoder,
@@ -183,12 +185,19 @@ class PoolingModel:
     """Set for a reward model (``convert="reward"``): it serves ``token_classify`` only."""
 
     @property
+    def late_interaction(self) -> bool:
+        """A ColBERT (`LATE_INTERACTION_ARCHITECTURES`): token embeddings only, scores by their MaxSim."""
+        return self.architecture in LATE_INTERACTION_ARCHITECTURES
+
+    @property
     def pooling_tasks(self) -> tuple[str, ...]:
         """vLLM's pooling tasks the model serves, its own first: a reward model's and a token classifier's
         ``("token_classify",)``, another classifier's ``("classify", "score", "token_classify")``, else an embedding
-        model's ``("embed", "token_embed")`` (asyncllm's causal LMs embed too)."""
+        model's ``("embed", "token_embed")`` (asyncllm's causal LMs embed too; a ColBERT's ``("token_embed",)``)."""
         if self.reward is not None or self.architecture in TOKEN_CLASSIFICATION_ARCHITECTURES:
             return ("token_classify",)
+        if self.late_interaction:  # ColBERT: scores by MaxSim of these (asyncllm/engine/scoring.py)
+            return ("token_embed",)
         return ("classify", "score", "token_classify") if self.classifier is not None else ("embed", "token_embed")
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
@@ -235,6 +244,11 @@ class PoolingModel:
                                           f"serves token_classify only, not {task} (encode(prompt, "
                                           "pooling_task='token_classify'), or /pooling)")
             return
+        if self.late_interaction and task != "token_embed":
+            raise InvalidRequestError("prompt" if task == "generate" else "model",
+                                      f"this model ({arch}, a late-interaction model) serves token_embed only, not "
+                                      f"{task}: use encode(prompt, pooling_task='token_embed') or /pooling for its "
+                                      "token embeddings, score() (/score, /rerank) for MaxSim scores")
         if self.runner == "generate" and task != "generate":
             raise InvalidRequestError("model", f"this engine runs {arch} with runner='generate': it serves generation "
                                                f"only, not {task} requests (start it with runner='pooling' for those)")

@@ -31,6 +31,7 @@ from asyncllm.models.architectures import (
     DUAL_ENCODER_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     HYBRID_ARCHITECTURES,
+    LATE_INTERACTION_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     REWARD_ARCHITECTURES,
@@ -202,8 +203,9 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
 
 def _pooled_width(hf_config: Any, text_config: Any, arch: str, limits: Any) -> int:
     """The width of the rows a pooling model pools: the hidden size, or a text-or-image model's shared space's
-    (CLIP's ``projection_dim``: the class's ``embedding_width``)."""
-    if arch not in DUAL_ENCODER_ARCHITECTURES:
+    (CLIP's ``projection_dim``) or a ColBERT's dimension (a `ConfigError` without one): the class's
+    ``embedding_width``."""
+    if arch not in DUAL_ENCODER_ARCHITECTURES + LATE_INTERACTION_ARCHITECTURES:
         return int(text_config.hidden_size)
     from asyncllm.models.registry import get_model_class
 

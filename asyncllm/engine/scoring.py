@@ -8,8 +8,10 @@ are applied here, on the host (asyncllm/engine/pooling_model.py).
 `score` pairs ``text_1`` with each text of ``text_2`` (1:1, 1:N or N:N, as
 vLLM). A cross-encoder (a classifier with one label) reads a pair as one
 prompt (``tokenizer(text_1, text_2)``, tokenized on the processor thread) and
-scores the activated logit; any other model embeds each distinct text once and
-scores the cosine similarity of two embeddings. docs/pooling.md has the details.
+scores the activated logit; a late-interaction model (ColBERT) token-embeds each
+distinct text once and scores the MaxSim of two texts' token embeddings; any other
+model embeds each distinct text once and scores the cosine similarity of two
+embeddings. docs/pooling.md has the details.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.collector import RequestCollector
 
-__all__ = ["classify", "score", "score_pairs", "cosine_scores"]
+__all__ = ["classify", "score", "score_pairs", "cosine_scores", "maxsim_scores"]
 
 _CLASSIFY = PoolingParams(task="classify")
 _EMBED = PoolingParams()
+_TOKEN_EMBED = PoolingParams(task="token_embed")
 T = TypeVar("T")
 
 
@@ -63,8 +66,10 @@ async def score(engine: AsyncEngine, text_1: Any, text_2: Any, options: RequestO
     if head is None:
         if not activated:
             raise InvalidRequestError("use_activation", "false reads a cross-encoder's raw logit; this model scores by "
-                                                        "the cosine similarity of embeddings, which has no activation")
-        return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens)
+                                                        "the similarity of embeddings (cosine; a late-interaction "
+                                                        "model's MaxSim), which has no activation")
+        return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens,
+                                       engine.pooling_model.late_interaction)
     engine.pooling_model.check(_CLASSIFY)  # a token classifier (token_classify only) refused by name
     if head.num_labels != 1:
         raise InvalidRequestError("model", f"score needs a cross-encoder (a classification model with one label); "
@@ -103,6 +108,26 @@ def cosine_scores(vectors: Sequence[Sequence[float] | None], firsts: Sequence[in
     return torch.where(denominators == 0, 0.0, dots / denominators).tolist()
 
 
+def maxsim_scores(embeddings: Sequence[Sequence[float]], num_tokens: Sequence[int], firsts: Sequence[int],
+                  seconds: Sequence[int]) -> list[float]:
+    """Late interaction's MaxSim of ``embeddings[firsts[i]]`` (the query's token rows) against
+    ``embeddings[seconds[i]]`` (the document's) for each pair i: the sum over the query's tokens of the largest dot
+    product with any document token (vLLM's ``compute_maxsim_score``). ``embeddings[k]`` is a text's ``token_embed``
+    floats, ``num_tokens[k]`` rows laid end to end; each text's matrix is built once, then one matrix product per
+    pair. In float64, as `cosine_scores` (the rows are float32 values; vLLM sums them in float32)."""
+    import torch
+
+    matrices: dict[int, torch.Tensor] = {}
+
+    def rows(k: int) -> torch.Tensor:
+        if k not in matrices:
+            flat = np.asarray(embeddings[k], dtype=np.float64)
+            matrices[k] = torch.from_numpy(flat.reshape(num_tokens[k], -1))
+        return matrices[k]
+
+    return [(rows(i) @ rows(j).T).amax(dim=1).sum().item() for i, j in zip(firsts, seconds)]
+
+
 def _stack(vectors: Sequence[Sequence[float] | None]) -> torch.Tensor:
     """The vectors as the rows of one float64 matrix (a missing one all zeros), filled a row at a time: run off the
     event loop, each row is a point where the loop's thread can take the GIL back."""
@@ -128,16 +153,21 @@ async def _cross_encode(engine: AsyncEngine, head: ClassifierHead | None, text_1
 
 
 async def _embedding_scores(engine: AsyncEngine, firsts: list[str], seconds: list[str], options: RequestOptions,
-                            truncate_prompt_tokens: int | None) -> list[ScoringOutput]:
+                            truncate_prompt_tokens: int | None, late: bool = False) -> list[ScoringOutput]:
+    """Cosine scores of embeddings; `late`: MaxSim scores of token embeddings (a late-interaction model's)."""
     texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text is embedded once (a 1:N query too)
-    embed = dataclasses.replace(options, pooling=_EMBED)
+    embed = dataclasses.replace(options, pooling=_TOKEN_EMBED if late else _EMBED)
     pooled = await _gather([engine._pool(text, embed, truncate_prompt_tokens) for text in texts])
     index = {text: i for i, text in enumerate(texts)}
     pairs = [(index[first], index[second]) for first, second in zip(firsts, seconds)]
     vectors = [collector.embedding for collector in pooled]
+    firsts_at, seconds_at = [i for i, _ in pairs], [j for _, j in pairs]
     # off the event loop: the lists' conversion is most of the time (4096 x 2048 floats: a fraction of a second)
-    values = await anyio.to_thread.run_sync(cosine_scores, vectors, [i for i, _ in pairs], [j for _, j in pairs],
-                                            abandon_on_cancel=True)
+    if late:
+        values = await anyio.to_thread.run_sync(maxsim_scores, vectors, [len(c.prompt_token_ids) for c in pooled],
+                                                firsts_at, seconds_at, abandon_on_cancel=True)
+    else:
+        values = await anyio.to_thread.run_sync(cosine_scores, vectors, firsts_at, seconds_at, abandon_on_cancel=True)
     return [_embedding_score(pooled[i], pooled[j], value) for (i, j), value in zip(pairs, values)]
 
 

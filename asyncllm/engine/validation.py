@@ -20,7 +20,7 @@ from asyncllm import protocol
 from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
 from asyncllm.models.architectures import (CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, REWARD_ARCHITECTURES,
-                                           TOKEN_CLASSIFICATION_ARCHITECTURES)
+                                           LATE_INTERACTION_ARCHITECTURES, TOKEN_CLASSIFICATION_ARCHITECTURES)
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -306,7 +306,8 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
 def served_tasks(architectures: Sequence[str] | None, runner: str = "auto",
                  convert: str = "auto") -> frozenset[str] | None:
     """What a model of these ``architectures`` (its config's, as the workers serve it) serves ("generate", "embed",
-    "classify"; a reward model's, ``convert="reward"``, and a token classifier's: "token_classify" only) under the
+    "classify"; a reward model's, ``convert="reward"``, and a token classifier's: "token_classify" only; a ColBERT's
+    "token_embed" only) under the
     config's resolved ``runner`` (generate: generation only; pooling: no generation), as
     `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner without a config):
     then requests are not checked against it."""
@@ -317,6 +318,8 @@ def served_tasks(architectures: Sequence[str] | None, runner: str = "auto",
         return frozenset({"token_classify"})
     if architectures[0] in TOKEN_CLASSIFICATION_ARCHITECTURES:  # NER-style taggers: every row's labels only
         return frozenset({"token_classify"})
+    if architectures[0] in LATE_INTERACTION_ARCHITECTURES:  # ColBERT: every row's embedding only
+        return frozenset({"token_embed"})
     if architectures[0] in CLASSIFICATION_ARCHITECTURES:
         return frozenset({"classify"})
     if architectures[0] in EMBEDDING_ARCHITECTURES:  # no LM head

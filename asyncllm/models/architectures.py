@@ -17,7 +17,7 @@ __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECT
            "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ARCHITECTURE_ALIASES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
            "REWARD_ARCHITECTURES", "TOKEN_CLASSIFICATION_ARCHITECTURES", "DECODER_CLASSIFIER_BASES", "HEADLESS_BASES",
-           "base_architecture", "serves_as_encoder",
+           "LATE_INTERACTION_ARCHITECTURES", "base_architecture", "serves_as_encoder", "late_interaction_dim",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -139,8 +139,24 @@ def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
     return arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and limits is not None and not any(limits.values())
 
 
+LATE_INTERACTION_ARCHITECTURES = ("HF_ColBERT",)
+"""Late-interaction (ColBERT) encoders (asyncllm/models/colbert.py): every token's final hidden state through a
+bias-free projection; they serve ``token_embed`` only, and scores by MaxSim of two texts' token embeddings
+(docs/pooling.md#late-interaction-models-colbert)."""
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel",
-                                   "RobertaForMaskedLM")  # vLLM embeds with its encoder, the LM head unread
+                                   "RobertaForMaskedLM",  # vLLM embeds with its encoder, the LM head unread
+                                   *LATE_INTERACTION_ARCHITECTURES)
+
+
+def late_interaction_dim(hf_config: Any) -> int:
+    """A ColBERT checkpoint's projection width: config ``colbert_dim``, ``dim`` or ``projection_dim`` (the first
+    set, as vLLM reads them); a `ConfigError` naming them when none is (vLLM's hint: ``hf_overrides``)."""
+    for name in ("colbert_dim", "dim", "projection_dim"):
+        if getattr(hf_config, name, None):
+            return int(getattr(hf_config, name))
+    raise ConfigError("model", getattr(hf_config, "name_or_path", None) or "HF_ColBERT",
+                      "a ColBERT checkpoint whose config.json gives its dimension (colbert_dim, dim or projection_dim): "
+                      "it gives none; hf_overrides={'dim': 128} sets one")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertForTokenClassification")

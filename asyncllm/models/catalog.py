@@ -9,7 +9,8 @@ from __future__ import annotations
 import pathlib
 
 from asyncllm.models.architectures import (
-    AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
+    AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES,
+    LATE_INTERACTION_ARCHITECTURES, MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES, REWARD_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES,
     TEXT_ONLY_CAPABLE_ARCHITECTURES, TOKEN_CLASSIFICATION_ARCHITECTURES, base_architecture,
 )
@@ -32,6 +33,8 @@ def _kind(arch: str) -> str:
     if arch in MULTIMODAL_ARCHITECTURES:
         experts = ", experts" if arch in MOE_ARCHITECTURES else ""
         return "image-text" + experts + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
+    if arch in LATE_INTERACTION_ARCHITECTURES:
+        return "late interaction"  # ColBERT: token embeddings, MaxSim scores
     if arch in EMBEDDING_ARCHITECTURES:
         return "embedding"
     if arch in TOKEN_CLASSIFICATION_ARCHITECTURES:
@@ -52,7 +55,7 @@ def _doc(arch: str) -> str:
         return _GENERAL[arch]
     by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md",
                "image-text embedding": "embeddings.md", "classification": "pooling.md",
-               "token classification": "pooling.md", "reward": "pooling.md"}
+               "token classification": "pooling.md", "reward": "pooling.md", "late interaction": "pooling.md"}
     kind = _kind(arch).split(" (")[0].removesuffix(", experts")
     if kind in by_kind:
         return by_kind[kind]

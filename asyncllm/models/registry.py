@@ -236,8 +236,8 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "Zamba2ForCausalLM": "zamba2:Zamba2ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ernie_seed_arcee:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "hunyuan:HunYuanMoEV1ForCausalLM",
-    "BertModel": "bert:BertEmbeddingModel",
-    "RobertaModel": "bert:BertEmbeddingModel",
+    "BertModel": "bert:BertEmbeddingModel", "RobertaModel": "bert:BertEmbeddingModel",
+    "HF_ColBERT": "colbert:ColBERTModel",  # a BERT encoder under a per-token projection (late interaction)
     "RobertaForMaskedLM": "bert:BertEmbeddingModel",
     "XLMRobertaModel": "bert:BertEmbeddingModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

@@ -65,7 +65,7 @@ class _StubEngine:
 
     def __init__(self, embeddings: dict[str, list[float]]) -> None:
         self.embeddings = embeddings
-        self.pooling_model = types.SimpleNamespace(classifier=None)
+        self.pooling_model = types.SimpleNamespace(classifier=None, late_interaction=False)
 
     async def start(self) -> None:
         pass
