@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         EventLoopError,
         InvalidRequestError,
         NotBuiltError,
+        RequestAbortedError,
         RequestTimeoutError,
     )
     from asyncllm.lora import LoRARequest
@@ -62,6 +63,7 @@ __all__ = [
     "InvalidRequestError",
     "EngineOverloadedError",
     "RequestTimeoutError",
+    "RequestAbortedError",
     "EngineDeadError",
     "EventLoopError",
 ]
@@ -77,7 +79,8 @@ _HOMES = {
     **dict.fromkeys(("StreamDelta", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EngineStats"),
                     "asyncllm.outputs"),
     **dict.fromkeys(("AsyncLLMError", "ConfigError", "NotBuiltError", "InvalidRequestError", "EngineOverloadedError",
-                     "RequestTimeoutError", "EngineDeadError", "EventLoopError"), "asyncllm.errors"),
+                     "RequestTimeoutError", "RequestAbortedError", "EngineDeadError", "EventLoopError"),
+                    "asyncllm.errors"),
 }
 """Where each public name lives: imported on first use, so that ``import asyncllm`` imports nothing more (a
 command's Ctrl-C while it imports is its own: asyncllm/__main__.py)."""

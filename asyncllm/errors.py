@@ -9,6 +9,7 @@ third-party exceptions are mapped to one of these at the edge::
      +-- InvalidRequestError      bad prompt or sampling parameter (``.field`` names it)
      +-- EngineOverloadedError    admission control refused the request
      +-- RequestTimeoutError      the request's deadline passed
+     +-- RequestAbortedError      `AsyncEngine.abort` (or the engine's close) ended a request that has no partial result
      +-- EngineDeadError          the engine core or a worker died and was not recovered
      +-- EventLoopError           an AsyncEngine used from an event loop other than the one it started in
                                   (or from a loop that is not asyncio's: `running_asyncio_loop`)
@@ -30,6 +31,7 @@ __all__ = [
     "InvalidRequestError",
     "EngineOverloadedError",
     "RequestTimeoutError",
+    "RequestAbortedError",
     "EngineDeadError",
     "EventLoopError",
 ]
@@ -83,6 +85,12 @@ class EngineOverloadedError(AsyncLLMError):
 
 class RequestTimeoutError(AsyncLLMError, TimeoutError):
     """The request did not finish before its deadline."""
+
+
+class RequestAbortedError(AsyncLLMError):
+    """`AsyncEngine.abort` (or the engine's close) ended a request whose result cannot be partial: an embedding,
+    classification or score request aborted before it was pooled. (An aborted generation returns what it has,
+    finish_reason "abort".)"""
 
 
 class EngineDeadError(AsyncLLMError, RuntimeError):

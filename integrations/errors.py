@@ -14,7 +14,7 @@ from typing import Any
 
 from asyncllm.errors import (
     CONTEXT_LENGTH_EXCEEDED, AsyncLLMError, ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError,
-    RequestTimeoutError,
+    RequestAbortedError, RequestTimeoutError,
 )
 
 __all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_fields", "status_of"]
@@ -34,6 +34,7 @@ _STATUS = (
     (InvalidRequestError, 400, "invalid_request_error", None),
     (EngineOverloadedError, 429, "rate_limit_error", "engine_overloaded"),
     (RequestTimeoutError, 408, "timeout_error", "request_timeout"),
+    (RequestAbortedError, 500, "server_error", "request_aborted"),  # `AsyncEngine.abort` from the host's own code
     (EngineDeadError, 503, "server_error", "engine_dead"),
     (ConfigError, 503, "server_error", "engine_misconfigured"),
 )

@@ -17,7 +17,7 @@ from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.stream import RequestOptions, RequestStream
-from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError, RequestAbortedError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.pooling import (PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingParams,
@@ -231,7 +231,9 @@ class EngineRequests:
             async for _ in stream:
                 pass
         collector = stream.collector
-        assert collector is not None and collector.embedding is not None, collector
+        assert collector is not None, stream
+        if collector.embedding is None:  # ended by `abort` (or the engine's close) before its rows were pooled
+            raise RequestAbortedError(f"request {collector.request_id!r} was aborted before it was pooled")
         return collector
 
     def transcribe(self, audio: Any, *, task: str = "transcribe", language: str | None = None,
@@ -267,7 +269,8 @@ class EngineRequests:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests by their ``request_id`` (vLLM's ``AsyncLLM.abort``): each one's stream ends as a stream
         left early does, every unfinished sample's last delta with finish_reason "abort" (its `generate` returns
-        them), and the core frees its KV blocks. An id unknown here, or of a finished request, is ignored (as
+        them), and the core frees its KV blocks; a pooling request (`embed`, `encode`, `classify`, `score`), which has
+        no partial result, raises `RequestAbortedError`. An id unknown here, or of a finished request, is ignored (as
         vLLM's); other requests run on."""
         ids = _request_ids(request_id)
         self._check_loop()  # collectors belong to the engine's loop

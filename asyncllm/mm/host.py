@@ -87,7 +87,8 @@ _DICT_SHAPE = ("a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), 
 def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
     """`prompt` (ours, after `from_vllm_prompt`) if its keys and the types of its text or token ids are right, else
     `InvalidRequestError` naming what is wrong: unknown keys, a text that is no str (``prompt``), token ids that are
-    no list (``prompt.prompt_token_ids``), neither or both given (the media are checked by the processor)."""
+    no list (``prompt.prompt_token_ids``), neither or both given (one of them empty with images: an image-only
+    prompt, as CLIP's; the media are checked by the processor)."""
     unknown = set(prompt) - _DICT_KEYS
     if unknown:
         raise InvalidRequestError("prompt", f"unknown keys {sorted(unknown)}: {_DICT_SHAPE}")
@@ -96,7 +97,9 @@ def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError("prompt", f"'prompt' must be a str, got {type(text).__name__}")
     if ids is not None and not isinstance(ids, list):
         raise InvalidRequestError("prompt.prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
-    if bool(text) == bool(ids) and not (text == "" and prompt.get("images")):  # CLIP's image prompt: empty text
+    media = any(prompt.get(key) for key in ("images", "videos", "audios"))  # the processor judges those
+    image_only = media and (text is None) != (ids is None)  # CLIP's image prompt: "" or [] with the image
+    if bool(text) == bool(ids) and not image_only:
         why = "both 'prompt' and 'prompt_token_ids'" if text else "neither a non-empty 'prompt' nor 'prompt_token_ids'"
         raise InvalidRequestError("prompt", f"{why}: {_DICT_SHAPE}; got keys {sorted(prompt)}")
     return prompt

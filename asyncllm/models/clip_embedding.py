@@ -153,8 +153,17 @@ class CLIPEmbeddingModel(VisionLanguageModel):
     def mm_pixel_values(processed: Any) -> np.ndarray:
         return processed["pixel_values"][0].astype("float32", copy=False)
 
-    @staticmethod
-    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+    @classmethod
+    def mm_placeholder_length(cls, hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        """One row; the image processor's pixels must be the tower's square (its position embeddings are fixed), else
+        `InvalidRequestError` naming ``mm_processor_kwargs`` (a ``size`` or ``do_center_crop`` that changes them)."""
+        side = int(hf_config.vision_config.image_size)
+        if tuple(pixel_shape[-2:]) != (side, side):
+            raise InvalidRequestError("mm_processor_kwargs", f"the image processor made {pixel_shape[-2]}x"
+                                                             f"{pixel_shape[-1]} pixels; {cls.family} takes {side}x"
+                                                             f"{side} (vision_config.image_size): leave out the "
+                                                             "settings that change them (size, crop_size, "
+                                                             "do_center_crop, do_resize)")
         return 1
 
     # ---- weights

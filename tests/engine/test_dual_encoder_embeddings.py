@@ -71,6 +71,8 @@ async def test_an_image_is_get_image_features_in_both_prompt_forms(engine, tiny_
     np.testing.assert_allclose(ours.embedding, unit(expected), rtol=0, atol=1e-6)
     np.testing.assert_allclose((await engine.embed({"prompt": "", "images": [other]}, RAW)).embedding,
                                hf_image_embedding(tiny_clip, other).numpy(), rtol=0, atol=1e-5)
+    by_ids = await engine.embed({"prompt_token_ids": [], "images": [image]}, RAW)  # no ids at all: the image alone
+    np.testing.assert_allclose(by_ids.embedding, vllm_form.embedding, rtol=0, atol=1e-6)
 
 
 async def test_texts_and_images_sharing_steps_are_as_alone(engine, tiny_clip):
@@ -101,6 +103,19 @@ async def test_text_with_an_image_two_images_or_nothing_are_refused_by_name(engi
         await engine.embed(prompt)
     assert info.value.field == field and words in info.value.message
     assert len((await engine.embed("still here")).embedding) == 24
+
+
+async def test_pixels_the_tower_cannot_take_and_videos_are_refused_by_name(engine):
+    """Processor settings that change the image's size (CLIP's position embeddings are fixed) are refused on the
+    host, naming ``mm_processor_kwargs`` (the worker failed, before); a video with an empty prompt names videos."""
+    image = make_image(40, 30, seed=1)
+    with pytest.raises(InvalidRequestError, match="32x42 pixels; CLIP takes 32x32") as info:
+        await engine.embed({"prompt": "", "images": [image], "mm_processor_kwargs": {"do_center_crop": False}})
+    assert info.value.field == "mm_processor_kwargs"
+    with pytest.raises(InvalidRequestError, match="takes no videos") as info:
+        await engine.embed({"prompt": "", "videos": [[image]]})
+    assert info.value.field == "prompt.videos"
+    assert len((await engine.embed({"prompt": "", "images": [image]})).embedding) == 24
 
 
 async def test_generation_is_refused(engine):
@@ -138,7 +153,10 @@ async def test_the_server_embeds_texts_and_image_chats(engine, tiny_clip):
         text = await client.post("/v1/embeddings", json={"model": tiny_clip, "input": LONG})
         chat = await client.post("/v1/embeddings", json={
             "model": tiny_clip, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+        both = await client.post("/v1/embeddings", json={"model": tiny_clip, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a cat"}, {"type": "image_url", "image_url": {"url": url}}]}]})
     assert text.status_code == chat.status_code == 200, chat.text
+    assert both.status_code == 400 and "not both" in both.json()["error"]["message"], both.text  # the model's rule
     rows, _ = hf_text_rows(tiny_clip, (await engine.embed(LONG, RAW)).prompt_token_ids)
     np.testing.assert_allclose(text.json()["data"][0]["embedding"], unit(rows[-1].numpy()), rtol=0, atol=1e-5)
     np.testing.assert_allclose(chat.json()["data"][0]["embedding"], unit(hf_image_embedding(tiny_clip, image).numpy()),

@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, InvalidRequestError, RequestAbortedError, SamplingParams
 from engine_helpers import wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -61,14 +61,31 @@ async def test_abort_ends_that_stream_and_others_run_on(engine: AsyncEngine) -> 
 
 async def test_abort_of_a_generate_returns_its_output_so_far(engine: AsyncEngine) -> None:
     task = asyncio.ensure_future(engine.generate("x = 1\n", LONG, request_id="gen-victim"))
-    async def submitted() -> None:  # its collector exists (generate hands out no delta to wait on)
-        while not any(c.request_id == "gen-victim" for c in engine._in_flight):
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(submitted(), 30)
+    await asyncio.wait_for(_submitted(engine, "gen-victim"), 30)
     await engine.abort(iter(["gen-victim"]))
     out = await asyncio.wait_for(task, 30)
     assert out.finish_reason == "abort" and len(out.token_ids) < 400
+
+
+async def _submitted(engine: AsyncEngine, request_id: str) -> None:
+    """Until the request's collector exists (a call that hands out no delta to wait on)."""
+    while not any(c.request_id == request_id for c in engine._in_flight):
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("call", ["embed", "encode"])
+async def test_abort_of_a_pooling_request_raises_request_aborted(engine: AsyncEngine, call: str) -> None:
+    """A pooling request has no partial result: aborted, it raises `RequestAbortedError` (an AssertionError,
+    before); the engine serves the next one."""
+    prompt = "word " * 300
+    run = engine.embed(prompt, request_id="pool-victim") if call == "embed" else \
+        engine.encode(prompt, pooling_task="token_embed", request_id="pool-victim")
+    task = asyncio.ensure_future(run)
+    await asyncio.wait_for(_submitted(engine, "pool-victim"), 30)
+    await engine.abort("pool-victim")
+    with pytest.raises(RequestAbortedError, match="'pool-victim' was aborted"):
+        await asyncio.wait_for(task, 30)
+    assert len((await engine.embed("word " * 10)).embedding) == 64  # the tiny Llama's hidden size
 
 
 async def _read(stream) -> list:
