@@ -36,7 +36,7 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
                       num_labels: int | None = None, dense: tuple[int, ...] = ()) -> str:
     """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``), ``RobertaForMaskedLM``
     (``"roberta-mlm"``), ``ModernBertModel``
-    (``"modernbert"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
+    (``"modernbert"``), ``NomicBertModel`` (``"nomic"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
     ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
     sentence-transformers Pooling module choosing it, ``dense`` (widths) Dense modules after it (bias-free,
     Identity, as EmbeddingGemma's; 32 -> dense[0] -> ...)."""
@@ -46,7 +46,7 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer(token_types=kind == "bert")
+    tokenizer = _tokenizer(token_types=kind in ("bert", "nomic"))
     shape = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=66)
     if num_labels is not None:
@@ -68,6 +68,10 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                   pad_token_id=0, bos_token_id=2, eos_token_id=3)
         model = Gemma3TextModel(config)
+    elif kind == "nomic":  # NomicBERT: rotary positions, SwiGLU, no biases (saved under the remote code's names)
+        from transformers import NomicBertConfig, NomicBertModel
+
+        model = NomicBertModel(NomicBertConfig(**shape, pad_token_id=0))
     elif kind == "roberta-mlm":  # RoBERTa as its masked-LM pretraining saves it (an LM head, no pooler)
         from transformers import RobertaConfig, RobertaForMaskedLM
 

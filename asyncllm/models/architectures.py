@@ -143,7 +143,7 @@ LATE_INTERACTION_ARCHITECTURES = ("HF_ColBERT",)
 """Late-interaction (ColBERT) encoders (asyncllm/models/colbert.py): every token's final hidden state through a
 bias-free projection; they serve ``token_embed`` only, and scores by MaxSim of two texts' token embeddings
 (docs/pooling.md#late-interaction-models-colbert)."""
-ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel",
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "NomicBertModel",
                                    "RobertaForMaskedLM",  # vLLM embeds with its encoder, the LM head unread
                                    *LATE_INTERACTION_ARCHITECTURES)
 

@@ -56,8 +56,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False, config_format: st
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
     from asyncllm.models.family_config import omni_thinker_config  # Qwen2.5-Omni: its thinker's config is served
+    from asyncllm.models.nomic_config import nomic_bert_config  # NomicBERT's hub configs: the remote code's names
 
-    return allow_global_layer_values(omni_thinker_config(config))
+    return allow_global_layer_values(nomic_bert_config(omni_thinker_config(config)))
 
 
 def allow_global_layer_values(config: PretrainedConfig) -> PretrainedConfig:

@@ -243,7 +243,7 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "BertForSequenceClassification": "bert:BertForSequenceClassification",
     "RobertaForSequenceClassification": "bert:BertForSequenceClassification",
     "XLMRobertaForSequenceClassification": "bert:BertForSequenceClassification",
-    "ModernBertModel": "modernbert:ModernBertEmbeddingModel",
+    "ModernBertModel": "modernbert:ModernBertEmbeddingModel", "NomicBertModel": "nomic_bert:NomicBertEmbeddingModel",
     "CLIPModel": "clip_embedding:CLIPEmbeddingModel",
     "SiglipModel": "siglip_embedding:SiglipEmbeddingModel",
     "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",

@@ -1,0 +1,63 @@
+"""NomicBERT (``NomicBertModel``, nomic-embed-text) under the hub's config: the remote code's names (``n_embd``,
+``n_head``, ``rotary_emb_base``, ``max_trained_positions`` ...) read on the host, equal to transformers' own
+``NomicBertModel`` on the same weights (tests/engine/test_encoder_embeddings.py serves its native config over two
+ranks); the settings asyncllm does not build refused by name before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from encoder_utils import hf_sentence_embedding, make_tiny_encoder
+
+from asyncllm import AsyncEngine, NotBuiltError
+
+TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
+_HUB_KEYS = {"activation_function": "swiglu", "prenorm": False, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+             "mlp_fc2_bias": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+             "rotary_emb_scale_base": None, "rotary_emb_base": 1000, "n_positions": 8192, "causal": False}
+
+
+def _hub_form(native: str, folder: Path, **changes) -> str:
+    """The native checkpoint's weights and tokenizer under a config.json written as the hub's (the remote code's
+    names only; transformers' defaults for its own names, 768 wide, are what a reader ignoring them would get)."""
+    folder.mkdir()
+    for item in Path(native).iterdir():
+        if item.is_file() and item.name != "config.json":
+            (folder / item.name).write_bytes(item.read_bytes())
+        elif item.is_dir():
+            (folder / item.name).mkdir()
+            for sub in item.iterdir():
+                (folder / item.name / sub.name).write_bytes(sub.read_bytes())
+    config = json.loads((Path(native) / "config.json").read_text())
+    hub = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "vocab_size": config["vocab_size"],
+           "type_vocab_size": 2, "pad_token_id": 0, "n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 64,
+           "layer_norm_epsilon": 1e-12, "max_trained_positions": 48, **_HUB_KEYS, **changes}
+    (folder / "config.json").write_text(json.dumps(hub))
+    return str(folder)
+
+
+async def test_the_hubs_config_names_are_read(tmp_path) -> None:
+    native = make_tiny_encoder(tmp_path / "native", "nomic", pooling="mean")
+    hub = _hub_form(native, tmp_path / "hub")
+    async with AsyncEngine(hub, disable_log_stats=True, max_worker_restarts=0) as engine:
+        assert engine.config.max_model_len == 48  # the trained positions, not n_positions (vLLM's default)
+        outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS))
+    for text, out in zip(TEXTS, outs):
+        np.testing.assert_allclose(out.embedding, hf_sentence_embedding(native, text, "mean"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"prenorm": True}, "pre-LN layers"), ({"qkv_proj_bias": True}, "projection biases"),
+    ({"activation_function": "gelu"}, "non-gated MLP"), ({"rotary_emb_fraction": 0.5}, "partial rotary"),
+    ({"moe_every_n_layers": 2}, "expert layers")])
+async def test_settings_not_built_are_refused_by_name(tmp_path, change, words) -> None:
+    native = make_tiny_encoder(tmp_path / "native", "nomic")
+    hub = _hub_form(native, tmp_path / "hub", **change)
+    with pytest.raises(NotBuiltError, match=words) as info:
+        async with AsyncEngine(hub, disable_log_stats=True):
+            pass
+    assert next(iter(change)) in str(info.value)
