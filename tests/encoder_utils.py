@@ -36,7 +36,7 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
                       num_labels: int | None = None, dense: tuple[int, ...] = ()) -> str:
     """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``), ``RobertaForMaskedLM``
     (``"roberta-mlm"``), ``ModernBertModel``
-    (``"modernbert"``), ``NomicBertModel`` (``"nomic"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
+    (``"modernbert"``), ``NomicBertModel`` (``"nomic"``), ``GteModel`` (``"gte"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
     ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
     sentence-transformers Pooling module choosing it, ``dense`` (widths) Dense modules after it (bias-free,
     Identity, as EmbeddingGemma's; 32 -> dense[0] -> ...)."""
@@ -72,6 +72,10 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
         from transformers import NomicBertConfig, NomicBertModel
 
         model = NomicBertModel(NomicBertConfig(**shape, pad_token_id=0))
+    elif kind == "gte":  # GTE: NomicBERT's layout with biases and a GELU gate (saved under Alibaba's names)
+        from transformers import GteConfig, GteModel
+
+        model = GteModel(GteConfig(**shape, pad_token_id=0, type_vocab_size=1))
     elif kind == "roberta-mlm":  # RoBERTa as its masked-LM pretraining saves it (an LM head, no pooler)
         from transformers import RobertaConfig, RobertaForMaskedLM
 

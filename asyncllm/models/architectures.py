@@ -144,6 +144,7 @@ LATE_INTERACTION_ARCHITECTURES = ("HF_ColBERT",)
 bias-free projection; they serve ``token_embed`` only, and scores by MaxSim of two texts' token embeddings
 (docs/pooling.md#late-interaction-models-colbert)."""
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "NomicBertModel",
+                                   "GteModel", "GteNewModel",  # vLLM's name for Alibaba's "new" checkpoints
                                    "RobertaForMaskedLM",  # vLLM embeds with its encoder, the LM head unread
                                    *LATE_INTERACTION_ARCHITECTURES)
 

@@ -56,9 +56,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False, config_format: st
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
     from asyncllm.models.family_config import omni_thinker_config  # Qwen2.5-Omni: its thinker's config is served
-    from asyncllm.models.nomic_config import nomic_bert_config  # NomicBERT's hub configs: the remote code's names
+    from asyncllm.models.rotary_bert_config import rotary_bert_config  # NomicBERT's hub names, GTE's options
 
-    return allow_global_layer_values(nomic_bert_config(omni_thinker_config(config)))
+    return allow_global_layer_values(rotary_bert_config(omni_thinker_config(config)))
 
 
 def allow_global_layer_values(config: PretrainedConfig) -> PretrainedConfig:
@@ -113,7 +113,9 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | 
 def served_hf_config(path: str, overrides: dict[str, Any] | None, trust_remote_code: bool = False,
                      config_format: str = "auto") -> PretrainedConfig:
     """The checkpoint's config as the engine serves it: read (`load_hf_config`), ``hf_overrides`` applied."""
-    return apply_hf_overrides(load_hf_config(path, trust_remote_code, config_format), overrides)
+    from asyncllm.models.rotary_bert_config import rotary_bert_config  # checked again with the overrides
+
+    return rotary_bert_config(apply_hf_overrides(load_hf_config(path, trust_remote_code, config_format), overrides))
 
 
 _DERIVED = ("num_hidden_layers", "layer_types", "layers_block_type", "layers_num_experts")

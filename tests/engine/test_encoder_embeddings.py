@@ -20,7 +20,8 @@ TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 to
 """The longest has 19 tokens: past ModernBERT's 4-token local reach."""
 
 
-@pytest.mark.parametrize("kind, pooling, tp", [("bert", "mean", 1), ("modernbert", None, 1), ("nomic", "mean", 2)])
+@pytest.mark.parametrize("kind, pooling, tp", [("bert", "mean", 1), ("modernbert", None, 1), ("nomic", "mean", 2),
+                                               ("gte", None, 1)])
 async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooling: str | None, tp: int) -> None:
     """MEAN from a sentence-transformers config (the heads and MLP split over ranks by the decoders' parallel
     linears, tested with them); CLS, the encoders' default

@@ -1,7 +1,8 @@
-"""NomicBERT (``NomicBertModel``, nomic-embed-text) under the hub's config: the remote code's names (``n_embd``,
-``n_head``, ``rotary_emb_base``, ``max_trained_positions`` ...) read on the host, equal to transformers' own
-``NomicBertModel`` on the same weights (tests/engine/test_encoder_embeddings.py serves its native config over two
-ranks); the settings asyncllm does not build refused by name before anything starts."""
+"""The rotary BERTs beyond tests/engine/test_encoder_embeddings.py (which serves transformers' native NomicBERT over
+two ranks and GTE): NomicBERT (``NomicBertModel``, nomic-embed-text) under the hub's config, the remote code's names
+(``n_embd``, ``n_head``, ``rotary_emb_base``, ``max_trained_positions`` ...) read on the host, equal to
+transformers' own ``NomicBertModel`` on the same weights; GTE under vLLM's ``GteNewModel`` name; the settings
+asyncllm does not build refused by name before anything starts."""
 
 from __future__ import annotations
 
@@ -61,3 +62,15 @@ async def test_settings_not_built_are_refused_by_name(tmp_path, change, words) -
         async with AsyncEngine(hub, disable_log_stats=True):
             pass
     assert next(iter(change)) in str(info.value)
+
+
+async def test_gte_under_vllms_gte_new_model_name_and_its_options_not_built(tmp_path) -> None:
+    """``hf_overrides={"architectures": ["GteNewModel"]}`` (vLLM's advice for Alibaba's ``NewModel`` checkpoints)
+    serves the same model; a remote-code option other than the published checkpoints' is refused by name."""
+    path = make_tiny_encoder(tmp_path / "gte", "gte", pooling="mean")
+    async with AsyncEngine(path, hf_overrides={"architectures": ["GteNewModel"]}, disable_log_stats=True) as engine:
+        out = await engine.embed(TEXTS[2])
+    np.testing.assert_allclose(out.embedding, hf_sentence_embedding(path, TEXTS[2], "mean"), rtol=0, atol=1e-5)
+    with pytest.raises(NotBuiltError, match="logn_attention_scale=True"):
+        async with AsyncEngine(path, hf_overrides={"logn_attention_scale": True}, disable_log_stats=True):
+            pass
