@@ -18,8 +18,9 @@ def _tokenizer(token_types: bool):
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *string.ascii_lowercase, *string.digits,
-             *string.punctuation, *(f"##{c}" for c in string.ascii_lowercase + string.digits)]
+    vocab = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *string.ascii_lowercase,
+                                *string.digits, *string.punctuation,
+                                *(f"##{c}" for c in string.ascii_lowercase + string.digits)]))  # ids 0..n-1: once each
     tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -19,19 +19,20 @@ from asyncllm.errors import EngineDeadError
 __all__ = ["EngineDrain"]
 
 _ACCEPTED: ContextVar["EngineDrain | None"] = ContextVar("asyncllm_accepted_request", default=None)
-"""The drain whose beam search the running call is a step of (set by `EngineDrain.steps`; its step tasks inherit it)."""
+"""The drain whose beam search (or score) the running call is a step of (set by `EngineDrain.steps`; its step tasks
+inherit it)."""
 
 
 class EngineDrain:
     def __init__(self) -> None:
         self.draining = False
         self.entered = 0
-        """Public calls open and not yet in flight as collectors (or beam searches, for their whole run)."""
+        """Public calls open and not yet in flight as collectors (or beam searches and scores, for their whole run)."""
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
         """One request's call, counted while it runs; refused once the drain began, unless it is a step of a beam
-        search accepted before (run in its `steps` scope)."""
+        search or a score accepted before (run in its `steps` scope)."""
         if _ACCEPTED.get() is self:
             yield
             return
@@ -45,8 +46,8 @@ class EngineDrain:
 
     @contextlib.contextmanager
     def steps(self) -> Iterator[None]:
-        """A beam search's steps, inside its `request`: their requests (made here and in the tasks begun here) are
-        taken while the engine drains."""
+        """A beam search's steps (a score's texts), inside its `request`: their requests (made here and in the tasks
+        begun here) are taken while the engine drains."""
         token = _ACCEPTED.set(self)
         try:
             yield

@@ -17,7 +17,7 @@ from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.drain import EngineDrain
 from asyncllm.engine.stream import RequestOptions, RequestStream
-from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError, RequestAbortedError
+from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError, RequestAbortedError, RequestTimeoutError
 from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, RequestOutput
 from asyncllm.pooling import (PER_TOKEN_TASKS, ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingParams,
@@ -217,7 +217,10 @@ class EngineRequests:
         if use_activation not in (None, True, False):
             raise InvalidRequestError("use_activation", f"must be true, false or None, got {use_activation!r}")
         options = RequestOptions(priority, None, timeout, cache_salt, lora_request=lora_request, pooling_api="score")
-        return await score(self, text_1, text_2, options, truncate_prompt_tokens, use_activation is not False)
+        with self._drain.request():  # in flight for aclose(drain=True) from its call, as its texts' requests are
+            await self.start()
+            with self._drain.steps():
+                return await score(self, text_1, text_2, options, truncate_prompt_tokens, use_activation is not False)
 
     async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None,
                     chat: bool = False) -> RequestCollector:
@@ -227,12 +230,15 @@ class EngineRequests:
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
                                 truncate_prompt_tokens=truncate_prompt_tokens)
         stream = RequestStream(self, prompt, params, options, chat=chat)
+        reason = None
         async with stream:
-            async for _ in stream:
-                pass
+            async for delta in stream:
+                reason = delta.finish_reason or reason
         collector = stream.collector
         assert collector is not None, stream
-        if collector.embedding is None:  # ended by `abort` (or the engine's close) before its rows were pooled
+        if collector.embedding is None:  # ended before its rows were pooled: its deadline, `abort`, the engine's close
+            if reason == "timeout":
+                raise RequestTimeoutError(f"request {collector.request_id!r} did not finish within its timeout")
             raise RequestAbortedError(f"request {collector.request_id!r} was aborted before it was pooled")
         return collector
 

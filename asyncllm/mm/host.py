@@ -97,7 +97,7 @@ def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError("prompt", f"'prompt' must be a str, got {type(text).__name__}")
     if ids is not None and not isinstance(ids, list):
         raise InvalidRequestError("prompt.prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
-    media = any(prompt.get(key) for key in ("images", "videos", "audios"))  # the processor judges those
+    media = any(prompt.get(key) is not None and not _empty(prompt[key]) for key in ("images", "videos", "audios"))
     image_only = media and (text is None) != (ids is None)  # CLIP's image prompt: "" or [] with the image
     if bool(text) == bool(ids) and not image_only:
         why = "both 'prompt' and 'prompt_token_ids'" if text else "neither a non-empty 'prompt' nor 'prompt_token_ids'"

@@ -220,7 +220,7 @@ class MultiModalProcessor(MediaItems):
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = request_kwargs = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
-        if self._image_prompt is not None and inputs.images:
+        if self._image_prompt is not None and isinstance(inputs.images, (list, tuple)) and inputs.images:
             token_ids = self._image_prompt(self.tokenizer, token_ids, inputs.images)
         written = token_ids  # mistral_common's rows of each image (its encoding, vLLM's prompts): one placeholder each
         token_ids = one_placeholder_each(self.tokenizer, token_ids) if is_mistral(self.tokenizer) else token_ids

@@ -91,9 +91,17 @@ def dense_folders(path: str) -> list[str]:
 
 
 def embedding_width(path: str | None, hidden_size: int) -> int:
-    """The width of the model's embeddings: the last Dense module's output, else the hidden size."""
-    modules = dense_modules(path)
-    return modules[-1].out_features if modules else hidden_size
+    """The width of the model's embeddings: the last Dense module's output, else the hidden size (the width of the
+    rows the model pools: a ColBERT's projected ones). Dense modules that do not chain from it (a module whose
+    ``in_features`` is not the width before it) are a `ConfigError` naming the module, before any worker starts."""
+    width = hidden_size
+    for module in dense_modules(path):
+        if module.in_features != width:
+            raise ConfigError("model", path, f"sentence-transformers Dense modules that chain from the model's "
+                                             f"{width}-wide rows; {os.path.basename(module.folder)} takes "
+                                             f"{module.in_features} features")
+        width = module.out_features
+    return width
 
 
 def load_dense_projection(path: str, device: Any, dtype: Any) -> Any:

@@ -137,3 +137,11 @@ def test_colbert_checkpoints_load_either_projection_name_and_need_a_dimension(tm
         prepare(EngineConfig.create(bare))  # what an engine's start runs first, on the host
     assert info.value.field == "model"
     assert prepare(EngineConfig.create(bare, hf_overrides={"dim": 16})).hidden_size == 16
+    dense = _make_colbert(tmp_path / "with-dense")  # a sentence-transformers Dense after the 16-wide rows, made for
+    (Path(dense) / "1_Dense").mkdir()  # the 32-wide hidden states: refused at start (the worker failed, before)
+    (Path(dense) / "1_Dense" / "config.json").write_text(json.dumps({"in_features": 32, "out_features": 8}))
+    (Path(dense) / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type":
+        "sentence_transformers.models.Transformer"}, {"idx": 1, "name": "1", "path": "1_Dense", "type":
+        "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ConfigError, match="chain from the model's 16-wide rows; 1_Dense takes 32 features"):
+        prepare(EngineConfig.create(dense))

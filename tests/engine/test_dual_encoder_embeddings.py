@@ -115,6 +115,9 @@ async def test_pixels_the_tower_cannot_take_and_videos_are_refused_by_name(engin
     with pytest.raises(InvalidRequestError, match="takes no videos") as info:
         await engine.embed({"prompt": "", "videos": [[image]]})
     assert info.value.field == "prompt.videos"
+    with pytest.raises(InvalidRequestError, match="must be a list of images") as info:  # one array, not a list
+        await engine.embed({"prompt": "", "images": np.zeros((32, 32, 3), dtype=np.uint8)})
+    assert info.value.field == "prompt.images"
     assert len((await engine.embed({"prompt": "", "images": [image]})).embedding) == 24
 
 

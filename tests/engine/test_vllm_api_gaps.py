@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, InvalidRequestError, RequestAbortedError, SamplingParams
+from asyncllm import AsyncEngine, InvalidRequestError, RequestAbortedError, RequestTimeoutError, SamplingParams
 from engine_helpers import wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -86,6 +86,22 @@ async def test_abort_of_a_pooling_request_raises_request_aborted(engine: AsyncEn
     with pytest.raises(RequestAbortedError, match="'pool-victim' was aborted"):
         await asyncio.wait_for(task, 30)
     assert len((await engine.embed("word " * 10)).embedding) == 64  # the tiny Llama's hidden size
+
+
+async def test_pooling_deadlines_raise_request_timeout_and_a_drain_finishes_a_begun_score(tiny_llama: str) -> None:
+    """A pooling request whose ``timeout`` passes before it is pooled raises `RequestTimeoutError` (it raised
+    `RequestAbortedError`); ``aclose(drain=True)`` right after a ``score`` call began lets it finish (its texts'
+    requests, submitted after its first await, were refused as new ones)."""
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, max_num_seqs=2, max_model_len=1024) as engine:
+        prompts = [f"word {i} " * (40 + i) for i in range(40)]  # two at a time: the last ones wait past 20 ms
+        outs = await asyncio.gather(*(engine.embed(p, timeout=0.02) for p in prompts), return_exceptions=True)
+        failed = [out for out in outs if isinstance(out, BaseException)]
+        assert failed and all(isinstance(out, RequestTimeoutError) for out in failed), failed[:3]
+        assert len((await engine.embed("still here")).embedding) == 64
+        task = asyncio.ensure_future(engine.score("a query", ["one text", "another text"]))
+        await asyncio.sleep(0)  # the call has begun
+        await engine.aclose(drain=True, timeout=30)
+        assert len(await task) == 2
 
 
 async def _read(stream) -> list:
