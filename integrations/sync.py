@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.lora import LoRARequest
     from asyncllm.outputs import EngineStats, RequestOutput, StreamDelta
-    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
+    from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingOutput, PoolingParams, ScoringOutput
     from asyncllm.sampling import SamplingParams
     from asyncllm.speech_segments import Segment
 
@@ -152,6 +152,14 @@ class SyncEngine:
     def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> EmbeddingOutput:
         """The embedding of a prompt (options as for `AsyncEngine.embed`)."""
         return self.run(self._engine.embed(prompt, pooling_params, **options))
+
+    def encode(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> PoolingOutput:
+        """vLLM's ``LLM.encode``: the pooler's output for ``pooling_task`` (options as for `AsyncEngine.encode`)."""
+        return self.run(self._engine.encode(prompt, pooling_params, **options))
+
+    def reward(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> PoolingOutput:
+        """vLLM's ``LLM.reward``: a reward model's rows (see `AsyncEngine.reward`)."""
+        return self.run(self._engine.reward(prompt, pooling_params, **options))
 
     def classify(self, prompt: Any, **options: Any) -> ClassificationOutput:
         """A classifier's verdict on a prompt (options as for `AsyncEngine.classify`)."""

@@ -73,3 +73,6 @@ def test_classify_and_score_equal_transformers(tiny_qwen3: str, tmp_path_factory
         scores = engine.score("what is up", ["the sky", "nothing"])
         assert len(scores) == 2 and scores[0].prompt_token_ids == pair
         assert abs(scores[0].score - 1 / (1 + math.exp(-hf_classifier_logits(reranker, pair)[0]))) < 1e-5
+        rows = engine.encode(prompt, pooling_task="token_classify", request_id="encode-0")  # vLLM's LLM.encode
+        assert rows.request_id == "encode-0" and len(rows.data) == len(prompt)
+        assert abs(rows.data[-1][0] - 1 / (1 + math.exp(-out.logits[0]))) < 1e-5  # the last row: classify's
