@@ -146,6 +146,14 @@ DECODE_LINEAR = EnvVar(
     "kernels and torch's matmul. Read when a worker builds the model.",
 )
 
+PDL = EnvVar(
+    "ASYNCLLM_PDL", True, _on_off,
+    "1 (the default): on compute capability 9.0 and later (Hopper), the decode step's Triton kernels (the fused "
+    "decode products, norms, SiLU-and-mul, rotary + KV write, paged attention) are launched with programmatic "
+    "dependent launch, so each is scheduled while the one before it ends (kernels/_pdl.py); 0: plain launches. "
+    "Read at a kernel's first launch on a device.",
+)
+
 WORKER_TRACE_CHROME = EnvVar(
     "ASYNCLLM_WORKER_TRACE_CHROME", False, _on_off,
     "1: with ASYNCLLM_WORKER_TRACE_STEPS, each worker also keeps its whole trace as a gzipped Chrome trace "
@@ -257,7 +265,7 @@ FORKSERVER = EnvVar(
 
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR,
             ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_ETAG_TIMEOUT,
-            HF_HUB_OFFLINE, LOGGING_LEVEL, MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION,
+            HF_HUB_OFFLINE, LOGGING_LEVEL, MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PDL, PP_LAYER_PARTITION,
             RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE, WORKER_TRACE_CHROME, WORKER_TRACE_DIR,
             WORKER_TRACE_STEPS, XGRAMMAR_CACHE_MB)
@@ -313,6 +321,7 @@ def check_at_start() -> None:
     CONFIGURE_LOGGING.get()
     XGRAMMAR_CACHE_MB.get()
     DECODE_LINEAR.get()
+    PDL.get()
     WORKER_PIPELINE.get()
 
 

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_same_device
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["FUSED_ROWS", "MAX_ROWS", "PROLOGUES", "block_sizes", "decode_linear"]
 
@@ -55,6 +56,7 @@ def _decode_linear_kernel(
     x_stride, residual_stride, weight_stride, out_stride, residual_out_stride,
     N, K, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -66,6 +68,7 @@ def _decode_linear_kernel(
     w_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * weight_stride
     first_k = tl.arange(0, BLOCK_K)  # the first weight tile is on its way while the row's statistics are summed
     w = tl.load(w_rows + first_k[None, :], mask=n_mask[:, None] & (first_k < K)[None, :], other=0.0)
+    pdl_enter(PDL)  # the weights are no kernel's output: their first tile overlaps the previous kernel's end
     if PROLOGUE == 1:  # the row's statistics first: K values, next to the BLOCK_N * K of the weight slice
         squares = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -148,5 +151,6 @@ def decode_linear(
             x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
             n, k, eps,
             PROLOGUE=PROLOGUES[prologue], HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+            **pdl_launch(x.device),
         )
     return (out, res_out) if prologue == "add_rms_norm" else out

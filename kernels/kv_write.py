@@ -23,6 +23,7 @@ from asyncllm.kernels._checks import (
     check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device, check_token_vector,
 )
 from asyncllm.kernels._kv_cache import copy_to_cache, slot_offset
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["write_kv_cache"]
 
@@ -33,10 +34,11 @@ def _kv_write_kernel(
     k_token_stride, k_head_stride, v_token_stride, v_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride,
     head_dim, block_size,
-    HEAD_DIM: tl.constexpr, HAS_VALUE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_VALUE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid ``(num_tokens, num_kv_heads)``: token t's head h (key, and value when given) at its slot, unless
     the slot is negative."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -88,4 +90,5 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor | None, kv_cache: torc
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         head_dim, key_cache.shape[1],
         HEAD_DIM=triton.next_power_of_2(head_dim), HAS_VALUE=value is not None, num_warps=4,
+        **pdl_launch(key.device),
     )

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device
 from asyncllm.kernels._math import softcap as cap_scores
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["paged_attention"]
 
@@ -76,7 +77,9 @@ def _paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     USE_LIMIT: tl.constexpr, USE_CHUNK: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
@@ -307,6 +310,6 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,
+        num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2, **pdl_launch(query.device),
     )
     return out

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from asyncllm.kernels._checks import check
 from asyncllm.kernels._math import softcap as cap_scores
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 from asyncllm.kernels.paged_attention import (  # the unified kernel's rules and rows
     _block_shape, _check_args, _tile_shape, check_alibi_slopes, check_chunk, check_sinks, check_window_and_softcap,
 )
@@ -72,8 +73,9 @@ def _decode_segment_kernel(
     q_token_stride, q_head_stride, cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr,
-    USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -136,8 +138,9 @@ def _decode_combine_kernel(
     out_ptr, max_ptr, sum_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     num_q_heads, head_dim, sliding_window, chunk_size, out_token_stride, out_head_stride,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -221,11 +224,12 @@ def paged_decode(
         QUERIES_PER_KV=num_q_heads // num_kv_heads, BLOCK_M=block_m, USE_SOFTCAP=bool(softcap),
         USE_ALIBI=alibi_slopes is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # as the unified kernel
-        num_warps=4, num_stages=2, **shared,
+        num_warps=4, num_stages=2, **shared, **pdl_launch(query.device),
     )
     _decode_combine_kernel[(num_reqs, num_q_heads)](
         out, partial_max, partial_sum, partial_acc, seq_lens, query_start_loc, sinks_arg,
         num_q_heads, head_dim, sliding_window or 0, attention_chunk_size or 0, out.stride(0), out.stride(1),
         USE_SINKS=sinks is not None, num_warps=4 if head_dim_padded <= 128 else 8, **shared,
+        **pdl_launch(query.device),
     )
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "gemma_rms_norm", "gemma_fused_add_rms_norm"]
 
@@ -27,8 +28,9 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x_stride, residual_stride, out_stride, residual_out_stride,
     hidden_size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GEMMA: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -84,6 +86,7 @@ def _launch(
             res_out2.stride(0) if res_out2 is not None else 0,
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, GEMMA=gemma, num_warps=min(max(block // 256, 1), 16),
+            **pdl_launch(x2.device),
         )
     return out, res_out
 

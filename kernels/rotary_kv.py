@@ -45,6 +45,7 @@ from asyncllm.kernels._checks import (
 )
 from asyncllm.kernels._fp8 import to_storage
 from asyncllm.kernels._kv_cache import copy_to_cache, slot_offset
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["rotary_embedding_with_kv_cache"]
 
@@ -118,10 +119,11 @@ def _rotary_kv_kernel(
     cache_block_stride, cache_slot_stride, cache_head_stride, cos_sin_stride,
     num_q_heads, num_kv_heads, head_dim, half, block_size, norm_eps,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid ``(num_tokens, 2)``: program (t, 0) rotates token t's query heads, program (t, 1) its key
     heads into the cache and copies its values there (nothing when its slot is negative)."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     if tl.program_id(1) == 0:
@@ -226,5 +228,6 @@ def rotary_embedding_with_kv_cache(
         HALF=triton.next_power_of_2(max(half, 1)), HEAD_DIM=triton.next_power_of_2(head_dim),
         HAS_NORM=has_norm, num_warps=4,
         enable_fp_fusion=False,  # torch rounds each product: a fused multiply-add would not (module doc)
+        **pdl_launch(query.device),
     )
     return query_out

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous
 from asyncllm.kernels._math import tanh
+from asyncllm.kernels._pdl import pdl_enter, pdl_launch
 
 __all__ = ["silu_and_mul", "gelu_tanh_and_mul"]
 
@@ -21,7 +22,9 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, d, BLOCK: tl.constexpr, GELU_TANH: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -58,5 +61,5 @@ def _launch(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     if x2.shape[0] > 0 and d > 0:
         grid = (x2.shape[0], triton.cdiv(d, block))
         _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), d, BLOCK=block, GELU_TANH=gelu_tanh,
-                                   num_warps=4)
+                                   num_warps=4, **pdl_launch(x2.device))
     return out

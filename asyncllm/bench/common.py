@@ -211,7 +211,7 @@ async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[An
         yield engine
 
 
-def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofline:
+def roofline(ctx: BenchContext, decode_batch: float, mean_context: float) -> Roofline:
     """The decode roofline on this device: measured copy bandwidth, the model's bytes (an MXFP4 checkpoint's experts
     packed where the engine serves them so: the triton backend, CUDA's default)."""
     from asyncllm.attention.selector import default_backend_name
@@ -269,7 +269,7 @@ def finish(
     print(
         f"[roofline] {line.copy_bandwidth_gb_s:,.1f} GB/s copy bandwidth; a decode step reads "
         f"{line.weight_bytes_per_step / 1e9:.3f} GB of weights + {line.kv_bytes_per_token / 1024:.1f} KiB/token of KV "
-        f"x {line.decode_batch} requests x {line.mean_context:.0f} tokens -> roofline "
+        f"x {line.decode_batch:g} requests x {line.mean_context:.0f} tokens -> roofline "
         f"{line.output_tokens_per_s:,.1f} tokens/s; measured {measured}",
         flush=True,
     )

@@ -76,6 +76,12 @@ STEPS: list[Step] = [
                              "tests/engine/test_quantization_engine.py", "tests/engine/test_int4_checkpoint_engine.py",
                              "tests/unit/test_compressed_tensors.py", "tests/unit/test_int8.py"],
          150, pytest=True),
+    # the decode step's kernels (each launched with PDL on a Hopper GPU, kernels/_pdl.py), in and out of CUDA graphs,
+    # and the engines' greedy parity: what a change to the decode path must pass before it is measured
+    Step("gpu-tests-decode-path", ["-q", "-p", "no:cacheprovider", "-n", "4", *(f"tests/kernels/test_{name}.py" for name in (
+        "decode_linear_kernel", "paged_decode_kernel", "paged_attention_kernel", "rotary_kv_kernel", "rms_norm_kernel",
+        "silu_and_mul_kernel", "kv_write_kernel", "cuda_graph_padding", "gpu_bf16_model", "triton_backend")),
+        "tests/engine/test_gpu_parity.py", "tests/engine/test_gpu_graph_capture_families.py"], 150, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
@@ -89,6 +95,9 @@ STEPS: list[Step] = [
     Step("latency-qwen3-unfused", ["latency", *_QWEN], 60, env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
     Step("profile-qwen3-b1-unfused", ["profile", *_QWEN, "--batch-size", "1"], 90,
          env=(("ASYNCLLM_DECODE_LINEAR", "0"),)),
+    # programmatic dependent launch off (kernels/_pdl.py: on by default on Hopper): its share of the batch-1 token
+    Step("latency-qwen3-nopdl", ["latency", *_QWEN], 60, env=(("ASYNCLLM_PDL", "0"),)),
+    Step("profile-qwen3-b1-nopdl", ["profile", *_QWEN, "--batch-size", "1"], 90, env=(("ASYNCLLM_PDL", "0"),)),
     # the real engine's device timeline at batch 1: each worker's torch.profiler over decode steps 64-127 (the warm-up
     # takes about 5), its summary (per step host phases, device busy and idle, the largest gaps and where) in the JSON
     Step("latency-qwen3-trace", ["latency", *_QWEN, "--num-iters", "1", "--worker-trace", "64:64"], 60),

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["BenchRequest", "uniform_requests", "sharegpt_like_requests", "fixed_requests", "total_tokens",
-           "longest_request", "check_output_tokens"]
+           "longest_request", "check_output_tokens", "decode_shape"]
 
 _FIRST_ID = 10
 """Prompt ids start past the low ids where special tokens usually sit."""
@@ -84,3 +84,17 @@ def check_output_tokens(requests: list[BenchRequest], generated: int) -> None:
     requested = total_tokens(requests)[1]
     if generated != requested:
         raise RuntimeError(f"the engine generated {generated} tokens, {requested} were requested")
+
+
+def decode_shape(requests: list[BenchRequest], max_num_seqs: int) -> tuple[float, float]:
+    """(mean decode batch, mean context per output token) of the fastest schedule of ``requests``: the roofline's
+    batch and context (docs/benchmarks.md, "The decode roofline").
+
+    A step reads the weights once, however many requests it decodes, and at least ``max(longest output,
+    output tokens / max_num_seqs)`` steps are needed: the mean batch is the output tokens over those steps. Each
+    output token reads its request's context at that point (the prompt and the tokens before it), whatever the
+    schedule: the mean context weights each request by its output tokens."""
+    outputs = sum(r.output_len for r in requests)
+    steps = max(max(r.output_len for r in requests), math.ceil(outputs / max_num_seqs))
+    context = sum(r.output_len * (len(r.prompt_token_ids) + r.output_len / 2) for r in requests) / outputs
+    return outputs / steps, context

@@ -33,9 +33,10 @@ class Roofline:
     weight_bytes_per_step: int
     kv_bytes_per_token: float
     """KV bytes a decode step reads per token of the mean context (sliding-window layers: only their window)."""
-    decode_batch: int
+    decode_batch: float
+    """Requests a decode step decodes: the mean over the fastest schedule for ``throughput`` (`decode_shape`)."""
     mean_context: float
-    """Mean tokens of context each decoding request reads."""
+    """Mean tokens of context each decoding request reads (per output token)."""
     output_tokens_per_s: float
     """The roofline: decode output tokens/s at this batch and context."""
 
@@ -72,7 +73,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
 
 
 def model_bytes(
-    path: str, dtype: torch.dtype, decode_batch: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
+    path: str, dtype: torch.dtype, decode_batch: float = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
     mean_context: float | None = None, mxfp4_packed: bool = False,
 ) -> tuple[int, float]:
     """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
@@ -125,7 +126,7 @@ def model_bytes(
     return int(linear * linear_itemsize + other * itemsize), kv_per_token
 
 
-def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: int, kv_cache_dtype: str,
+def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: float, kv_cache_dtype: str,
                        quantization: str | None, mean_context: float | None) -> tuple[int, float]:
     """`model_bytes` counted on the model itself, built on the meta device: each linear layer whole (one byte per
     weight under fp8), the LM head whole, an embedding table not at all (a step reads only its batch's rows), the
@@ -176,7 +177,7 @@ def _window_share(window: int | None, mean_context: float | None) -> float | int
     return window / mean_context
 
 
-def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int, packed: float = 1.0
+def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: float, packed: float = 1.0
                 ) -> tuple[float, float]:
     """(parameters fp8 quantization turns into fp8, others) of layer ``layer_idx``'s MLP a decode step reads
     (expected, for a mixture of experts: its experts are quantized too, but for gpt-oss's, whose expert weights count
@@ -198,7 +199,7 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
 
 
 def decode_roofline(
-    path: str, dtype: torch.dtype, bandwidth: float, decode_batch: int, mean_context: float,
+    path: str, dtype: torch.dtype, bandwidth: float, decode_batch: float, mean_context: float,
     kv_cache_dtype: str = "auto", quantization: str | None = None, mxfp4_packed: bool = False,
 ) -> Roofline:
     batch = max(1, decode_batch)

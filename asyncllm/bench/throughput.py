@@ -16,7 +16,9 @@ from typing import Any
 from asyncllm.bench import common, worker_trace
 from asyncllm.bench.peer_clock import seconds
 from asyncllm.bench.report import progress
-from asyncllm.bench.requests import BenchRequest, check_output_tokens, longest_request, total_tokens, uniform_requests
+from asyncllm.bench.requests import (
+    BenchRequest, check_output_tokens, decode_shape, longest_request, total_tokens, uniform_requests,
+)
 
 __all__ = ["add_args", "run", "COMPARE_TIME_BUDGET_S"]
 
@@ -113,9 +115,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     num_compared = n if args.compare and n and n < len(requests) else None  # a subset: run again alone
     metrics = worker_trace.run_traced(
         args, lambda: asyncio.run(run_engine(ctx, requests, args.temperature, num_compared)))
-    prompt_tokens, output_tokens = total_tokens(requests)
-    mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
-    line = common.roofline(ctx, min(len(requests), common.max_num_seqs(args)), mean_context)
+    line = common.roofline(ctx, *decode_shape(requests, common.max_num_seqs(args)))
     budget = common.compare_budget(args, COMPARE_TIME_BUDGET_S)
     peers = None
     if args.compare == "hf":

@@ -58,7 +58,11 @@ def test_throughput_with_transformers_peer(tmp_path: Path, capsys: pytest.Captur
     assert static_phases[-2:] == ["static batch 1/2", "static batch 2/2"] and "warm-up generate" in static_phases
     continuous_phases = [p["phase"] for p in result["peers"]["hf_continuous"]["phases"]]
     assert {"continuous batching: manager init", "continuous batching: run"} <= set(continuous_phases)
-    assert result["roofline"]["decode_batch"] == 6
+    # the fastest schedule: every request decodes from the first step, as many steps as the longest output
+    longest = max(r.output_len for r in requests)
+    assert result["roofline"]["decode_batch"] == pytest.approx(output_tokens / longest)
+    weighted = sum(r.output_len * (len(r.prompt_token_ids) + r.output_len / 2) for r in requests) / output_tokens
+    assert result["roofline"]["mean_context"] == pytest.approx(weighted)
     out, err = capsys.readouterr()
     assert "asyncllm / hf_static " in out and "asyncllm / hf_continuous " in out and "peer cut" not in out
     assert "asyncllm on the peers' 4 requests output_tokens_per_s" in out

@@ -64,3 +64,25 @@ def test_mxfp4_tile_ptx_sets_the_sign_by_bits() -> None:
     ptx = proc.stdout
     assert re.search(r"\band\.b32\s+%r\d+, %r\d+, -2147483648;", ptx), ptx
     assert "neg.f32" not in ptx and not re.search(r"\b(add|sub|fma)(\.rn)?\.f32\s.*0f00000000;", ptx), ptx
+
+
+def test_pdl_kernels_wait_before_reading_what_earlier_kernels_wrote() -> None:
+    """kernels/_pdl.py for sm_90: with ``PDL`` a kernel waits once (``griddepcontrol.wait``) then lets the next be
+    scheduled, before any store; the split-KV segment kernel loads nothing before the wait (its padding rows return
+    early, after it), the fused decode product only its first weight tile (loads issued, none stored); without
+    ``PDL`` neither instruction is emitted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("pdl_ptx.py")
+    proc = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sections = dict(re.findall(r"// (\w+ PDL=\w+)\n(.*?)(?=\n// \w+ PDL=|\Z)", proc.stdout, re.S))
+    assert len(sections) == 4, list(sections)
+    for name in ("decode_linear", "paged_decode"):
+        on, off = sections[f"{name} PDL=True"], sections[f"{name} PDL=False"]
+        assert "griddepcontrol" not in off, name
+        assert on.count("griddepcontrol.wait") == 1 and on.count("griddepcontrol.launch_dependents") == 1, name
+        before = on[:on.index("griddepcontrol.wait")]
+        assert on.index("griddepcontrol.wait") < on.index("griddepcontrol.launch_dependents"), name
+        assert "st.global" not in before and "ret;" not in before, name
+        loads = before.count("ld.global")
+        assert loads > 0 if name == "decode_linear" else loads == 0, (name, loads)

@@ -10,7 +10,7 @@ from model_utils import save_tiny_checkpoint
 
 from asyncllm.bench.common import int_range
 from asyncllm.bench.report import percentile
-from asyncllm.bench.requests import sharegpt_like_requests, total_tokens, uniform_requests
+from asyncllm.bench.requests import BenchRequest, decode_shape, sharegpt_like_requests, total_tokens, uniform_requests
 from asyncllm.bench.roofline import decode_roofline, model_bytes
 from asyncllm.config import EngineConfig
 from asyncllm.models.loader import load_hf_config, load_model
@@ -188,3 +188,34 @@ def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> 
     assert not serves_packed(load_hf_config(str(tmp_path)), "triton", 4, False)  # 720: 22.5 groups
     assert serves_packed(load_hf_config(str(tmp_path)), "triton", 4, True)  # whole experts
     assert not serves_packed(load_hf_config(str(tmp_path)), "torch_sdpa", 1, False)
+
+
+def _request(prompt: int, output: int) -> BenchRequest:
+    return BenchRequest(prompt_token_ids=list(range(10, 10 + prompt)), output_len=output)
+
+
+def test_decode_shape_is_the_fastest_schedule() -> None:
+    """Three requests decoding at once: 10 steps (the longest output), 16 tokens; each token's context weighted."""
+    requests = [_request(100, 10), _request(300, 4), _request(50, 2)]
+    batch, context = decode_shape(requests, max_num_seqs=256)
+    assert batch == pytest.approx(16 / 10)
+    assert context == pytest.approx((10 * (100 + 5) + 4 * (300 + 2) + 2 * (50 + 1)) / 16)
+    # at most 1 request a step: one token a step, 16 steps
+    assert decode_shape(requests, max_num_seqs=1)[0] == pytest.approx(1.0)
+
+
+def test_decode_shape_bytes_bound_a_step_by_step_count() -> None:
+    """The roofline's bytes (steps x weights + tokens x context x KV) are those of the schedule where every request
+    decodes from the first step, counted step by step: a workload with mixed lengths is no faster than that."""
+    requests = uniform_requests(64, (100, 1024), (100, 1024), 1000, seed=3)
+    weights, kv = 1.0e9, 1.0e5
+    batch, context = decode_shape(requests, max_num_seqs=256)
+    outputs = total_tokens(requests)[1]
+    roofline_bytes = outputs / batch * weights + outputs * context * kv
+    step_bytes = sum(weights + sum((len(r.prompt_token_ids) + t + 0.5) * kv for r in requests if r.output_len > t)
+                     for t in range(max(r.output_len for r in requests)))
+    assert roofline_bytes == pytest.approx(step_bytes)
+    # the former shape (every request in every step, the per-request mean context) counted fewer bytes
+    prompt_tokens = total_tokens(requests)[0]
+    former = outputs / len(requests) * weights + outputs * (prompt_tokens + outputs / 2) / len(requests) * kv
+    assert former < 0.95 * step_bytes
