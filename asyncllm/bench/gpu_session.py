@@ -81,7 +81,7 @@ STEPS: list[Step] = [
     Step("gpu-tests-decode-path", ["-q", "-p", "no:cacheprovider", "-n", "4", *(f"tests/kernels/test_{name}.py" for name in (
         "decode_linear_kernel", "paged_decode_kernel", "paged_attention_kernel", "rotary_kv_kernel", "rms_norm_kernel",
         "silu_and_mul_kernel", "kv_write_kernel", "cuda_graph_padding", "gpu_bf16_model", "triton_backend")),
-        "tests/engine/test_gpu_parity.py", "tests/engine/test_gpu_graph_capture_families.py"], 150, pytest=True),
+        "tests/engine/test_gpu_parity.py", "tests/engine/test_gpu_graph_capture_families.py"], 240, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
