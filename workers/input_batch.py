@@ -191,20 +191,27 @@ class InputBatch:
         states = [self.requests[req_id] for req_id in req_ids]
         for req_id, drafts in sched_out.spec_token_ids.items():  # inputs like known tokens until `finish_step`
             self.requests[req_id].token_ids += drafts
+        # numpy calls cost microseconds each even on one row: a batch-1 decode step's host time is mostly their count
+        assert 0 not in sched_out.num_scheduled_tokens.values(), sched_out.num_scheduled_tokens
         num_scheduled = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, num_reqs)
-        assert num_scheduled.sum() <= self.max_num_batched_tokens and (num_scheduled > 0).all(), num_scheduled
         if self._copies_done is not None:
             self._copies_done.synchronize()  # the last step's copies may still read the pinned buffers
         computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
         num_tokens = np.fromiter(map(len, [s.token_ids for s in states]), np.int64, num_reqs)
         seq_lens = computed + num_scheduled
+        unseen = num_tokens - seq_lens  # known tokens past this step's: none for a request that samples
+        assert unseen.min() >= 0, [(s.req_id, n) for s, n in zip(states, seq_lens) if n > s.num_tokens]
         query_start_loc = self.query_start_loc.np[: num_reqs + 1]
         query_start_loc[0] = 0
-        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        np.add.accumulate(num_scheduled, out=query_start_loc[1:], dtype=query_start_loc.dtype)
+        total = int(query_start_loc[-1])
+        assert total <= self.max_num_batched_tokens, total
         self.seq_lens.np[:num_reqs] = seq_lens
-        self._write_token_ids(states, query_start_loc, computed, seq_lens, num_tokens)
-        self._write_positions_and_slots(states, num_scheduled, computed, query_start_loc)
-        sampling = (seq_lens == num_tokens).nonzero()[0]  # the step reaches the end of their known tokens
+        rows = self.rows.np[:num_reqs]
+        rows[:] = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        self._write_token_ids(states, query_start_loc, computed, seq_lens)
+        self._write_positions_and_slots(rows, num_scheduled, computed, query_start_loc)
+        sampling = (unseen == 0).nonzero()[0]  # the step reaches the end of their known tokens
         sample_indices = sampling.tolist()
         num_sampling = len(sample_indices)
         self.logits_indices.np[:num_sampling] = query_start_loc[1:][sampling] - 1
@@ -222,8 +229,10 @@ class InputBatch:
                     sampling_states[request.sample] = DraftPosition.of(state, k, k)
                     sampling_states += [DraftPosition.of(state, k, j) for j in range(k)]
                 positions += range(state.num_tokens - k, state.num_tokens)
-        sampling_metadata = self._sampling_metadata(sampling_states, positions)
-        inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
+        sampled_rows = rows if len(sampling_states) == num_reqs and not drafted else None  # the batch's own rows
+        sampling_metadata = self._sampling_metadata(sampling_states, positions, sampled_rows)
+        in_order = num_sampling == total and not drafted  # every token samples: the logits rows are the hidden rows
+        inputs = self._to_device(req_ids, total, sample_indices, sampling_metadata, 0 if in_order else len(positions))
         inputs.drafted = drafted
         if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
             inputs.failed, inputs.exhausted_drafts = _exhausted_requests(
@@ -257,12 +266,10 @@ class InputBatch:
         return jobs
 
     def _write_positions_and_slots(
-        self, states: list[RequestState], num_scheduled: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
+        self, rows: np.ndarray, num_scheduled: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
     ) -> None:
         """positions = computed .. computed + scheduled; slot = block_table[pos // bs] * bs + pos % bs."""
-        num_reqs, num_tokens = len(states), int(query_start_loc[-1])
-        rows = self.rows.np[:num_reqs]
-        rows[:] = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        num_reqs, num_tokens = len(rows), int(query_start_loc[-1])
         if num_tokens == num_reqs:  # one token each (a decode batch): token i is request i's, at its computed count
             positions, token_rows = computed, rows
         else:
@@ -296,16 +303,15 @@ class InputBatch:
                 request_rows_cpu=self.rows.np[:num_reqs].tolist() if self.keeps_states else None,
             ),
             sample_indices=sample_indices,
-            logits_indices=self.logits_indices.to_device(num_logits_rows),
+            logits_indices=(self.logits_indices.to_device(num_logits_rows) if num_logits_rows  # else: no copy
+                            else self.logits_indices.device[:0]),
             sampling_metadata=sampling_metadata,
         )
 
     def _write_token_ids(
         self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
-        num_tokens: np.ndarray,
     ) -> None:
         input_ids = self.input_ids.np
-        assert (seq_lens <= num_tokens).all(), [(s.req_id, n) for s, n in zip(states, seq_lens) if n > s.num_tokens]
         if len(states) == query_start_loc[-1]:  # one token each (a decode batch): token i is request i's
             input_ids[: len(states)] = [state.token_ids[c] for state, c in zip(states, computed.tolist())]
             return
@@ -317,8 +323,11 @@ class InputBatch:
         for i in (~decodes).nonzero()[0].tolist():  # prefill chunks
             input_ids[query_start_loc[i] : query_start_loc[i + 1]] = states[i].token_ids[computed[i] : seq_lens[i]]
 
-    def _sampling_metadata(self, states: list[RequestState], positions: list[int]) -> SamplingMetadata:
-        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+    def _sampling_metadata(self, states: list[RequestState], positions: list[int],
+                           rows: np.ndarray | None = None) -> SamplingMetadata:
+        """``rows``: the states' rows when already gathered (every scheduled request samples once)."""
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), np.int64, len(states))
         device = self.device
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
         logprobs = (LogprobsMetadata.build([s.params.logprobs for s in states], device,

@@ -53,7 +53,8 @@ class StepInputs:
     sample_indices: list[int]
     """Indices into ``req_ids`` of the requests that sample a token this step."""
     logits_indices: torch.Tensor
-    """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`."""
+    """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`; empty (not
+    copied) when every scheduled token samples, in order (a decode batch): the logits rows are the hidden rows."""
     sampling_metadata: SamplingMetadata
     """Settings of the logits rows: the sampling requests in ``sample_indices`` order, then the draft rows."""
     prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
