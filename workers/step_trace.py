@@ -36,7 +36,7 @@ from asyncllm.protocol import ModelRunnerOutput, SchedulerOutput
 from asyncllm.workers.step_pipeline import StepPipeline
 from asyncllm.workers.trace_summary import END_MARK, summarize, trace_dir, writing_marker
 
-__all__ = ["TracedPipeline"]
+__all__ = ["TracedPipeline", "runner_phases"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +133,9 @@ class TracedPipeline(StepPipeline):
     # ------------------------------------------------------------ the phases' spans
     def _wrap_phases(self) -> None:
         """``asyncllm::<phase>`` spans around the pipeline's and the runner's step phases (those it has)."""
-        runner = self.runner
-        batch = getattr(runner, "input_batch", None)
-        model = getattr(runner, "model", None)
-        for owner, attr, phase in (
-            (self, "_launch", "launch"), (runner, "execute_model", "launch"), (runner, "finish_step", "finish"),
-            (self, "send_output", "send"), (batch, "update_states", "update"), (batch, "prepare_inputs", "prepare"),
-            (model, "forward", "forward"), (getattr(runner, "cuda_graphs", None), "forward", "forward"),
-            (model, "compute_logits", "logits"), (getattr(runner, "sampler", None), "_sample", "sample"),
-        ):
-            original = getattr(owner, attr, None) if owner is not None else None
+        pipeline = [(self, "_launch", "launch"), (self, "send_output", "send")]
+        for owner, attr, phase in pipeline + runner_phases(self.runner):
+            original = getattr(owner, attr, None)
             if original is None:
                 continue
             own = attr in getattr(owner, "__dict__", {})  # an instance attribute: put back, else deleted
@@ -156,6 +149,21 @@ class TracedPipeline(StepPipeline):
             else:
                 setattr(owner, attr, original)
         self._undo.clear()
+
+
+def runner_phases(runner: Any) -> list[tuple[Any, str, str]]:
+    """(owner, method name, phase) of a model runner's step phases that it has: ``launch`` (`execute_model`),
+    ``finish``, and within a launch ``update``, ``prepare``, ``forward`` (the model's, or the replayed graph's),
+    ``logits`` and ``sample``."""
+    batch = getattr(runner, "input_batch", None)
+    model = getattr(runner, "model", None)
+    phases = [
+        (runner, "execute_model", "launch"), (runner, "finish_step", "finish"), (batch, "update_states", "update"),
+        (batch, "prepare_inputs", "prepare"), (model, "forward", "forward"),
+        (getattr(runner, "cuda_graphs", None), "forward", "forward"), (model, "compute_logits", "logits"),
+        (getattr(runner, "sampler", None), "_sample", "sample"),
+    ]
+    return [(owner, attr, phase) for owner, attr, phase in phases if owner is not None]
 
 
 def _spanned(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -8,7 +8,13 @@ prefilled, then ``--num-steps`` decode steps are timed phase by phase
 ``update_from_output()``), and ``--profile-steps`` more run under
 torch.profiler. The report gives the device's busy time and kernel launches
 per step, the kernels grouped by kind (matmul, attention, norm, rotary,
-activation, sampling, copy, other) and the top kernels by time. Busy time
+activation, sampling, copy, other) and the top kernels by time, and the
+runner's host time per phase of the timed steps (``host_ms``: ``update``,
+``prepare``, ``forward``, ``logits``, ``sample``, timed by the clock alone, no
+profiler; ``wait``, the rest of the model step: waiting for the sampled ids and
+what no phase covers). In this synchronous loop a phase's host time is what
+it costs to enqueue its work, unless it waits for the device inside (a host
+sync shows as that phase's time). Busy time
 against the step's wall time is what the host leaves idle; the matmul time
 against the weight bytes at copy bandwidth is how far the GEMMs are from
 memory-bound. Overlap across steps (async scheduling, the workers' pipelined
@@ -63,7 +69,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     loop.prefill()
     for _ in range(args.warmup_steps):
         loop.step()
-    phases = [loop.step() for _ in range(args.num_steps)]
+    loop.host.take()
+    phases, host = [], []
+    for _ in range(args.num_steps):
+        phases.append(loop.step())
+        host.append(loop.host.take())
     kernels = _profile(loop, args.profile_steps, ctx.device)
     step_s = statistics.median(sum(p) for p in phases)
     metrics: dict[str, Any] = {
@@ -72,6 +82,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "model_ms": statistics.median(p[1] for p in phases) * 1e3,
         "update_ms": statistics.median(p[2] for p in phases) * 1e3,
         "decode_tokens_per_s": args.batch_size / step_s,
+        "host_ms": _host_ms(phases, host),
         **_kernel_metrics(kernels, args.profile_steps, args.top),
     }
     metrics["device_busy_fraction"] = metrics["device_ms"] / metrics["step_ms"] if metrics["step_ms"] else 0.0
@@ -114,6 +125,7 @@ class _StepLoop:
             prompt = [rng.randrange(10, ctx.model.vocab_size) for _ in range(input_len)]
             self.scheduler.add_request(Request(f"profile-{i}", prompt, params, [], time.time()))
         self.sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+        self.host = _HostClock(self.runner)
 
     def prefill(self) -> None:
         """Every prompt, in the same steps (`_prefill_chunk`): each request then holds one output token."""
@@ -145,6 +157,43 @@ class _StepLoop:
                                f"of {self.batch_size} requests ({len(scheduler.running)} running, "
                                f"{len(scheduler.waiting)} waiting, {preempted} preemptions): {advice}")
         return t1 - t0, t2 - t1, t3 - t2
+
+
+class _HostClock:
+    """Host seconds per step phase of the runner (workers/step_trace.py's phases within a launch), by the clock."""
+
+    PHASES = ("update", "prepare", "forward", "logits", "sample")
+
+    def __init__(self, runner: Any) -> None:
+        from asyncllm.workers.step_trace import runner_phases
+
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        for owner, attr, phase in runner_phases(runner):
+            method = getattr(owner, attr, None)
+            if phase in self.PHASES and method is not None:
+                setattr(owner, attr, self._timed(method, phase))
+
+    def _timed(self, method: Any, phase: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last take, per phase."""
+        seconds, self.seconds = self.seconds, dict.fromkeys(self.PHASES, 0.0)
+        return seconds
+
+
+def _host_ms(phases: list[tuple[float, float, float]], host: list[dict[str, float]]) -> dict[str, float]:
+    """Median host ms per phase over the timed steps; ``wait``: the model step's time outside the phases."""
+    medians = {name: statistics.median(h[name] for h in host) * 1e3 for name in _HostClock.PHASES}
+    medians["wait"] = statistics.median(p[1] - sum(h.values()) for p, h in zip(phases, host)) * 1e3
+    return medians
 
 
 def _prefill_chunk(config: EngineConfig, batch_size: int) -> int:
@@ -199,6 +248,7 @@ def _kernel_metrics(kernels: list[tuple[str, float, int]], steps: int, top: int)
 
 
 def _print_kernels(metrics: dict[str, Any]) -> None:
+    print_summary("host ms per decode step, by phase (clock only, no profiler)", list(metrics["host_ms"].items()))
     rows: list[tuple[str, Any]] = [(f"{kind} ms/step ({v['launches_per_step']:.0f} launches)", v["ms_per_step"])
                                    for kind, v in metrics["kinds"].items()]
     rows += [(f"{k['name'][:70]} [{k['kind']}] x{k['launches_per_step']:.0f}", k["ms_per_step"])

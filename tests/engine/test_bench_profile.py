@@ -26,8 +26,13 @@ def test_profile_reports_phases_and_kernels_by_kind(tmp_path: Path, capsys: pyte
     top = [k["ms_per_step"] for k in metrics["top_kernels"]]
     assert top and top == sorted(top, reverse=True)
     assert result["roofline"]["decode_batch"] == 3
+    host = metrics["host_ms"]  # the runner's phases by the clock: on the CPU the forward computes the model
+    assert set(host) == {"update", "prepare", "forward", "logits", "sample", "wait"}
+    assert all(host[k] > 0 for k in ("update", "prepare", "forward", "logits", "sample")) and host["wait"] >= 0
+    assert host["forward"] > host["prepare"] and sum(host.values()) == pytest.approx(metrics["model_ms"], rel=0.2)
     out = capsys.readouterr().out
     assert "device time per decode step, by kind" in out and "asyncllm bench profile" in out
+    assert "host ms per decode step, by phase" in out
 
 
 @pytest.mark.parametrize("name, kind", [
