@@ -271,6 +271,8 @@ def paged_attention(
     attend_limit: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
@@ -281,9 +283,13 @@ def paged_attention(
     ``attend_limit`` ``[>= T]`` int32/int64: the last key position each query token sees (None: its own, causal).
     ``attention_chunk_size`` C: a query at position p sees no key before ``(p // C) * C`` (None: off; not
     with ``sliding_window``). ``alibi_slopes`` ``[Hq]`` float32: ALiBi's ``slope_h * (key_pos - query_pos)`` added to
-    each score (None: off).
+    each score (None: off). ``num_warps`` / ``num_stages``: the launch's (None: the rule below; `bench
+    attention-sweep` times others).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
+    check(num_warps in (None, 1, 2, 4, 8, 16), f"num_warps must be a power of two from 1 to 16: {num_warps}")
+    check(num_stages is None or (isinstance(num_stages, int) and 1 <= num_stages <= 8),
+          f"num_stages must be from 1 to 8: {num_stages}")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_q_heads // num_kv_heads
@@ -310,6 +316,7 @@ def paged_attention(
         USE_ALIBI=alibi_slopes is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2, **pdl_launch(query.device),
+        num_warps=num_warps or (4 if head_dim_padded <= 64 else 8), num_stages=num_stages or 2,
+        **pdl_launch(query.device),
     )
     return out

@@ -12,7 +12,9 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from asyncllm.bench import common, kernels, latency, loop_lag, profile, scheduler, serve, soak, throughput
+from asyncllm.bench import (
+    attention_sweep, common, kernels, latency, loop_lag, profile, scheduler, serve, soak, throughput,
+)
 from asyncllm.errors import AsyncLLMError, ConfigError
 
 __all__ = ["main", "parser", "WORKLOADS"]
@@ -39,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
                                          description=kernels.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
     kernels.add_args(kernel_parser)
+    sweep_parser = workloads.add_parser("attention-sweep", help="paged-attention launch configurations (GPU only)",
+                                        description=attention_sweep.__doc__,
+                                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    attention_sweep.add_args(sweep_parser)
     workloads.add_parser("scheduler", help="the scheduler alone, no model (asyncllm bench scheduler --help)",
                          add_help=False)
     return top
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
         raise ConfigError("output_json", output_json, "a file, not a folder (checked before the run)")
     if args.workload == "kernels":
         return kernels.run(args, argv)
+    if args.workload == "attention-sweep":
+        return attention_sweep.run(args, argv)
     module, _ = WORKLOADS[args.workload]
     if getattr(args, "compare", None) and args.preset is None and args.model is None:
         raise ConfigError("compare", args.compare, "a --model or --preset")

@@ -83,6 +83,8 @@ STEPS: list[Step] = [
         "silu_and_mul_kernel", "kv_write_kernel", "cuda_graph_padding", "gpu_bf16_model", "triton_backend")),
         "tests/engine/test_gpu_parity.py", "tests/engine/test_gpu_graph_capture_families.py"], 240, pytest=True),
     Step("kernels", ["kernels"], 60),
+    # the unified paged-attention kernel's launch configurations on throughput-like decode batches (a rule to pick)
+    Step("attention-sweep", ["attention-sweep"], 120),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
     Step("latency-qwen3", ["latency", *_QWEN], 60),

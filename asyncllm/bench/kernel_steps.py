@@ -26,7 +26,8 @@ class AttentionStep:
 
 
 def attention_step(
-    cfg: dict[str, Any], requests: list[tuple[int, int]], dtype: torch.dtype, rng: random.Random
+    cfg: dict[str, Any], requests: list[tuple[int, int]], dtype: torch.dtype, rng: random.Random,
+    device: str | torch.device = "cuda",
 ) -> AttentionStep:
     """``requests`` are (cached tokens, query tokens); blocks are handed out shuffled."""
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -42,7 +43,6 @@ def attention_step(
     for _, new in requests:
         qsl.append(qsl[-1] + new)
     seq_lens = [cached + new for cached, new in requests]
-    device = torch.device("cuda")
     metadata = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),

@@ -198,6 +198,8 @@ def test_loop_lag(tmp_path: Path) -> None:
 def test_kernels_without_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["kernels"]) == 0
     assert "need a CUDA device" in capsys.readouterr().err
+    assert main(["attention-sweep", "--batch-size", "64"]) == 0
+    assert "the sweep needs a CUDA device" in capsys.readouterr().err
 
 
 def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
