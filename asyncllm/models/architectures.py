@@ -233,9 +233,16 @@ SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(TEXT_ARCHITECTURES + MULTIMODAL_AR
                                              + CLASSIFICATION_ARCHITECTURES + REWARD_ARCHITECTURES))
 
 
-ARCHITECTURE_ALIASES = {"LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration"}
-"""Other spellings of a supported architecture -> ours: vLLM registers LightOnOCR under the first (and configs
-written for it name it so), transformers 5 under the second."""
+ARCHITECTURE_ALIASES = {
+    "LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration",
+    "ExaoneMoEForCausalLM": "ExaoneMoeForCausalLM",
+    "PhiMoEForCausalLM": "PhimoeForCausalLM",
+    "MPTForCausalLM": "MptForCausalLM",
+    "LLaMAForCausalLM": "LlamaForCausalLM",
+}
+"""Other spellings of a supported architecture -> ours, each one vLLM registers for the same model and checkpoints
+write (with a config transformers loads: the same ``model_type``): LightOnOCR's first release, EXAONE-MoE's
+checkpoints, Phi-3.5-MoE's and MPT's older configs, decapoda-research's LLaMA; transformers 5 names the second."""
 
 
 def architecture_of(hf_config: Any) -> str:

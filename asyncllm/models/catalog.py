@@ -103,7 +103,15 @@ def markdown() -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| `{arch}` | {kind} | {pp} | {lora} | [{doc}]({doc}) |" for arch, kind, pp, lora, doc in rows()]
-    return "\n".join(lines + _PARTIAL_ROTARY) + "\n"
+    return "\n".join(lines + _aliases() + _PARTIAL_ROTARY) + "\n"
+
+
+def _aliases() -> list[str]:
+    """The other spellings asyncllm takes (vLLM's), each with the architecture it serves."""
+    from asyncllm.models.architectures import ARCHITECTURE_ALIASES
+
+    spellings = ", ".join(f"`{alias}` (`{ours}`)" for alias, ours in sorted(ARCHITECTURE_ALIASES.items()))
+    return ["", f"Other spellings, which vLLM registers too, are served as the architecture named beside them: {spellings}."]
 
 
 _PARTIAL_ROTARY = [
