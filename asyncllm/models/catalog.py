@@ -111,7 +111,8 @@ def _aliases() -> list[str]:
     from asyncllm.models.architectures import ARCHITECTURE_ALIASES
 
     spellings = ", ".join(f"`{alias}` (`{ours}`)" for alias, ours in sorted(ARCHITECTURE_ALIASES.items()))
-    return ["", f"Other spellings, which vLLM registers too, are served as the architecture named beside them: {spellings}."]
+    return ["", f"Other spellings, which vLLM registers too, are served as the architecture named beside them: "
+                f"{spellings}."]
 
 
 _PARTIAL_ROTARY = [
