@@ -65,6 +65,6 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 @functools.cache
 def _enabled(index: int) -> bool:
-    if not _HAS_GDC or envs.TRITON_INTERPRET.get() or not envs.PDL.get():
-        return False
+    if not _HAS_GDC or envs.TRITON_INTERPRET.get() or not envs.PDL.get() or torch.version.hip is not None:
+        return False  # (ROCm's "cuda" devices report gfx9 as capability 9.x; griddepcontrol is NVIDIA's)
     return torch.cuda.get_device_capability(index)[0] >= 9

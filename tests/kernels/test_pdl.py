@@ -36,6 +36,13 @@ def test_on_for_hopper_and_later_unless_switched_off(monkeypatch: pytest.MonkeyP
     assert _pdl.pdl_launch(torch.device("cuda", 0)) == expected
 
 
+def test_never_on_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))  # an MI300's gfx942
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _pdl.pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+
+
 def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
