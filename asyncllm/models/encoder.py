@@ -11,15 +11,31 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError
-from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.layers import LoadedWeight, default_weight_loader, weight_narrow
 
-__all__ = ["EncoderModel", "prompt_spans"]
+__all__ = ["EncoderModel", "load_stacked_qkv", "prompt_spans", "rotate_neox"]
 
 
 def prompt_spans(attn_metadata: AttentionMetadata) -> list[tuple[int, int]]:
     """Each prompt's rows in the step (the encoders compute whole prompts: query rows are the prompt)."""
     starts = attn_metadata.query_start_loc_cpu
     return list(zip(starts[:-1], starts[1:]))
+
+
+def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX rotary over ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim]`` (the rotary encoders'
+    attention: asyncllm/models/modernbert.py, rotary_bert.py)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def load_stacked_qkv(param: nn.Parameter, weight: LoadedWeight, tp_size: int) -> None:
+    """A checkpoint's q, k and v rows stacked in one tensor -> this rank's shard of each in the fused parameter."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    rows = param.shape[0] // 3 * tp_size  # each of q, k and v: `rows` long in the checkpoint
+    for i, part in enumerate(("q", "k", "v")):
+        loader(param, weight_narrow(weight, 0, i * rows, rows), part)
 
 
 class EncoderModel(nn.Module, abc.ABC):
@@ -66,13 +82,21 @@ class EncoderModel(nn.Module, abc.ABC):
     def _canonical(self, raw_name: str) -> str | None:
         """A checkpoint name as the family maps it; None: a tensor the model does not read."""
 
-    @abc.abstractmethod
-    def _target(self, name: str) -> tuple[str, object]:
-        """Canonical checkpoint name -> (parameter name, shard id or None)."""
+    _RENAMES: tuple[tuple[str, str], ...] = ()
+    """(checkpoint name part, parameter name part) pairs, applied in order, for the families whose parameters differ
+    from their checkpoints' names by such parts alone (the default `_target` and `_checkpoint_names`)."""
 
-    @abc.abstractmethod
+    def _target(self, name: str) -> tuple[str, object]:
+        """Canonical checkpoint name -> (parameter name, shard id or None): `_RENAMES` by default."""
+        for old, new in self._RENAMES:
+            name = name.replace(old, new)
+        return name, None
+
     def _checkpoint_names(self, param_name: str) -> list[str]:
-        """Parameter name -> the canonical checkpoint names it loads from."""
+        """Parameter name -> the canonical checkpoint names it loads from: `_RENAMES` undone by default."""
+        for old, new in reversed(self._RENAMES):
+            param_name = param_name.replace(new, old)
+        return [param_name]
 
     @abc.abstractmethod
     def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:

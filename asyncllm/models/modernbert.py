@@ -21,7 +21,7 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.encoder import EncoderModel, prompt_spans
+from asyncllm.models.encoder import EncoderModel, load_stacked_qkv, prompt_spans, rotate_neox
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader, weight_narrow
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -57,13 +57,6 @@ def _rope_theta(cfg: Any, layer_type: str) -> float:
     return float(params.get("rope_theta", default))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-NeoX rotary over ``[T, heads, head_dim]`` with ``cos``/``sin`` ``[T, 1, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class _Layer(nn.Module):
     def __init__(self, cfg: Any, index: int, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
@@ -88,7 +81,7 @@ class _Layer(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :].to(q.dtype)
         sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None, :].to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
         attn = torch.empty_like(q)
         for start, end in spans:
             mask = None
@@ -131,17 +124,10 @@ class ModernBertEmbeddingModel(EncoderModel):
             return None  # a masked-LM checkpoint's prediction head
         return name
 
-    def _target(self, name: str) -> tuple[str, object]:
-        for old, new in self._RENAMES:
-            name = name.replace(old, new)
-        return name, None
-
     def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:
         loader = getattr(param, "weight_loader", default_weight_loader)
         if name.endswith("attn.Wqkv.weight") or name.endswith("attn.Wqkv.bias"):
-            rows = param.shape[0] // 3 * self.layers[0].qkv.tp.size  # q, k and v stacked, each `rows` long
-            for i, part in enumerate(("q", "k", "v")):
-                loader(param, weight_narrow(weight, 0, i * rows, rows), part)
+            load_stacked_qkv(param, weight, self.layers[0].qkv.tp.size)
         elif ".mlp.Wi." in name:
             rows = param.shape[0] // 2 * self.layers[0].up.tp.size
             for i in range(2):
@@ -151,12 +137,6 @@ class ModernBertEmbeddingModel(EncoderModel):
 
     _RENAMES = (("embeddings.tok_embeddings.", "tok_embeddings."), ("embeddings.norm.", "embed_norm."),
                 (".attn.Wqkv.", ".qkv."), (".attn.Wo.", ".attn_out."), (".mlp.Wi.", ".up."), (".mlp.Wo.", ".down."))
-
-    def _checkpoint_names(self, param_name: str) -> list[str]:
-        name = param_name
-        for old, new in self._RENAMES:
-            name = name.replace(new, old)
-        return [name]
 
 
 class ModernBertForSequenceClassification(ModernBertEmbeddingModel):

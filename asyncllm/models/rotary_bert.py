@@ -20,10 +20,9 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.encoder import EncoderModel, prompt_spans
+from asyncllm.models.encoder import EncoderModel, load_stacked_qkv, prompt_spans, rotate_neox
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader, weight_narrow
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from asyncllm.models.modernbert import _rotate
 from asyncllm.models.rotary import compute_inv_freq
 
 __all__ = ["RotaryBertModel", "NomicBertEmbeddingModel", "GteEmbeddingModel"]
@@ -50,7 +49,7 @@ class _Layer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 spans: list[tuple[int, int]]) -> torch.Tensor:
         q, k, v = self.qkv.split_qkv(self.qkv(hidden))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
         attn = torch.empty_like(q)
         for start, end in spans:
             attn[start:end] = F.scaled_dot_product_attention(
@@ -112,17 +111,10 @@ class RotaryBertModel(EncoderModel):
             name = name.removeprefix(prefix)
         return None if name.startswith(self._UNUSED) else name
 
-    def _target(self, name: str) -> tuple[str, object]:
-        for old, new in self._RENAMES:
-            name = name.replace(old, new)
-        return name, None
-
     def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:
         loader = getattr(param, "weight_loader", default_weight_loader)
         if self._target(name)[0].split(".")[-2] == "qkv":
-            rows = param.shape[0] // 3 * self.layers[0].qkv.tp.size  # q, k and v stacked, each `rows` long
-            for i, part in enumerate(("q", "k", "v")):
-                loader(param, weight_narrow(weight, 0, i * rows, rows), part)
+            load_stacked_qkv(param, weight, self.layers[0].qkv.tp.size)
         elif len(self._GATE_UP) == 2 and name.endswith(self._GATE_UP):
             loader(param, weight, 0 if name.endswith(self._GATE_UP[0]) else 1)
         elif len(self._GATE_UP) == 1 and name.endswith(self._GATE_UP[0]):
@@ -133,9 +125,7 @@ class RotaryBertModel(EncoderModel):
             loader(param, weight)
 
     def _checkpoint_names(self, param_name: str) -> list[str]:
-        name = param_name
-        for old, new in reversed(self._RENAMES):
-            name = name.replace(new, old)
+        [name] = super()._checkpoint_names(param_name)
         if len(self._GATE_UP) == 2 and name.endswith(self._GATE_UP[0]):  # one parameter, two checkpoint tensors
             return [name.removesuffix(self._GATE_UP[0]) + gate_or_up for gate_or_up in self._GATE_UP]
         return [name]
