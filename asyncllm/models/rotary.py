@@ -99,6 +99,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     rope_type = params.get("rope_type", "default")
     if rope_type == "proportional":
         return _proportional_inv_freq(params, head_dim), 1.0
+    if rope_type == "ntk":
+        return _ntk_inv_freq(params, head_dim), 1.0
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
@@ -112,6 +114,18 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](pretrained_config(hf_config), torch.device("cpu"),
                                                                      **per_type)
     return _divided_by_freq_factors(hf_config, inv_freq.to(torch.float32), rope_type), float(attention_scaling)
+
+
+def _ntk_inv_freq(params: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Fixed NTK-aware scaling, ``{"type": "ntk", "factor": f}`` (GTE v1.5's remote code, vLLM's
+    ``NTKScalingRotaryEmbedding``): the default frequencies of base ``theta * f``, each divided by
+    ``f ** (2 / rotary_dim)``, at every position. Its "mixed" form (``mixed_b``) is not built."""
+    if params.get("mixed_b") is not None:
+        raise NotBuiltError("model", {"mixed_b": params["mixed_b"]}, "NTK rotary scaling with mixed_b")
+    factor = float(params["factor"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+    return 1.0 / ((params["rope_theta"] * factor) ** exponents) / factor ** (2 / dim)
 
 
 def _proportional_inv_freq(params: dict[str, Any], head_dim: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -73,4 +74,37 @@ async def test_gte_under_vllms_gte_new_model_name_and_its_options_not_built(tmp_
     np.testing.assert_allclose(out.embedding, hf_sentence_embedding(path, TEXTS[2], "mean"), rtol=0, atol=1e-5)
     with pytest.raises(NotBuiltError, match="logn_attention_scale=True"):
         async with AsyncEngine(path, hf_overrides={"logn_attention_scale": True}, disable_log_stats=True):
+            pass
+
+
+def _with_rope(source: str, folder: Path, **rope) -> str:
+    """The checkpoint at ``source`` in ``folder`` with its rope settings replaced by ``rope`` (config.json keys)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (folder / "config.json").write_text(json.dumps({**config, **rope}))
+    return str(folder)
+
+
+async def test_gte_v15_ntk_rope_is_transformers_linear_rope_of_a_scaled_base(tmp_path) -> None:
+    """gte-*-en-v1.5's ``rope_scaling: {"type": "ntk", "factor": 2.0}`` (the remote code's and vLLM's fixed NTK
+    scaling: base theta * f, every frequency divided by f ** (2 / head_dim)) is, term for term, transformers' linear
+    rope of base theta * f and factor f ** (2 / head_dim): the engine's embeddings under the first equal
+    transformers' GteModel under the second on the same weights; the "mixed" form is refused by name."""
+    path = make_tiny_encoder(tmp_path / "gte", "gte", pooling="mean")  # head_dim 8
+    ntk = _with_rope(path, tmp_path / "ntk", rope_theta=1000.0, rope_scaling={"type": "ntk", "factor": 2.0})
+    linear = _with_rope(path, tmp_path / "linear", rope_parameters={
+        "rope_type": "linear", "rope_theta": 2000.0, "factor": 2.0 ** (2 / 8)})
+    async with AsyncEngine(ntk, disable_log_stats=True, max_worker_restarts=0) as engine:
+        assert engine.config.max_model_len == 2 * 66  # max_position_embeddings times the factor, as vLLM derives it
+        outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS))
+    for text, out in zip(TEXTS, outs):
+        np.testing.assert_allclose(out.embedding, hf_sentence_embedding(linear, text, "mean"), rtol=0, atol=1e-5)
+    unscaled = _with_rope(path, tmp_path / "unscaled", rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    moved = np.asarray(hf_sentence_embedding(unscaled, TEXTS[2], "mean")) - np.asarray(outs[2].embedding)
+    assert np.abs(moved).max() > 1e-4  # the scaling moves this tiny model's embedding 10x past the tolerance
+    mixed = _with_rope(path, tmp_path / "mixed", rope_theta=1000.0,
+                       rope_scaling={"type": "ntk", "factor": 2.0, "mixed_b": 0.3})
+    with pytest.raises(NotBuiltError, match="mixed_b"):
+        async with AsyncEngine(mixed, disable_log_stats=True):
             pass
