@@ -27,7 +27,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.generation_rules import GenerationRules
-from asyncllm.workers.input_types import RequestState, StepInputs
+from asyncllm.workers.input_types import RequestState, StagedBuffer, StepInputs
 from asyncllm.workers.logits_processors import EXHAUSTED_ERROR, RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
@@ -35,24 +35,6 @@ from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_dra
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
 __all__ = ["InputBatch"]
-
-
-class _Staged:
-    """A host buffer (pinned on CUDA) and its device mirror of the same shape."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        on_cuda = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
-        self.np = self.cpu.numpy()
-        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
-        self._views: tuple[int, torch.Tensor, torch.Tensor] = (-1, self.cpu, self.device)  # (n, cpu[:n], device[:n])
-
-    def to_device(self, n: int) -> torch.Tensor:
-        if self._views[0] != n:
-            host = self.cpu[:n]
-            self._views = (n, host, host if self.device is self.cpu else self.device[:n])
-        _, host, device = self._views  # the last length's: steady decoding slices the same length every step
-        return host if device is host else device.copy_(host, non_blocking=True)
 
 
 class InputBatch:
@@ -95,18 +77,18 @@ class InputBatch:
 
     def _init_step_buffers(self, max_reqs: int, max_tokens: int, max_blocks: int) -> None:
         device = self.device
-        self.input_ids = _Staged((max_tokens,), torch.int64, device)
-        self.positions = _Staged((max_tokens,), torch.int64, device)
-        self.slot_mapping = _Staged((max_tokens,), torch.int64, device)
-        self.query_start_loc = _Staged((max_reqs + 1,), torch.int32, device)
-        self.seq_lens = _Staged((max_reqs,), torch.int32, device)
-        self.rows = _Staged((max_reqs,), torch.int64, device)
+        self.input_ids = StagedBuffer((max_tokens,), torch.int64, device)
+        self.positions = StagedBuffer((max_tokens,), torch.int64, device)
+        self.slot_mapping = StagedBuffer((max_tokens,), torch.int64, device)
+        self.query_start_loc = StagedBuffer((max_reqs + 1,), torch.int32, device)
+        self.seq_lens = StagedBuffer((max_reqs,), torch.int32, device)
+        self.rows = StagedBuffer((max_reqs,), torch.int64, device)
         """The step's request rows: the device gathers their block tables (`BlockTable.gather`)."""
         self.keeps_states = False
         """The model keeps per-request recurrent states by row (linear attention): the step's metadata lists the rows
         on the host too (`AttentionMetadata.request_rows_cpu`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
-        self.logits_indices = _Staged((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
+        self.logits_indices = StagedBuffer((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
 
     # ------------------------------------------------------------ state diffs
     def update_states(self, sched_out: SchedulerOutput) -> None:

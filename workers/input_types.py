@@ -15,7 +15,7 @@ from asyncllm.workers.logprobs import PromptLogprobsJob
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.spec_decode import DraftedRequest
 
-__all__ = ["RequestState", "StepInputs"]
+__all__ = ["RequestState", "StagedBuffer", "StepInputs"]
 
 
 @dataclass
@@ -39,6 +39,24 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+class StagedBuffer:
+    """A host buffer (pinned on CUDA) and its device mirror of the same shape."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+        self._views: tuple[int, torch.Tensor, torch.Tensor] = (-1, self.cpu, self.device)  # (n, cpu[:n], device[:n])
+
+    def to_device(self, n: int) -> torch.Tensor:
+        if self._views[0] != n:
+            host = self.cpu[:n]
+            self._views = (n, host, host if self.device is self.cpu else self.device[:n])
+        _, host, device = self._views  # the last length's: steady decoding slices the same length every step
+        return host if device is host else device.copy_(host, non_blocking=True)
 
 
 @dataclass

@@ -1,14 +1,14 @@
-"""`_Staged.to_device` (workers/input_batch.py) reuses its views while the step's length stays the same."""
+"""`StagedBuffer.to_device` (workers/input_types.py) reuses its views while the step's length stays the same."""
 
 from __future__ import annotations
 
 import torch
 
-from asyncllm.workers.input_batch import _Staged
+from asyncllm.workers.input_types import StagedBuffer
 
 
 def test_views_follow_the_length() -> None:
-    staged = _Staged((8,), torch.int64, torch.device("cpu"))
+    staged = StagedBuffer((8,), torch.int64, torch.device("cpu"))
     staged.np[:5] = [1, 2, 3, 4, 5]
     assert staged.to_device(3).tolist() == [1, 2, 3]
     assert staged.to_device(3) is staged.to_device(3)  # steady decoding: no new view
