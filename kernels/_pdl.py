@@ -15,8 +15,8 @@ The rule that keeps the stream's order: a kernel launched with PDL calls
 before it (and, by induction, every kernel before that) has. Kernels launched
 without it (cuBLAS, torch's) wait for full completion as always.
 
-On by default on compute capability 9.0 and later (ASYNCLLM_PDL); never under
-Triton's CPU interpreter, whose kernels get ``PDL=False`` and no launch flag.
+On by default on NVIDIA GPUs of compute capability 9.0 and later (ASYNCLLM_PDL); never under
+Triton's CPU interpreter or on ROCm, whose kernels get ``PDL=False`` and no launch flag.
 """
 
 from __future__ import annotations
