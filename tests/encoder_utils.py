@@ -74,9 +74,10 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
 
         model = NomicBertModel(NomicBertConfig(**shape, pad_token_id=0))
     elif kind == "gte":  # GTE: NomicBERT's layout with biases and a GELU gate (saved under Alibaba's names)
-        from transformers import GteConfig, GteModel
+        from transformers import GteConfig, GteForSequenceClassification, GteModel
 
-        model = GteModel(GteConfig(**shape, pad_token_id=0, type_vocab_size=1))
+        config = GteConfig(**shape, pad_token_id=0, type_vocab_size=1)
+        model = (GteModel if num_labels is None else GteForSequenceClassification)(config)
     elif kind == "roberta-mlm":  # RoBERTa as its masked-LM pretraining saves it (an LM head, no pooler)
         from transformers import RobertaConfig, RobertaForMaskedLM
 

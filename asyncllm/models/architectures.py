@@ -159,7 +159,8 @@ def late_interaction_dim(hf_config: Any) -> int:
                       "a ColBERT checkpoint whose config.json gives its dimension (colbert_dim, dim or projection_dim): "
                       "it gives none; hf_overrides={'dim': 128} sets one")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                                    "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
+                                    "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification",
+                                    "GteForSequenceClassification", "GteNewForSequenceClassification")
 TOKEN_CLASSIFICATION_ARCHITECTURES = ("BertForTokenClassification", "ModernBertForTokenClassification")
 """Encoder token classifiers (NER and other taggers): a ``classifier`` on every token's final hidden state; they
 serve ``token_classify`` only (docs/pooling.md, "Token classifiers")."""

@@ -227,8 +227,7 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "PhimoeForCausalLM": "phimoe:PhimoeForCausalLM",
     "DbrxForCausalLM": "dbrx:DbrxForCausalLM",
     "CwmForCausalLM": "llama:LlamaForCausalLM",  # Llama's layers, a window in the layers layer_types names
-    "FalconMambaForCausalLM": "mamba:FalconMambaForCausalLM",
-    "Mamba2ForCausalLM": "mamba:Mamba2ForCausalLM",
+    "FalconMambaForCausalLM": "mamba:FalconMambaForCausalLM", "Mamba2ForCausalLM": "mamba:Mamba2ForCausalLM",
     "ApertusForCausalLM": "apertus:ApertusForCausalLM",
     "Lfm2MoeForCausalLM": "lfm2:Lfm2MoeForCausalLM",
     "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
@@ -245,6 +244,8 @@ _SPECS: dict[str, str | tuple[str, str]] = {
     "XLMRobertaForSequenceClassification": "bert:BertForSequenceClassification",
     "ModernBertModel": "modernbert:ModernBertEmbeddingModel", "NomicBertModel": "rotary_bert:NomicBertEmbeddingModel",
     "GteModel": "rotary_bert:GteEmbeddingModel", "GteNewModel": "rotary_bert:GteEmbeddingModel",
+    "GteForSequenceClassification": "rotary_bert:GteForSequenceClassification",
+    "GteNewForSequenceClassification": "rotary_bert:GteForSequenceClassification",
     "CLIPModel": "clip_embedding:CLIPEmbeddingModel", "SiglipModel": "siglip_embedding:SiglipEmbeddingModel",
     "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",
     "BertForTokenClassification": "bert:BertForTokenClassification",

@@ -154,3 +154,29 @@ class GteEmbeddingModel(RotaryBertModel):
                 (".mlp.up_gate_proj.", ".up."), (".mlp.down_proj.", ".down."), (".attn_ln.", ".norm1."),
                 (".mlp_ln.", ".norm2."))
     _GATE_UP = ("mlp.up_gate_proj.weight",)
+
+
+class GteForSequenceClassification(GteEmbeddingModel):
+    """A GTE cross-encoder or reranker (transformers' ``GteForSequenceClassification``; Alibaba's
+    ``NewForSequenceClassification``, vLLM's ``GteNewForSequenceClassification``, e.g. gte-multilingual-reranker-base):
+    the encoder, then its ``pooler`` (dense, tanh) on the CLS row and ``classifier`` (the host pools CLS). The head
+    is small: every rank keeps all of it."""
+
+    _PREFIXES = ("gte.", "new.", "model.")
+    _UNUSED = tuple(unused for unused in GteEmbeddingModel._UNUSED if unused not in ("pooler.", "classifier."))
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
+        dtype, hidden = kwargs["dtype"], hf_config.hidden_size
+        self.pooler = nn.ModuleDict({"dense": nn.Linear(hidden, hidden, dtype=dtype)})
+        self.classifier = nn.Linear(hidden, hf_config.num_labels, dtype=dtype)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The CLS row's final hidden state ``[..., hidden]`` -> float32 logits ``[..., num_labels]``."""
+        hidden = hidden.to(self.word_embeddings.weight.dtype)
+        return self.classifier(torch.tanh(self.pooler["dense"](hidden))).float()
+
+    def token_classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every prompt row ``[T, hidden]`` -> float32 logits ``[T, num_labels]``: the ``classifier`` alone on each
+        row, as vLLM's ``DispatchPooler.for_seq_cls`` (its ``pooler`` reads the CLS row only), as for BERT."""
+        return self.classifier(hidden.to(self.word_embeddings.weight.dtype)).float()

@@ -100,10 +100,10 @@ async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp
         assert np.abs(np.array(tokens.data) - np.array(expected)).max() < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])  # ModernBERT's head: tests/unit/test_bert_model.py
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "gte"])  # ModernBERT's head: tests/unit/test_bert_model.py
 async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind: str) -> None:
     """A one-logit cross-encoder (bge-reranker's form: XLM-R; ms-marco MiniLM's: BERT, whose pair's second text
-    has token type 1): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`
+    has token type 1; gte-multilingual-reranker's: GTE's pooler and classifier over rotary layers): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`
     of one text its logit; ``token_classify`` served beside them (its rows:
     tests/engine/test_encoder_token_classification.py)."""
     path = make_tiny_encoder(tmp_path / kind, kind, num_labels=1)

@@ -121,7 +121,7 @@ def _vllm_seq_cls_token_rows(folder: str, text: str) -> torch.Tensor:
         return head(hidden)
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert", "gte"])
 async def test_sequence_classifiers_serve_token_classify_as_vllm(tmp_path, kind: str) -> None:
     """An encoder ``*ForSequenceClassification`` serves token_classify beside classify and score, each row through
     vLLM's per-row head (not the CLS pooler's), softmaxed over its three labels."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from encoder_utils import hf_sentence_embedding, make_tiny_encoder
+from encoder_utils import hf_pair_logits, hf_sentence_embedding, make_tiny_encoder
 
 from asyncllm import AsyncEngine, NotBuiltError
 
@@ -108,3 +108,23 @@ async def test_gte_v15_ntk_rope_is_transformers_linear_rope_of_a_scaled_base(tmp
     with pytest.raises(NotBuiltError, match="mixed_b"):
         async with AsyncEngine(mixed, disable_log_stats=True):
             pass
+
+
+async def test_gte_reranker_under_vllms_name_reads_the_remote_codes_names(tmp_path) -> None:
+    """A GTE cross-encoder saved as Alibaba's ``NewForSequenceClassification`` names its tensors ``new.*`` (the
+    encoder and its pooler) and ``classifier.*``; under vLLM's ``GteNewForSequenceClassification`` it scores as
+    transformers' ``GteForSequenceClassification`` does on the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_encoder(tmp_path / "gte", "gte", num_labels=1)
+    remote = tmp_path / "remote"
+    shutil.copytree(path, remote)
+    weights = load_file(str(remote / "model.safetensors"))
+    save_file({name.replace("gte.", "new.", 1): tensor for name, tensor in weights.items()},
+              str(remote / "model.safetensors"))
+    assert any(name.startswith("new.pooler.") for name in load_file(str(remote / "model.safetensors")))
+    overrides = {"architectures": ["GteNewForSequenceClassification"]}
+    async with AsyncEngine(str(remote), hf_overrides=overrides, disable_log_stats=True) as engine:
+        [score] = await engine.score(TEXTS[0], [TEXTS[2]])
+    [logit] = hf_pair_logits(path, TEXTS[0], TEXTS[2])
+    assert score.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5)
