@@ -89,6 +89,8 @@ class InputBatch:
         on the host too (`AttentionMetadata.request_rows_cpu`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
         self.logits_indices = StagedBuffer((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
+        self._no_logits_indices = self.logits_indices.device[:0]
+        """A step's logits_indices when every token samples in order (`StepInputs.every_token_samples`): none copied."""
 
     # ------------------------------------------------------------ state diffs
     def update_states(self, sched_out: SchedulerOutput) -> None:
@@ -213,9 +215,10 @@ class InputBatch:
                 positions += range(state.num_tokens - k, state.num_tokens)
         sampled_rows = rows if len(sampling_states) == num_reqs and not drafted else None  # the batch's own rows
         sampling_metadata = self._sampling_metadata(sampling_states, positions, sampled_rows)
-        in_order = num_sampling == total and not drafted  # every token samples: the logits rows are the hidden rows
-        inputs = self._to_device(req_ids, total, sample_indices, sampling_metadata, 0 if in_order else len(positions))
+        inputs = self._to_device(req_ids, total, sample_indices, sampling_metadata)
         inputs.drafted = drafted
+        if not inputs.every_token_samples:  # the logits rows: each sampling request's last token, then the drafts'
+            inputs.logits_indices = self.logits_indices.to_device(len(positions))
         if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
             inputs.failed, inputs.exhausted_drafts = _exhausted_requests(
                 req_ids, sample_indices, drafted, sampling_metadata.logits_processors.exhausted)
@@ -264,7 +267,6 @@ class InputBatch:
 
     def _to_device(
         self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata,
-        num_logits_rows: int,
     ) -> StepInputs:
         """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
         num_reqs = len(req_ids)
@@ -285,8 +287,7 @@ class InputBatch:
                 request_rows_cpu=self.rows.np[:num_reqs].tolist() if self.keeps_states else None,
             ),
             sample_indices=sample_indices,
-            logits_indices=(self.logits_indices.to_device(num_logits_rows) if num_logits_rows  # else: no copy
-                            else self.logits_indices.device[:0]),
+            logits_indices=self._no_logits_indices,  # `prepare_inputs` copies them unless every token samples
             sampling_metadata=sampling_metadata,
         )
 

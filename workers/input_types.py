@@ -72,7 +72,7 @@ class StepInputs:
     """Indices into ``req_ids`` of the requests that sample a token this step."""
     logits_indices: torch.Tensor
     """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`; empty (not
-    copied) when every scheduled token samples, in order (a decode batch): the logits rows are the hidden rows."""
+    copied) when `every_token_samples`."""
     sampling_metadata: SamplingMetadata
     """Settings of the logits rows: the sampling requests in ``sample_indices`` order, then the draft rows."""
     prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
@@ -89,3 +89,9 @@ class StepInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def every_token_samples(self) -> bool:
+        """Every scheduled token samples, in order, and no drafts follow (a decode batch): the logits rows are the
+        hidden rows, and ``logits_indices`` is left empty (not copied)."""
+        return len(self.sample_indices) == self.num_tokens and not self.drafted

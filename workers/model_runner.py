@@ -212,9 +212,7 @@ class ModelRunner(KVCacheSetup):
         sampler_out = None
         embeddings: dict[str, bytes] = {}
         if inputs.sample_indices:
-            every_token_samples = len(inputs.sample_indices) == inputs.num_tokens  # a decode batch: rows in order
-            every_token_samples = every_token_samples and not inputs.drafted
-            selected = hidden if every_token_samples else hidden.index_select(0, inputs.logits_indices)
+            selected = hidden if inputs.every_token_samples else hidden.index_select(0, inputs.logits_indices)
             if self.pooler.samples_any(inputs.req_ids, inputs.sample_indices):
                 embeddings = self.pooler.embeddings(inputs.req_ids, inputs.sample_indices, selected)
             logits = self.model.compute_logits(selected)

@@ -190,7 +190,14 @@ def test_prepare_inputs_flattens_the_step_exactly() -> None:
     assert step.attn_metadata.slot_mapping.tolist() == [14, 9, 10, 11, 20]
     assert step.attn_metadata.block_tables.tolist()[1][:3] == [7, 2, 5]
     assert step.sample_indices == [0, 1] and step.logits_indices.tolist() == [0, 4]
-    assert step.sampling_metadata.random_rows is None
+    assert step.sampling_metadata.random_rows is None and not step.every_token_samples
+    batch.finish_step(step, second, [78, 79])
+
+    third = SchedulerOutput(2, [], CachedRequestData(["b", "a"], [3, 9], {}), {"b": 1, "a": 1}, 2)
+    batch.update_states(third)
+    step = batch.prepare_inputs(third)  # a decode batch: the logits rows are the hidden rows, no index copied
+    assert step.input_ids.tolist() == [78, 79] and step.positions.tolist() == [3, 9]
+    assert step.sample_indices == [0, 1] and step.every_token_samples and step.logits_indices.numel() == 0
 
 
 def test_dropped_rows_are_reused_and_rows_grow_past_max_num_reqs() -> None:
