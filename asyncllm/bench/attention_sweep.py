@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
               "here (the kernels' correctness tests run on the CPU under TRITON_INTERPRET=1).", file=sys.stderr)
         return None
     from asyncllm.bench.kernel_steps import attention_step
-    from asyncllm.bench.kernels import _bench
+    from asyncllm.bench.kernels import time_ms
     from asyncllm.bench.model import preset_config
     from asyncllm.bench.roofline import measure_copy_bandwidth
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     results: dict[str, Any] = {"meta": report.run_metadata(argv), "preset": args.preset, "dtype": args.dtype,
                                "copy_bandwidth_gb_s": bandwidth / 1e9, "cases": {}}
     for name, requests in cases.items():
-        rows = sweep(attention_step(cfg, requests, dtype, random.Random(0)), _bench, bandwidth)
+        rows = sweep(attention_step(cfg, requests, dtype, random.Random(0)), time_ms, bandwidth)
         results["cases"][name] = rows
         _print(f"asyncllm bench attention-sweep | {args.preset} | {name} | {results['meta']['device']}", rows)
     if args.output_json:

@@ -20,7 +20,7 @@ import torch
 from asyncllm.bench import report
 from asyncllm.bench.model import preset_config
 
-__all__ = ["add_args", "run"]
+__all__ = ["add_args", "run", "time_ms"]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="accepted for symmetry: there is no bar")
 
 
-def _bench(fn: Callable[[], Any]) -> float:
+def time_ms(fn: Callable[[], Any]) -> float:
     """Median milliseconds per call."""
     import triton.testing
 
@@ -55,11 +55,11 @@ def _elementwise(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> l
         x, r = (torch.randn(tokens, hidden, dtype=dtype, device="cuda") for _ in range(2))
         w = torch.randn(hidden, dtype=dtype, device="cuda")
         rows.append(_row("fused_add_rms_norm", f"{tokens}x{hidden}", 4 * tokens * hidden * size,
-                         _bench(lambda: fused_add_rms_norm(x, r, w, 1e-6)),
-                         _bench(lambda: reference.fused_add_rms_norm(x, r, w, 1e-6)), bandwidth))
+                         time_ms(lambda: fused_add_rms_norm(x, r, w, 1e-6)),
+                         time_ms(lambda: reference.fused_add_rms_norm(x, r, w, 1e-6)), bandwidth))
         gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda")
         rows.append(_row("silu_and_mul", f"{tokens}x{2 * inter}", 3 * tokens * inter * size,
-                         _bench(lambda: silu_and_mul(gate_up)), _bench(lambda: reference.silu_and_mul(gate_up)),
+                         time_ms(lambda: silu_and_mul(gate_up)), time_ms(lambda: reference.silu_and_mul(gate_up)),
                          bandwidth))
     return rows
 
@@ -99,13 +99,13 @@ def _rotary(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[d
 
         shape = f"{tokens}x({heads}+{kv_heads})x{head_dim}"
         nbytes = 2 * tokens * (heads + 2 * kv_heads) * head_dim * size
-        plain_torch_ms = _bench(lambda: torch_path(RotaryInputs(positions, cos_sin)))
-        rows.append(_row("rotary_kv", shape, nbytes, _bench(fused), plain_torch_ms, bandwidth))
+        plain_torch_ms = time_ms(lambda: torch_path(RotaryInputs(positions, cos_sin)))
+        rows.append(_row("rotary_kv", shape, nbytes, time_ms(fused), plain_torch_ms, bandwidth))
         if qk_norm:
-            torch_ms = _bench(lambda: torch_path(RotaryInputs(positions, cos_sin, q_w, k_w, eps)))
-            rows.append(_row("rotary_kv + qk_norm fused", shape, nbytes, _bench(lambda: fused(q_w, k_w, eps)),
+            torch_ms = time_ms(lambda: torch_path(RotaryInputs(positions, cos_sin, q_w, k_w, eps)))
+            rows.append(_row("rotary_kv + qk_norm fused", shape, nbytes, time_ms(lambda: fused(q_w, k_w, eps)),
                              torch_ms, bandwidth))
-            rows.append(_row("rotary_kv + qk_norm 3 launches", shape, nbytes, _bench(three_launches), torch_ms,
+            rows.append(_row("rotary_kv + qk_norm 3 launches", shape, nbytes, time_ms(three_launches), torch_ms,
                              bandwidth))
     return rows
 
@@ -123,9 +123,9 @@ def _attention(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> lis
         md, q, cache = step.metadata, step.query, step.kv_cache
         scale = step.head_dim**-0.5
         rows.append(_row(f"paged_attention {name}", f"{len(requests)} reqs", step.bytes_read,
-                         _bench(lambda: paged_attention(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
+                         time_ms(lambda: paged_attention(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
                                                         md.block_tables, scale)),
-                         _bench(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
+                         time_ms(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
     return rows
 
 
@@ -143,9 +143,9 @@ def _split_decode(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> 
         md, q, cache = step.metadata, step.query, step.kv_cache
         scale = step.head_dim**-0.5
         rows.append(_row(f"paged_decode split-KV decode {name}", f"1 req, {segments} segments", step.bytes_read,
-                         _bench(lambda: paged_decode(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
+                         time_ms(lambda: paged_decode(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
                                                      md.block_tables, scale, segments)),
-                         _bench(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
+                         time_ms(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
     return rows
 
 
@@ -171,8 +171,8 @@ def _decode_linear(
         for name, (prologue, k, n) in products.items():
             fused, unfused = _linear_pair(prologue, num_rows, k, n, dtype, device)
             nbytes = (n * k + num_rows * (k + n)) * size
-            rows.append(_row(f"decode_linear {name} vs cuBLAS", f"{num_rows}x{k}->{n}", nbytes, _bench(fused),
-                             _bench(unfused), bandwidth))
+            rows.append(_row(f"decode_linear {name} vs cuBLAS", f"{num_rows}x{k}->{n}", nbytes, time_ms(fused),
+                             time_ms(unfused), bandwidth))
     return rows
 
 
@@ -216,8 +216,8 @@ def _block_fp8(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device
                 return w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, 128), w_q, w_s, (128, 128), dtype)
 
             nbytes = n * k + w_s.numel() * 4 + tokens * (k + n) * size
-            rows.append(_row(f"block_fp8 {name} vs cuBLAS {str(dtype)[6:]}", f"{tokens}x{k}->{n}", nbytes, _bench(fp8),
-                             _bench(lambda x=x, w=w: F.linear(x, w)), bandwidth))
+            rows.append(_row(f"block_fp8 {name} vs cuBLAS {str(dtype)[6:]}", f"{tokens}x{k}->{n}", nbytes, time_ms(fp8),
+                             time_ms(lambda x=x, w=w: F.linear(x, w)), bandwidth))
     return rows
 
 
@@ -252,7 +252,7 @@ def _quantizer_rows(name: str, kernel: Callable, torch_fn: Callable, cfg: dict[s
         for tokens in token_counts:
             x = torch.randn(tokens, k, dtype=dtype, device=device)
             rows.append(_row(name, f"{tokens}x{k}", tokens * (k * (dtype.itemsize + 1) + 4),
-                             _bench(lambda x=x: kernel(x)), _bench(lambda x=x: torch_fn(x)), bandwidth))
+                             time_ms(lambda x=x: kernel(x)), time_ms(lambda x=x: torch_fn(x)), bandwidth))
     return rows
 
 
@@ -281,7 +281,7 @@ def _w4a16(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: st
                     return w4a16_matmul(x, qweight, scales, zeros, g_idx, 4, 128)
 
                 rows.append(_row(f"w4a16{label} {name} vs cuBLAS {str(dtype)[6:]}", f"{tokens}x{k}->{n}", nbytes,
-                                 _bench(int4), _bench(lambda x=x, w=w: F.linear(x, w)), bandwidth))
+                                 time_ms(int4), time_ms(lambda x=x, w=w: F.linear(x, w)), bandwidth))
     return rows
 
 
@@ -312,8 +312,8 @@ def _fused_moe(
         routed = int(torch.unique(topk_ids).numel())
         nbytes = (3 * routed * hidden * inter + 2 * tokens * hidden + 3 * tokens * k * inter) * size
         rows.append(_row(f"fused_moe E={experts} k={k} vs torch", f"{tokens}x{hidden}x{inter}", nbytes,
-                         _bench(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids)),
-                         _bench(lambda: reference.fused_moe(x, w13, w2, topk_weights, topk_ids)), bandwidth))
+                         time_ms(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids)),
+                         time_ms(lambda: reference.fused_moe(x, w13, w2, topk_weights, topk_ids)), bandwidth))
     return rows
 
 
@@ -348,8 +348,8 @@ def _state_steps(bandwidth: float, device: str = "cuda", gated_delta: tuple[int,
             else:  # x [n, h, d1], b, c [n, h, d2], dt [n, h], a [h]
                 args = (rand(n, h, d1), rand(n, h, d2), rand(n, h, d2), rand(n, h).sigmoid(), -rand(h).abs())
             rows_out.append(_row(f"{name} vs torch", f"{n}x{h}x{d1}x{d2}", 2 * n * h * d1 * d2 * 4,
-                                 _bench(lambda: kernel(states, rows, *args)),
-                                 _bench(lambda: torch_path(states, rows, *args)), bandwidth))
+                                 time_ms(lambda: kernel(states, rows, *args)),
+                                 time_ms(lambda: torch_path(states, rows, *args)), bandwidth))
     return rows_out
 
 

@@ -25,7 +25,7 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.rotary import compute_inv_freq
 
-__all__ = ["RotaryBertModel", "NomicBertEmbeddingModel", "GteEmbeddingModel"]
+__all__ = ["RotaryBertModel", "NomicBertEmbeddingModel", "GteEmbeddingModel", "GteForSequenceClassification"]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
