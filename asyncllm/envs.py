@@ -148,10 +148,10 @@ DECODE_LINEAR = EnvVar(
 
 PDL = EnvVar(
     "ASYNCLLM_PDL", True, _on_off,
-    "1 (the default): on compute capability 9.0 and later (Hopper), the decode step's Triton kernels (the fused "
-    "decode products, norms, SiLU-and-mul, rotary + KV write, paged attention) are launched with programmatic "
-    "dependent launch, so each is scheduled while the one before it ends (kernels/_pdl.py); 0: plain launches. "
-    "Read at a kernel's first launch on a device.",
+    "1 (the default): on NVIDIA GPUs of compute capability 9.0 and later (Hopper), the decode step's Triton kernels "
+    "(the fused decode products, norms, SiLU-and-mul, rotary + KV write, KV write, paged attention) are launched with "
+    "programmatic dependent launch, so each is scheduled while the one before it ends (kernels/_pdl.py); 0: plain "
+    "launches. Never under Triton's interpreter or on ROCm. Read at a kernel's first launch on a device.",
 )
 
 WORKER_TRACE_CHROME = EnvVar(
