@@ -81,7 +81,7 @@ def test_the_static_quant_micro_benchmark_times_kernel_and_reference(monkeypatch
     from asyncllm.bench import kernels as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    monkeypatch.setattr(bench, "time_ms", lambda fn: calls.append(fn()) or 0.001)
     rows = bench._static_fp8_quant({"hidden_size": 24, "intermediate_size": 40}, torch.float32, 1e12,
                                    device=str(DEVICE), token_counts=(1, 3))
     assert [r["shape"] for r in rows] == ["1x24", "3x24", "1x40", "3x40"] and len(calls) == 8

@@ -100,7 +100,7 @@ def test_the_micro_benchmark_measures_each_product_fused_and_unfused(monkeypatch
     from asyncllm.bench import kernels as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    monkeypatch.setattr(bench, "time_ms", lambda fn: calls.append(fn()) or 0.001)
     cfg = dict(hidden_size=32, intermediate_size=48, vocab_size=40, num_attention_heads=4, num_key_value_heads=2)
     rows = bench._decode_linear(cfg, torch.float32, 1e12, device=str(randn(1, dtype=torch.float32, seed=0).device))
     assert [r["shape"] for r in rows[:5]] == ["1x32->64", "1x32->96", "1x48->32", "1x32->32", "1x32->40"]

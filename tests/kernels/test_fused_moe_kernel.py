@@ -346,7 +346,7 @@ def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.Monk
     from asyncllm.bench import kernels as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    monkeypatch.setattr(bench, "time_ms", lambda fn: calls.append(fn()) or 0.001)
     shape = {"hidden_size": 24, "moe_intermediate_size": 20, "num_experts": 6, "num_experts_per_tok": 2}
     rows = bench._fused_moe(shape, torch.float32, 1e12, device=str(DEVICE))
     assert [r["shape"] for r in rows] == ["1x24x20", "64x24x20", "256x24x20"]

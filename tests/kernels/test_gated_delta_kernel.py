@@ -45,7 +45,7 @@ def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.Monk
     from asyncllm.bench import kernels as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    monkeypatch.setattr(bench, "time_ms", lambda fn: calls.append(fn()) or 0.001)
     rows = bench._state_steps(1e12, device=str(DEVICE), gated_delta=(2, 16, 8), ssd=(3, 8, 16))
     assert [r["shape"] for r in rows] == ["1x2x16x8", "32x2x16x8", "128x2x16x8", "1x3x8x16", "32x3x8x16",
                                           "128x3x8x16"] and len(calls) == 12
