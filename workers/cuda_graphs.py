@@ -9,12 +9,16 @@ request runs exactly one token, the model takes no input embeddings, and the
 batch fits the largest size; it runs the graph of the smallest size that
 holds it, padded. Logits, sampling and every other step stay eager.
 
-Padding (`DecodeBuffers.load`): the real requests fill the first rows of the
-fixed-address buffers; each padding row is a request with an empty query
-(``query_start_loc`` repeats the last real offset) and ``seq_len`` 0, and each
-padding token has slot -1, which the KV write skips. The paged-attention
-kernel returns at once for an empty query, so padding reads and writes no KV.
-Padding tokens' hidden states are left as garbage and dropped.
+Inputs (`DecodeBuffers`): a graph reads the step where the input batch's one
+host-to-device copy put it, at fixed addresses: once graphs are captured,
+`InputBatch.prepare_inputs` lays a decode batch out at the smallest capture
+size that holds it (workers/step_staging.py), its real requests in the first
+rows and `pad_decode`'s padding after them: each padding row a request with an
+empty query (``query_start_loc`` repeats the last real offset) and
+``seq_len`` 0, its token at slot -1, which the KV write skips. The
+paged-attention kernel returns at once for an empty query, so padding reads
+and writes no KV. Padding tokens' hidden states are left as garbage and
+dropped. No device-to-device copy runs before a replay.
 
 Graphs need the triton backend (torch_sdpa loops over the requests on the
 host), a CUDA device, one rank (capturing the tensor-parallel all-reduce and
@@ -24,10 +28,10 @@ the pipeline stages' send/recv is not built yet) and a text-only model;
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,14 +39,16 @@ import torch
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import Attention
 from asyncllm.workers.input_types import StepInputs
+from asyncllm.workers.step_staging import StepStaging, padded_size
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
     from asyncllm.workers.model_runner import ModelRunner
 
 __all__ = [
-    "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeBuffers", "capture_decode_graphs", "capture_sizes",
-    "captured_host_values", "graphs_off_reason", "model_graphs_off_reason", "padded_size", "recapture_if_changed",
+    "GREEDY_CAPTURE_MAX", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeBuffers", "capture_decode_graphs",
+    "capture_sizes", "captured_host_values", "decode_graphs", "graphs_off_reason", "model_graphs_off_reason",
+    "padded_size", "recapture_if_changed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,12 @@ _SIZE_STEP = 8
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 """(input_ids, positions, metadata) -> hidden states: the model over its KV cache."""
+Head = Callable[[torch.Tensor], torch.Tensor]
+"""hidden states -> float32 logits: the model's `compute_logits`."""
+GREEDY_CAPTURE_MAX = 16
+"""Decode batches up to this size also have a graph with the LM head and greedy argmax in it (the host launches of
+the head, the cast and the argmax are a tenth of a batch-1 step's host time; the graph's logits, ``size x vocab``
+float32, stay in the graph pool, so larger sizes, where launches weigh less, leave them eager)."""
 
 
 def capture_sizes(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -61,12 +73,6 @@ def capture_sizes(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
     limit = min(max_num_seqs, cap)
     sizes = {s for s in (1, 2, 4) if s < limit} | set(range(_SIZE_STEP, limit, _SIZE_STEP)) | {limit}
     return sorted(sizes)
-
-
-def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
-    """The smallest of the ascending ``sizes`` that holds ``num_reqs`` requests; None past the largest."""
-    i = bisect.bisect_left(sizes, num_reqs)
-    return sizes[i] if i < len(sizes) else None
 
 
 def graphs_off_reason(config: EngineConfig, device: torch.device, backend_name: str | None, tp_size: int) -> str | None:
@@ -93,116 +99,117 @@ def attention_backend_name(model: torch.nn.Module) -> str | None:
 
 
 class DecodeBuffers:
-    """Fixed-address inputs of the captured forwards, sized for the largest capture size.
+    """The fixed-address inputs of the captured forwards: the input batch's decode layout of each capture size
+    (workers/step_staging.py: input ids, positions, KV slots, query starts, sequence lengths, each at the same
+    address every step) and its block-table buffer. A decode batch's `InputBatch.prepare_inputs` writes them,
+    padded to the size (`pad_decode`), so a replay reads the step where its one host-to-device copy put it."""
 
-    A graph of size S reads the first S rows; `load` writes a step into them, padded to S.
-    """
-
-    def __init__(self, max_size: int, max_blocks_per_req: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, staging: StepStaging, block_tables: torch.Tensor, block_size: int) -> None:
+        self.staging = staging
+        self.block_tables = block_tables
         self.block_size = block_size
-        self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(max_size + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_size, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_size, max_blocks_per_req), dtype=torch.int32, device=device)
 
     @property
     def max_size(self) -> int:
-        return int(self.seq_lens.shape[0])
+        return min(self.staging.max_reqs, self.staging.max_tokens, int(self.block_tables.shape[0]))
 
-    def load(self, inputs: StepInputs, size: int) -> AttentionMetadata:
-        """Copy a decode step (one token per request) into the first ``size`` rows, padded (`write`). Returns
-        the padded metadata, whose host lists describe the padded batch exactly."""
-        self.write(inputs, size)
-        meta = inputs.attn_metadata
-        n = meta.num_reqs
-        pad = size - n
-        return self._metadata(size, meta.query_start_loc_cpu + [n] * pad, meta.seq_lens_cpu + [0] * pad)
-
-    def write(self, inputs: StepInputs, size: int) -> None:
-        """Copy a decode step into the first ``size`` rows, padded: device-to-device copies and fills only (no host
-        sync). A replay reads these buffers only, so the step's metadata is not built (`load` builds it)."""
-        meta = inputs.attn_metadata
-        n = meta.num_reqs
-        assert inputs.num_tokens == n <= size <= self.max_size, (inputs.num_tokens, n, size)
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.query_start_loc[: n + 1].copy_(meta.query_start_loc)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if n < size:  # padding: empty queries with no context, tokens that write no KV
-            self.slot_mapping[n:size].fill_(-1)
-            self.query_start_loc[n + 1 : size + 1].fill_(n)
-            self.seq_lens[n:size].fill_(0)
-
-    def load_warmup(self, size: int) -> AttentionMetadata:
-        """The layout a graph is captured with: ``size`` one-token requests of context 1, writing no KV."""
-        self.input_ids[:size].zero_()
-        self.positions[:size].zero_()
-        self.slot_mapping[:size].fill_(-1)
-        self.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
-        self.seq_lens[:size].fill_(1)
-        self.block_tables[:size].zero_()
-        return self._metadata(size, list(range(size + 1)), [1] * size)
-
-    def _metadata(self, size: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int]) -> AttentionMetadata:
-        # A replayed graph keeps the host lists of its capture; the triton backend reads only the tensors.
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
+    def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of the decode layout of ``size`` one-token requests; the metadata's host
+        lists are the capture's (a replayed graph keeps them; the triton backend reads only the tensors)."""
+        assert 0 < size <= self.max_size, (size, self.max_size)
+        device = self.staging.layout(size, size).device
+        metadata = AttentionMetadata(
+            slot_mapping=device["slot_mapping"],
+            query_start_loc=device["query_start_loc"],
+            seq_lens=device["seq_lens"],
             block_tables=self.block_tables[:size],
-            query_start_loc_cpu=query_start_loc_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
             block_size=self.block_size,
         )
+        return device["input_ids"], device["positions"], metadata
+
+    def load_warmup(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`inputs` holding the layout a graph is captured with (written on the device): ``size`` one-token
+        requests of context 1, writing no KV."""
+        ids, positions, metadata = self.inputs(size)
+        ids.zero_()
+        positions.zero_()
+        metadata.slot_mapping.fill_(-1)
+        metadata.query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
+        metadata.seq_lens.fill_(1)
+        metadata.block_tables.zero_()
+        return ids, positions, metadata
 
 
 class CudaGraphRunner:
-    """One captured decode forward per capture size, replayed for qualifying steps."""
+    """One captured decode forward per capture size, replayed for qualifying steps; with a ``head`` (the model's
+    `compute_logits`), sizes up to `GREEDY_CAPTURE_MAX` also get a graph of the forward, the LM head and the greedy
+    argmax, for steps whose tokens are the argmax (`SamplingMetadata.argmax_only`)."""
 
-    def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: list[int]) -> None:
+    def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: list[int], head: Head | None = None) -> None:
         assert sizes == sorted(sizes) and sizes[-1] <= buffers.max_size, (sizes, buffers.max_size)
         self.forward_eager = forward
+        self.head = head
         self.buffers = buffers
         self.sizes = sizes
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """size -> (graph, its static hidden-state output ``[size, hidden]``)."""
+        self.greedy_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        """size -> (graph with the LM head and argmax, its hidden states, its token ids ``[size]``)."""
         self.num_replays = 0
+        self.num_greedy_replays = 0
 
     def capture(self, num_warmups: int = 2) -> None:
         """Capture every size, the largest first (its activations set the shared pool's size)."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            metadata = self.buffers.load_warmup(size)
-            ids, positions = self.buffers.input_ids[:size], self.buffers.positions[:size]
+            ids, positions, metadata = self.buffers.load_warmup(size)
+            greedy = self.head is not None and size <= GREEDY_CAPTURE_MAX
             for _ in range(num_warmups):  # compiles the Triton kernels for this shape, outside the capture
-                self.forward_eager(ids, positions, metadata)
+                self._greedy(ids, positions, metadata) if greedy else self.forward_eager(ids, positions, metadata)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                hidden = self.forward_eager(ids, positions, metadata)
-            self.graphs[size] = (graph, hidden)
+            self.graphs[size] = self.capture_one(pool, partial(self.forward_eager, ids, positions, metadata))
+            if greedy:
+                graph, (hidden, tokens) = self.capture_one(pool, partial(self._greedy, ids, positions, metadata))
+                self.greedy_graphs[size] = (graph, hidden, tokens)
         torch.cuda.synchronize()
 
-    def can_run(self, inputs: StepInputs) -> bool:
-        """Every request runs one token, and a captured size holds them all."""
-        num_reqs = len(inputs.req_ids)
-        return inputs.num_tokens == num_reqs and num_reqs <= self.sizes[-1]
+    @staticmethod
+    def capture_one(pool: Any, run: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """(the graph of ``run()``, its outputs): the one place a graph is captured (tests stand in a recording)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = run()
+        return graph, out
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The step's hidden states ``[num_reqs, hidden]`` (a view of the graph's output: read it
-        before the next replay)."""
-        num_reqs = len(inputs.req_ids)
-        size = padded_size(num_reqs, self.sizes)
-        assert size is not None and self.can_run(inputs), (num_reqs, inputs.num_tokens)
-        self.buffers.write(inputs, size)
-        graph, hidden = self.graphs[size]
-        graph.replay()
+    def _greedy(self, ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.forward_eager(ids, positions, metadata)
+        return hidden, self.head(hidden).argmax(dim=-1)  # type: ignore[misc]
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        """A decode batch laid out padded to a captured size (`StepInputs.graph_size`)."""
+        return inputs.graph_size in self.graphs
+
+    def forward(self, inputs: StepInputs, positions: torch.Tensor | None = None,
+                greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's hidden states ``[num_reqs, hidden]`` and, with ``greedy`` where its size has the graph, its
+        greedy token ids ``[num_reqs]`` (else None): views of the graph's outputs, read them before the next replay.
+        ``positions``: rotary positions other than the step's own (one row per token), copied in first."""
+        assert self.can_run(inputs), (inputs.graph_size, sorted(self.graphs))
+        if positions is not None and positions is not inputs.positions:
+            inputs.positions.copy_(positions)
+        num_reqs, size = len(inputs.req_ids), inputs.graph_size
         self.num_replays += 1
-        return hidden[:num_reqs]
+        if greedy and size in self.greedy_graphs:
+            graph, hidden, tokens = self.greedy_graphs[size]
+            graph.replay()
+            self.num_greedy_replays += 1
+            return hidden[:num_reqs], tokens[:num_reqs]
+        graph, hidden = self.graphs[size]  # type: ignore[index]
+        graph.replay()
+        return hidden[:num_reqs], None
 
 
 def model_graphs_off_reason(model: Any, drafter: Any) -> str | None:
@@ -229,6 +236,21 @@ def _reference_experts(model: Any) -> bool:
     return any(isinstance(m, FusedMoE) and m.fused_moe is reference.fused_moe for m in modules)
 
 
+def decode_graphs(runner: ModelRunner) -> CudaGraphRunner:
+    """The runner's `CudaGraphRunner` (not captured yet): its model over its KV cache, reading the input batch's
+    decode layouts, the model's LM head for the greedy graphs; the input batch lays decode batches out padded to
+    its capture sizes from now on."""
+    model, kv_caches, batch = runner.model, runner.kv_caches, runner.input_batch
+    buffers = DecodeBuffers(batch.staging, batch.block_tables, runner.block_size)
+    sizes = capture_sizes(runner.max_num_seqs, min(MAX_CAPTURE_SIZE, buffers.max_size))
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> Any:
+        return model(ids, positions, kv_caches, metadata)
+
+    batch.graph_sizes = sizes
+    return CudaGraphRunner(forward, buffers, sizes, model.compute_logits)
+
+
 def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
     """Capture the runner's decode graphs over its current KV cache, or None when it stays eager."""
     model = runner.model
@@ -238,23 +260,17 @@ def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
         if runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s", reason)
         return None
-    kv_caches = runner.kv_caches
-    sizes = capture_sizes(runner.max_num_seqs)
-    max_blocks = -(-runner.max_model_len // runner.block_size)
-    buffers = DecodeBuffers(sizes[-1], max_blocks, runner.block_size, runner.device)
-
-    def forward(ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> Any:
-        return model(ids, positions, kv_caches, metadata)
-
-    graphs = CudaGraphRunner(forward, buffers, sizes)
     free_before = torch.cuda.mem_get_info(runner.device)[0]
     start = time.perf_counter()
+    graphs = decode_graphs(runner)
+    sizes = graphs.sizes
     with torch.inference_mode():
         graphs.capture()
     torch.cuda.empty_cache()  # the warm-ups' blocks: what stays taken is the graphs' pool
     graph_bytes = free_before - torch.cuda.mem_get_info(runner.device)[0]
-    logger.info("captured %d CUDA graphs (decode batches of 1 to %d requests) in %.1f s, %.0f MiB of GPU memory",
-                len(sizes), sizes[-1], time.perf_counter() - start, graph_bytes / 2**20)
+    logger.info("captured %d CUDA graphs (decode batches of 1 to %d requests; %d more with the LM head and greedy "
+                "argmax) in %.1f s, %.0f MiB of GPU memory", len(sizes), sizes[-1], len(graphs.greedy_graphs),
+                time.perf_counter() - start, graph_bytes / 2**20)
     return graphs
 
 

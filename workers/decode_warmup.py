@@ -55,11 +55,12 @@ def warm_up_decodes(runner: ModelRunner) -> None:
     if not warms_up(runner):
         return
     sizes = warmup_sizes(runner.max_num_seqs)
-    buffers = DecodeBuffers(sizes[-1], -(-runner.max_model_len // runner.block_size), runner.block_size, runner.device)
+    batch = runner.input_batch  # its step buffers: the addresses and alignment the served steps have
+    buffers = DecodeBuffers(batch.staging, batch.block_tables, runner.block_size)
     start = time.perf_counter()
     with torch.inference_mode():
         for size in sizes:
-            metadata = buffers.load_warmup(size)
-            runner.model(buffers.input_ids[:size], buffers.positions[:size], runner.kv_caches, metadata)
+            ids, positions, metadata = buffers.load_warmup(size)
+            runner.model(ids, positions, runner.kv_caches, metadata)
     torch.cuda.synchronize(runner.device)
     logger.info("warmed up eager decode batches of %s requests in %.1f s", sizes, time.perf_counter() - start)

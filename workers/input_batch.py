@@ -27,11 +27,12 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.generation_rules import GenerationRules
-from asyncllm.workers.input_types import RequestState, StagedBuffer, StepInputs
+from asyncllm.workers.input_types import RequestState, StepInputs
 from asyncllm.workers.logits_processors import EXHAUSTED_ERROR, RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_drafted
+from asyncllm.workers.step_staging import StepLayout, StepStaging, pad_decode, padded_size
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
 __all__ = ["InputBatch"]
@@ -77,20 +78,17 @@ class InputBatch:
 
     def _init_step_buffers(self, max_reqs: int, max_tokens: int, max_blocks: int) -> None:
         device = self.device
-        self.input_ids = StagedBuffer((max_tokens,), torch.int64, device)
-        self.positions = StagedBuffer((max_tokens,), torch.int64, device)
-        self.slot_mapping = StagedBuffer((max_tokens,), torch.int64, device)
-        self.query_start_loc = StagedBuffer((max_reqs + 1,), torch.int32, device)
-        self.seq_lens = StagedBuffer((max_reqs,), torch.int32, device)
-        self.rows = StagedBuffer((max_reqs,), torch.int64, device)
-        """The step's request rows: the device gathers their block tables (`BlockTable.gather`)."""
+        self.staging = StepStaging(max(max_tokens, max_reqs), max_reqs, device)
+        """The step's integer inputs, copied to the device in one copy (workers/step_staging.py)."""
+        self.layout = self.staging.layout(1, 1)
+        """The last step's layout: its host sections are what the step's device tensors were copied from."""
+        self.graph_sizes: list[int] = []
+        """The CUDA graphs' capture sizes: a decode batch is laid out padded to the smallest that holds it, which is
+        the layout that size's graph reads (`pad_decode`)."""
         self.keeps_states = False
         """The model keeps per-request recurrent states by row (linear attention): the step's metadata lists the rows
         on the host too (`AttentionMetadata.request_rows_cpu`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
-        self.logits_indices = StagedBuffer((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
-        self._no_logits_indices = self.logits_indices.device[:0]
-        """A step's logits_indices when every token samples in order (`StepInputs.every_token_samples`): none copied."""
 
     # ------------------------------------------------------------ state diffs
     def update_states(self, sched_out: SchedulerOutput) -> None:
@@ -178,33 +176,39 @@ class InputBatch:
         # numpy calls cost microseconds each even on one row: a batch-1 decode step's host time is mostly their count
         assert 0 not in sched_out.num_scheduled_tokens.values(), sched_out.num_scheduled_tokens
         num_scheduled = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, num_reqs)
+        total = sum(sched_out.num_scheduled_tokens.values())
+        assert total <= self.max_num_batched_tokens, total
+        graph_size = padded_size(num_reqs, self.graph_sizes) if total == num_reqs and self.graph_sizes else None
+        layout = self.layout = self.staging.layout(graph_size or total, graph_size or num_reqs)
+        host = layout.host
         if self._copies_done is not None:
-            self._copies_done.synchronize()  # the last step's copies may still read the pinned buffers
+            self._copies_done.synchronize()  # the last step's copy may still read the pinned buffer
         computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
         num_tokens = np.fromiter(map(len, [s.token_ids for s in states]), np.int64, num_reqs)
         seq_lens = computed + num_scheduled
         unseen = num_tokens - seq_lens  # known tokens past this step's: none for a request that samples
         assert unseen.min() >= 0, [(s.req_id, n) for s, n in zip(states, seq_lens) if n > s.num_tokens]
-        query_start_loc = self.query_start_loc.np[: num_reqs + 1]
+        query_start_loc = host["query_start_loc"][: num_reqs + 1]
         query_start_loc[0] = 0
         np.add.accumulate(num_scheduled, out=query_start_loc[1:], dtype=query_start_loc.dtype)
-        total = int(query_start_loc[-1])
-        assert total <= self.max_num_batched_tokens, total
-        self.seq_lens.np[:num_reqs] = seq_lens
-        rows = self.rows.np[:num_reqs]
+        host["seq_lens"][:num_reqs] = seq_lens
+        rows = host["request_rows"][:num_reqs]
         rows[:] = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        self._write_token_ids(states, query_start_loc, computed, seq_lens)
-        self._write_positions_and_slots(rows, num_scheduled, computed, query_start_loc)
+        self._write_token_ids(host["input_ids"], states, query_start_loc, computed, seq_lens)
+        self._write_positions_and_slots(host, rows, num_scheduled, computed, query_start_loc)
+        if graph_size is not None and graph_size > num_reqs:
+            pad_decode(host, num_reqs)
         sampling = (unseen == 0).nonzero()[0]  # the step reaches the end of their known tokens
         sample_indices = sampling.tolist()
         num_sampling = len(sample_indices)
-        self.logits_indices.np[:num_sampling] = query_start_loc[1:][sampling] - 1
+        logits_indices = host["logits_indices"]
+        logits_indices[:num_sampling] = query_start_loc[1:][sampling] - 1
         sampling_states = list(states) if num_sampling == num_reqs else [states[i] for i in sample_indices]
         positions = num_tokens[sampling].tolist()
         drafted: list[DraftedRequest] = []
         if sched_out.spec_token_ids:  # the draft positions' rows follow the usual ones
             drafted, extra = plan_drafted(req_ids, sample_indices, sched_out.spec_token_ids, query_start_loc)
-            self.logits_indices.np[num_sampling : num_sampling + len(extra)] = extra
+            logits_indices[num_sampling : num_sampling + len(extra)] = extra
             for request in drafted:
                 state, k = sampling_states[request.sample], len(request.drafts)
                 if state.logits_params is None:
@@ -215,20 +219,20 @@ class InputBatch:
                 positions += range(state.num_tokens - k, state.num_tokens)
         sampled_rows = rows if len(sampling_states) == num_reqs and not drafted else None  # the batch's own rows
         sampling_metadata = self._sampling_metadata(sampling_states, positions, sampled_rows)
-        inputs = self._to_device(req_ids, total, sample_indices, sampling_metadata)
-        inputs.drafted = drafted
-        if not inputs.every_token_samples:  # the logits rows: each sampling request's last token, then the drafts'
-            inputs.logits_indices = self.logits_indices.to_device(len(positions))
+        every_token_samples = num_sampling == total and not drafted  # `StepInputs.every_token_samples`
+        num_logits_rows = 0 if every_token_samples else len(positions)
+        self.staging.to_device(layout, num_logits_rows)  # the step's one host-to-device copy
+        inputs = self._step_inputs(layout, req_ids, total, sample_indices, sampling_metadata, num_logits_rows)
+        inputs.drafted, inputs.graph_size = drafted, graph_size
         if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
             inputs.failed, inputs.exhausted_drafts = _exhausted_requests(
                 req_ids, sample_indices, drafted, sampling_metadata.logits_processors.exhausted)
         if drafted and self.keeps_states:  # the state layers keep each draft's states (asyncllm/models/row_states.py)
-            rows = self.rows.np
             inputs.attn_metadata.state_drafts = [(int(rows[sample_indices[r.sample]]), len(r.drafts)) for r in drafted]
         if sched_out.state_loads or sched_out.state_saves:
             _plan_state_checkpoints(inputs.attn_metadata, sched_out, self.requests)
         if self.feedback.pending is not None:
-            self.feedback.fill(self.input_ids.np, inputs.input_ids, query_start_loc, computed,
+            self.feedback.fill(host["input_ids"], inputs.input_ids, query_start_loc, computed,
                                [s.token_ids for s in states])
         if self._copies_done is not None:
             self._copies_done.record()
@@ -250,9 +254,8 @@ class InputBatch:
                     jobs.append(job)
         return jobs
 
-    def _write_positions_and_slots(
-        self, rows: np.ndarray, num_scheduled: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
-    ) -> None:
+    def _write_positions_and_slots(self, host: dict[str, np.ndarray], rows: np.ndarray, num_scheduled: np.ndarray,
+                                   computed: np.ndarray, query_start_loc: np.ndarray) -> None:
         """positions = computed .. computed + scheduled; slot = block_table[pos // bs] * bs + pos % bs."""
         num_reqs, num_tokens = len(rows), int(query_start_loc[-1])
         if num_tokens == num_reqs:  # one token each (a decode batch): token i is request i's, at its computed count
@@ -261,40 +264,38 @@ class InputBatch:
             req_index = np.repeat(np.arange(num_reqs), num_scheduled)
             positions = computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
             token_rows = rows[req_index]
-        self.positions.np[:num_tokens] = positions
+        host["positions"][:num_tokens] = positions
         block_ids = self.block_table.table[token_rows, positions // self.block_size].astype(np.int64)
-        self.slot_mapping.np[:num_tokens] = block_ids * self.block_size + positions % self.block_size
+        host["slot_mapping"][:num_tokens] = block_ids * self.block_size + positions % self.block_size
 
-    def _to_device(
-        self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata,
-    ) -> StepInputs:
-        """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
+    def _step_inputs(self, layout: StepLayout, req_ids: list[str], num_tokens: int, sample_indices: list[int],
+                     sampling_metadata: SamplingMetadata, num_logits_rows: int) -> StepInputs:
+        """The step's tensors: views of the layout's device sections (copied by `StepStaging.to_device`)."""
         num_reqs = len(req_ids)
-        rows = self.rows.to_device(num_reqs)
+        views, host = layout.views(num_tokens, num_reqs), layout.host
+        rows = views["request_rows"]
         return StepInputs(
             req_ids=req_ids,
-            input_ids=self.input_ids.to_device(num_tokens),
-            positions=self.positions.to_device(num_tokens),
+            input_ids=views["input_ids"],
+            positions=views["positions"],
             attn_metadata=AttentionMetadata(
-                slot_mapping=self.slot_mapping.to_device(num_tokens),
-                query_start_loc=self.query_start_loc.to_device(num_reqs + 1),
-                seq_lens=self.seq_lens.to_device(num_reqs),
+                slot_mapping=views["slot_mapping"],
+                query_start_loc=views["query_start_loc"],
+                seq_lens=views["seq_lens"],
                 block_tables=self.block_table.gather(rows, self.block_tables),
-                query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
-                seq_lens_cpu=self.seq_lens.np[:num_reqs].tolist(),
+                query_start_loc_cpu=host["query_start_loc"][: num_reqs + 1].tolist(),
+                seq_lens_cpu=host["seq_lens"][:num_reqs].tolist(),
                 block_size=self.block_size,
                 request_rows=rows,
-                request_rows_cpu=self.rows.np[:num_reqs].tolist() if self.keeps_states else None,
+                request_rows_cpu=host["request_rows"][:num_reqs].tolist() if self.keeps_states else None,
             ),
             sample_indices=sample_indices,
-            logits_indices=self._no_logits_indices,  # `prepare_inputs` copies them unless every token samples
+            logits_indices=layout.device["logits_indices"][:num_logits_rows],  # none when every token samples
             sampling_metadata=sampling_metadata,
         )
 
-    def _write_token_ids(
-        self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
-    ) -> None:
-        input_ids = self.input_ids.np
+    def _write_token_ids(self, input_ids: np.ndarray, states: list[RequestState], query_start_loc: np.ndarray,
+                         computed: np.ndarray, seq_lens: np.ndarray) -> None:
         if len(states) == query_start_loc[-1]:  # one token each (a decode batch): token i is request i's
             input_ids[: len(states)] = [state.token_ids[c] for state, c in zip(states, computed.tolist())]
             return

@@ -15,7 +15,7 @@ from asyncllm.workers.logprobs import PromptLogprobsJob
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.spec_decode import DraftedRequest
 
-__all__ = ["RequestState", "StagedBuffer", "StepInputs"]
+__all__ = ["RequestState", "StepInputs"]
 
 
 @dataclass
@@ -41,24 +41,6 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-class StagedBuffer:
-    """A host buffer (pinned on CUDA) and its device mirror of the same shape."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        on_cuda = device.type == "cuda"
-        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
-        self.np = self.cpu.numpy()
-        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
-        self._views: tuple[int, torch.Tensor, torch.Tensor] = (-1, self.cpu, self.device)  # (n, cpu[:n], device[:n])
-
-    def to_device(self, n: int) -> torch.Tensor:
-        if self._views[0] != n:
-            host = self.cpu[:n]
-            self._views = (n, host, host if self.device is self.cpu else self.device[:n])
-        _, host, device = self._views  # the last length's: steady decoding slices the same length every step
-        return host if device is host else device.copy_(host, non_blocking=True)
-
-
 @dataclass
 class StepInputs:
     """The flattened, device-resident inputs of one step (views of `InputBatch` buffers)."""
@@ -82,6 +64,9 @@ class StepInputs:
     failed: dict[str, str] = field(default_factory=dict)
     """Requests that fail at this step, with their error: those with no allowed token left to sample
     (`LogitsProcessorsMetadata.exhausted`)."""
+    graph_size: int | None = None
+    """The CUDA graph capture size this decode batch is laid out padded to (`InputBatch.graph_sizes`), whose graph
+    reads its tensors where they are; None for any other step."""
     exhausted_drafts: dict[int, int] = field(default_factory=dict)
     """Drafted requests (by sampling index) with no allowed token left at a row after j >= 1 drafts, by the first
     such j: they fail if their verified tokens reach that row (`exhausted_after_drafts`)."""

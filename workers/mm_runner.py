@@ -217,7 +217,7 @@ class MultiModalRunner:
             return None, inputs.positions
         spans = self._spans(sched_out, batch)
         positions = None
-        flat = batch.positions.np[: inputs.num_tokens]
+        flat = batch.layout.host["positions"][: inputs.num_tokens]
         if self.mrope is not None:
             positions = self.mrope.positions(spans, flat, inputs.positions.device)
             if self.routes_prompt_rows:

@@ -14,7 +14,6 @@ sends rank 0's output back.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -199,8 +198,9 @@ class ModelRunner(KVCacheSetup):
         failed.update(inputs.failed)  # no allowed token left to sample
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
         graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
+        greedy = None  # the step's tokens when a graph computed them (its LM head and argmax)
         if graphs is not None and positions.dim() == 1 and graphs.can_run(inputs):  # a decode batch: replay it
-            hidden = graphs.forward(inputs if positions is inputs.positions else replace(inputs, positions=positions))
+            hidden, greedy = graphs.forward(inputs, positions, self._argmax_only(inputs, sched_out))
         else:
             hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, **extra)
         if self.pooler.pools_all:  # MEAN / CLS / ALL pooling: every prompt row of theirs, chunk by chunk
@@ -215,13 +215,7 @@ class ModelRunner(KVCacheSetup):
             selected = hidden if inputs.every_token_samples else hidden.index_select(0, inputs.logits_indices)
             if self.pooler.samples_any(inputs.req_ids, inputs.sample_indices):
                 embeddings = self.pooler.embeddings(inputs.req_ids, inputs.sample_indices, selected)
-            logits = self.model.compute_logits(selected)
-            if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
-                drafted = {inputs.req_ids[inputs.sample_indices[r.sample]]: (r.first_row, len(r.drafts))
-                           for r in inputs.drafted}
-                apply_grammar_bitmask(logits, sched_out.grammar_bitmask,
-                                      [inputs.req_ids[i] for i in inputs.sample_indices], drafted)
-            sampler_out = self.sampler(logits, inputs.sampling_metadata)
+            sampler_out = SamplerOutput(greedy) if greedy is not None else self._sample(sched_out, inputs, selected)
             if defer and not failed and not embeddings and self._may_defer(sched_out, sampler_out):
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
                 return InFlightStep(sched_out, inputs, pending)
@@ -241,6 +235,23 @@ class ModelRunner(KVCacheSetup):
         if self.drafter is not None:  # the draft's KV of this step's tokens, and the next step's drafts
             output.draft_token_ids = self._propose_drafts(inputs, failed, hidden, positions)
         return output
+
+    def _sample(self, sched_out: SchedulerOutput, inputs: StepInputs, selected: torch.Tensor) -> SamplerOutput:
+        """The logits of the sampling rows' hidden states, masked by the grammar where one is given, sampled."""
+        logits = self.model.compute_logits(selected)
+        if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
+            drafted = {inputs.req_ids[inputs.sample_indices[r.sample]]: (r.first_row, len(r.drafts))
+                       for r in inputs.drafted}
+            apply_grammar_bitmask(logits, sched_out.grammar_bitmask,
+                                  [inputs.req_ids[i] for i in inputs.sample_indices], drafted)
+        return self.sampler(logits, inputs.sampling_metadata)
+
+    @staticmethod
+    def _argmax_only(inputs: StepInputs, sched_out: SchedulerOutput) -> bool:
+        """Whether the step's tokens are its logits' argmax, one per scheduled token (a decode graph with the LM
+        head may compute them: workers/cuda_graphs.py)."""
+        return (inputs.every_token_samples and inputs.sampling_metadata.argmax_only
+                and sched_out.grammar_bitmask is None and not inputs.prompt_logprobs_jobs)
 
     def _roll_back_states(self, inputs: StepInputs, verified: dict[int, list[int]]) -> None:
         """The state layers' rows as they were after each drafted request's accepted drafts."""

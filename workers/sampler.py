@@ -86,6 +86,13 @@ class SamplingMetadata:
     generation_rules: RulesStep | None = None
     """The model's suppressed ids and timestamp rules (workers/generation_rules.py), after the processors above."""
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row greedy, nothing changes the logits (processors, generation rules) and no logprobs: the tokens
+        are the logits' argmax (what a decode graph with the LM head computes: workers/cuda_graphs.py)."""
+        return (self.random_rows is None and self.logits_processors is None and self.logprobs is None
+                and self.generation_rules is None)
+
     @classmethod
     def from_arrays(
         cls,

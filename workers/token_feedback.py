@@ -82,6 +82,8 @@ class TokenFeedback:
         self._dst = torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=on_cuda)
         self._src = torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=on_cuda)
         self._device = device
+        self._events = (torch.cuda.Event(), torch.cuda.Event()) if on_cuda else None
+        """One per host buffer, recorded again each time that buffer is: its last copy done (created on first use)."""
         self._flip = 0
         self.pending: PendingTokens | None = None
         """The last deferred step whose ids some row still lacks on the host."""
@@ -89,11 +91,11 @@ class TokenFeedback:
     def defer(self, device_tokens: torch.Tensor, rows: list[list[int]]) -> PendingTokens:
         """Queue the copy of ``device_tokens`` to the host and mark ``rows`` (one per id) pending."""
         num = device_tokens.shape[0]
-        if self._device.type == "cuda":
+        if self._events is not None:
             host = self._host[self._flip, :num]  # two buffers: this step's copy must not overwrite the last one's
+            event = self._events[self._flip]
             self._flip ^= 1
             host.copy_(device_tokens, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
             host, event = device_tokens, None

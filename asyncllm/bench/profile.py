@@ -88,8 +88,10 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     metrics["device_busy_fraction"] = metrics["device_ms"] / metrics["step_ms"] if metrics["step_ms"] else 0.0
     _print_kernels(metrics)
     line = common.roofline(ctx, args.batch_size, args.input_len + num_decodes / 2)
+    graphs = loop.runner.cuda_graphs
     settings = {"batch_size": args.batch_size, "input_len": args.input_len, "num_steps": args.num_steps,
-                "profile_steps": args.profile_steps, "graphs": loop.runner.cuda_graphs is not None}
+                "profile_steps": args.profile_steps, "graphs": graphs is not None,
+                "greedy_graph_replays": graphs.num_greedy_replays if graphs is not None else 0}
     return common.finish(ctx, "profile", settings, metrics, line, metrics["decode_tokens_per_s"])
 
 

@@ -16,6 +16,7 @@ def test_profile_reports_phases_and_kernels_by_kind(tmp_path: Path, capsys: pyte
                              "--profile-steps", "2", "--warmup-steps", "1"])
     metrics, settings = result["metrics"], result["settings"]
     assert settings["batch_size"] == 3 and settings["graphs"] is False  # CPU: eager
+    assert settings["greedy_graph_replays"] == 0
     phases = [metrics[k] for k in ("schedule_ms", "model_ms", "update_ms")]
     assert all(ms > 0 for ms in phases) and metrics["model_ms"] > metrics["schedule_ms"]
     assert metrics["decode_tokens_per_s"] == pytest.approx(3 / (metrics["step_ms"] / 1e3))

@@ -22,6 +22,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.workers.cuda_graphs import DecodeBuffers
+from asyncllm.workers.step_staging import StepStaging
 
 HOST_READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "unique", "_unique2"}
 """Ops whose result depends on a tensor's values on the host (``bool(t)`` and ``t.item()`` reach
@@ -68,9 +69,8 @@ def _model(path: Path, family: str) -> tuple[Any, list[torch.Tensor]]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_graph_layout_decode_forward_reads_nothing_on_the_host(tmp_path: Path, family: str) -> None:
     model, caches = _model(tmp_path, family)  # loaded outside inference mode, as the runner loads it
-    buffers = DecodeBuffers(4, 4, 16, torch.device("cpu"))
-    metadata = buffers.load_warmup(4)
-    ids, positions = buffers.input_ids[:4], buffers.positions[:4]
+    buffers = DecodeBuffers(StepStaging(4, 4, torch.device("cpu")), torch.zeros((4, 4), dtype=torch.int32), 16)
+    ids, positions, metadata = buffers.load_warmup(4)
     reads = HostReads()
     with torch.inference_mode():  # as capture_decode_graphs runs it
         model(ids, positions, caches, metadata)  # the warm-up capture() runs first (lazy state settles)

@@ -98,6 +98,7 @@ def test_the_warmup_runs_each_size_once_and_writes_no_kv(monkeypatch: pytest.Mon
     from asyncllm.models.registry import kv_cache_spec
     from asyncllm.tiny import tiny_checkpoint
     from asyncllm.workers import decode_warmup
+    from asyncllm.workers.input_batch import InputBatch
 
     path = tiny_checkpoint("llama")
     hf_config = load_hf_config(path)
@@ -116,8 +117,10 @@ def test_the_warmup_runs_each_size_once_and_writes_no_kv(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(decode_warmup, "warms_up", lambda runner: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    batch = InputBatch(max_num_reqs=5, max_num_batched_tokens=8, max_model_len=8, block_size=4,
+                       device=torch.device("cpu"))
     runner = SimpleNamespace(model=spy, kv_caches=kv_caches, max_num_seqs=5, max_model_len=8, block_size=4,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), input_batch=batch)
     decode_warmup.warm_up_decodes(runner)
     assert sizes == [(1, 1), (2, 2), (4, 4), (5, 5)]
     for cache, kept in zip(kv_caches, before):

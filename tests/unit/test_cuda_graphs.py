@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from asyncllm.config import EngineConfig
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.cuda_graphs import (
-    DecodeBuffers, capture_sizes, graphs_off_reason, model_graphs_off_reason, padded_size,
+    CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason, model_graphs_off_reason, padded_size,
 )
 from asyncllm.workers.input_batch import InputBatch
 from asyncllm.workers.model_runner import ModelRunner
@@ -102,34 +101,52 @@ def _decode_step(batch: InputBatch) -> SchedulerOutput:
     return decode
 
 
-def test_decode_buffers_pad_a_step_exactly() -> None:
-    batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
-    inputs = batch.prepare_inputs(_decode_step(batch))
-    buffers = DecodeBuffers(max_size=8, max_blocks_per_req=4, block_size=4, device=CPU)
-    buffers.load_warmup(8)  # whatever a capture left behind is overwritten or padded
-    meta = buffers.load(inputs, 4)
-    assert buffers.input_ids[:3].tolist() == [11, 12, 13]
-    assert buffers.positions[:3].tolist() == [3, 5, 1]
+def _buffers(batch: InputBatch) -> DecodeBuffers:
+    return DecodeBuffers(batch.staging, batch.block_tables, 4)
+
+
+def test_a_decode_batch_is_laid_out_padded_where_its_graph_reads() -> None:
+    batch = InputBatch(max_num_reqs=8, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
+    decode = _decode_step(batch)
+    _buffers(batch).load_warmup(8)  # whatever a capture left behind is overwritten or padded
+    batch.graph_sizes = [1, 2, 4, 8]
+    inputs = batch.prepare_inputs(decode)
+    assert inputs.graph_size == 4
+    ids, positions, meta = _buffers(batch).inputs(4)
+    assert ids.tolist() == [11, 12, 13, 0] and positions.tolist() == [3, 5, 1, 0]
     assert meta.slot_mapping.tolist() == [39, 17, 29, -1]  # block 9 slot 3, block 4 slot 1, block 7 slot 1, pad
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3]
     assert meta.seq_lens.tolist() == [4, 6, 2, 0]
     assert meta.block_tables[:3].tolist() == [[9, 0, 0, 0], [2, 4, 0, 0], [7, 0, 0, 0]]
-    assert (meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_reqs) == ([0, 1, 2, 3, 3], [4, 6, 2, 0], 4)
-    assert meta.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()  # views of the fixed buffers
+    step = inputs.attn_metadata  # the step's own tensors: the real rows of the same memory
+    for mine, graphs in ((inputs.input_ids, ids), (inputs.positions, positions), (step.slot_mapping, meta.slot_mapping),
+                         (step.query_start_loc, meta.query_start_loc), (step.seq_lens, meta.seq_lens),
+                         (step.block_tables, meta.block_tables)):
+        assert mine.data_ptr() == graphs.data_ptr() and mine.shape[0] == graphs.shape[0] - 1
+    assert (step.query_start_loc_cpu, step.seq_lens_cpu) == ([0, 1, 2, 3], [4, 6, 2])
 
-    meta = buffers.load(inputs, 8)
+    _buffers(batch).load_warmup(8)
+    batch.graph_sizes = [2, 8]
+    assert batch.prepare_inputs(decode).graph_size == 8
+    meta = _buffers(batch).inputs(8)[2]
     assert meta.slot_mapping.tolist() == [39, 17, 29] + [-1] * 5
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert meta.seq_lens.tolist() == [4, 6, 2, 0, 0, 0, 0, 0]
-    meta = buffers.load(inputs, 3)  # an exact size: no padding
-    assert meta.query_start_loc.tolist() == [0, 1, 2, 3] and meta.seq_lens.tolist() == [4, 6, 2]
+    batch.graph_sizes = [1, 3]  # an exact size: no padding
+    assert batch.prepare_inputs(decode).graph_size == 3
+    assert _buffers(batch).inputs(3)[2].seq_lens.tolist() == [4, 6, 2]
+    batch.graph_sizes = [1, 2]  # past the largest size: eager, unpadded
+    inputs = batch.prepare_inputs(decode)
+    assert inputs.graph_size is None and inputs.attn_metadata.seq_lens.tolist() == [4, 6, 2]
 
 
-def test_decode_buffers_refuse_a_prefill_step() -> None:
+def test_a_prefill_step_has_no_graph() -> None:
     batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
+    batch.graph_sizes = [1, 2, 4]
     step = SchedulerOutput(0, [NewRequestData("a", [5, 6, 7], 3, GREEDY, [1], 0)], CachedRequestData(), {"a": 3}, 3)
     batch.update_states(step)
-    buffers = DecodeBuffers(max_size=8, max_blocks_per_req=4, block_size=4, device=CPU)
-    with pytest.raises(AssertionError):
-        buffers.load(batch.prepare_inputs(step), 4)
-
+    inputs = batch.prepare_inputs(step)
+    assert inputs.graph_size is None and inputs.input_ids.tolist() == [5, 6, 7]
+    graphs = CudaGraphRunner(lambda *args: None, _buffers(batch), [1, 2, 4])
+    graphs.graphs = {size: None for size in (1, 2, 4)}  # as if captured
+    assert not graphs.can_run(inputs)
