@@ -82,7 +82,8 @@ def test_bf16_logits_close_to_transformers(qwen3_pair, backend: str) -> None:
             assert agree >= 0.90, agree
 
 
-def _run_rounds(model, hf_config, path: str, enforce_eager: bool) -> tuple[dict, ModelRunner, int]:
+def _run_rounds(model, hf_config, path: str, enforce_eager: bool,
+                logprobs: int | None = 0) -> tuple[dict, ModelRunner, int]:
     """Rounds of 3 then 17 greedy requests through a runner; (requests, runner, decode steps run)."""
     config = EngineConfig.create(path, device="cuda", dtype="bfloat16", attention_backend="triton",
                                  max_model_len=512, max_num_seqs=24, max_num_batched_tokens=2048,
@@ -93,7 +94,7 @@ def _run_rounds(model, hf_config, path: str, enforce_eager: bool) -> tuple[dict,
     runner.init_cache(num_blocks)
     driver = StepDriver(runner, num_blocks)
     rng = random.Random(5)
-    params = SamplingParams(temperature=0.0, logprobs=0)
+    params = SamplingParams(temperature=0.0, logprobs=logprobs)
     done: dict = {}
     for round_id, size in enumerate((3, 17)):
         driver.requests = {}
@@ -122,3 +123,17 @@ def test_bf16_decode_graphs_match_eager(qwen3_pair) -> None:
         b = np.frombuffer(b"".join(graphed[req_id].logprobs), np.float32)
         worst = max(worst, float(np.abs(a - b).max()))
     assert worst < 0.05, worst
+
+
+def test_bf16_greedy_decode_graphs_match_eager(qwen3_pair) -> None:
+    """Without logprobs a greedy step's tokens are the argmax: batches up to 16 replay the graph with the LM head
+    and the argmax in it (workers/cuda_graphs.py, GREEDY_CAPTURE_MAX) and give the eager runner's tokens."""
+    path, hf_config, hf_model = qwen3_pair
+    model = _our_model(hf_config, hf_model, "triton")
+    eager, _, _ = _run_rounds(model, hf_config, path, enforce_eager=True, logprobs=None)
+    graphed, runner, num_decode_steps = _run_rounds(model, hf_config, path, enforce_eager=False, logprobs=None)
+    graphs = runner.cuda_graphs
+    assert graphs is not None and sorted(graphs.greedy_graphs) == [1, 2, 4, 8, 16]
+    assert graphs.num_replays == num_decode_steps and 0 < graphs.num_greedy_replays < num_decode_steps
+    for req_id, req in eager.items():
+        assert graphed[req_id].outputs == req.outputs, req_id
