@@ -38,6 +38,9 @@ class BlockTable:
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
         self._mirrored = device.type != "cpu" or self.MIRROR_ON_CPU
         self._pending: dict[int, int] = {}
+        self.version = 0
+        """Bumped by every write (`append`, `clear`, `grow`): rows gathered at an unchanged version still hold what a
+        gather would give (`InputBatch` skips gathering them again)."""
         """Device writes not applied yet: flat index (row * max_blocks_per_req + column) -> block id."""
         self.device_table = self._new_device_table(num_rows)
 
@@ -48,6 +51,7 @@ class BlockTable:
 
     # ------------------------------------------------------------ writes
     def append(self, row: int, block_ids: list[int]) -> None:
+        self.version += 1
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
         assert end <= self.max_blocks_per_req, f"{end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}"
@@ -58,6 +62,7 @@ class BlockTable:
             self._pending.update(zip(range(base, base + len(block_ids)), block_ids))
 
     def clear(self, row: int) -> None:
+        self.version += 1
         end = int(self.num_blocks[row])
         self.table[row, :end] = 0
         self.num_blocks[row] = 0
@@ -66,6 +71,7 @@ class BlockTable:
             self._pending.update(dict.fromkeys(range(base, base + end), 0))
 
     def grow(self, num_rows: int) -> None:
+        self.version += 1
         extra = num_rows - len(self.num_blocks)
         self.table = np.concatenate([self.table, np.zeros((extra, self.max_blocks_per_req), np.int32)])
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(extra, np.int32)])

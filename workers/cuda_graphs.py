@@ -131,14 +131,15 @@ class DecodeBuffers:
 
     def load_warmup(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """`inputs` holding the layout a graph is captured with (written on the device): ``size`` one-token
-        requests of context 1, writing no KV."""
+        requests of context 1, writing no KV, each reading the first block of its row of the block-table buffer (a
+        valid block id whatever the row holds: the buffer is zeros or gathered rows; it is left as it is, so the
+        input batch's last gather stays valid)."""
         ids, positions, metadata = self.inputs(size)
         ids.zero_()
         positions.zero_()
         metadata.slot_mapping.fill_(-1)
         metadata.query_start_loc.copy_(torch.arange(size + 1, dtype=torch.int32))
         metadata.seq_lens.fill_(1)
-        metadata.block_tables.zero_()
         return ids, positions, metadata
 
 

@@ -89,6 +89,9 @@ class InputBatch:
         """The model keeps per-request recurrent states by row (linear attention): the step's metadata lists the rows
         on the host too (`AttentionMetadata.request_rows_cpu`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
+        """The step's block-table rows, gathered on the device (`BlockTable.gather`); nothing else writes them."""
+        self._gathered: tuple[int, list[str], torch.Tensor] | None = None
+        """(table version, requests, their rows of `block_tables`) of the last gather."""
 
     # ------------------------------------------------------------ state diffs
     def update_states(self, sched_out: SchedulerOutput) -> None:
@@ -282,7 +285,7 @@ class InputBatch:
                 slot_mapping=views["slot_mapping"],
                 query_start_loc=views["query_start_loc"],
                 seq_lens=views["seq_lens"],
-                block_tables=self.block_table.gather(rows, self.block_tables),
+                block_tables=self._gathered_block_tables(req_ids, rows),
                 query_start_loc_cpu=host["query_start_loc"][: num_reqs + 1].tolist(),
                 seq_lens_cpu=host["seq_lens"][:num_reqs].tolist(),
                 block_size=self.block_size,
@@ -293,6 +296,15 @@ class InputBatch:
             logits_indices=layout.device["logits_indices"][:num_logits_rows],  # none when every token samples
             sampling_metadata=sampling_metadata,
         )
+
+    def _gathered_block_tables(self, req_ids: list[str], rows: torch.Tensor) -> torch.Tensor:
+        """The step's block-table rows on the device, gathered again unless the last gather was of the same requests
+        in the same order and the table has not been written since (decode steps between block boundaries: one
+        launch a step less)."""
+        version, last = self.block_table.version, self._gathered
+        if last is None or last[0] != version or last[1] != req_ids:
+            last = self._gathered = (version, req_ids, self.block_table.gather(rows, self.block_tables))
+        return last[2]
 
     def _write_token_ids(self, input_ids: np.ndarray, states: list[RequestState], query_start_loc: np.ndarray,
                          computed: np.ndarray, seq_lens: np.ndarray) -> None:

@@ -97,3 +97,41 @@ def test_a_runner_with_a_mirrored_table_gives_the_reference_tokens(
         table = runner.input_batch.block_table
         table.flush()
         assert table._mirrored and (table.device_table.numpy() == table.table).all()
+
+
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirrored", "host-table"])
+def test_steps_gather_again_only_when_their_requests_or_the_table_changed(monkeypatch: pytest.MonkeyPatch,
+                                                                         mirror: bool) -> None:
+    """`InputBatch` reuses the last gathered block-table rows while the same requests run in the same order and the
+    table takes no write (decode steps between block boundaries); every step's rows are the host table's."""
+    from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+    from asyncllm.sampling import SamplingParams
+    from asyncllm.workers.input_batch import InputBatch
+
+    monkeypatch.setattr(BlockTable, "MIRROR_ON_CPU", mirror)
+    gathers: list[list[int]] = []
+    gather = BlockTable.gather
+    monkeypatch.setattr(BlockTable, "gather", lambda self, rows, out: gathers.append(rows.tolist()) or
+                        gather(self, rows, out))
+    batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4, device=CPU)
+    greedy = SamplingParams(temperature=0.0)
+    prefill = SchedulerOutput(0, [NewRequestData("a", [1] * 3, 3, greedy, [3, 7], 0),
+                                  NewRequestData("b", [2], 1, greedy, [9], 0)], CachedRequestData(),
+                              {"a": 3, "b": 1}, 4)
+    steps = [prefill]
+    computed = {"a": 3, "b": 1}
+    plan = [(["a", "b"], {}, []), (["b", "a"], {}, []), (["b", "a"], {}, []), (["b", "a"], {"b": [11]}, []),
+            (["b", "a"], {}, []), (["b", "a"], {"a": [12]}, []), (["a"], {}, ["b"])]
+    for step_id, (order, new_blocks, finished) in enumerate(plan, 1):
+        steps.append(SchedulerOutput(step_id, [], CachedRequestData(order, [computed[r] for r in order], new_blocks),
+                                     dict.fromkeys(order, 1), len(order), finished_req_ids=finished))
+        for req_id in order:
+            computed[req_id] += 1
+    for step in steps:
+        batch.update_states(step)
+        inputs = batch.prepare_inputs(step)
+        rows = [batch.requests[r].row for r in inputs.req_ids]
+        assert (inputs.attn_metadata.block_tables.numpy() == batch.block_table.table[rows]).all(), step.step_id
+        batch.finish_step(inputs, step, [5] * len(inputs.sample_indices))
+    # the prefill, the reorder, b's new block, a's new block, b's end
+    assert len(gathers) == 5, gathers
