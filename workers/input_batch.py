@@ -28,10 +28,12 @@ from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.generation_rules import GenerationRules
 from asyncllm.workers.input_types import RequestState, StepInputs
-from asyncllm.workers.logits_processors import EXHAUSTED_ERROR, RowLogitsParams, build_logits_processors_metadata
+from asyncllm.workers.logits_processors import (
+    LogitsProcessorsMetadata, RowLogitsParams, build_logits_processors_metadata,
+)
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
-from asyncllm.workers.sampler import SamplingMetadata
-from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_drafted
+from asyncllm.workers.sampler import GREEDY_EPS, SamplingMetadata
+from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, exhausted_requests, plan_drafted
 from asyncllm.workers.step_staging import StepLayout, StepStaging, pad_decode, padded_size
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
@@ -58,7 +60,8 @@ class InputBatch:
         """Requests that asked for prompt logprobs and have not sampled yet."""
         self._num_logits_params = 0
         self._num_logprobs = 0
-        """Rows with logits processors / logprobs: when 0, a step skips gathering them."""
+        self._num_random = 0
+        """Rows with logits processors / logprobs / a sampling temperature: when 0, a step skips gathering them."""
         max_blocks = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_reqs, max_blocks, device)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -146,6 +149,7 @@ class InputBatch:
     def _count_extras(self, state: RequestState, sign: int) -> None:
         self._num_logits_params += sign * (state.logits_params is not None)
         self._num_logprobs += sign * (state.params.logprobs is not None)
+        self._num_random += sign * (state.params.temperature >= GREEDY_EPS)
 
     def _update_requests(self, cached: CachedRequestData) -> None:
         requests = self.requests
@@ -228,7 +232,7 @@ class InputBatch:
         inputs = self._step_inputs(layout, req_ids, total, sample_indices, sampling_metadata, num_logits_rows)
         inputs.drafted, inputs.graph_size = drafted, graph_size
         if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
-            inputs.failed, inputs.exhausted_drafts = _exhausted_requests(
+            inputs.failed, inputs.exhausted_drafts = exhausted_requests(
                 req_ids, sample_indices, drafted, sampling_metadata.logits_processors.exhausted)
         if drafted and self.keeps_states:  # the state layers keep each draft's states (asyncllm/models/row_states.py)
             inputs.attn_metadata.state_drafts = [(int(rows[sample_indices[r.sample]]), len(r.drafts)) for r in drafted]
@@ -322,13 +326,24 @@ class InputBatch:
     def _sampling_metadata(self, states: list[RequestState], positions: list[int],
                            rows: np.ndarray | None = None) -> SamplingMetadata:
         """``rows``: the states' rows when already gathered (every scheduled request samples once)."""
-        if rows is None:
-            rows = np.fromiter((s.row for s in states), np.int64, len(states))
         device = self.device
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
         logprobs = (LogprobsMetadata.build([s.params.logprobs for s in states], device,
                                            [s.params.logprobs_mode for s in states]) if self._num_logprobs else None)
-        sampling = SamplingMetadata.from_arrays(
+        sampling = SamplingMetadata.greedy(len(states), processors, logprobs) if not self._num_random else None
+        if sampling is None:
+            sampling = self._random_rows_metadata(states, positions, rows, processors, logprobs)
+        if self.generation_rules is not None:
+            sampling.generation_rules = self.generation_rules.step(states, positions)
+        return sampling
+
+    def _random_rows_metadata(self, states: list[RequestState], positions: list[int], rows: np.ndarray | None,
+                              processors: LogitsProcessorsMetadata | None,
+                              logprobs: LogprobsMetadata | None) -> SamplingMetadata:
+        """Some request of the batch samples with a temperature: the rows' settings, its random rows' on the device."""
+        if rows is None:
+            rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        return SamplingMetadata.from_arrays(
             self.temperature[rows],
             self.top_k[rows],
             self.top_p[rows],
@@ -339,9 +354,6 @@ class InputBatch:
             logits_processors=processors,
             logprobs=logprobs,
         )
-        if self.generation_rules is not None:
-            sampling.generation_rules = self.generation_rules.step(states, positions)
-        return sampling
 
     # ------------------------------------------------------------ after the step
     def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int],
@@ -384,21 +396,3 @@ def _plan_state_checkpoints(metadata: AttentionMetadata, sched_out: SchedulerOut
         (requests[req_id].row, point - requests[req_id].num_computed_tokens, slot)
         for req_id, points in sched_out.state_saves.items() for point, slot in points
     ]
-
-
-def _exhausted_requests(req_ids: list[str], sample_indices: list[int], drafted: list[DraftedRequest],
-                        exhausted: tuple[int, ...]) -> tuple[dict[str, str], dict[int, int]]:
-    """The requests of `exhausted` logits rows that sample right after their committed tokens, with
-    `EXHAUSTED_ERROR`; and the drafted requests with such a row after a draft (which may be rejected), by sampling
-    index, with the number of drafts before their first one (`StepInputs.exhausted_drafts`)."""
-    committed = dict(enumerate(sample_indices))  # logits row -> index into req_ids
-    after_drafts: dict[int, tuple[int, int]] = {}  # logits row -> (sampling index, drafts before it)
-    for request in drafted:  # its usual row follows its drafts; its first draft row follows its committed tokens
-        del committed[request.sample]
-        committed[request.first_row] = sample_indices[request.sample]
-        after_drafts[request.sample] = (request.sample, len(request.drafts))
-        after_drafts.update((request.first_row + j, (request.sample, j)) for j in range(1, len(request.drafts)))
-    first: dict[int, int] = {}
-    for sample, j in sorted(after_drafts[row] for row in exhausted if row in after_drafts):
-        first.setdefault(sample, j)
-    return {req_ids[committed[row]]: EXHAUSTED_ERROR for row in exhausted if row in committed}, first

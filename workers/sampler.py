@@ -94,6 +94,12 @@ class SamplingMetadata:
                 and self.generation_rules is None)
 
     @classmethod
+    def greedy(cls, num_rows: int, logits_processors: LogitsProcessorsMetadata | None = None,
+               logprobs: LogprobsMetadata | None = None) -> "SamplingMetadata":
+        """Every row greedy (temperature below `GREEDY_EPS`)."""
+        return cls(num_rows, None, False, None, None, None, None, [], [], logits_processors, logprobs)
+
+    @classmethod
     def from_arrays(
         cls,
         temperature: np.ndarray,
@@ -110,7 +116,7 @@ class SamplingMetadata:
         num_rows = len(temperature)
         random = (temperature >= GREEDY_EPS).nonzero()[0]
         if len(random) == 0:
-            return cls(num_rows, None, False, None, None, None, None, [], [], logits_processors, logprobs)
+            return cls.greedy(num_rows, logits_processors, logprobs)
         top_k, top_p, min_p = top_k[random], top_p[random], min_p[random]
         return cls(
             num_rows=num_rows,

@@ -27,7 +27,12 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["DraftPosition", "DraftedRequest", "TokenPrefix", "exhausted_after_drafts", "plan_drafted", "verify_drafts"]
+from asyncllm.workers.logits_processors import EXHAUSTED_ERROR
+
+__all__ = [
+    "DraftPosition", "DraftedRequest", "TokenPrefix", "exhausted_after_drafts", "exhausted_requests", "plan_drafted",
+    "verify_drafts",
+]
 
 
 @dataclass
@@ -129,3 +134,21 @@ def exhausted_after_drafts(verified: dict[int, list[int]], exhausted_drafts: dic
     token (the row after j drafts gives the (j + 1)th token): they fail, as without drafts, with no token sampled
     there."""
     return [sample for sample, j in exhausted_drafts.items() if len(verified[sample]) > j]
+
+
+def exhausted_requests(req_ids: list[str], sample_indices: list[int], drafted: list[DraftedRequest],
+                       exhausted: tuple[int, ...]) -> tuple[dict[str, str], dict[int, int]]:
+    """The requests of `exhausted` logits rows that sample right after their committed tokens, with
+    `EXHAUSTED_ERROR`; and the drafted requests with such a row after a draft (which may be rejected), by sampling
+    index, with the number of drafts before their first one (`StepInputs.exhausted_drafts`)."""
+    committed = dict(enumerate(sample_indices))  # logits row -> index into req_ids
+    after_drafts: dict[int, tuple[int, int]] = {}  # logits row -> (sampling index, drafts before it)
+    for request in drafted:  # its usual row follows its drafts; its first draft row follows its committed tokens
+        del committed[request.sample]
+        committed[request.first_row] = sample_indices[request.sample]
+        after_drafts[request.sample] = (request.sample, len(request.drafts))
+        after_drafts.update((request.first_row + j, (request.sample, j)) for j in range(1, len(request.drafts)))
+    first: dict[int, int] = {}
+    for sample, j in sorted(after_drafts[row] for row in exhausted if row in after_drafts):
+        first.setdefault(sample, j)
+    return {req_ids[committed[row]]: EXHAUSTED_ERROR for row in exhausted if row in committed}, first

@@ -291,15 +291,15 @@ def test_rows_with_no_allowed_token_left_are_exhausted() -> None:
 def test_rows_after_drafts_fail_their_request_once_verified_tokens_reach_them() -> None:
     """A row right after the committed tokens fails its request at once; a row after j drafts only if the drafts
     before it are accepted (the (j + 1)th verified token would be sampled there, from no allowed token)."""
-    from asyncllm.workers.input_batch import _exhausted_requests
+    from asyncllm.workers.spec_decode import exhausted_requests
     from asyncllm.workers.logits_processors import EXHAUSTED_ERROR
     from asyncllm.workers.spec_decode import DraftedRequest, exhausted_after_drafts
 
     req_ids = ["a", "b", "c"]  # b samples nothing; c drafts two tokens: rows 1 (after both), 2 and 3 (at its drafts)
     drafted = [DraftedRequest(sample=1, first_row=2, drafts=[5, 6])]
-    assert _exhausted_requests(req_ids, [0, 2], drafted, (0, 1, 3)) == ({"a": EXHAUSTED_ERROR}, {1: 1})
-    assert _exhausted_requests(req_ids, [0, 2], drafted, (1,)) == ({}, {1: 2})
-    assert _exhausted_requests(req_ids, [0, 2], drafted, (2,)) == ({"c": EXHAUSTED_ERROR}, {})
+    assert exhausted_requests(req_ids, [0, 2], drafted, (0, 1, 3)) == ({"a": EXHAUSTED_ERROR}, {1: 1})
+    assert exhausted_requests(req_ids, [0, 2], drafted, (1,)) == ({}, {1: 2})
+    assert exhausted_requests(req_ids, [0, 2], drafted, (2,)) == ({"c": EXHAUSTED_ERROR}, {})
     assert exhausted_after_drafts({1: [5, 9]}, {1: 1}) == [1]  # draft 5 accepted: the next token is row 3's
     assert exhausted_after_drafts({1: [8]}, {1: 1}) == []  # draft 5 rejected: row 3 samples nothing
     assert exhausted_after_drafts({1: [5, 9]}, {1: 2}) == []
