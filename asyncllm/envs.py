@@ -154,6 +154,13 @@ PDL = EnvVar(
     "launches. Never under Triton's interpreter or on ROCm. Read at a kernel's first launch on a device.",
 )
 
+GREEDY_GRAPHS = EnvVar(
+    "ASYNCLLM_GREEDY_GRAPHS", True, _on_off,
+    "1 (the default): with CUDA graphs on, decode batches of up to 16 requests also get a graph with the model's LM "
+    "head and the greedy argmax in it, replayed for steps whose tokens are the argmax (workers/cuda_graphs.py); 0: "
+    "the forward graphs only, logits and sampling eager. Read when the graphs are captured.",
+)
+
 WORKER_TRACE_CHROME = EnvVar(
     "ASYNCLLM_WORKER_TRACE_CHROME", False, _on_off,
     "1: with ASYNCLLM_WORKER_TRACE_STEPS, each worker also keeps its whole trace as a gzipped Chrome trace "
@@ -264,7 +271,7 @@ FORKSERVER = EnvVar(
 )
 
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR,
-            ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_ETAG_TIMEOUT,
+            ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, GREEDY_GRAPHS, HF_HUB_ETAG_TIMEOUT,
             HF_HUB_OFFLINE, LOGGING_LEVEL, MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PDL, PP_LAYER_PARTITION,
             RESPONSES_API_STORE_MAX_ENTRIES,
             RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE, WORKER_TRACE_CHROME, WORKER_TRACE_DIR,
@@ -322,6 +329,7 @@ def check_at_start() -> None:
     XGRAMMAR_CACHE_MB.get()
     DECODE_LINEAR.get()
     PDL.get()
+    GREEDY_GRAPHS.get()
     WORKER_PIPELINE.get()
 
 

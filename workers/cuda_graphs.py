@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import Attention
 from asyncllm.workers.input_types import StepInputs
@@ -239,8 +240,8 @@ def _reference_experts(model: Any) -> bool:
 
 def decode_graphs(runner: ModelRunner) -> CudaGraphRunner:
     """The runner's `CudaGraphRunner` (not captured yet): its model over its KV cache, reading the input batch's
-    decode layouts, the model's LM head for the greedy graphs; the input batch lays decode batches out padded to
-    its capture sizes from now on."""
+    decode layouts, the model's LM head for the greedy graphs (unless ``ASYNCLLM_GREEDY_GRAPHS=0``); the input batch
+    lays decode batches out padded to its capture sizes from now on."""
     model, kv_caches, batch = runner.model, runner.kv_caches, runner.input_batch
     buffers = DecodeBuffers(batch.staging, batch.block_tables, runner.block_size)
     sizes = capture_sizes(runner.max_num_seqs, min(MAX_CAPTURE_SIZE, buffers.max_size))
@@ -249,7 +250,7 @@ def decode_graphs(runner: ModelRunner) -> CudaGraphRunner:
         return model(ids, positions, kv_caches, metadata)
 
     batch.graph_sizes = sizes
-    return CudaGraphRunner(forward, buffers, sizes, model.compute_logits)
+    return CudaGraphRunner(forward, buffers, sizes, model.compute_logits if envs.GREEDY_GRAPHS.get() else None)
 
 
 def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:

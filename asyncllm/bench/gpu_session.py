@@ -100,6 +100,9 @@ STEPS: list[Step] = [
     # programmatic dependent launch off (kernels/_pdl.py: on by default on Hopper): its share of the batch-1 token
     Step("latency-qwen3-nopdl", ["latency", *_QWEN], 60, env=(("ASYNCLLM_PDL", "0"),)),
     Step("profile-qwen3-b1-nopdl", ["profile", *_QWEN, "--batch-size", "1"], 90, env=(("ASYNCLLM_PDL", "0"),)),
+    Step("latency-qwen3-nogreedy", ["latency", *_QWEN], 60, env=(("ASYNCLLM_GREEDY_GRAPHS", "0"),)),
+    Step("profile-qwen3-b1-nogreedy", ["profile", *_QWEN, "--batch-size", "1"], 90,
+         env=(("ASYNCLLM_GREEDY_GRAPHS", "0"),)),
     # the real engine's device timeline at batch 1: each worker's torch.profiler over decode steps 64-127 (the warm-up
     # takes about 5), its summary (per step host phases, device busy and idle, the largest gaps and where) in the JSON
     Step("latency-qwen3-trace", ["latency", *_QWEN, "--num-iters", "1", "--worker-trace", "64:64"], 60),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from asyncllm.config import EngineConfig
@@ -150,3 +151,22 @@ def test_a_prefill_step_has_no_graph() -> None:
     graphs = CudaGraphRunner(lambda *args: None, _buffers(batch), [1, 2, 4])
     graphs.graphs = {size: None for size in (1, 2, 4)}  # as if captured
     assert not graphs.can_run(inputs)
+
+
+def test_the_greedy_graphs_take_the_models_head_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from asyncllm.errors import ConfigError
+    from asyncllm.workers.cuda_graphs import GREEDY_CAPTURE_MAX, decode_graphs
+
+    batch = InputBatch(max_num_reqs=24, max_num_batched_tokens=64, max_model_len=16, block_size=4, device=CPU)
+    model = SimpleNamespace(compute_logits=lambda hidden: hidden)
+    runner = SimpleNamespace(model=model, kv_caches=[], input_batch=batch, block_size=4, max_num_seqs=24)
+    graphs = decode_graphs(runner)
+    assert graphs.head is model.compute_logits and GREEDY_CAPTURE_MAX == 16
+    assert graphs.sizes == batch.graph_sizes == [1, 2, 4, 8, 16, 24]  # decode batches are padded from now on
+    monkeypatch.setenv("ASYNCLLM_GREEDY_GRAPHS", "0")
+    assert decode_graphs(runner).head is None
+    monkeypatch.setenv("ASYNCLLM_GREEDY_GRAPHS", "sometimes")
+    with pytest.raises(ConfigError, match="ASYNCLLM_GREEDY_GRAPHS"):
+        decode_graphs(runner)
