@@ -61,7 +61,7 @@ def _extents(num_tokens: int, num_reqs: int) -> dict[str, tuple[int, int]]:
     for name in _SECTIONS:
         extents[name] = (start, entries[name])
         start += _words(entries[name], name in _INT32)
-    extents["logits_indices"] = (start, 0)  # as many as the step's logits rows (`StepStaging.to_device`)
+    extents["logits_indices"] = (start, 0)  # the rest of the buffer (`StepLayout`); a step copies its rows
     return extents
 
 
@@ -73,14 +73,16 @@ class StepLayout:
         self.num_tokens, self.num_reqs = num_tokens, num_reqs
         self.host: dict[str, np.ndarray] = {}
         self.device: dict[str, torch.Tensor] = {}
-        for name, (start, num) in _extents(num_tokens, num_reqs).items():
-            end = start + (_words(num, name in _INT32) if num else staging.capacity - start)
+        extents = _extents(num_tokens, num_reqs)
+        for name, (start, num) in extents.items():
+            if name == "logits_indices":  # as many rows as the buffer has room for
+                num = staging.capacity - start
+            end = start + _words(num, name in _INT32)
             host, device = staging.host_np[start:end], staging.device[start:end]
             if name in _INT32:
                 host, device = host.view(np.int32), device.view(torch.int32)
-            self.host[name] = host[:num] if num else host
-            self.device[name] = device[:num] if num else device
-        self.logits_start = _extents(num_tokens, num_reqs)["logits_indices"][0]
+            self.host[name], self.device[name] = host[:num], device[:num]
+        self.logits_start = extents["logits_indices"][0]
         self._prefix: tuple[tuple[int, int], dict[str, torch.Tensor]] = ((-1, -1), {})
 
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
