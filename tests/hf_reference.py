@@ -25,9 +25,20 @@ def _causal_lm(path: str):
     import transformers
 
     with open(os.path.join(path, "config.json")) as f:
-        arch = (json.load(f).get("architectures") or [""])[0]
+        config = json.load(f)
+    arch = (config.get("architectures") or [""])[0]
     cls = getattr(transformers, arch) if arch == "Mistral4ForCausalLM" else transformers.AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=torch.float32)
+    kwargs = {}
+    if (config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        # the dequantized reference: transformers >= 5.25 keeps MXFP4 on CPU when `kernels` is installed and fetches
+        # its triton kernels from the Hub (5.24 dequantized on CPU unasked)
+        kwargs["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    model = cls.from_pretrained(path, dtype=torch.float32, **kwargs)
+    if arch == "NemotronHForCausalLM":  # transformers < 5.25 clamped prefill dt below at time_step_min (an init
+        for module in model.modules():  # range); 5.25 and vLLM clamp to time_step_limit
+            if hasattr(module, "time_step_limit"):
+                module.time_step_limit = tuple(model.config.time_step_limit)
+    return model
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:

@@ -15,8 +15,8 @@ per layer, beside dense MLPs and a shortcut-connected mixture of experts with id
   its ``router_bias`` refused as transformers never adds it); the top ``moe_topk`` by score plus ``e_score_correction_bias``,
   weighted by the plain scores times ``routed_scaling_factor``, not renormalized. Ids past ``n_routed_experts`` are
   identity experts: they add the token's input times their weight (every rank whole, after the routed experts'
-  all-reduce). The checkpoint's gate/up rows for those ids (transformers stacks ``gate_up_proj`` over every id)
-  are left unread.
+  all-reduce). The checkpoint's gate/up rows for those ids (transformers < 5.25 stacks ``gate_up_proj`` over every
+  id; 5.25 over the routed ones) are left unread.
 
 Pipeline parallelism and LoRA adapters are not built for it (refused: asyncllm/pipeline_parallel.py,
 asyncllm/engine/prepare.py). The multi-token-prediction weights (``model.mtp.*``) are left unread, as transformers

@@ -1,11 +1,12 @@
 """NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H 4B / 8B / 47B / 56B, NVIDIA-Nemotron-Nano-9B / 12B-v2):
 a stack of single-mixer layers by ``layers_block_type`` (the older ``hybrid_override_pattern``): Mamba2
-(asyncllm/models/mamba2.py: ``mamba_num_heads x mamba_head_dim`` wide, ``dt`` clamped below by ``time_step_min`` in
-prefill chunks), attention without positions (Llama's projections, the identity rotary: exact), or a squared-ReLU
-MLP (``up_proj``, ``down_proj``); each after one RMSNorm (``norm``), its output added to the residual stream. The
-checkpoints' ``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. Nemotron 3's
-mixture-of-experts layers ("moe"): DeepSeek-V3's grouped sigmoid router (asyncllm/models/deepseek_moe.py), experts
-without a gate (``relu(up x) ** 2``, the fused-MoE kernel's ``relu2``) on the hidden state or on its projection to
+(asyncllm/models/mamba2.py: ``mamba_num_heads x mamba_head_dim`` wide, ``dt`` clamped to ``time_step_limit`` in
+prefill chunks as vLLM and transformers >= 5.25 do: ``time_step_min`` only bounds ``dt_bias``'s initialization),
+attention without positions (Llama's projections, the identity rotary: exact), or a squared-ReLU MLP (``up_proj``,
+``down_proj``); each after one RMSNorm (``norm``), its output added to the residual stream. The checkpoints'
+``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. Nemotron 3's mixture-of-experts
+layers ("moe"): DeepSeek-V3's grouped sigmoid router (asyncllm/models/deepseek_moe.py), experts without a gate
+(``relu(up x) ** 2``, the fused-MoE kernel's ``relu2``) on the hidden state or on its projection to
 ``moe_latent_size`` (``fc1_latent_proj`` / ``fc2_latent_proj``, kept whole on every rank), plus the shared
 squared-ReLU MLP.
 """
@@ -41,7 +42,7 @@ def nemotron_mamba(cfg: Any) -> Mamba2Shape:
     """Nemotron-H's names for a Mamba2 layer's sizes."""
     return Mamba2Shape(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
                        cfg.conv_kernel, bool(cfg.use_conv_bias), bool(cfg.use_bias), cfg.layer_norm_epsilon,
-                       (float(cfg.time_step_min), float("inf")))
+                       tuple(getattr(cfg, "time_step_limit", None) or (0.0, float("inf"))))
 
 
 def nemotron_moe_spec(cfg: Any) -> MoESpec:

@@ -97,9 +97,11 @@ def test_stacked_experts_load_as_the_per_expert_ones(tmp_path) -> None:
     tensors = load_file(stacked / "model.safetensors")
     for layer in range(2):
         prefix = f"model.layers.{layer}.mlp.experts"
+        stacked_ids = sum(f"{prefix}.{e}.gate_proj.weight" in tensors for e in range(8))  # 8 (the identity ids'
+        # rows too) as transformers < 5.25 saves them, 6 (the routed ones) from 5.25
         tensors[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{prefix}.{e}.gate_proj.weight"),
                                                                     tensors.pop(f"{prefix}.{e}.up_proj.weight")])
-                                                         for e in range(8)])
+                                                         for e in range(stacked_ids)])
         tensors[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in range(6)])
     tensors["model.mtp.layers.0.eh_proj.weight"] = torch.zeros(64, 128)  # a multi-token-prediction weight: unread
     save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})

@@ -102,7 +102,8 @@ def test_legacy_su_rope_is_longrope_in_every_config() -> None:
 
     su = {"type": "su", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     sizes = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 256}
-    phi3 = Phi3Config.from_dict({**sizes, "num_key_value_heads": 4, "rope_scaling": dict(su)})
+    phi3 = Phi3Config.from_dict({**sizes, "num_key_value_heads": 4, "original_max_position_embeddings": 64,
+                                 "rope_scaling": dict(su)})  # top-level as in Phi-3's config.json (5.25 prefers it)
     remote = PretrainedConfig.from_dict({**sizes, "rope_scaling": dict(su), "rope_theta": 1e4})
     assert remote.rope_parameters["rope_type"] == "su"  # what transformers leaves a config it does not know
     for config in (phi3, remote):
