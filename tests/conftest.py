@@ -10,9 +10,6 @@ import pytest
 
 # Worker processes share 2 cores with the test process: keep torch from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Child interpreters (`python -c` / `-m`) run from the repo root: without this its top-level kernels/ folder (the
-# package asyncllm.kernels) would shadow the `kernels` distribution transformers >= 5.25 imports.
-os.environ.setdefault("PYTHONSAFEPATH", "1")
 # The tiny test models need a few MB of KV cache; every worker would zero the 1 GiB default at start (~0.6 s).
 os.environ.setdefault("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.125")
 

@@ -73,3 +73,19 @@ def test_sdist_carries_the_docs_and_tests(tmp_path: pathlib.Path) -> None:
                     if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
         missing = sorted(expected - names)
         assert not missing, f"missing from the sdist: {missing[:10]}"
+
+
+def test_the_checkout_root_leaves_the_name_kernels_to_the_installed_distribution() -> None:
+    """Run from the checkout's root (``python -c``: the root first on sys.path), ``import kernels`` is Hugging Face's
+    installed ``kernels`` where there is one (transformers 5.25 imports it with every model), else this folder;
+    ``asyncllm.kernels`` is ours either way."""
+    import importlib.machinery
+
+    installed = importlib.machinery.PathFinder.find_spec("kernels", [p for p in sys.path if p and p != str(ROOT)])
+    code = "import kernels, asyncllm.kernels as ours; print(kernels.__file__); print(ours.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    top, ours = out.stdout.split()
+    assert pathlib.Path(ours) == ROOT / "kernels" / "__init__.py"
+    expected = pathlib.Path(installed.origin) if installed is not None else ROOT / "kernels" / "__init__.py"
+    assert pathlib.Path(top) == expected
