@@ -39,8 +39,9 @@ def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
 def pad_decode(host: dict[str, np.ndarray], num_reqs: int) -> None:
     """Fill the rows past a decode batch's ``num_reqs`` one-token requests, to its layout's size, with padding: each
     a request with an empty query (its query start repeats the last real one) and no context, whose token writes no
-    KV (slot -1) and reads row 0's block table. The paged-attention kernel returns at once for an empty query, so
-    padding reads and writes no KV; its hidden states are garbage, dropped (workers/cuda_graphs.py)."""
+    KV (slot -1); its request row (0) and block-table row are never read. The paged-attention kernel returns at once
+    for an empty query, so padding reads and writes no KV; its hidden states are garbage, dropped
+    (workers/cuda_graphs.py)."""
     for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("request_rows", 0),
                         ("seq_lens", 0)):
         host[name][num_reqs:] = value
