@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+from importlib.metadata import version
+
+from packaging.version import Version
+
+HF_AYA_VISION_SCALES_LOGITS = Version(version("transformers")) >= Version("5.25")
+"""transformers 5.25 and later scale Aya Vision's Cohere logits by ``logit_scale`` themselves, as asyncllm and vLLM do."""
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):

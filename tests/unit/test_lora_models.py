@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
-from hf_reference import hf_logits
+from hf_reference import HF_AYA_VISION_SCALES_LOGITS, hf_logits
 from lora_utils import EXPERTS, make_adapter, peft_logits
 from model_utils import MaskedRun
 from safetensors.torch import load_file
@@ -333,9 +331,8 @@ def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, req
         hf_base = [hf(input_ids=torch.tensor([tokens])).logits[0] for tokens in sequences]
     expected, expected_base = peft_logits(path, adapter, sequences[0], cls), hf_base[1]
     assert (expected - hf_base[0]).abs().max() > 0.5  # the adapter changes the logits
-    # Aya Vision's and Command A Vision's Cohere logits are scaled by logit_scale, as vLLM's are (transformers' leaves
-    # them unscaled)
-    unscaled = ("cohere2_vision",) + (("aya_vision",) if _HF_AYA_UNSCALED else ())  # 5.25 scales Aya's
+    # our Cohere logits are scaled by logit_scale as vLLM's; transformers' not (Aya Vision's until 5.25)
+    unscaled = ("cohere2_vision",) + (() if HF_AYA_VISION_SCALES_LOGITS else ("aya_vision",))
     scale = load_hf_config(path).text_config.logit_scale if family in unscaled else 1.0
     torch.testing.assert_close(with_adapter, expected * scale, atol=ATOL, rtol=0)
     torch.testing.assert_close(base, expected_base * scale, atol=ATOL, rtol=0)
@@ -345,10 +342,6 @@ def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, req
     if family == "mllama":
         _assert_a_matrix_is_refused(adapter, str(tmp_path / "cross"), checker, hf, ".cross_attn.q_proj",
                                     "adapters on the cross-attention layers")
-
-
-_HF_AYA_UNSCALED = Version(transformers.__version__) < Version("5.25")
-"""transformers < 5.25's AyaVisionForConditionalGeneration left its Cohere logits unscaled."""
 
 
 def _edit_config(path: str, edit: Any) -> None:
