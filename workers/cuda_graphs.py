@@ -7,7 +7,9 @@ up to ``min(max_num_seqs, MAX_CAPTURE_SIZE)``, the largest first, all sharing
 one memory pool) and replays it. A step qualifies when every scheduled
 request runs exactly one token, the model takes no input embeddings, and the
 batch fits the largest size; it runs the graph of the smallest size that
-holds it, padded. Logits, sampling and every other step stay eager.
+holds it, padded. Batches of up to `GREEDY_CAPTURE_MAX` requests whose tokens are
+the argmax also have a graph with the LM head and the argmax in it; otherwise
+logits and sampling stay eager, as does every other step.
 
 Inputs (`DecodeBuffers`): a graph reads the step where the input batch's one
 host-to-device copy put it, at fixed addresses: once graphs are captured,
@@ -40,7 +42,7 @@ from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import Attention
 from asyncllm.workers.input_types import StepInputs
-from asyncllm.workers.step_staging import StepStaging, padded_size
+from asyncllm.workers.step_staging import StepStaging
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GREEDY_CAPTURE_MAX", "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeBuffers", "capture_decode_graphs",
     "capture_sizes", "captured_host_values", "decode_graphs", "graphs_off_reason", "model_graphs_off_reason",
-    "padded_size", "recapture_if_changed",
+    "recapture_if_changed",
 ]
 
 logger = logging.getLogger(__name__)

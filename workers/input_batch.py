@@ -330,9 +330,10 @@ class InputBatch:
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
         logprobs = (LogprobsMetadata.build([s.params.logprobs for s in states], device,
                                            [s.params.logprobs_mode for s in states]) if self._num_logprobs else None)
-        sampling = SamplingMetadata.greedy(len(states), processors, logprobs) if not self._num_random else None
-        if sampling is None:
+        if self._num_random:
             sampling = self._random_rows_metadata(states, positions, rows, processors, logprobs)
+        else:  # every row greedy: no per-row settings to gather
+            sampling = SamplingMetadata.greedy(len(states), processors, logprobs)
         if self.generation_rules is not None:
             sampling.generation_rules = self.generation_rules.step(states, positions)
         return sampling

@@ -16,10 +16,11 @@ from asyncllm.config import EngineConfig
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.cuda_graphs import (
-    CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason, model_graphs_off_reason, padded_size,
+    CudaGraphRunner, DecodeBuffers, capture_sizes, graphs_off_reason, model_graphs_off_reason,
 )
 from asyncllm.workers.input_batch import InputBatch
 from asyncllm.workers.model_runner import ModelRunner
+from asyncllm.workers.step_staging import padded_size
 from model_utils import save_tiny_checkpoint
 
 CPU = torch.device("cpu")
