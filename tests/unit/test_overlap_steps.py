@@ -166,3 +166,49 @@ def test_a_step_that_admits_requests_sends_fresh_stats_before_its_outputs(tmp_pa
         gate.touch()
         overlap.drain([])
     assert not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("sync_from", [None, 3])
+def test_a_steps_outputs_go_out_after_the_next_step_is_submitted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 sync_from: int | None) -> None:
+    """Between step N's output reaching the core and step N+2's submission lie only the apply and the schedule:
+    step N's outputs (collected while N+1 runs) go to the hosts after N+2 is submitted, none is lost, and each
+    message holds one step's (a host applies a message's full deltas before its tokens). With `sync_from`, a
+    grammar makes the steps from then on synchronous: the held step goes out before the one collected then."""
+    gate = tmp_path / "open"
+    gate.touch()
+    monkeypatch.setenv(_GATE_ENV, str(gate))
+    with Executor(make_config(worker_step_timeout_s=30.0), runner=f"{__file__}:GatedRunner") as executor:
+        executor.init_cache(executor.start())
+        scheduler = Scheduler(make_config(), 16, 64)
+        core = _fake_core(scheduler, executor)
+        events: list[tuple[str, int]] = []
+        submit = executor.submit
+
+        def logged_submit(sched_out: SchedulerOutput) -> None:
+            events.append(("submit", sched_out.step_id))
+            if sched_out.step_id == sync_from:  # from now on, steps need every token known
+                core.structured = SimpleNamespace(matchers={"a": None}, grammar_bitmask=lambda *args: None,
+                                                  accept=lambda *args: None)
+            submit(sched_out)
+
+        def logged_send(outputs: object) -> None:
+            steps = {token // 1000 for _, delta in outputs for token in delta.new_token_ids}  # the steps that sampled
+            assert len(steps) <= 1, f"one message holds the outputs of steps {steps}"
+            for _, delta in outputs:
+                events.extend(("send", token // 1000) for token in delta.new_token_ids)
+                core.sent.append(delta)
+
+        executor.submit, core.send_outputs = logged_submit, logged_send  # type: ignore[method-assign]
+        overlap = OverlappedSteps(core)  # type: ignore[arg-type]
+        scheduler.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=6), [0], 0.0))
+        while scheduler.has_unfinished_requests():
+            overlap.step([], False)
+        overlap.drain([])
+    submitted = [step for what, step in events if what == "submit"]
+    sent = [step for what, step in events if what == "send"]
+    # step 6: a decode scheduled before "a" finished (overlapped), or the workers told that it finished (sync)
+    assert sent == list(range(6)) and submitted == list(range(7))
+    for step in sent[:-2] if sync_from is None else sent[:sync_from - 2]:
+        assert events.index(("submit", step + 2)) < events.index(("send", step)), events
+    assert [token for delta in core.sent for token in delta.new_token_ids] == [103] + [1000 * s + 101 for s in range(1, 6)]
