@@ -261,12 +261,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.owned:
         from asyncllm import procutil
 
+        # A host ends us by closing our stdin; SIGTERM to its group (systemd's stop) must not kill the cores it
+        # drains. Ignored before we listen: the host may be signalled as soon as we accept.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         procutil.die_with_parent()  # the kernel ends us with the host too, should our stdin watch hang
     _preload()
     server = _Server(args.address)
-    if args.owned:  # a host ends us by closing our stdin; SIGTERM to its group (systemd's stop) must not kill the
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cores it drains
-    else:  # started by hand: SIGTERM stops it
+    if not args.owned:  # started by hand: SIGTERM stops it
         signal.signal(signal.SIGTERM, lambda *_: server.exit())
     server.serve()
 

@@ -218,14 +218,16 @@ def _select(index: np.ndarray, num: int, *columns: list) -> list[list]:
 
 
 def _one_token_each(sampled: list[list[int]], samples: np.ndarray) -> list[int] | None:
-    """The one token of each sampling request (workers send [] for the others); None unless there is exactly one."""
+    """The one token of each sampling request (workers send [] for the others); None unless each sampling request
+    has exactly one and the others none (a worker that disagrees goes to the per-request loop, which says so)."""
     if samples.all():
         try:
             return [token for token, in sampled]
         except ValueError:
             return None
-    new_tokens = list(chain.from_iterable(sampled))
-    return new_tokens if len(new_tokens) == np.count_nonzero(samples) else None
+    if list(map(len, sampled)) != samples.tolist():  # the same count on other requests would shift every token
+        return None
+    return list(chain.from_iterable(sampled))
 
 
 def _register_filled_blocks(sched: Scheduler, requests: list[Request], after: np.ndarray,

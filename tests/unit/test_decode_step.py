@@ -176,3 +176,22 @@ def test_only_steps_that_run_are_recorded() -> None:
     assert list(sched.step_records) == [out.step_id]
     sched.update_from_output(out, Worker().execute(out))
     assert sched.step_records == {}
+
+
+def test_a_token_the_worker_sampled_for_another_request_is_never_applied() -> None:
+    """A mixed step (one request decodes, another computes a prompt chunk) whose output holds one token, but on the
+    chunk's request: the vectorized update must not hand it to the decoding one (the counts alone agree); the
+    per-request loop refuses the step instead."""
+    config = EngineConfig.create("dummy-model", block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
+                                 max_model_len=64)
+    sched = Scheduler(config, num_gpu_blocks=64, max_model_len=64)
+    sched.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=10), [EOS], 0.0))
+    first = sched.schedule()
+    sched.update_from_output(first, protocol.ModelRunnerOutput(first.step_id, ["a"], [[9]]))
+    sched.add_request(Request("b", list(range(3, 23)), SamplingParams(max_tokens=10), [EOS], 1.0))
+    mixed = sched.schedule()
+    assert mixed.num_scheduled_tokens == {"a": 1, "b": 7}
+    tokens_before = list(sched.requests["a"].all_token_ids)
+    with pytest.raises(AssertionError, match="sampled no token for a"):
+        sched.update_from_output(mixed, protocol.ModelRunnerOutput(mixed.step_id, ["a", "b"], [[], [11]]))
+    assert sched.requests["a"].all_token_ids == tokens_before
