@@ -219,7 +219,7 @@ def _select(index: np.ndarray, num: int, *columns: list) -> list[list]:
 
 def _one_token_each(sampled: list[list[int]], samples: np.ndarray) -> list[int] | None:
     """The one token of each sampling request (workers send [] for the others); None unless each sampling request
-    has exactly one and the others none (a worker that disagrees goes to the per-request loop, which says so)."""
+    has exactly one and the others none (the per-request loop then refuses a sampling request left without one)."""
     if samples.all():
         try:
             return [token for token, in sampled]
