@@ -1,11 +1,9 @@
 """The engine core: a plain synchronous busy loop in its own process.
 
-receive requests and aborts -> schedule one step -> the executor runs it on the
-workers -> update requests with the sampled tokens -> send outputs to the host
-that owns each request (engine/sync_step.py; with async_scheduling, the next step
-is scheduled and submitted before the current one's output is collected:
-engine/overlap.py).
-Run as ``python -m asyncllm.engine.core``.
+receive requests and aborts -> schedule one step -> the executor runs it on the workers -> update requests with the
+sampled tokens -> send outputs to the host that owns each request (engine/sync_step.py; with async_scheduling, the
+next step is scheduled and submitted before the current one's output is collected: engine/overlap.py). Run as
+``python -m asyncllm.engine.core``.
 """
 
 from __future__ import annotations
@@ -125,30 +123,31 @@ class EngineCore:
     # ------------------------------------------------------------ busy loop
     def run(self) -> None:
         while self._running:
-            in_flight = self.overlap is not None and self.overlap.in_flight
-            runnable = self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps
-            changed = self._drain_inbox(block=not (in_flight or runnable))  # idle: wait for a message
-            if not self._running:
-                break
-            changed |= self._drop_dead_clients()  # one clock comparison between checks
-            expired = self._finish_expired()  # one comparison when none is due
-            if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
-                expired += self.samples.admit_compiled()
-            if self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps:
-                self._step(expired, changed)
-            elif in_flight:  # everything left was aborted or timed out while a step ran
-                self.overlap.drain(expired)
-            else:
-                if changed or expired:
-                    self.send_outputs(expired)
-                self._check_idle_workers()
+            self.run_once(wait=True)
 
-    def _step(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]], changed: bool) -> None:
-        """Schedule and run one step (overlapped with `async_scheduling`); `outputs` (timeouts) go out with it."""
-        if self.overlap is not None:
-            self.overlap.step(outputs, changed)
+    def run_once(self, wait: bool = False) -> None:
+        """One turn of the busy loop (`wait`: for a message, when nothing runs); tests call it alone to put host
+        messages between chosen steps (tests/engine/test_core_schedules.py)."""
+        in_flight = self.overlap is not None and self.overlap.in_flight
+        runnable = self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps
+        changed = self._drain_inbox(block=wait and not (in_flight or runnable))  # idle: wait for a message
+        if not self._running:
+            return
+        changed |= self._drop_dead_clients()  # one clock comparison between checks
+        expired = self._finish_expired()  # one comparison when none is due
+        if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
+            expired += self.samples.admit_compiled()
+        if self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps:
+            if self.overlap is not None:
+                self.overlap.step(expired, changed)
+            else:
+                sync_step(self, expired, changed)
+        elif in_flight:  # everything left was aborted or timed out while a step ran
+            self.overlap.drain(expired)
         else:
-            sync_step(self, outputs, changed)
+            if changed or expired:
+                self.send_outputs(expired)
+            self._check_idle_workers()
 
     def _finish_expired(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End the requests whose timeout passed (`Scheduler.finish_expired_requests`), grammar matchers too."""
