@@ -76,18 +76,21 @@ class Core:
         self.put(protocol.AddRequest(request_id, prompt, params, [EOS], time.time(), priority=priority))
 
     def turn(self) -> None:
-        """One `run_once`; the outputs it sent applied as a host applies them (full deltas, then one-token lists)."""
+        """One `run_once`; the outputs it sent applied as a host applies them: each message's full deltas, then its
+        one-token lists, and nothing for a request that ended (finished, or its stream closed)."""
         self.core.run_once()
         for message in self.io.take():
             if not isinstance(message, protocol.Outputs):
                 continue
             for delta in message.outputs:
                 assert delta.error is None, delta
-                self.tokens[delta.request_id] += delta.new_token_ids
+                if delta.request_id not in self.finished:
+                    self.tokens[delta.request_id] += delta.new_token_ids
                 if delta.finish_reason is not None:
                     self.finished.add(delta.request_id)
             for request_id, token in zip(message.token_req_ids, message.token_ids):
-                self.tokens[request_id].append(token)
+                if request_id not in self.finished:
+                    self.tokens[request_id].append(token)
 
     def alone(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """One request run to its end with nothing else queued."""
