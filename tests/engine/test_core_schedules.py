@@ -13,6 +13,7 @@ draws: docs/scheduling.md, "Random schedules".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -25,6 +26,7 @@ import pytest
 from asyncllm import SamplingParams, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core import EngineCore
+from engine_helpers import worker_pipeline_on
 from test_random_schedules import MAX_TOKENS, _config, _reference, _sampling
 
 HOST = b"host-0"
@@ -55,15 +57,8 @@ class Core:
 
     def __init__(self, path: str, config: dict[str, Any], pipelined: bool) -> None:
         self.io = InboxIO()
-        before = os.environ.pop("ASYNCLLM_WORKER_PIPELINE", None)
-        if pipelined:  # read by the worker at its start (the CPU default is off)
-            os.environ["ASYNCLLM_WORKER_PIPELINE"] = "1"
-        try:
+        with worker_pipeline_on() if pipelined else contextlib.nullcontext():  # read by the worker at its start
             self.core = EngineCore(EngineConfig.create(path, **config), self.io)
-        finally:
-            os.environ.pop("ASYNCLLM_WORKER_PIPELINE", None)
-            if before is not None:
-                os.environ["ASYNCLLM_WORKER_PIPELINE"] = before
         self.put(protocol.Hello(pid=os.getpid(), wire_protocol=protocol.wire_protocol()))
         self.tokens: dict[str, list[int]] = {}
         self.finished: set[str] = set()
@@ -187,8 +182,8 @@ def test_seeded_sampling_equals_one_request_at_a_time_on_replayable_schedules(ti
 
 
 def test_a_seed_replays_the_same_steps(tiny_llama: str) -> None:
-    """What makes a failure reproducible: two cores given the same draw run the same number of steps and preempt
-    the same requests (a schedule that depended on timing would differ somewhere)."""
+    """What makes a failure reproducible: two cores given the same draw run the same number of steps and preemptions
+    and give the same tokens (a schedule that depended on timing would differ somewhere)."""
     runs = []
     for _ in range(2):
         rng = random.Random(7)
