@@ -329,11 +329,14 @@ async def test_a_request_from_another_open_loop_is_refused_at_once(engine: Async
     with pytest.raises(EventLoopError, match="one engine per event loop"):
         await asyncio.to_thread(other_loop)
     assert len((await engine.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))).token_ids) == 2
-    stream = engine.stream("x", SamplingParams(max_tokens=3, ignore_eos=True))  # a stream read from another loop
+    # A stream read from another loop while it still runs: long enough that its first delta cannot be its last (with
+    # 3 tokens a loaded box once coalesced all of them into the first delta; an ended stream only stops iterating).
+    stream = engine.stream("x", SamplingParams(max_tokens=300, ignore_eos=True))
     first = await stream.__anext__()
+    assert first.finish_reason is None, "the stream ended in its first delta: nothing left to refuse"
     with pytest.raises(EventLoopError, match="one engine per event loop"):
         await asyncio.to_thread(asyncio.run, stream.__anext__())
-    assert len(first.token_ids) + sum(len(d.token_ids) for d in await _read(stream)) == 3  # its own loop reads on
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in await _read(stream)) == 300  # its own loop reads on
 
 
 async def test_lazy_start_on_first_request_then_a_later_asyncio_run(tiny_llama: str) -> None:
