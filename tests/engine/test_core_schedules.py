@@ -81,11 +81,15 @@ class Core:
                 assert delta.error is None, delta
                 if delta.request_id not in self.finished:
                     self.tokens[delta.request_id] += delta.new_token_ids
+                    self.record(delta)
                 if delta.finish_reason is not None:
                     self.finished.add(delta.request_id)
             for request_id, token in zip(message.token_req_ids, message.token_ids):
                 if request_id not in self.finished:
                     self.tokens[request_id].append(token)
+
+    def record(self, delta: protocol.RequestOutputDelta) -> None:
+        """What a host keeps of a full delta besides its tokens (nothing here)."""
 
     def alone(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """One request run to its end with nothing else queued."""
@@ -111,12 +115,13 @@ def _pool(rng: random.Random, size: int = 40) -> list[list[int]]:
 
 
 def _round(core: Core, rng: random.Random, pool: list[list[int]], tag: str, sampled: bool,
-           prioritised: bool) -> list[dict[str, Any]]:
-    """3 to 24 requests arriving at drawn turns, a fifth closed part-way; run until every one ended."""
+           prioritised: bool, draw=_sampling) -> list[dict[str, Any]]:
+    """3 to 24 requests arriving at drawn turns, a fifth closed part-way; run until every one ended. ``sampled``:
+    their settings are ``draw(rng)``'s, else greedy."""
     spread = rng.choice([0, 5, 20, 60])
     requests = []
     for i in range(rng.randint(3, 24)):
-        params = _sampling(rng) if sampled else SamplingParams(temperature=0.0, max_tokens=rng.randint(1, MAX_TOKENS))
+        params = draw(rng) if sampled else SamplingParams(temperature=0.0, max_tokens=rng.randint(1, MAX_TOKENS))
         params.n = 1
         abort = rng.randint(1, params.max_tokens) if rng.random() < 0.2 else None
         requests.append(dict(id=f"{tag}-{i}", prompt=rng.choice(pool), params=params, abort=abort,
@@ -145,6 +150,17 @@ def _check(requests: list[dict[str, Any]], core: Core, want_of, what: str) -> No
         assert got == want, f"{what} {r['id']} (prompt of {len(r['prompt'])}, abort after {r['abort']}): {r['params']}"
 
 
+def sampling_cores(path: str, rng: random.Random, kind: type[Core]) -> tuple[dict[str, Any], Core, Core]:
+    """A drawn configuration without priorities, a core of it, and a roomy synchronous core that runs one request
+    at a time (`Core.alone`): seeded sampling's reference."""
+    config = _config(rng)
+    config.pop("scheduling_policy", None)
+    core = kind(path, config, pipelined=rng.random() < 0.5)
+    alone = kind(path, dict(disable_log_stats=True, max_model_len=128, async_scheduling=False,
+                            enable_prefix_caching=False, max_num_seqs=1), pipelined=False)
+    return config, core, alone
+
+
 # Drawn for their reach: overlapped steps on 9 and 12 blocks (prefix caching; swap with priorities), pipelined
 # workers in two of three; seeded sampling with swap, overlapped and synchronous.
 @pytest.mark.parametrize("seed", [20_001, 20_025, 20_028])
@@ -166,11 +182,7 @@ def test_greedy_equals_transformers_on_replayable_schedules(tiny_llama: str, see
 @pytest.mark.parametrize("seed", [30_005, 30_031])
 def test_seeded_sampling_equals_one_request_at_a_time_on_replayable_schedules(tiny_llama: str, seed: int) -> None:
     rng = random.Random(seed)
-    config = _config(rng)
-    config.pop("scheduling_policy", None)
-    core = Core(tiny_llama, config, pipelined=rng.random() < 0.5)
-    alone = Core(tiny_llama, dict(disable_log_stats=True, max_model_len=128, async_scheduling=False,
-                                  enable_prefix_caching=False, max_num_seqs=1), pipelined=False)
+    config, core, alone = sampling_cores(tiny_llama, rng, Core)
     try:
         pool = _pool(rng)
         for k in range(2):
