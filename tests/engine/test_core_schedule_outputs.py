@@ -48,9 +48,11 @@ class RecordingCore(Core):
         """Prompt-logprob rows sent a second time (a prefill recomputed after a preemption)."""
         structured, add = self.core.structured, self.core.structured.add
 
-        def add_compiled(request: Any) -> None:  # the grammar compiles at submit, so a replay admits the request at
-            add(request)                         # the same turn (a compile thread would race the turns)
-            structured.pending[request.request_id].future.exception()
+        def add_compiled(request: Any) -> None:
+            """Compile the grammar at submit, so a replay admits the request at the same turn (the engine's compile
+            thread would race the turns)."""
+            add(request)
+            structured.pending[request.request_id].future.exception(timeout=120)  # a hung compile fails, not hangs
 
         structured.add = add_compiled
 
