@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
@@ -71,7 +71,7 @@ def streamed(tokenizer: Any, ids: list[int], params: SamplingParams,
     return detok.output_text, detok.stop_string, list(detok.token_ids)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_stop_strings_stop_where_one_id_at_a_time_does(tokenizers: dict[str, Any], data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(sorted(tokenizers)))
