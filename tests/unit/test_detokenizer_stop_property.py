@@ -18,10 +18,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from test_detokenizer import MULTIBYTE, SlowTokenizerView, sentencepiece_style_tokenizer
+from test_detokenizer import MULTIBYTE, SlowTokenizerView, sentencepiece_style_tokenizer, stream
 
 TEXTS = [MULTIBYTE, "The quick brown fox.\n\nHéllo wörld ✓ naïve café", "def main():\n    return 42\n",
          "日本語 🙂🙂 abc abc abc"]
@@ -57,17 +56,12 @@ def reference(tokenizer: Any, ids: list[int], params: SamplingParams) -> tuple[s
     return decode(len(ids)), None, ids
 
 
-def streamed(tokenizer: Any, ids: list[int], params: SamplingParams,
-             sizes: list[int]) -> tuple[str, str | None, list[int]]:
-    """(text, stop string, ids kept) of the detokenizer fed chunks of ``sizes`` (cycled); its deltas must add up to
-    its text."""
-    detok = IncrementalDetokenizer(tokenizer, [], params)
-    deltas, i, turn = [], 0, 0
-    while i < len(ids):
-        size = sizes[turn % len(sizes)]
-        deltas.append(detok.update(ids[i:i + size], i + size >= len(ids)).text)
-        i, turn = i + size, turn + 1
-    assert "".join(deltas) == detok.output_text
+def streamed(tokenizer: Any, ids: list[int], params: dict[str, Any],
+             rng: random.Random | None) -> tuple[str, str | None, list[int]]:
+    """(text, stop string, ids kept) of the detokenizer fed one id at a time (``rng`` None) or in chunks of 1 to 5
+    (`test_detokenizer.stream`); its deltas must add up to its text."""
+    updates, detok = stream(tokenizer, ids, rng, **params)
+    assert "".join(update.text for update in updates) == detok.output_text
     return detok.output_text, detok.stop_string, list(detok.token_ids)
 
 
@@ -86,9 +80,8 @@ def test_stop_strings_stop_where_one_id_at_a_time_does(tokenizers: dict[str, Any
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     stops = [text[a:a + rng.randint(1, 6)] for a in (rng.randrange(len(text)) for _ in range(rng.randint(1, 3)))]
     stops += data.draw(st.lists(st.sampled_from(["zz", "\n\n", "ö", "🙂", " a"]), max_size=1))
-    params = SamplingParams(stop=stops, include_stop_str_in_output=data.draw(st.booleans()), skip_special_tokens=skip,
-                            min_tokens=data.draw(st.sampled_from([0, 0, 1, 2, 5, len(ids)])))
-    expected = reference(tokenizer, ids, params)
-    assert streamed(tokenizer, ids, params, [1]) == expected, (name, ids, params.stop)
-    sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
-    assert streamed(tokenizer, ids, params, sizes) == expected, (name, ids, params.stop, sizes)
+    params = dict(stop=stops, include_stop_str_in_output=data.draw(st.booleans()), skip_special_tokens=skip,
+                  min_tokens=data.draw(st.sampled_from([0, 0, 1, 2, 5, len(ids)])))
+    expected = reference(tokenizer, ids, SamplingParams(**params))
+    assert streamed(tokenizer, ids, params, None) == expected, (name, ids, stops)
+    assert streamed(tokenizer, ids, params, rng) == expected, (name, ids, stops)
