@@ -9,10 +9,11 @@ decoding): their draft positions' rows follow the usual ones, as `InputBatch.pre
 are verified (`verify_drafts`) and the accepted ones counted as the model runner counts them.
 
 Each step, every logits row's processed logits must equal a per-row reference that recounts the prompt and the
-outputs up to that row's position (a draft position's: with the drafts before it) from scratch in vLLM's order
-(allowed mask, bad words, logit_bias, min_tokens, repetition then frequency and presence), whatever else is in the
-batch; the exhausted rows (no allowed token left) must be exactly those the reference finds, and the requests the
-model runner fails exactly those that take a token from one; and the sampled token must be the reference's argmax.
+outputs up to that row's position (a draft position's: with the drafts before it) from scratch in vLLM's order:
+allowed mask, bad words, logit_bias, min_tokens, repetition (transformers' processor), then frequency and presence.
+That holds whatever else is in the batch. The exhausted rows (no allowed token left) must be exactly those the
+reference finds, the requests the model runner fails exactly those that take a token from one, and the sampled token
+the reference's argmax.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from asyncllm.workers.spec_decode import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm.sampling import SamplingParams
 
@@ -41,7 +43,8 @@ VOCAB = 16
 EOS = (0,)
 ids = st.integers(0, VOCAB - 1)
 hot = st.one_of(st.integers(0, 3), ids)
-"""Ids that often land on the same few tokens (EOS among them), so that bad words and min_tokens use allowed sets up."""
+"""Ids that often land on the same few tokens (EOS among them), so that bad words and min_tokens forbid every allowed
+token now and then."""
 
 
 @st.composite
@@ -98,10 +101,7 @@ def reference(logits: torch.Tensor, request: Request, end: int) -> tuple[torch.T
     holds = len(out) < p.min_tokens
     if holds:
         x[sorted(stops)] = inf
-    seen = set(request.token_ids[: request.num_prompt_tokens]) | set(out)
-    rep = torch.tensor(p.repetition_penalty, dtype=torch.float32)
-    for token in sorted(seen):
-        x[token] = x[token] / rep if x[token] > 0 else x[token] * rep
+    x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(torch.tensor([request.token_ids[:end]]), x[None])[0]
     counts = np.bincount(out, minlength=VOCAB)
     for token in set(out):
         x[token] = x[token] - torch.tensor(p.frequency_penalty, dtype=torch.float32) * int(counts[token])
@@ -154,16 +154,13 @@ def test_drawn_batches_match_a_per_row_recount_step_after_step(steps, seed: int)
                 logits[i, request.drafts[draft_index]] += 30
         expected = [reference(logits[i], request, end) for i, (request, end) in enumerate(rows)]
         processors = build_logits_processors_metadata(states, CPU)
-        zeros = np.zeros(len(rows), np.float32)
-        meta = SamplingMetadata.from_arrays(zeros, zeros.astype(np.int64), np.ones(len(rows), np.float32), zeros,
-                                            [None] * len(rows), [0] * len(rows), CPU, processors)
-        tokens = sampler(logits, meta).sampled_token_ids.tolist()
+        tokens = sampler(logits, SamplingMetadata.greedy(len(rows), processors)).sampled_token_ids.tolist()
         exhausted = {i for i, (_, none_left) in enumerate(expected) if none_left}
         assert set(processors.exhausted if processors is not None else ()) == exhausted
         for i, (want, _) in enumerate(expected):
             torch.testing.assert_close(logits[i], want, rtol=0, atol=1e-5)
             assert i in exhausted or want[tokens[i]] == want.max(), (i, tokens[i], want)
-        for request in finish_step(sampler, batch, rows, tokens, exhausted):  # their requests fail: rows freed
+        for request in finish_step(sampler, batch, tokens, exhausted):  # their requests fail: rows freed
             active.remove(request)
             free_rows.append(request.row)
 
@@ -186,8 +183,7 @@ def logits_rows(batch: list[Request]) -> tuple[list, list[tuple[Request, int]]]:
     return states, rows
 
 
-def finish_step(sampler: Sampler, batch: list[Request], rows: list[tuple[Request, int]], tokens: list[int],
-                exhausted: set[int]) -> list[Request]:
+def finish_step(sampler: Sampler, batch: list[Request], tokens: list[int], exhausted: set[int]) -> list[Request]:
     """Append each request's tokens (a drafted one's verified tokens in place of its drafts, counted in the penalty
     tables as the model runner counts them); return the requests that sampled from an exhausted row, checking that
     the model runner fails the same ones (`exhausted_requests`, `exhausted_after_drafts`)."""
