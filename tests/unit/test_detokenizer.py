@@ -75,6 +75,11 @@ class SlowTokenizerView:
         return self._fast.clean_up_tokenization(text)
 
 
+def fast_of(tokenizer: Any) -> Any:
+    """The fast tokenizer behind ``tokenizer`` (itself, or the one a `SlowTokenizerView` wraps)."""
+    return getattr(tokenizer, "_fast", tokenizer)
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")

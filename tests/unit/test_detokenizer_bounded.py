@@ -13,7 +13,7 @@ from asyncllm.engine import decode_stream
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from test_detokenizer import SlowTokenizerView, sentencepiece_style_tokenizer
+from test_detokenizer import SlowTokenizerView, fast_of, sentencepiece_style_tokenizer
 
 BOUND = decode_stream._MAX_HELD_IDS
 
@@ -28,14 +28,10 @@ def tokenizers() -> dict[str, Any]:
     }
 
 
-def _fast(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "_fast", tokenizer)
-
-
 def _byte_ids(tokenizer: Any, data: bytes) -> list[int]:
     """One id per byte: a byte-fallback ``<0xNN>`` token, or the byte-level BPE token of that byte (GPT-2's
     byte-to-unicode map)."""
-    vocab = _fast(tokenizer).get_vocab()
+    vocab = fast_of(tokenizer).get_vocab()
     if "<0x80>" in vocab:
         return [vocab[f"<0x{b:02X}>"] for b in data]
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -46,7 +42,7 @@ def _byte_ids(tokenizer: Any, data: bytes) -> list[int]:
 
 def _word(tokenizer: Any, text: str) -> list[int]:
     """The ids of ``text`` after a word (its leading space a byte-level "Ġ" or a SentencePiece "▁")."""
-    fast = _fast(tokenizer)
+    fast = fast_of(tokenizer)
     return fast("a" + text, add_special_tokens=False).input_ids[len(fast("a", add_special_tokens=False).input_ids):]
 
 
@@ -73,7 +69,7 @@ def test_an_invalid_run_is_released_as_decode_shows_it(tokenizers: dict[str, Any
     texts, detok, held = _run(tokenizer, ids)
     assert held <= BOUND
     assert "".join(texts[:-1]).count("\ufffd") >= 200 - BOUND  # streamed as it goes, not at the finish
-    assert detok.output_text == _fast(tokenizer).decode(ids) == "\ufffd" * 200
+    assert detok.output_text == fast_of(tokenizer).decode(ids) == "\ufffd" * 200
 
 
 @pytest.mark.parametrize("name", ["byte_level", "llama2", "slow_view"])
@@ -86,7 +82,7 @@ def test_a_character_after_an_invalid_run_is_whole(tokenizers: dict[str, Any], n
         for char in ("中", "🙂"):
             ids = [*_byte_ids(tokenizer, b"\x80" * run + char.encode()), *word]
             texts, detok, held = _run(tokenizer, ids)
-            decoded = _fast(tokenizer).decode(ids)
+            decoded = fast_of(tokenizer).decode(ids)
             assert held <= BOUND, run
             assert detok.output_text == "".join(texts) == decoded, (run, char)
             assert decoded.endswith(char + " the") == (name == "byte_level" or run == 0)  # byte fallback: all U+FFFD

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from test_detokenizer import MULTIBYTE, SlowTokenizerView, sentencepiece_style_tokenizer, stream
+from test_detokenizer import MULTIBYTE, SlowTokenizerView, fast_of, sentencepiece_style_tokenizer, stream
 
 TEXTS = [MULTIBYTE, "The quick brown fox.\n\nHéllo wörld ✓ naïve café", "def main():\n    return 42\n",
          "日本語 🙂🙂 abc abc abc"]
@@ -34,10 +34,6 @@ def tokenizers() -> dict[str, Any]:
         "metaspace": sentencepiece_style_tokenizer("metaspace"),
         "slow_view": SlowTokenizerView(sentencepiece_style_tokenizer("llama2")),
     }
-
-
-def _fast(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "_fast", tokenizer)
 
 
 def reference(tokenizer: Any, ids: list[int], params: SamplingParams) -> tuple[str, str | None, list[int]]:
@@ -70,10 +66,10 @@ def streamed(tokenizer: Any, ids: list[int], params: dict[str, Any],
 def test_stop_strings_stop_where_one_id_at_a_time_does(tokenizers: dict[str, Any], data: st.DataObject) -> None:
     name = data.draw(st.sampled_from(sorted(tokenizers)))
     tokenizer = tokenizers[name]
-    ids = _fast(tokenizer)(data.draw(st.sampled_from(TEXTS)), add_special_tokens=False).input_ids
+    ids = fast_of(tokenizer)(data.draw(st.sampled_from(TEXTS)), add_special_tokens=False).input_ids
     start = data.draw(st.integers(0, len(ids) - 1))
     ids = ids[start:start + data.draw(st.integers(1, 40))]
-    ids += data.draw(st.lists(st.integers(0, len(_fast(tokenizer)) - 1), max_size=4))  # specials and odd pieces
+    ids += data.draw(st.lists(st.integers(0, len(fast_of(tokenizer)) - 1), max_size=4))  # specials and odd pieces
     skip = data.draw(st.booleans())
     text = tokenizer.decode(ids, skip_special_tokens=skip)
     assume(text and "\ufffd" not in text)
