@@ -8,8 +8,9 @@ what the model's requests say: input ids (deferred ones included: a step's ids
 left on the device feed the next step's inputs, `TokenFeedback`), positions,
 KV slots, query starts, sequence lengths, block-table rows (gathered again only
 when needed; the device mirror updated by diffs, also on the CPU), the sampling
-rows and their settings, and a decode batch's padding to its CUDA graph's size.
-With drafting on (speculative decoding: never deferred, as a drafter's runner
+rows and their settings, each prompt position's prompt-logprobs target (for the
+requests that ask, until they sample), and a decode batch's padding to its CUDA
+graph's size. With drafting on (speculative decoding: never deferred, as a drafter's runner
 does), decoding requests carry drawn drafts, some accepted: the draft positions'
 logits rows and settings follow the usual ones, and the verified tokens replace
 the drafts. A request keeps its row while the batch knows it; rows are reused and
@@ -51,6 +52,9 @@ class Req:
     params: SamplingParams
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    prompt_logprobs: bool = False
+    """Sent with its prompt alone and asking for prompt logprobs: each step reports those of its chunk, until it
+    samples."""
 
 
 @dataclass
@@ -81,11 +85,12 @@ class Core:
 
 
 def _params(data: st.DataObject) -> SamplingParams:
+    prompt_logprobs = data.draw(st.sampled_from([None, None, None, 0, 2]))
     if data.draw(st.booleans()):
-        return SamplingParams(temperature=0.0)
+        return SamplingParams(temperature=0.0, prompt_logprobs=prompt_logprobs)
     return SamplingParams(temperature=data.draw(st.sampled_from([0.5, 1.0])), top_k=data.draw(st.sampled_from([0, 3])),
                           top_p=data.draw(st.sampled_from([1.0, 0.9])), min_p=data.draw(st.sampled_from([0.0, 0.1])),
-                          seed=data.draw(st.none() | st.integers(0, 9)))
+                          seed=data.draw(st.none() | st.integers(0, 9)), prompt_logprobs=prompt_logprobs)
 
 
 def _schedule(data: st.DataObject, core: Core, lockstep: bool) -> tuple[SchedulerOutput, dict[str, int]]:
@@ -151,7 +156,9 @@ def _admit(data: st.DataObject, core: Core, admitted: list[str],
         req, room = core.waiting[rid], _room(scheduled)
         if len(core.known) >= MAX_REQS + 2 or room == 0:
             break
-        hit = core.block_size * data.draw(st.integers(0, (len(req.tokens) - 1) // core.block_size))
+        hits_allowed = req.params.prompt_logprobs is None  # such a request reads no prefix-cache block (vLLM's)
+        hit = core.block_size * data.draw(st.integers(0, (len(req.tokens) - 1) // core.block_size * hits_allowed))
+        req.prompt_logprobs = not hits_allowed and len(req.tokens) == req.num_prompt
         n = data.draw(st.integers(1, min(room, len(req.tokens) - hit)))
         core.allocate(req, hit + n)
         req.computed = hits[rid] = hit
@@ -225,7 +232,21 @@ def _check_inputs(batch: InputBatch, core: Core, out: SchedulerOutput,
     for i in sample:  # then each draft position's row
         rows += [(reqs[i], len(reqs[i].tokens) + j) for j in range(len(out.spec_token_ids.get(order[i], [])))]
     _check_sampling(step.sampling_metadata, rows)
+    _check_prompt_logprobs(step, reqs, counts, starts)
     return step, sample
+
+
+def _check_prompt_logprobs(step: StepInputs, reqs: list[Req], counts: list[int], starts: list[int]) -> None:
+    """Each position a prompt-logprobs request computes before its prompt's last gives the next prompt token's
+    logprobs: (request, flat index, prompt index, target, logprobs asked), position by position."""
+    expected = []
+    for rid, req, n, start in zip(step.req_ids, reqs, counts, starts):
+        if req.prompt_logprobs:
+            expected += [(rid, start + p - req.computed, p + 1, req.tokens[p + 1], req.params.prompt_logprobs)
+                         for p in range(req.computed, req.computed + n) if p + 1 < req.num_prompt]
+    got = [(job.req_id, job.flat_start + k, job.start + k, target, job.num_logprobs)
+           for job in step.prompt_logprobs_jobs for k, target in enumerate(job.target_token_ids)]
+    assert got == expected
 
 
 def _check_logits_rows(step: StepInputs, out: SchedulerOutput, sample: list[int], starts: list[int]) -> None:
@@ -293,7 +314,7 @@ def test_each_step_s_inputs_are_the_model_s(data: st.DataObject, block_size: int
         out, hits = _schedule(data, core, lockstep)
         batch.update_states(out)
         _check_rows(batch, core, out, hits, rows)
-        if last is not None and data.draw(st.booleans()):
+        if last is not None and (batch.prompt_logprobs_req_ids or data.draw(st.booleans())):
             batch.feedback.resolve(last)  # as a step that reads output tokens on the host does first
         pending = _run(data, batch, core, out, graphs) if out.num_scheduled_tokens else None
         if last is not None:
@@ -312,6 +333,7 @@ def _check_rows(batch: InputBatch, core: Core, out: SchedulerOutput, hits: dict[
     """After the diffs: the batch knows the core's requests, resumed ones at their hits, each in a row of its own
     that it keeps while known (``rows``: the rows seen so far)."""
     assert set(batch.requests) == set(core.known)
+    assert batch.prompt_logprobs_req_ids == {rid for rid, req in core.known.items() if req.prompt_logprobs}
     for new in out.new_reqs:
         assert batch.requests[new.req_id].num_computed_tokens == hits[new.req_id]
     for rid in [*out.finished_req_ids, *out.preempted_req_ids]:
@@ -338,13 +360,15 @@ def _run(data: st.DataObject, batch: InputBatch, core: Core, out: SchedulerOutpu
     assert verified == {s: outputs[i] for s, i in enumerate(sample) if order[i] in out.spec_token_ids}
     for rid in order:
         core.known[rid].computed += out.num_scheduled_tokens[rid] - len(out.spec_token_ids.get(rid, []))
+    collecting = any(req.prompt_logprobs for req in core.known.values())  # such steps are finished, not deferred
     for i in sample:
         req = core.known[order[i]]
+        req.prompt_logprobs = False
         req.tokens += outputs[i]
         req.computed += len(outputs[i]) - 1  # the accepted drafts' KV
         if len(req.tokens) >= MAX_LEN:
             core.done.add(order[i])
-    if sample and not core.drafting and data.draw(st.booleans()):  # the next step's inputs take them from the device
+    if sample and not core.drafting and not collecting and data.draw(st.booleans()):  # the next step takes them
         return batch.defer_step(inputs, out, torch.tensor(sampled, dtype=torch.int64))
     batch.finish_step(inputs, out, sampled, verified)
     return None
