@@ -62,7 +62,7 @@ def test_readers_get_every_message_in_order_and_the_writer_waits_exactly_when_it
 def _write(writer: BroadcastWriter, sent: list[bytes], read: list[int], num_slots: int, size: int) -> None:
     seq = len(sent) + 1
     payload = _payload(seq, size)
-    must_wait = len(sent) >= num_slots and min(read) < seq - num_slots  # its slot's message is unread by someone
+    must_wait = min(read) < seq - num_slots  # its slot holds message seq - num_slots, which someone has not read
     if must_wait:
         try:
             writer.enqueue(payload, timeout=WAIT_S)
