@@ -47,7 +47,9 @@ class NgramProposer:
                 continue
             pattern = bytes(buffer[(num_tokens - n) * _WIDTH :])
             # the latest occurrence followed by k tokens, else the latest followed by any
-            start = _rfind_token_aligned(buffer, pattern, max(num_tokens - k, n) * _WIDTH)
+            start = -1
+            if num_tokens - k >= n:
+                start = _rfind_token_aligned(buffer, pattern, (num_tokens - k) * _WIDTH)
             if start < 0:
                 start = _rfind_token_aligned(buffer, pattern, (num_tokens - 1) * _WIDTH)
             if start >= 0:

@@ -4,6 +4,8 @@ and the workers' verification (exact values)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
@@ -90,6 +92,32 @@ def test_the_buffer_grows_with_the_tokens():
     tokens += [3, 4]
     assert proposer.propose(tokens, buffer, 9) == [5, 6]
     assert bytes(buffer) == b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+def naive_drafts(tokens: list[int], k: int, lo: int, hi: int, max_drafts: int) -> list[int]:
+    """The proposer's rule by list slicing: the longest suffix of ``lo``..``hi`` tokens seen before; of its earlier
+    occurrences the latest followed by ``k`` tokens, else the latest; the tokens after it."""
+    k = min(k, max_drafts)
+    for n in range(hi, lo - 1, -1):
+        if k <= 0 or n >= len(tokens):
+            continue
+        seen = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if seen:
+            full = [s for s in seen if s + n + k <= len(tokens)]
+            start = (full or seen)[-1] + n
+            return tokens[start : start + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 256, -1]), max_size=24), st.integers(1, 5), st.integers(1, 3),
+       st.integers(0, 2), st.integers(0, 6), st.integers(0, 24))
+def test_the_proposer_follows_its_rule_on_drawn_tokens(tokens, k, lo, extra, max_drafts, known):
+    """Small alphabets repeat often; 256 and -1 put other tokens' bytes inside theirs (256 is 00 01 00 00); the
+    buffer may already hold a prefix of the tokens (``known`` of them) from an earlier proposal."""
+    proposer, buffer = NgramProposer(SpeculativeConfig(k, lo, lo + extra)), bytearray()
+    proposer.propose(tokens[: min(known, len(tokens))], buffer, 0)
+    assert proposer.propose(tokens, buffer, max_drafts) == naive_drafts(tokens, k, lo, lo + extra, max_drafts)
 
 
 # ------------------------------------------------------------------ verification in the worker
