@@ -287,7 +287,9 @@ def apply_top_k_top_p(
         sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
     if top_p is not None:
         cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        # A row with top_p 1 keeps every token, also those whose probability rounds to 0 (its -inf would depend
+        # on another row in the batch setting top_p).
+        drop = (cumulative <= (1.0 - top_p).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         drop[:, -1] = False
         sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
