@@ -108,8 +108,10 @@ class EncoderOutputCache:
         """request id -> the prompt position its items' rows and spans end at: a step past it reaches none."""
         self.store = EncoderCache(budget_bytes)
         self.encode: EncodeFn = encode or (lambda items, hidden, dtype: encode_items(model, items, device))
-        self._pinned: dict[str, set[int | str]] = {}
-        """request id -> the pins (`_pin_key`) of the features it holds (reached, not yet passed)."""
+        self._pinned: dict[str, dict[int | str, None]] = {}
+        """request id -> the pins (`_pin_key`) of the features it holds (reached, not yet passed), in the order
+        reached: a dict, not a set, so `remove_request` releases them in the same order on every rank (a set of
+        str keys iterates by the interpreter's hash seed, and the release order decides the eviction order)."""
         self._last_piece: dict[str, dict[str, int]] = {}
         """request id -> each hash of its pieces (`MultiModalItem.rows`) -> the index of its last piece, which
         releases the features its first pinned."""
@@ -158,7 +160,7 @@ class EncoderOutputCache:
         """The prefill has passed ``item``: release its features, a piece's only after its hash's last piece."""
         if item.rows and self._last_piece.get(req_id, {}).get(item.mm_hash) != index:
             return
-        self._pinned[req_id].discard(self._pin_key(index, item))
+        self._pinned[req_id].pop(self._pin_key(index, item), None)
         self.store.release(item.mm_hash)
 
     def inputs_embeds(self, input_ids: torch.Tensor, spans: list[ScheduledSpan]) -> torch.Tensor | None:
@@ -211,7 +213,7 @@ class EncoderOutputCache:
             outputs.append(self.store.get_pinned(item.mm_hash))
             if not len(outputs[-1]):  # the encoder refused it: the caller leaves the request without its states
                 self.failed[req_id] = _misfit(index, item, 0)
-            self._pinned[req_id].discard(index)
+            self._pinned[req_id].pop(index, None)
             self.store.release(item.mm_hash)
         return outputs
 
@@ -220,10 +222,10 @@ class EncoderOutputCache:
         missing: dict[str, MultiModalItem] = {}
         repeats: list[str] = []
         for req_id, index, item in wanted:
-            pinned = self._pinned.setdefault(req_id, set())
+            pinned = self._pinned.setdefault(req_id, {})
             if self._pin_key(index, item) in pinned:
                 continue
-            pinned.add(self._pin_key(index, item))
+            pinned[self._pin_key(index, item)] = None
             self.num_queries += 1
             if item.mm_hash in missing:
                 repeats.append(item.mm_hash)

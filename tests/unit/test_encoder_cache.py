@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import msgspec
 import numpy as np
@@ -267,3 +269,38 @@ def test_data_parallel_encoding_splits_unevenly_and_gathers_everything(tmp_path)
     # round-robin shares: 1 image -> rank 0 alone; 2 -> one each; 3 -> two and one (then 3 again in bf16, then 2)
     assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30, 10, 10]
     assert ranks[1]["encoded"] == [20, 20, 20, 20]
+
+
+_RELEASE_ORDER = """
+import numpy as np, torch
+from asyncllm.mm.embeddings import EncoderOutputCache, ScheduledSpan
+from asyncllm.protocol import MultiModalItem
+
+class Encoder:
+    def embed_input_ids(self, ids):
+        return ids.float().unsqueeze(1)
+    def embed_multimodal(self, pixels):
+        return pixels.flatten(1).unsqueeze(2)
+
+hashes = [f"h{i}" for i in range(6)]
+data = np.arange(2, dtype=np.float32).tobytes()
+pieces = [MultiModalItem(h, piece * len(hashes) + i, 1, data, [2], "float32", rows=[piece, 2])
+          for piece in range(2) for i, h in enumerate(hashes)]
+cache = EncoderOutputCache(Encoder(), torch.device("cpu"), budget_bytes=3 * 8)  # three outputs of 8 bytes
+cache.add_request("a", pieces)
+cache.inputs_embeds(torch.zeros(len(hashes)), [ScheduledSpan("a", 0, len(hashes), 0)])  # every first piece
+cache.remove_request("a")  # releases the six outputs: the first three released are evicted
+print(" ".join(h for h in hashes if h in cache.store))
+"""
+
+
+def test_a_removed_request_releases_its_pieces_in_the_order_reached_whatever_the_hash_seed(tmp_path):
+    """Ranks are separate interpreters, each with its own string-hash seed: the order in which a request's pins are
+    released decides which outputs a full cache evicts, so it must not follow a set's iteration order (every rank
+    must hold the same entries). Pieces (`MultiModalItem.rows`) are pinned by their hash, a str."""
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    runs = [subprocess.Popen([sys.executable, "-c", _RELEASE_ORDER], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                             env={**env, "PYTHONHASHSEED": str(seed)}) for seed in (1, 2, 3)]
+    kept = [run.communicate(timeout=120)[0].strip() for run in runs]
+    assert [run.returncode for run in runs] == [0, 0, 0]
+    assert kept == ["h3 h4 h5"] * 3  # released in the order reached, so the first three reached are evicted
