@@ -315,7 +315,8 @@ class StructuredOutputManager:
                finish: Callable[[list[str]], None]) -> None:
         """Advance the matchers with this step's tokens; `finish` the requests whose grammar ended ("stop"). A token
         the grammar refuses ends its request before it ("stop") where the grammar may end and the request's
-        `narrowed` fields forbade its end, else fails it (asyncllm/structured/narrowing.py)."""
+        `narrowed` fields forbade its end, else fails it (asyncllm/structured/narrowing.py); tokens accepted past the
+        grammar's end (drafts after its EOS, with ignore_eos) are dropped, and it ends "stop" on that EOS."""
         ended: list[str] = []
         endings: list[tuple[bytes, protocol.RequestOutputDelta]] = []
         for client_id, delta in outputs:
@@ -325,6 +326,15 @@ class StructuredOutputManager:
                 continue
             tokens = self._grammar_tokens(req_id, delta.new_token_ids)
             refused = next((k for k, token in enumerate(tokens) if not matcher.accept_token(token)), None)
+            if refused is not None and matcher.is_terminated():  # drafts accepted past its EOS (ignore_eos): dropped
+                kept = len(delta.new_token_ids) - (len(tokens) - refused)
+                delta.new_token_ids = delta.new_token_ids[:kept]
+                delta.logprobs = delta.logprobs and delta.logprobs.first_rows(kept)
+                if delta.finish_reason is None:
+                    ended.append(req_id)
+                delta.finish_reason, delta.stop_reason = "stop", None
+                self._forget(req_id)
+                continue
             if refused is not None and req_id in self.narrowed and may_end(matcher, self._bitmask_rows(1)):
                 if delta.finish_reason is None:
                     ended.append(req_id)
