@@ -368,7 +368,8 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
     # Whisper: its decoder's (the encoder is whole on every rank)
     if None in specs and any(size % tp_size for size in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
         problems.append(f"intermediate_size={sizes}")
-    for spec in set(specs) - {None}:
+    # distinct specs in layer order: a set of them (a str field) iterates by the interpreter's hash seed
+    for spec in dict.fromkeys(spec for spec in specs if spec is not None):
         problems += [p for p in moe_parallel_problems(spec, tp_size, expert_parallel) if p not in problems]
     beside = getattr(model_cls, "dense_mlp_sizes", None)  # dense MLPs beside every layer's experts (LongCat-Flash)
     problems += [f"{name}={size}" for name, size in (beside(hf_config) if beside else {}).items() if size % tp_size]

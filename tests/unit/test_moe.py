@@ -3,6 +3,8 @@ experts (by intermediate dim or, expert parallel, whole experts), and the ranks'
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -81,3 +83,15 @@ def test_experts_that_do_not_split_are_a_config_error() -> None:
         check_tensor_parallel(config, 4, expert_parallel=True)
     with pytest.raises(ConfigError, match=r"experts' intermediate_size=32 \(without enable_expert_parallel\)"):
         check_tensor_parallel(config, 64)
+
+
+def test_layers_of_different_expert_counts_are_named_in_layer_order() -> None:
+    """Every worker rank runs the check in `load_model`: the layers' distinct MoE shapes (Hunyuan's per-layer
+    ``num_experts``) are listed in layer order, not in a set's, whose order follows `MoESpec`'s str field (its
+    activation) and so each interpreter's hash seed."""
+    config = SimpleNamespace(architectures=["HunYuanMoEV1ForCausalLM"], num_attention_heads=8, num_key_value_heads=8,
+                             num_hidden_layers=6, intermediate_size=32, num_experts=[3, 5, 7, 9, 11, 13], moe_topk=1)
+    listed = ", ".join(f"num_experts={n} (with enable_expert_parallel)" for n in (3, 5, 7, 9, 11, 13))
+    with pytest.raises(ConfigError) as caught:
+        check_tensor_parallel(config, 2, expert_parallel=True)
+    assert str(caught.value) == f"tensor_parallel_size=2 is not allowed: a size that divides the model's {listed}"
