@@ -3,8 +3,8 @@
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n
 tokens of the request (prompt and outputs) are looked up earlier in the same
 tokens; for the longest n that matches, the drafts are the tokens that
-followed its latest occurrence with k tokens after it (else its latest
-occurrence, with fewer). Repeated text (code edits, quoting
+followed its latest occurrence with k tokens after it (else its earliest
+occurrence, which has the most tokens after it, as vLLM's). Repeated text (code edits, quoting
 the prompt, lists, loops of a small model) is where the drafts get accepted.
 
 Each request keeps its tokens as a bytearray of little-endian int32 (extended
@@ -46,16 +46,29 @@ class NgramProposer:
             if n >= num_tokens:
                 continue
             pattern = bytes(buffer[(num_tokens - n) * _WIDTH :])
-            # the latest occurrence followed by k tokens, else the latest followed by any
+            # the latest occurrence followed by k tokens, else the earliest (the most tokens after it): none
+            # starts before num_tokens - k - n + 1 then
             start = -1
             if num_tokens - k >= n:
                 start = _rfind_token_aligned(buffer, pattern, (num_tokens - k) * _WIDTH)
             if start < 0:
-                start = _rfind_token_aligned(buffer, pattern, (num_tokens - 1) * _WIDTH)
+                start = _find_token_aligned(buffer, pattern, max(0, num_tokens - k - n + 1), num_tokens - 1)
             if start >= 0:
                 follow = start + n
                 return token_ids[follow : follow + k]
         return []
+
+
+def _find_token_aligned(buffer: bytearray, pattern: bytes, first: int, end: int) -> int:
+    """The token index of the first whole-token occurrence of ``pattern`` in tokens ``[first, end)``, or -1."""
+    at = first * _WIDTH
+    while True:
+        at = buffer.find(pattern, at, end * _WIDTH)
+        if at < 0:
+            return -1
+        if at % _WIDTH == 0:
+            return at // _WIDTH
+        at += 1  # a match starting after this one
 
 
 def _rfind_token_aligned(buffer: bytearray, pattern: bytes, end: int) -> int:

@@ -96,7 +96,7 @@ def test_the_buffer_grows_with_the_tokens():
 
 def naive_drafts(tokens: list[int], k: int, lo: int, hi: int, max_drafts: int) -> list[int]:
     """The proposer's rule by list slicing: the longest suffix of ``lo``..``hi`` tokens seen before; of its earlier
-    occurrences the latest followed by ``k`` tokens, else the latest; the tokens after it."""
+    occurrences the latest followed by ``k`` tokens, else the earliest; the tokens after it."""
     k = min(k, max_drafts)
     for n in range(hi, lo - 1, -1):
         if k <= 0 or n >= len(tokens):
@@ -104,7 +104,7 @@ def naive_drafts(tokens: list[int], k: int, lo: int, hi: int, max_drafts: int) -
         seen = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
         if seen:
             full = [s for s in seen if s + n + k <= len(tokens)]
-            start = (full or seen)[-1] + n
+            start = (full[-1] if full else seen[0]) + n
             return tokens[start : start + k]
     return []
 
