@@ -4,13 +4,13 @@ For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n
 tokens of the request (prompt and outputs) are looked up earlier in the same
 tokens; for the longest n that matches, the drafts are the tokens that
 followed its latest occurrence with k tokens after it (else its earliest
-occurrence, which has the most tokens after it, as vLLM's). Repeated text (code edits, quoting
-the prompt, lists, loops of a small model) is where the drafts get accepted.
+occurrence, which has the most tokens after it: vLLM's proposer always takes the earliest). Repeated
+text (code edits, quoting the prompt, lists, loops of a small model) is where the drafts get accepted.
 
 Each request keeps its tokens as a bytearray of little-endian int32 (extended
-by the tokens added since its last proposal), so the lookup is one C-speed
-``bytearray.rfind`` per n; a match at an offset that is not a whole token is
-skipped.
+by the tokens added since its last proposal), so the lookup is a C-speed
+``bytearray.rfind`` (and, without k tokens after, a ``find`` over the last k + n) per n; a match at an offset
+that is not a whole token is skipped.
 """
 
 from __future__ import annotations

@@ -163,10 +163,10 @@ def fed(grammar: str, tokens: list[int]):
 def allowed_by(matcher) -> set[int]:
     bitmask = xgr.allocate_token_bitmask(1, len(VOCAB))
     matcher.fill_next_token_bitmask(bitmask, 0)
-    return tokens_of(bitmask[0].numpy())
+    return allowed_in(bitmask[0].numpy())
 
 
-def tokens_of(words) -> set[int]:
+def allowed_in(words) -> set[int]:
     return {t for t in range(len(VOCAB)) if int(words[t // 32]) >> (t % 32) & 1}
 
 
@@ -359,7 +359,7 @@ class Harness:
         assert len(positions) == len(got.req_ids) and (drafted or got.positions == [])
         rows: dict[str, list[tuple[int, set[int]]]] = {}
         for req_id, position, row in zip(got.req_ids, positions, words):
-            rows.setdefault(req_id, []).append((position, tokens_of(row)))
+            rows.setdefault(req_id, []).append((position, allowed_in(row)))
         assert rows == expected
 
     def check_accept(self, data, drafts: dict[str, list[int]]) -> None:
