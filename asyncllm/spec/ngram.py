@@ -46,8 +46,8 @@ class NgramProposer:
             if n >= num_tokens:
                 continue
             pattern = bytes(buffer[(num_tokens - n) * _WIDTH :])
-            # the latest occurrence followed by k tokens, else the earliest (the most tokens after it): none
-            # starts before num_tokens - k - n + 1 then
+            # the latest occurrence followed by k tokens; else the earliest, which has the most tokens after it
+            # (every occurrence then starts past num_tokens - k - n, where the rfind looked)
             start = -1
             if num_tokens - k >= n:
                 start = _rfind_token_aligned(buffer, pattern, (num_tokens - k) * _WIDTH)
