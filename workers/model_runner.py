@@ -39,6 +39,7 @@ from asyncllm.workers.logits_processors import EXHAUSTED_ERROR
 from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
+from asyncllm.workers.rank_failures import host_group
 from asyncllm.workers.mm_runner import MultiModalRunner, is_multimodal
 from asyncllm.workers.prompt_embeds import PromptEmbedsRunner
 from asyncllm.workers.sampler import Sampler, SamplerOutput
@@ -145,7 +146,7 @@ class ModelRunner(KVCacheSetup):
                         "per seat of max_num_seqs): lower max_num_seqs for more KV cache", snapshot_bytes / 2**30)
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
-            self.lora_runner = LoRARunner(core, self.config.lora_config, dtype, self.device)
+            self.lora_runner = LoRARunner(core, self.config.lora_config, dtype, self.device, host_group())
 
     # ------------------------------------------------------------ steps
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -13,8 +13,8 @@ puts each of its adapters in a slot, keeping one already there (now the most rec
 (the lowest: the runner's choice, the docstring names none), else the least recently used unpinned slot the step
 does not need, else such a pinned one; then each pinned adapter out of a slot takes a free or unpinned unneeded one
 (at its pin too; a step of the base model only changes nothing). The CPU cache holds adapters read, least recently
-read into a slot or pinned first, trimmed to ``max_cpu_loras`` from the front, never a pinned one; unpinned, an
-adapter goes to the front of the slots and the cache. A folder is read exactly when the adapter is not in the cache;
+read into a slot or pinned first, trimmed to ``max_cpu_loras`` from the front, never a pinned one nor one the step
+(or the pin) is placing; unpinned, an adapter goes to the front of the slots and the cache. A folder is read exactly when the adapter is not in the cache;
 an unreadable one fails its requests only (they run without an adapter and are dropped), or the pin, changing nothing.
 After every operation the runner must match the model exactly: the slots (adapter, slot, LRU order), the CPU cache's
 order, the pinned adapters (in pin order), the requests it keeps, and the folders read. After every step the mask
@@ -129,7 +129,7 @@ class Model:
         self.reads: list[int] = []
         """The folders read since the last check."""
 
-    def load(self, lora_id: int) -> None:
+    def load(self, lora_id: int, keep: list[int]) -> None:
         if lora_id in self.cpu_cache:
             self.cpu_cache.remove(lora_id)
             self.cpu_cache.append(lora_id)
@@ -138,11 +138,12 @@ class Model:
         if lora_id == BROKEN:
             raise Unreadable
         self.cpu_cache.append(lora_id)
-        self.trim()
+        self.trim(keep)
 
-    def trim(self) -> None:
-        while len(self.cpu_cache) > self.max_cpu_loras:
-            self.cpu_cache.remove(next(i for i in self.cpu_cache if i not in self.pinned))
+    def trim(self, keep: list[int] = ()) -> None:
+        evictable = [i for i in self.cpu_cache if i not in self.pinned and i not in keep]
+        for lora_id in evictable[:max(0, len(self.cpu_cache) - self.max_cpu_loras)]:
+            self.cpu_cache.remove(lora_id)
 
     def slot_to_fill(self, needed: list[int], free_only: bool) -> int | None:
         free = [slot for slot in range(self.max_loras) if slot not in self.slot_of.values()]
@@ -158,7 +159,7 @@ class Model:
             self.slots.remove(lora_id)
             self.slots.append(lora_id)
             return
-        self.load(lora_id)
+        self.load(lora_id, needed)
         slot = self.slot_to_fill(needed, free_only=False)
         for holder in [i for i in self.slots if self.slot_of[i] == slot]:
             self.slots.remove(holder)
@@ -189,7 +190,7 @@ class Model:
         return failed
 
     def pin(self, lora_id: int) -> None:
-        self.load(lora_id)
+        self.load(lora_id, [lora_id])
         if lora_id not in self.pinned:
             self.pinned.append(lora_id)
         self.place_pinned([])
@@ -404,5 +405,9 @@ def scenarios(draw: st.DrawFn) -> tuple[int, int, list[tuple[str, int, list[int]
 # two pinned adapters pushed out by the requests running before their pins: neither takes the other's slot
 @example(case=(3, 0, [("add", 1, [1]), ("add", 2, [1]), ("add", 3, [1]), ("step", 0, [1]), ("pin", 3, [1]),
                       ("step", 0, [1]), ("finish", 2, [1]), ("pin", 4, [1]), ("step", 0, [1])]))
+# after sleep mode, a step of adapters 2 and 1 (2 first) with 1 and 3 in a full CPU cache, 1 least recently used:
+# reading 2 evicts 3, not 1, which the step places next (reading no folder twice)
+@example(case=(2, 0, [("add", 1, [1]), ("add", 3, [1]), ("step", 0, [1]), ("sleep", 0, [1]), ("finish", 0, [1]),
+                      ("finish", 0, [1]), ("add", 2, [1]), ("add", 1, [1]), ("step", 0, [1])]))
 def test_slots_and_cpu_cache_follow_the_lru_rules_with_pins(served: SimpleNamespace, case) -> None:
     run(served, *case)
