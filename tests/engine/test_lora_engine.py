@@ -193,18 +193,23 @@ async def test_a_slow_adapter_read_stalls_no_other_stream(tiny_llama: str, lora_
 
 
 async def test_tensor_parallel_adapters_equal_peft(tiny_qwen3: str, tmp_path) -> None:
-    """Qwen3 (explicit head_dim, q/k norms) on two ranks: column-parallel B rows and row-parallel A columns."""
+    """Qwen3 (explicit head_dim, q/k norms) on two ranks: column-parallel B rows and row-parallel A columns. Then an
+    adapter gone before the workers read it: both ranks settle their reads (workers/rank_failures.py), its requests
+    fail with rank 0's error, the others and the engine go on."""
     lora = LoRARequest("q", 1, make_adapter(tiny_qwen3, str(tmp_path / "q"), seed=5, rank=8))
     prompts = random_prompts(3, seed=13, max_len=40)
     async with AsyncEngine(tiny_qwen3, tensor_parallel_size=2, enable_lora=True, disable_log_stats=True) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for v in (None, lora) for p in prompts))
+        error = await _an_adapter_gone(engine, tiny_qwen3, tmp_path, engine.config.async_scheduling)
+        assert "(rank 0: " in str(error)
     got = iter(outs)
     for variant in (None, lora):
         for prompt in prompts:
             assert next(got).token_ids == _reference(tiny_qwen3, variant, prompt), (variant, prompt)
 
 
-async def test_pipeline_stages_each_apply_their_layers_adapters(tiny_llama: str, adapters: list[LoRARequest]) -> None:
+async def test_pipeline_stages_each_apply_their_layers_adapters(tiny_llama: str, adapters: list[LoRARequest],
+                                                             tmp_path) -> None:
     """Two stages of one layer each: each stage puts its own layers' matrices of an adapter in its slots (the
     other stage's are skipped) and masks its tokens; four variants in micro-batches, three adapters for two
     slots, equal peft's tokens."""
@@ -213,6 +218,8 @@ async def test_pipeline_stages_each_apply_their_layers_adapters(tiny_llama: str,
     async with AsyncEngine(tiny_llama, pipeline_parallel_size=2, enable_lora=True, max_loras=2,
                            max_num_batched_tokens=32, disable_log_stats=True) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for p in prompts for v in variants))
+        # an adapter gone before the workers read it: both stages settle their reads, its requests fail alone
+        assert "(rank 0: " in str(await _an_adapter_gone(engine, tiny_llama, tmp_path, engine.config.async_scheduling))
     got = iter(outs)
     for prompt in prompts:
         for variant in variants:
@@ -233,7 +240,8 @@ async def test_an_adapter_gone_fails_its_requests_only_without_async_scheduling(
         await _an_adapter_gone(engine, tiny_llama, tmp_path, False)
 
 
-async def _an_adapter_gone(engine: AsyncEngine, tiny_llama: str, tmp_path, async_scheduling: bool) -> None:
+async def _an_adapter_gone(engine: AsyncEngine, tiny_llama: str, tmp_path, async_scheduling: bool) -> BaseException:
+    """The request's error."""
     import shutil
 
     assert engine.config.async_scheduling is async_scheduling
@@ -254,6 +262,7 @@ async def _an_adapter_gone(engine: AsyncEngine, tiny_llama: str, tmp_path, async
     shutil.copy(good, weights)
     out = await engine.generate(prompt, GREEDY, lora_request=lora)
     assert out.token_ids == _reference(tiny_llama, lora, prompt)
+    return results[0]
 
 
 @pytest.mark.parametrize("arch, targets", [("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
