@@ -18,7 +18,10 @@ into free text and the grammar's tokens (no start_after: all; else those after t
 token other than whitespace decides). Checked after every step: each sampling request's rows and positions equal a
 fresh matcher's fed its grammar tokens and the drafts before each position (an undecided one's with the opener and
 the whitespace allowed too; none while it waits, after a draft the grammar refuses, or after one that ended it);
-`accept` leaves each delta as the rules say: "stop" when the grammar ended, a refused token failing its request with
+`accept` leaves each delta as the rules say (its tokens, finish reason, stop reason, error, and logprobs rows: each
+delta drawn with or without a row per token, and with the stop token as its stop reason or none when it ends "stop";
+a cut delta keeps the rows of the tokens it keeps, a request the manager ends "stop" has no stop reason): "stop" when
+the grammar ended, a refused token failing its request with
 `narrowing.rejection`'s error, or ending it "stop" before that token where allowed_token_ids / bad_words are set and
 the grammar may end; the finished requests handed to `finish`; the free request untouched; and the matchers and
 start_after waits held exactly for the requests that still need them.
@@ -225,6 +228,27 @@ def expected_accept(live: Live, new: list[int], reason: str | None):
     return [(client, req_id, new, None, None)], False, False
 
 
+def logprobs_rows(tokens: list[int]) -> protocol.LogprobsArrays | None:
+    """One row per token (its id, a logprob from it, rank 1), as a request with logprobs gets them; None: none."""
+    if not tokens:
+        return None
+    ids = np.array(tokens, dtype=np.int32)
+    return protocol.LogprobsArrays(1, ids.tobytes(), (-ids.astype(np.float32)).tobytes(),
+                                   np.ones(len(tokens), dtype=np.int32).tobytes())
+
+
+def rows_of(logprobs: protocol.LogprobsArrays | None) -> list[int] | None:
+    return None if logprobs is None else np.frombuffer(logprobs.token_ids, dtype=np.int32).tolist()
+
+
+def expected_extras(delta: tuple, drawn: tuple[bool, int | None]) -> tuple[list[int] | None, int | None]:
+    """A delta's logprobs rows and stop reason after `accept`: the rows of the tokens it keeps (when drawn with
+    rows), and the drawn stop reason unless the manager ended it "stop" itself or cut its tokens."""
+    tokens = delta[2]
+    with_rows, stop_reason = drawn
+    return (tokens if with_rows and tokens else None), stop_reason
+
+
 def scheduler_cut(live: Live, proposed: list[int]) -> tuple[list[int], str | None]:
     """The scheduler's append: up to EOS ("stop", unless ignore_eos) or max_tokens ("length")."""
     kept: list[int] = []
@@ -364,24 +388,34 @@ class Harness:
 
     def check_accept(self, data, drafts: dict[str, list[int]]) -> None:
         outputs, expected_outputs, expected_ended, extra = [], [], [], []
+        extras: list[tuple[list[int] | None, int | None]] = []
+        extra_extras: list[tuple[list[int] | None, int | None]] = []
         for req_id, proposed in drafts.items():
             live = self.live[req_id]
             accepted = proposed[:data.draw(st.sampled_from([len(proposed)]) | st.integers(0, len(proposed)),
                                            label="accepted")]
             new, reason = scheduler_cut(live, accepted + [self.draw_token(data, live, live.output + accepted)])
-            outputs.append((live.request.client_id, protocol.RequestOutputDelta(req_id, list(new), reason)))
+            with_rows = data.draw(st.booleans(), label="logprobs")
+            stop_reason = new[-1] if reason == "stop" and data.draw(st.booleans(), label="stop token") else None
+            outputs.append((live.request.client_id, protocol.RequestOutputDelta(
+                req_id, list(new), reason, stop_reason, logprobs=logprobs_rows(new) if with_rows else None)))
             deltas, finished, ended = expected_accept(live, new, reason)
+            cut = deltas[0][2] != new or (deltas[0][3] == "stop" and reason != "stop") or len(deltas) > 1
+            extras.append(expected_extras(deltas[0], (with_rows, None if cut else stop_reason)))
             expected_outputs.append(deltas[0])
             extra += deltas[1:]
+            extra_extras += [(None, None)] * len(deltas[1:])
             expected_ended += [req_id] if finished else []
             self.record(live, new, ended)
         free_new = data.draw(st.lists(st.sampled_from(ANY), min_size=1, max_size=1 + self.max_drafts), label="free")
         outputs.append((b"f", protocol.RequestOutputDelta("free", list(free_new))))
         expected_outputs.append((b"f", "free", free_new, None, None))
+        extras.append((None, None))
         finished: list[list[str]] = []
         self.manager.accept(outputs, finished.append)
         got = [(client, d.request_id, d.new_token_ids, d.finish_reason, d.error) for client, d in outputs]
         assert got == expected_outputs + extra
+        assert [(rows_of(d.logprobs), d.stop_reason) for _, d in outputs] == extras + extra_extras
         assert finished == ([expected_ended] if expected_ended else [])
 
     def record(self, live: Live, new: list[int], ended: bool) -> None:
@@ -416,22 +450,57 @@ def test_rows_and_accepts_match_a_fresh_matcher_fed_the_grammars_tokens(pool, da
     assert not harness.manager.active
 
 
-@pytest.mark.parametrize("narrowed", [None, "allowed_token_ids"])
-def test_drafts_accepted_past_the_grammars_eos_are_dropped_and_it_stops(pool, narrowed) -> None:
-    """With ignore_eos, drafts [a, EOS] and a bonus token: the grammar ended at EOS, so the request ends "stop" there
-    (the bonus had no row: nothing constrained it). Before the fix, the bonus failed the request, or with
-    allowed_token_ids crashed the core (xgrammar refuses a bitmask of a terminated matcher)."""
-    harness = Harness(pool, max_drafts=2)
-    structured = StructuredOutputs(regex="(a|b)+")
-    params = SamplingParams(max_tokens=40, ignore_eos=True, structured=structured, **NARROWING[narrowed])
+def _admitted(harness: Harness, params: SamplingParams) -> Request:
+    """Request "r" with `params`, its grammar compiled and polled in."""
     request = Request.from_add_request(protocol.AddRequest("r", list(PROMPT), params, [EOS], 0.0), b"c0")
     harness.manager.add(request)
     harness.manager.pending["r"].future.result(timeout=60)
     assert harness.manager.poll() == ([request], [])
+    return request
+
+
+@pytest.mark.parametrize("reason, stop_reason", [(None, None), ("stop", B)])
+@pytest.mark.parametrize("narrowed", [None, "allowed_token_ids"])
+def test_drafts_accepted_past_the_grammars_eos_are_dropped_and_it_stops(pool, narrowed, reason, stop_reason) -> None:
+    """With ignore_eos, drafts [a, EOS] and a bonus token b (or b a stop token, ending the request): the grammar ended
+    at EOS, so the request ends "stop" there, with no stop reason and the logprobs rows of a and EOS (the bonus had no
+    row: nothing constrained it). Before the fix, the bonus failed the request, or with allowed_token_ids crashed the
+    core (xgrammar refuses a bitmask of a terminated matcher)."""
+    harness = Harness(pool, max_drafts=2)
+    structured = StructuredOutputs(regex="(a|b)+")
+    request = _admitted(harness, SamplingParams(max_tokens=40, ignore_eos=True, structured=structured,
+                                                **NARROWING[narrowed]))
     sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"r": 3}, 3,
                                          spec_token_ids={"r": [A, EOS]})
     assert harness.manager.grammar_bitmask(sched_out, {"r": request}).positions == [0, 1]  # none after EOS
-    outputs, finished = [(b"c0", protocol.RequestOutputDelta("r", [A, EOS, B]))], []
+    delta = protocol.RequestOutputDelta("r", [A, EOS, B], reason, stop_reason, logprobs=logprobs_rows([A, EOS, B]))
+    outputs, finished = [(b"c0", delta)], []
     harness.manager.accept(outputs, finished.append)
     assert [(d.new_token_ids, d.finish_reason, d.error) for _, d in outputs] == [([A, EOS], "stop", None)]
-    assert finished == [["r"]] and not harness.manager.active
+    assert delta.stop_reason is None and rows_of(delta.logprobs) == [A, EOS]
+    assert finished == ([] if reason else [["r"]]) and not harness.manager.active  # one ending already: the core's
+
+
+@pytest.mark.parametrize("kept", [[A], []])
+def test_a_refused_token_ends_a_narrowed_request_before_it_without_its_rows(pool, kept: list[int]) -> None:
+    """allowed_token_ids forbade the grammar's end, so the workers sampled x, which the grammar refuses where it may
+    end: the request ends "stop" before x (and the stop token after it), keeping the rows of the tokens before x and
+    no stop reason; with tokens left, on an empty delta after them (docs/sampling.md, narrowing)."""
+    harness = Harness(pool, max_drafts=2)
+    structured = StructuredOutputs(regex="(a|b)+")
+    params = SamplingParams(max_tokens=40, structured=structured, **NARROWING["allowed_token_ids"])
+    request = _admitted(harness, params)
+    if not kept:  # the grammar may end only after a first token
+        outputs = [(b"c0", protocol.RequestOutputDelta("r", [B]))]
+        harness.manager.accept(outputs, lambda ended: None)
+        request.append_output_token(B)
+    new = [*kept, X, ONE]
+    delta = protocol.RequestOutputDelta("r", new, "stop", ONE, logprobs=logprobs_rows(new))
+    outputs, finished = [(b"c0", delta)], []
+    harness.manager.accept(outputs, finished.append)
+    got = [(d.new_token_ids, d.finish_reason, d.stop_reason, rows_of(d.logprobs)) for _, d in outputs]
+    if kept:
+        assert got == [(kept, None, None, kept), ([], "stop", None, None)]
+    else:
+        assert got == [([], "stop", None, None)]
+    assert finished == [] and not harness.manager.active
