@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AddedTokensApart", "AddedTokensJoined", "added_tokens", "in_vocabulary", "special_ids"]
+__all__ = ["AddedTokensApart", "AddedTokensJoined", "added_tokens", "in_vocabulary", "special_ids", "vocabulary_size"]
 
 
 def added_tokens(tokenizer: Any) -> dict[int, str]:
@@ -22,6 +22,16 @@ def special_ids(tokenizer: Any) -> frozenset[int]:
                        lambda: frozenset(getattr(tokenizer, "all_special_ids", ())))
     return _cached(tokenizer, "_asyncllm_special_ids",
                    lambda: frozenset(i for i, t in _added(tokenizer).items() if t.special))
+
+
+def vocabulary_size(tokenizer: Any) -> int:
+    """Where the ids past the tokenizer start: ``len(tokenizer)`` (added tokens included), or past its last added
+    token if one lies beyond (a vocabulary with holes), cached; -1 for a tokenizer without a length (duck-typed)."""
+    def read() -> int:
+        if not hasattr(tokenizer, "__len__"):
+            return -1
+        return max(len(tokenizer), max(_added(tokenizer), default=-1) + 1)
+    return _cached(tokenizer, "_asyncllm_vocabulary_size", read)
 
 
 def in_vocabulary(tokenizer: Any, ids: list[int]) -> list[int]:

@@ -8,7 +8,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from asyncllm.engine.added_tokens import AddedTokensApart, AddedTokensJoined, added_tokens, in_vocabulary, special_ids
+from asyncllm.engine.added_tokens import (AddedTokensApart, AddedTokensJoined, added_tokens, in_vocabulary, special_ids,
+                                          vocabulary_size)
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["REPLACEMENT_CHAR", "make_stream"]
@@ -51,10 +52,13 @@ class _WindowStream:
     """
 
     def __init__(self, decode: Callable[[list[int]], str], skipped: frozenset[int],
-                 decode_apart: Callable[[list[int]], str] | None = None) -> None:
+                 decode_apart: Callable[[list[int]], str] | None = None, vocab_size: int = -1) -> None:
         self._decode = decode
         self._skipped = skipped
         """Ids ``decode`` drops (special tokens with ``skip_special_tokens``): they never enter the window."""
+        self._vocab_size = vocab_size
+        """Ids from it on (past the tokenizer: a padded model's) decode to nothing and never enter the window either,
+        so they neither count towards `_MAX_HELD_IDS` nor split a character they come between; -1: unknown."""
         self._decode_apart = decode_apart
         self._context: list[int] = []
         self._pending: list[int] = []
@@ -66,11 +70,17 @@ class _WindowStream:
     def prime(self, prompt_token_ids: list[int]) -> None:
         """Decode what follows as the continuation of the prompt's last ids (`_prompt_suffix`), as vLLM's stream."""
         self._context = self._anchor = [t for t in _prompt_suffix(self._decode, prompt_token_ids)
-                                        if t not in self._skipped]
+                                        if not self._dropped(t)]
         self._prefix = None
 
-    def step(self, token_id: int) -> str:
+    def _dropped(self, token_id: int) -> bool:
+        """Whether the id adds no text and stays out of the window (skipped, or past the vocabulary)."""
         if token_id in self._skipped:
+            return True
+        return self._vocab_size >= 0 and not 0 <= token_id < self._vocab_size
+
+    def step(self, token_id: int) -> str:
+        if self._dropped(token_id):
             return ""
         self._pending.append(token_id)
         text = self._pending_text()
@@ -137,10 +147,11 @@ class _FastStream(_WindowStream):
     does from a cut (`_MAX_HELD_IDS`: DecodeStream cannot let go of held ids).
     """
 
-    def __init__(self, backend: Any, skip_special_tokens: bool, skipped: frozenset[int]) -> None:
+    def __init__(self, backend: Any, skip_special_tokens: bool, skipped: frozenset[int], vocab_size: int) -> None:
         from tokenizers.decoders import DecodeStream
 
-        super().__init__(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens), skipped)
+        super().__init__(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens), skipped,
+                         vocab_size=vocab_size)
         self._backend = backend
         self._decode_stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
 
@@ -153,7 +164,7 @@ class _FastStream(_WindowStream):
             self._decode_stream = None
 
     def step(self, token_id: int) -> str:
-        if self._decode_stream is None or token_id in self._skipped:
+        if self._decode_stream is None or self._dropped(token_id):
             return super().step(token_id)
         try:
             text = self._decode_stream.step(self._backend, token_id)
@@ -196,14 +207,15 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
     """DecodeStream for fast tokenizers without byte fallback; the Python window otherwise."""
     backend = getattr(tokenizer, "_tokenizer", None)
     skipped = special_ids(tokenizer) if skip_special_tokens else frozenset()
+    size = vocabulary_size(tokenizer)
     if backend is not None and not getattr(backend.model, "byte_fallback", False):
-        return _FastStream(backend, skip_special_tokens, skipped)
+        return _FastStream(backend, skip_special_tokens, skipped, size)
     if backend is not None:
         def decode(ids: list[int]) -> str:
             return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return _WindowStream(decode, skipped)
+        return _WindowStream(decode, skipped, vocab_size=size)
 
     def decode_slow(ids: list[int]) -> str:
         return tokenizer.decode(in_vocabulary(tokenizer, ids), skip_special_tokens=skip_special_tokens,
                                 clean_up_tokenization_spaces=False)
-    return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow))
+    return _WindowStream(decode_slow, skipped, AddedTokensApart(tokenizer, decode_slow), size)
