@@ -60,6 +60,11 @@ class _Activation:
         """The first of ``softmax``, ``activation`` and ``use_activation`` set (vLLM's order), else true."""
         return next((v for v in (self.softmax, self.activation, self.use_activation) if v is not None), True)
 
+    def activation_field(self) -> str:
+        """The field `activated` read (``use_activation`` when none is set): an error about the switch names it, the
+        name the client wrote, as /pooling's do."""
+        return next((name for name in ("softmax", "activation") if getattr(self, name) is not None), "use_activation")
+
 
 class _PoolingRequest(msgspec.Struct, _Activation, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
@@ -154,8 +159,9 @@ class _Handlers:
         model, lora = self.server._model(req.model)
         _check_count("text_2", req.text_2, self.server.limits.max_prompts)
         request_id = pooling_request_id("score", req, request.headers)
-        outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora),
-                                    activated=req.activated())
+        with renamed_fields({"use_activation": req.activation_field()}):  # softmax: false names softmax
+            outputs = await self._score(request, request_id, req.text_1, req.text_2, pooling_options(req, lora),
+                                        activated=req.activated())
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
         return json_response(pooling_listing(request_id, model, data, outputs))
 
@@ -170,8 +176,9 @@ class _Handlers:
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         request_id = pooling_request_id("rerank", req, request.headers)
         try:
-            outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora), "rerank",
-                                        req.activated())
+            with renamed_fields({"use_activation": req.activation_field()}):  # softmax: false names softmax
+                outputs = await self._score(request, request_id, req.query, texts, pooling_options(req, lora),
+                                            "rerank", req.activated())
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
