@@ -127,7 +127,7 @@ class _Function:
         value = match.group(2).removesuffix("\n") if at_end else match.group(2)
         key, value = match.group(1).strip(), value.removeprefix("\n").removesuffix("\n")
         value_text = json.dumps(typed_value(value, self._types.get(key)), ensure_ascii=False)
-        self.arguments.append(f"{json.dumps(key)}: {value_text}")
+        self.arguments.append(f"{json.dumps(key, ensure_ascii=False)}: {value_text}")
 
     def pieces(self, stream_arguments: bool) -> list[ToolCallDelta]:
         """Its pieces not sent yet: streamed, its first piece, then each finished parameter, then its close once
