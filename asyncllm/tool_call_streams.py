@@ -255,7 +255,8 @@ class TaggedBlockStream(ToolCallDeltaStream):
     def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
         """Text between calls that is only whitespace (the newlines around blocks) is not content: after a call,
         whitespace is held back until more content follows it (then it is content, as in the whole reply) and
-        dropped if a call or the end follows, part by part in order, so however the reply was cut into pieces."""
+        dropped if a call or the end follows, part by part in order, so however the reply was cut into pieces;
+        once content followed the call, whitespace is content as it comes."""
         out: list[ReplyPart] = []
         for part in parts:
             if not isinstance(part, str):
@@ -265,7 +266,7 @@ class TaggedBlockStream(ToolCallDeltaStream):
                 self._space += part
             elif part:
                 out.append(self._space + part)
-                self._space = ""
+                self._space, self._after_call = "", False
         return out
 
 

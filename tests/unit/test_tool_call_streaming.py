@@ -198,6 +198,20 @@ def test_not_parallel_keeps_the_first_call() -> None:
     assert _calls(merge_deltas(deltas, tools=True)) == _calls(_whole(text, parallel=False)[0]) == [("f", '{"a": 1}')]
 
 
+@pytest.mark.parametrize("after", [["x\n"], ["x", "\n"], ["x", " ", "\n"]])
+def test_content_after_a_call_keeps_its_whitespace_however_it_comes(after: list[str]) -> None:
+    """Whitespace after a call is not content until content follows; once it has, whitespace is content as it comes:
+    "x\n" after a call is content whole or in pieces (before 2026-12-07 a "\n" piece of its own was dropped)."""
+    pieces = ["\n", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "\n", *after]
+
+    def content(fed: list[str]) -> str:
+        stream = get_tool_parser("hermes").delta_stream(stream_arguments=False)
+        parts = [part for piece in fed for part in stream.feed(piece)] + stream.finish()
+        return "".join(part for part in parts if isinstance(part, str))
+
+    assert content(pieces) == content(["".join(pieces)]) == "\n\n" + "".join(after)
+
+
 def test_whole_streams_report_one_piece_per_call() -> None:
     stream = get_tool_parser("hermes").delta_stream(stream_arguments=False)
     parts = stream.feed('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>') + stream.finish()
