@@ -84,6 +84,7 @@ def _content_loops(root: Any) -> Iterator[Any]:
     for loop in root.find_all(nodes.For):
         if any(_reads(loop.iter, name, "content") for name in message_names) \
                 or isinstance(loop.iter, nodes.Name) and loop.iter.name == "content":
+            _name(loop.target)  # a tuple target over content: vLLM's detection gives up there too ("string")
             yield loop
 
 
@@ -102,12 +103,12 @@ def _aliases(root: Any, name: str) -> list[str]:
 
 
 def _name(target: Any) -> str:
-    """A loop's or assignment's target name; a tuple target (``for i, m in messages | enumerate``) is not followed
-    (vLLM's detection gives up on it: ``"string"``)."""
+    """A loop's or assignment's target name; a tuple target (``for i, m in messages | enumerate``, or on the first
+    loop over a message's content) is not followed (vLLM's detection gives up on it: ``"string"``)."""
     from jinja2 import nodes
 
     if not isinstance(target, nodes.Name):
-        raise ValueError("a tuple target over messages")
+        raise ValueError("a tuple loop target")
     return target.name
 
 
