@@ -60,14 +60,20 @@ def segments_of(token_ids: Sequence[int], timestamp_begin: int, decode: Callable
 
 def srt(segments: Sequence[Segment]) -> str:
     """SubRip subtitles: numbered cues ``HH:MM:SS,mmm --> HH:MM:SS,mmm`` and their text."""
-    return "".join(f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n\n"
+    return "".join(f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{_cue_text(s)}\n\n"
                    for i, s in enumerate(segments, 1))
 
 
 def vtt(segments: Sequence[Segment]) -> str:
     """WebVTT subtitles: the ``WEBVTT`` header, then cues ``HH:MM:SS.mmm --> HH:MM:SS.mmm`` and their text."""
-    return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n\n"
+    return "WEBVTT\n\n" + "".join(f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{_cue_text(s)}\n\n"
                                   for s in segments)
+
+
+def _cue_text(segment: Segment) -> str:
+    """A cue's text: stripped, ``-->`` written ``->`` (a cue's text may not hold the timing arrow; OpenAI whisper's
+    writers replace it so)."""
+    return segment.text.strip().replace("-->", "->")
 
 
 def verbose_json(task: str, language: str, duration: float, segments: Sequence[Segment],
