@@ -30,7 +30,11 @@ def vocabulary_size(tokenizer: Any) -> int:
     def read() -> int:
         if not hasattr(tokenizer, "__len__"):
             return -1
-        return max(len(tokenizer), max(_added(tokenizer), default=-1) + 1)
+        try:
+            added = _added(tokenizer)
+        except (AttributeError, NotImplementedError):  # a duck-typed tokenizer without added tokens
+            added = {}
+        return max(len(tokenizer), max(added, default=-1) + 1)
     return _cached(tokenizer, "_asyncllm_vocabulary_size", read)
 
 

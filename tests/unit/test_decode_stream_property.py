@@ -392,3 +392,18 @@ def test_a_character_around_ids_past_the_vocabulary_stays_whole(tokenizers: dict
     assert ref_decode(tokenizer, out, True) == "🙂"
     deltas, flush = run_stream(tokenizer, [], out, SamplingParams())
     assert "".join(deltas) + flush == "🙂"
+
+
+def test_the_vocabulary_bound_of_duck_typed_tokenizers() -> None:
+    """Ids past the vocabulary start at ``len(tokenizer)`` (or past an added token beyond it); a tokenizer without a
+    length has no bound (-1), one without added tokens is bounded by its length alone."""
+    from asyncllm.engine.added_tokens import vocabulary_size
+
+    class Sized:
+        def __len__(self) -> int:
+            return 10
+
+    class Holed(Sized):
+        added_tokens_decoder = {3: "<a>", 14: "<b>"}
+
+    assert (vocabulary_size(Sized()), vocabulary_size(Holed()), vocabulary_size(object())) == (10, 15, -1)
