@@ -48,7 +48,7 @@ from asyncllm.engine.decode_stream import make_stream
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from test_detokenizer import sentencepiece_style_tokenizer
+from test_detokenizer import byte_ids, fast_of, sentencepiece_style_tokenizer
 
 FFFD = "\ufffd"
 HELD_BOUND = 8
@@ -127,10 +127,6 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "wordpiece": _wordpiece(), "gpt_sw3": _gpt_sw3(tmp_path_factory.mktemp("sw3"))}
 
 
-def fast_of(tokenizer: Any) -> Any:
-    return getattr(tokenizer, "_fast", tokenizer)
-
-
 def _added(tokenizer: Any, special: bool) -> list[int]:
     """The ids of the tokenizer's added tokens, special or not."""
     return sorted(i for i, token in tokenizer.added_tokens_decoder.items() if token.special == special)
@@ -140,18 +136,6 @@ def skipped_ids(tokenizer: Any) -> set[int]:
     """The ids skip_special_tokens drops (`special_ids`' docstring): a fast tokenizer's special added tokens, a slow
     one's ``all_special_ids``."""
     return set(_added(tokenizer, True)) if hasattr(tokenizer, "_tokenizer") else set(tokenizer.all_special_ids)
-
-
-def _byte_ids(tokenizer: Any, data: bytes) -> list[int]:
-    """One id per byte: a byte-fallback ``<0xNN>`` token or a byte-level BPE one (GPT-2's byte map); none for a
-    tokenizer without byte tokens (WordPiece)."""
-    vocab = fast_of(tokenizer).get_vocab()
-    if "<0x80>" in vocab:
-        return [vocab[f"<0x{b:02X}>"] for b in data]
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
-    return [vocab[char[b]] for b in data] if all(char[b] in vocab for b in data) else []
 
 
 def _space_id(tokenizer: Any) -> list[int]:
@@ -172,9 +156,9 @@ def resolve(tokenizer: Any, segments: list[tuple]) -> list[int]:
             ids += [pool[value % len(pool)]] if pool else []
         elif kind == "bytes":  # the first (n > 0) or last (n < 0) bytes of a character, one id each
             data = value.encode()
-            ids += _byte_ids(tokenizer, data[: rest[0]] if rest[0] > 0 else data[rest[0]:])
+            ids += byte_ids(tokenizer, data[: rest[0]] if rest[0] > 0 else data[rest[0]:])
         elif kind == "run":  # a run of one invalid byte (a continuation byte, or one UTF-8 never uses)
-            ids += _byte_ids(tokenizer, bytes([value]) * rest[0])
+            ids += byte_ids(tokenizer, bytes([value]) * rest[0])
         elif kind == "space":  # whitespace-only pieces, one after another
             ids += _space_id(tokenizer) * value
         elif kind == "id":

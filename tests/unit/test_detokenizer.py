@@ -80,6 +80,18 @@ def fast_of(tokenizer: Any) -> Any:
     return getattr(tokenizer, "_fast", tokenizer)
 
 
+def byte_ids(tokenizer: Any, data: bytes) -> list[int]:
+    """One id per byte: a byte-fallback ``<0xNN>`` token, or the byte-level BPE token of that byte (GPT-2's
+    byte-to-unicode map); none for a tokenizer without byte tokens (WordPiece)."""
+    vocab = fast_of(tokenizer).get_vocab()
+    if "<0x80>" in vocab:
+        return [vocab[f"<0x{b:02X}>"] for b in data]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
+    return [vocab[char[b]] for b in data] if all(char[b] in vocab for b in data) else []
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")

@@ -13,7 +13,7 @@ from asyncllm.engine import decode_stream
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from test_detokenizer import SlowTokenizerView, fast_of, sentencepiece_style_tokenizer
+from test_detokenizer import SlowTokenizerView, byte_ids, fast_of, sentencepiece_style_tokenizer
 
 BOUND = decode_stream._MAX_HELD_IDS
 
@@ -26,18 +26,6 @@ def tokenizers() -> dict[str, Any]:
         "llama2": llama2,
         "slow_view": SlowTokenizerView(llama2),
     }
-
-
-def _byte_ids(tokenizer: Any, data: bytes) -> list[int]:
-    """One id per byte: a byte-fallback ``<0xNN>`` token, or the byte-level BPE token of that byte (GPT-2's
-    byte-to-unicode map)."""
-    vocab = fast_of(tokenizer).get_vocab()
-    if "<0x80>" in vocab:
-        return [vocab[f"<0x{b:02X}>"] for b in data]
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
-    return [vocab[char[b]] for b in data]
 
 
 def _word(tokenizer: Any, text: str) -> list[int]:
@@ -65,7 +53,7 @@ def _run(tokenizer: Any, ids: list[int], skip: bool = True,
 @pytest.mark.parametrize("name", ["byte_level", "llama2", "slow_view"])
 def test_an_invalid_run_is_released_as_decode_shows_it(tokenizers: dict[str, Any], name: str) -> None:
     tokenizer = tokenizers[name]
-    ids = _byte_ids(tokenizer, b"\x80" * 200)
+    ids = byte_ids(tokenizer, b"\x80" * 200)
     texts, detok, held = _run(tokenizer, ids)
     assert held <= BOUND
     assert "".join(texts[:-1]).count("\ufffd") >= 200 - BOUND  # streamed as it goes, not at the finish
@@ -80,7 +68,7 @@ def test_a_character_after_an_invalid_run_is_whole(tokenizers: dict[str, Any], n
     word = _word(tokenizer, " the")
     for run in range(2 * BOUND + 2):
         for char in ("中", "🙂"):
-            ids = [*_byte_ids(tokenizer, b"\x80" * run + char.encode()), *word]
+            ids = [*byte_ids(tokenizer, b"\x80" * run + char.encode()), *word]
             texts, detok, held = _run(tokenizer, ids)
             decoded = fast_of(tokenizer).decode(ids)
             assert held <= BOUND, run
@@ -131,6 +119,6 @@ def test_valid_text_ending_inside_a_character_is_held_whole(window: bool) -> Non
         assert tokenizer.decode(ids) == "😂" * n
         assert detok.output_text == "".join(texts) == "😂" * n, n
         assert texts[-2] == "😂" * n and not "".join(texts[:-2]), n  # released whole on the completing token
-        invalid = [*ids[:-1], *_byte_ids(tokenizer, b"\xc0" * 3), last]  # then invalid bytes: the chain cut whole
+        invalid = [*ids[:-1], *byte_ids(tokenizer, b"\xc0" * 3), last]  # then invalid bytes: the chain cut whole
         texts, detok, _ = _run(tokenizer, invalid, window=window)
         assert detok.output_text == "".join(texts) == tokenizer.decode(invalid), n

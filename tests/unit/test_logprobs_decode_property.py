@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
-from test_detokenizer import sentencepiece_style_tokenizer
+from test_detokenizer import byte_ids, sentencepiece_style_tokenizer
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
@@ -64,17 +64,6 @@ def tokenizer_named(name: str) -> Any:
         backend.normalizer = None
         backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=MARK, prepend_scheme="first", split=False)
     return tokenizer
-
-
-def byte_ids(tokenizer: Any, data: bytes) -> list[int]:
-    """One id per byte: ``<0xNN>`` byte-fallback tokens, or byte-level BPE ones (GPT-2's byte map)."""
-    vocab = tokenizer.get_vocab()
-    if "<0x80>" in vocab:
-        return [vocab[f"<0x{b:02X}>"] for b in data]
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    shifted = [b for b in range(256) if b not in printable]
-    char = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
-    return [vocab[char[b]] for b in data]
 
 
 def resolve(tokenizer: Any, segments: list[tuple]) -> list[int]:
