@@ -35,6 +35,8 @@ _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]+')
 _BARE_CHARS = frozenset("+-.0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 _LITERALS = frozenset({"true", "false", "null", "NaN", "Infinity", "-Infinity"})
+_NUMBER_START = re.compile(r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*|(?:\.[0-9]+)?[eE][-+]?[0-9]*)?)?")
+"""What a JSON number's text may begin with (``1.`` and ``1e-`` may go on; ``01``, ``1.e5`` and ``--`` may not)."""
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
@@ -78,7 +80,7 @@ class JsonObjectScanner:
             if self._string is not None:
                 pos = self._string_char(text, pos)
             elif self._bare and text[pos] in _BARE_CHARS:
-                self._bare += text[pos]
+                self._bare_char(text[pos])
                 pos += 1
             elif self._bare:
                 self._end_bare()  # the character after a number or literal ends it; it is read next
@@ -124,7 +126,7 @@ class JsonObjectScanner:
             self._string = "value"
             self._emit('"')
         elif char in _BARE_CHARS:
-            self._bare = char
+            self._bare_char(char)
         else:
             self.fail()
 
@@ -185,6 +187,12 @@ class JsonObjectScanner:
         if len(self._stack) == 1 and self._key is not None:
             self.finished.add(self._key)
             self._key = None
+
+    def _bare_char(self, char: str) -> None:
+        """A number's or literal's next character: an error at once when no number or literal begins so."""
+        self._bare += char
+        if not (_NUMBER_START.fullmatch(self._bare) or any(lit.startswith(self._bare) for lit in _LITERALS)):
+            self.fail()
 
     def _end_bare(self) -> None:
         bare, self._bare = self._bare, ""

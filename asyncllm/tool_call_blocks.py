@@ -166,13 +166,13 @@ class WholeBlockStream(TaggedBlockStream):
                 continue
             out += [self._unmarked(self._held), part]
             self._held = ""
-        text = self._unmarked(self._held)
+        text = self._held  # as written: a marker's start is read before the markers go (``<`` then a marker is text)
         # a marker's start goes on into the text held back as a call tag's start, if any (a block opened: into none)
         pending = "" if self._in_block else self._buffer
         keep = 0 if self._ending or self._in_block else max(
             (partial_tag_suffix(text + pending, m) - len(pending) for m in self._markers), default=0)
         keep = max(keep, 0)
-        out.append(text[: len(text) - keep])
+        out.append(self._unmarked(text[: len(text) - keep]))
         self._held = text[len(text) - keep:]
         return super()._spacing(out)
 

@@ -20,8 +20,9 @@ class Llama3JsonStream(ToolCallDeltaStream):
     call, wherever it is (a ``{`` that starts no JSON value is text, and the next one is tried; an object that is
     no call is text, braces inside it included: vLLM's open PR 49923's reading). Each call is whole (`done`) once its
     object closes. A reply with calls has no content, as vLLM's: a whole reply's text (no `stream_arguments`) is
-    held to its end, content only if no call came; streamed, the text before the first call goes out as it comes
-    (less a leading ``<|python_tag|>``, ``;`` and whitespace), and the text after it is dropped."""
+    held to its end, content only if no call came; streamed, the text before the first call goes out as it comes,
+    and the text after it is dropped. A leading ``<|python_tag|>``, ``;`` and whitespace are held back: dropped
+    when a call follows them, content (tag included, as vLLM's whole-reply content keeps it) when text does."""
 
     SEPARATORS = " \t\r\n;"
 

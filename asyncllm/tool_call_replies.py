@@ -194,6 +194,8 @@ class MistralStream(_CallsReplyStream):
     OPENERS = (TOOL_CALLS,)
     CONTENT_FIRST = True
     TRAILING_IGNORED = True
+    NAMED_CALLS = True
+    """``name[ARGS]{...}`` calls are read (only a JSON list otherwise)."""
 
     def __init__(self, stream_arguments: bool, new_id: Callable[[], str] = tool_call_id) -> None:
         """`new_id`: the calls' id maker (the ``mistral`` parser's: `mistral_tool_call_id`)."""
@@ -220,6 +222,8 @@ class MistralStream(_CallsReplyStream):
             if self._pending:
                 self._state = "item" if self._pending[0] == "[" else "name"
                 self._pending = self._pending.removeprefix("[")
+                if self._state == "name" and not self.NAMED_CALLS:
+                    self._mode = "broken"
             return bool(self._pending)
         if self._state == "name":
             return self._read_name(parts)
@@ -284,7 +288,7 @@ class GraniteStream(MistralStream):
     ``{"name", "arguments"}`` objects."""
 
     OPENERS = (GRANITE_TOOL_CALL, GRANITE_STRING_TOOL_CALL)
-    CONTENT_FIRST = TRAILING_IGNORED = False
+    CONTENT_FIRST = TRAILING_IGNORED = NAMED_CALLS = False
 
 
 class Phi4MiniStream(MistralStream):
@@ -293,6 +297,7 @@ class Phi4MiniStream(MistralStream):
     list is dropped."""
 
     OPENERS = (FUNCTOOLS,)
+    NAMED_CALLS = False
 
 
 def pythonic_calls(text: str) -> list[tuple[str, str]] | None:

@@ -705,6 +705,8 @@ def test_well_formed_replies_read_as_drawn(name: str, data: st.DataObject, sizes
          reply="Checking.\n" + DS31 + "\nDone.")
 # a possible marker's start is held only while it may be one: "<｜tool▁calls" then "<" can start no marker
 @example(name="deepseek_v31", data=None, cut=None, sizes=[13, 1, 5], reply="<｜tool▁calls<x")
+# "<" then a whole marker in one piece: the "<" is text at once (a marker's start is read before the markers go)
+@example(name="deepseek_v3", data=None, cut=None, sizes=[99], reply="<<｜tool▁calls▁begin｜>")
 # kimi's id is its functions.NAME:N; the arguments less the spaces around
 @example(name="kimi_k2", data=None, cut=None, sizes=[2], reply=KIMI_BEGIN + KIMI_CALL + " functions.add:3 " + KIMI_ARGS
          + ' {"a":1} ' + KIMI_CALL_END + KIMI_END)

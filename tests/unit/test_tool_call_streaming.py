@@ -115,6 +115,18 @@ def test_scanner_refuses_what_json_loads_refuses(parts: list[str], seed: int) ->
         assert json.loads(scanner.value("v")) == value["v"]
 
 
+def test_scanner_refuses_a_number_or_literal_at_its_first_wrong_character() -> None:
+    """Not once the character after it comes: a stream holding the object releases it as text at once."""
+    for bad in ["01", "tx", "1.e", "--", "-a", "nulx", "Nan", "1e+-", "Infinit1"]:
+        scanner = JsonObjectScanner()
+        scanner.feed('{"a": ' + bad)
+        assert scanner.error, bad
+    for good in ["0", "1.", "1e-", "-", "-Inf", "nul", "1.5E+", "NaN", "-0.0e1", "fals"]:
+        scanner = JsonObjectScanner()
+        scanner.feed('{"a": ' + good)
+        assert not scanner.error and not scanner.done, good
+
+
 @settings(max_examples=100, deadline=None)
 @given(value=st.dictionaries(st.text(max_size=4), json_values, max_size=4), options=formats,
        name_first=st.booleans(), seed=st.integers(0, 2**16))
