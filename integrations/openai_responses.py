@@ -156,6 +156,11 @@ class Choices:
             fields["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
         return fields
 
+    def finish_of(self, index: int) -> tuple[str | None, str | int | None]:
+        """Choice `index`'s finish_reason and stop_reason as recorded (echo alone: ``"length"``, as `add` has it)."""
+        choice = self._choices[index]
+        return choice.finish_reason, choice.stop_reason
+
     def chat_deltas(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
         choice = self._choices[index]

@@ -186,9 +186,9 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
             elif (delta.text or delta.finish_reason is not None or logprobs is not None
                   or (choices.return_token_ids and delta.token_ids)):
                 text = "" if choices.echo_only else delta.text  # echo with max_tokens 0 drops the generated token
-                yield chunk({"index": index, "text": text, "logprobs": logprobs,
-                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
-                             **choices.stream_token_ids(index, delta.token_ids)})
+                finish, stop = choices.finish_of(index) if delta.finish_reason is not None else (None, None)
+                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                             "stop_reason": stop, **choices.stream_token_ids(index, delta.token_ids)})
         if usage != "none":
             yield sse_event({**meta, "choices": [], "usage": choices.usage()})
     except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
