@@ -13,8 +13,9 @@ vLLM's ``_construct_message_from_response_item`` does:
 - a ``function_call_output`` is a tool message (a list of text parts joined with "\\n", as vLLM's chat parsing
   joins a tool message's parts).
 
-Other messages keep their role (``developer`` too: the template decides what it makes of it, as vLLM and chat
-completions).
+Other messages keep their role (``user``, ``system``, ``developer``: the template decides what it makes of
+``developer``, as vLLM and chat completions); a message without one of those roles is refused, as vLLM's item
+models refuse it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from typing import Any
 from asyncllm.chat_content import TEXT_PART_FIELDS, is_text_part, text_part_text
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["input_items", "input_messages"]
+__all__ = ["MESSAGE_ROLES", "input_items", "input_messages"]
+
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+"""A message item's roles (vLLM's ``EasyInputMessageParam``; a missing or other role is a 400 naming ``input``)."""
 
 
 def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -55,7 +59,10 @@ def _message(i: int, item: dict[str, Any], previous: dict[str, Any] | None) -> d
     if kind == "message" and item.get("role") == "assistant":
         return _filled(previous, "content", _content(i, item.get("content")))
     if kind == "message":
-        return {"role": item.get("role"), "content": _content(i, item.get("content"))}
+        if item.get("role") not in MESSAGE_ROLES:
+            raise InvalidRequestError("input", f"item {i}: a message's role must be one of {', '.join(MESSAGE_ROLES)}"
+                                               f", got {item.get('role')!r}")
+        return {"role": item["role"], "content": _content(i, item.get("content"))}
     if kind == "reasoning":
         return _filled(previous, "reasoning", _reasoning(i, item))
     if kind == "function_call":
