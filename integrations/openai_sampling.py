@@ -136,14 +136,16 @@ def with_max_tokens_cap(defaults: Mapping[str, Any], config: Any) -> dict[str, A
 def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:
     """vLLM's ``get_max_tokens``: the request's max_tokens, else the model's default, at most the cap of the
     defaults (`with_max_tokens_cap`); else the server's limit (None: up to max_model_len, which the engine cuts to
-    the room left); more than the limit is an `InvalidRequestError`."""
+    the room left); a request's value over the limit is an `InvalidRequestError`, a default over it (the request
+    sent none) is cut to it: the client asked for nothing it could be refused."""
+    sent = max_tokens is not None
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
     cap = defaults.get(MAX_TOKENS_CAP)
     if cap is not None:
         max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     if limits.max_tokens is not None:
-        if max_tokens is None:
+        if max_tokens is None or (not sent and max_tokens > limits.max_tokens):
             return limits.max_tokens
         if max_tokens > limits.max_tokens:
             raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
