@@ -145,8 +145,10 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
                                              start_after_opener_after_space=False, start_after_opener_token_ids=[])
     opener = structured.start_after_opener_token_ids or (
         list(marker.opener) if structured.start_after_only_if_reply_opens and len(marker.opener) == 1 else [])
-    if structured.start_after_token_ids:  # the caller's: the core waits for them
-        structured = msgspec.structs.replace(structured, start_after_opener_token_ids=opener)
+    if structured.start_after_token_ids:  # the caller's: the core waits for them (and the suffix's, given or filled)
+        suffix = structured.start_after_suffix_token_ids or list(marker.suffix)
+        structured = msgspec.structs.replace(structured, start_after_suffix_token_ids=suffix,
+                                             start_after_opener_token_ids=opener)
     elif marker.starts_answer(prompt_ids, structured.start_after_only_if_opened):
         structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None,
                                              start_after_opener=None, start_after_only_if_opened=False,
