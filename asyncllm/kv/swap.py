@@ -38,7 +38,8 @@ class SwapSpace:
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self._free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
-        """A stack: the lowest free id is handed out first, so tests see stable ids."""
+        """A stack, lowest id on top at first (a fresh space hands out 0, 1, 2, ...); freed blocks go back on top
+        and are handed out again first, so ids stay small and stable for tests."""
         self.swapped: dict[str, SwappedRequest] = {}
         """req_id -> its CPU blocks, for every swapped-out request."""
 
