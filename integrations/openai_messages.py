@@ -6,7 +6,8 @@ parts; a ``text`` or ``refusal`` part whose text is None is dropped) become ``{"
 parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the engine's parts; an assistant message sent
 back as history (the official client's ``message.model_dump()``) is read as vLLM reads it: keys whose value is
 None dropped, OpenAI's assistant fields the template does not read ignored, ``reasoning`` (or
-``reasoning_content``, a string) given to the template under both names. Other keys are a 400 naming them.
+``reasoning_content``, each a string; the first non-empty, as vLLM's ``reasoning or reasoning_content``) given to
+the template under both names. Other keys are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
     extra = set(message) - _MESSAGE_KEYS
     if extra:
         raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
-    if reasoning:  # under both names, as vLLM: templates read either
-        key, text = reasoning[0]
+    for key, text in reasoning:
         if not isinstance(text, str):
             raise InvalidRequestError("messages", f"item {i}: {key} must be a string, got {type(text).__name__}")
-        message["reasoning"] = message["reasoning_content"] = text
+    if reasoning:  # under both names, as vLLM: templates read either; the first non-empty ("reasoning" or ...)
+        message["reasoning"] = message["reasoning_content"] = next((t for _, t in reasoning if t), "")
     return message
 
 
@@ -106,7 +107,8 @@ def _is_image_part(part: object) -> bool:
 
 def _image_part(part: dict[str, Any], media_root: Path | None, field: str) -> dict[str, Any]:
     """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
-    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is. Errors name
+    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) with its uuid, other keys
+    (``detail``) dropped. Errors name
     the part's `field` (``messages[i].content[j]``), as the engine's media errors do."""
     kind = part["type"]
     if kind == "input_audio":
