@@ -31,10 +31,22 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
         plain = loader.from_pretrained(model_path).to_dict()
         for key, value in overrides.items():
             ignored = loader.from_pretrained(model_path, **copy.deepcopy({key: value})).to_dict() == plain
-            if ignored and plain.get(key) != value:
+            if ignored and _setting(plain, key) != value:
                 raise ConfigError(f"mm_processor_kwargs.{key}", value,
                                   f"a setting of the model's {type(processor).__name__}")
     return processor
+
+
+_KEPT_IN_SIZE = {"max_pixels": "longest_edge", "min_pixels": "shortest_edge"}
+"""Settings Qwen-VL's image processor keeps in its ``size`` dict, not under their own names."""
+
+
+def _setting(settings: dict[str, Any], key: str) -> Any:
+    """A processor's `key` setting in its dict (None: it has none), so that a request repeating it is no typo."""
+    if key in settings:
+        return settings[key]
+    size = settings.get("size")
+    return size.get(_KEPT_IN_SIZE[key]) if key in _KEPT_IN_SIZE and isinstance(size, dict) else None
 
 
 def _mistral_images(model_path: str) -> bool:

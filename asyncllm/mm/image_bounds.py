@@ -62,7 +62,7 @@ def _pixel_count(path: str, value: float, overrides: Any, max_pixels: int) -> bo
     """Whether the setting at ``path`` is a pixel count of at most ``max_pixels``: one named so (``max_pixels``,
     ``min_pixels``; not ``max_pixels_tolerance``), or Qwen-VL's ``size.longest_edge`` / ``size.shortest_edge``
     equal to the ``max_pixels`` / ``min_pixels`` the request itself gives (``overrides``), which it keeps there."""
-    if value > max_pixels:
+    if not value <= max_pixels:  # NaN too
         return False
     if path.rsplit(".", 1)[-1].endswith("pixels"):
         return True

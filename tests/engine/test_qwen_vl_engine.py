@@ -120,6 +120,8 @@ async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(
     bounded = load_image_processor(qwen25_vl, {"max_pixels": 28 * 28 * 4})(images=[image],
                                                                           return_tensors="np")["image_grid_thw"][0]
     assert default.prod() // 4 > 4 >= bounded.prod() // 4
+    own = load_image_processor(qwen25_vl, {}).to_dict()["size"]  # the model's own bounds, repeated: no typo
+    load_image_processor(qwen25_vl, {"max_pixels": own["longest_edge"], "min_pixels": own["shortest_edge"]})
     with pytest.raises(ConfigError, match="mm_processor_kwargs.max_pixel"):  # a typo changes nothing
         await AsyncEngine(qwen25_vl, mm_processor_kwargs={"max_pixel": 1000}).start()
 
