@@ -151,6 +151,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first bad field (numpy scalars taken as Python numbers first)."""
         self._plain_numbers()
+        if self.seed == -1 and is_int(self.seed):  # np.int64(-1) too: vLLM's "no seed"
+            self.seed = None
         if self.structured_outputs is not None or self.guided_decoding is not None:  # set after construction
             _take_structured_alias(self)
         _check_int("n", self.n, 1, 2**31 - 1)
@@ -381,9 +383,10 @@ def _distinct(token_ids: list[int]) -> list[int]:
 
 
 def numpy_number(value: object) -> bool:
-    """A numpy integer or floating scalar (not numpy's bool: a bool field takes Python's only)."""
-    return type(value).__module__ == "numpy" and hasattr(value, "item") and type(value).__name__ != "bool_" \
-        and isinstance(value.item(), (int, float))
+    """A numpy integer or floating scalar (not numpy's bool, named ``bool`` since numpy 2: a bool field takes
+    Python's only)."""
+    return type(value).__module__ == "numpy" and hasattr(value, "item") \
+        and type(value).__name__ not in ("bool_", "bool") and isinstance(value.item(), (int, float))
 
 
 def _check_int(field: str, value: object, lo: int, hi: int, why: str = "") -> None:
@@ -396,5 +399,5 @@ def _check_int(field: str, value: object, lo: int, hi: int, why: str = "") -> No
 def _check_float(field: str, value: object, lo: float, hi: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(field, f"must be a number, got {value!r}")
-    if math.isnan(value) or not lo <= value <= hi:
+    if isinstance(value, float) and math.isnan(value) or not lo <= value <= hi:  # (an int may not fit a float)
         raise InvalidRequestError(field, f"must be in [{lo}, {hi}], got {value}")

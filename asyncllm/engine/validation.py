@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from asyncllm import protocol
 from asyncllm.config_checks import is_int
 from asyncllm.errors import InvalidRequestError, prompt_too_many_chars
@@ -82,6 +84,13 @@ def check_params_text(params: SamplingParams) -> None:
             raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, "
                                       f"got {len(stop)}")
         check_text("stop", stop)
+    for word in params.bad_words:  # tokenized on the host and sent to the core as text too
+        check_text("bad_words", word)
+    if params.structured is not None:  # its texts (regex, grammar, choices, a schema's strings) go to the core
+        try:
+            msgspec.msgpack.encode(params.structured)
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError("structured", f"is not valid Unicode text: {exc.reason}") from None
 
 
 def check_request_strings(params: SamplingParams, request_id: str | None, cache_salt: str | None) -> None:
