@@ -45,8 +45,10 @@ from asyncllm.tokenizer import template_messages
 
 SETTINGS = settings(max_examples=int(os.environ.get("PROP_EXAMPLES", "60")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-ROOT = Path(tempfile.mkdtemp(prefix="asyncllm-media-")).resolve()
-"""The allowed local media folder (fresh, so no symbolic link under it: a resolved path is a normalized one)."""
+ROOT = Path(tempfile.gettempdir()).resolve() / "asyncllm-media-property"
+"""The allowed local media folder (empty, so no symbolic link under it: a resolved path is a normalized one). Its
+name is fixed: the parametrized ids name it, and pytest-xdist's workers must collect the same ids."""
+ROOT.mkdir(exist_ok=True)
 
 TEXT_FIELD = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
               "thinking": "thinking"}
