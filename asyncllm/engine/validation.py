@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -87,10 +87,21 @@ def check_params_text(params: SamplingParams) -> None:
     for word in params.bad_words:  # tokenized on the host and sent to the core as text too
         check_text("bad_words", word)
     if params.structured is not None:  # its texts (regex, grammar, choices, a schema's strings) go to the core
-        try:
-            msgspec.msgpack.encode(params.structured)
-        except UnicodeEncodeError as exc:
-            raise InvalidRequestError("structured", f"is not valid Unicode text: {exc.reason}") from None
+        for text in _texts(msgspec.structs.asdict(params.structured)):
+            check_text("structured", text)
+
+
+def _texts(value: object) -> Iterator[str]:
+    """Every string in `value` (dicts' keys too, lists, nested)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _texts(key)
+            yield from _texts(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
 
 
 def check_request_strings(params: SamplingParams, request_id: str | None, cache_salt: str | None) -> None:
