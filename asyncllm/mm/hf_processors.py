@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from asyncllm.errors import ConfigError
+from asyncllm.mm.image_bounds import PIXEL_COUNT_EDGES
 
 __all__ = ["load_feature_extractor", "load_image_processor"]
 
@@ -37,16 +38,12 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
     return processor
 
 
-_KEPT_IN_SIZE = {"max_pixels": "longest_edge", "min_pixels": "shortest_edge"}
-"""Settings Qwen-VL's image processor keeps in its ``size`` dict, not under their own names."""
-
-
 def _setting(settings: dict[str, Any], key: str) -> Any:
     """A processor's `key` setting in its dict (None: it has none), so that a request repeating it is no typo."""
     if key in settings:
         return settings[key]
     size = settings.get("size")
-    return size.get(_KEPT_IN_SIZE[key]) if key in _KEPT_IN_SIZE and isinstance(size, dict) else None
+    return size.get(PIXEL_COUNT_EDGES[key]) if key in PIXEL_COUNT_EDGES and isinstance(size, dict) else None
 
 
 def _mistral_images(model_path: str) -> bool:

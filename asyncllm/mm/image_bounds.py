@@ -12,7 +12,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 
-__all__ = ["FIXED_SETTINGS", "check_processed_size", "check_request_sizes"]
+__all__ = ["FIXED_SETTINGS", "PIXEL_COUNT_EDGES", "check_processed_size", "check_request_sizes"]
 
 _SIZE_WORDS = ("size", "pixel", "edge", "height", "width", "pinpoint", "resolution", "token", "tile", "crop", "patch")
 """A setting whose name (or the name of a dict it is in) holds one of these sizes the processed image."""
@@ -21,8 +21,9 @@ FIXED_SETTINGS = frozenset({"patch_size", "merge_size", "temporal_patch_size", "
 """Settings (or dicts of them) that must match the model's config (its encoder's patches, their merging, LLaVA-NeXT's
 tile grids and the tower's crop, which the placeholders follow): a request's other value would be processed, then
 refused by the encoder on the workers."""
-_COUNT_EDGES = {"size.longest_edge": "max_pixels", "size.shortest_edge": "min_pixels"}
-"""Where Qwen-VL's image processor keeps the ``max_pixels`` / ``min_pixels`` it is given."""
+PIXEL_COUNT_EDGES = {"max_pixels": "longest_edge", "min_pixels": "shortest_edge"}
+"""Where in its ``size`` dict Qwen-VL's image processor keeps the ``max_pixels`` / ``min_pixels`` it is given."""
+_COUNT_EDGES = {f"size.{edge}": count for count, edge in PIXEL_COUNT_EDGES.items()}
 
 
 def _size_leaves(settings: Any, path: str = "", sized: bool = False) -> dict[str, float]:
