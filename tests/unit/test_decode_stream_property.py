@@ -308,7 +308,7 @@ CASES = st.tuples(
 )
 
 
-@settings(max_examples=1200, deadline=None, phases=_PHASES)
+@settings(max_examples=1200, deadline=None, phases=_PHASES, derandomize=_PROFILE != "mutation")
 @given(case=CASES)
 # a 4-byte emoji one byte token at a time after a prompt, held until whole, several ids an update
 @example(case=("byte_level", [("text", "Hi ✓")], [("bytes", "🙂", 4), ("text", " ok")], True, True, [2], False))
@@ -363,6 +363,16 @@ def test_decode_stream_matches_the_token_by_token_reference(tokenizers: dict[str
         assert_around_the_runs(expected.whole.replace(" ", ""), "".join(deltas + [flush]).replace(" ", ""))
     elif expected.around:
         assert_around_the_runs(expected.whole, "".join(deltas) + flush)
+
+
+@pytest.mark.xfail(strict=True, reason="known, not fixed (2026-12-07): a byte-fallback tab then two '▁' pieces, "
+                   "decoded a token at a time on gpt_sw3's window path, lose the second space")
+def test_gpt_sw3_spaces_after_a_byte_piece_stream_as_decode_shows_them(tokenizers: dict[str, Any]) -> None:
+    """decode() of the prefixes gives a tab, then one space, then two; the stream must add them one by one."""
+    tokenizer = tokenizers["gpt_sw3"]
+    out = resolve(tokenizer, [("id", 14), ("space", 2)])
+    assert [ref_decode(tokenizer, out[:k], True) for k in (1, 2, 3)] == ["\t", "\t ", "\t  "]
+    assert run_stream(tokenizer, [], out, SamplingParams()) == (["\t", " ", " "], "")
 
 
 @pytest.mark.parametrize("oov", [6, 9])
