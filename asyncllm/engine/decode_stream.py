@@ -36,8 +36,9 @@ class _WindowStream:
     """Incremental decoding over a sliding window of ids, for any ``decode`` function.
 
     ``context`` holds the ids of the last emitted piece (after a piece of
-    whitespace only, those of the last piece with other text before it too:
-    SentencePiece's decode drops a text's leading whitespace), ``pending`` the ids
+    whitespace only that decodes to less alone, those of the last piece that
+    does not before it too: SentencePiece's decode drops a text's leading
+    ``▁`` spaces, not a byte piece's tab), ``pending`` the ids
     decoded since; the new text is ``decode(context + pending)`` minus
     ``decode(context)``, released once it does not end in U+FFFD. This is the
     algorithm of ``tokenizers.decoders.DecodeStream``, kept here so that the
@@ -63,7 +64,7 @@ class _WindowStream:
         self._context: list[int] = []
         self._pending: list[int] = []
         self._anchor: list[int] = []
-        """The ids of the last emitted piece with text other than whitespace."""
+        """The ids of the last emitted piece whose text ``decode`` gives alone (whitespace a text starts with drops)."""
         self._prefix: str | None = None
         """``decode(context)``, computed once per context."""
 
@@ -86,7 +87,7 @@ class _WindowStream:
         text = self._pending_text()
         if not text or text.endswith(REPLACEMENT_CHAR):
             return self._cut(text) if self._past_bound(text) else ""
-        if text.isspace():
+        if text.isspace() and self._decode(self._pending) != text:
             self._context, self._pending, self._prefix = self._anchor + self._pending, [], None
             return text
         self._anchor = self._pending
