@@ -67,15 +67,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncllm.protocol import SchedulerStats
 from asyncllm.sched.admission import AdmissionGroups
 
-if TYPE_CHECKING:
-    from asyncllm.metrics.host_stats import HostStats
-
-__all__ = ["Admitted", "HostAdmission", "admission_group", "current_admission_group", "estimate_prompt_tokens"]
+__all__ = ["Admitted", "Delivered", "HostAdmission", "admission_group", "current_admission_group",
+           "estimate_prompt_tokens"]
 
 class _Group:
     __slots__ = ("name", "size")
@@ -126,17 +124,32 @@ def estimate_prompt_tokens(prompt: Any, chat: bool) -> int:
     return len(prompt)
 
 
+class Delivered:
+    """A replica's latest core snapshot as the event loop was given it: with the outputs of the same core message and
+    before them, after those of earlier messages (`AsyncEngine._on_delivery`), where the metrics take each at once
+    on the processor thread (`HostStats.take_snapshot`). The estimate reads this one, so it never sees a snapshot
+    before a failure delivered ahead of it: a request the core refused (or the processor thread failed) before the
+    core queued a later one would otherwise take that one's place in the count, and the count would stay a request
+    too high, passing from request to request as long as traffic goes on (found by
+    tests/unit/test_host_admission_property.py, 2026-12-07)."""
+
+    __slots__ = ("scheduler",)
+
+    def __init__(self, scheduler: SchedulerStats) -> None:
+        self.scheduler = scheduler
+
+
 class HostAdmission:
     """Estimates the core's waiting queue (for admission and for the data-parallel balancer); runs on the event loop
     only."""
 
     def __init__(self, max_num_queued_requests: int | None, max_num_queued_tokens: int | None,
-                 latest: HostStats | None = None) -> None:
+                 latest: Delivered | None = None) -> None:
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
         self.latest = latest
-        """Its replica's stats, whose `scheduler` is the core's latest snapshot: what a request failing between two
-        admissions is checked against (None: the last snapshot given)."""
+        """Its replica's snapshots as delivered (`Delivered`): what a request failing between two admissions is
+        checked against (None: the last snapshot given)."""
         self._snapshot: SchedulerStats | None = None
         self._queued = 0
         """`_snapshot`'s `host_samples_queued`."""

@@ -19,7 +19,7 @@ import anyio
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig, check_host_side
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
-from asyncllm.engine.admission import HostAdmission
+from asyncllm.engine.admission import Delivered, HostAdmission
 from asyncllm.engine.collector import ACCEPTED, RequestCollector
 from asyncllm.engine.data_parallel import replica_devices, served_max_model_len
 from asyncllm.engine.drain import EngineDrain
@@ -152,7 +152,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         observer = self._observer if index == 0 else RequestObserver(config.model, self.metrics_registry)
         if config.data_parallel_size > 1:
             observer.stats.engine_index = index  # Prometheus labels its series engine="<index>" (else "0")
-        admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens, observer.stats)
+        admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens,
+                                  Delivered(observer.stats.scheduler))
         name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
         restart = weakly(self._restart_replica)  # a running core's supervisor must not keep us alive
         # None once we are collected: nothing to restart (our finalizer stops the replicas)
@@ -363,7 +364,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
-        admitted = replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n,
+        admitted = replica.admission.admit(replica.queue_stats(), prompt, chat, params.n,
                                            options.admission_group)  # counts, refuses
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
                                      logprobs=params.logprobs is not None, admitted=admitted, accepted=accepted)
@@ -376,16 +377,19 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
     def _abort(self, request_id: str) -> None:
         self._replicas.abort(request_id)
 
-    def _deliver_threadsafe(self, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
+    def _deliver_threadsafe(self, delivered: Delivered | None, batch: Delivery,
+                            stats: protocol.SchedulerStats | None) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._on_delivery, batch, stats)
+            loop.call_soon_threadsafe(self._on_delivery, delivered, batch, stats)
         except RuntimeError:  # the loop closed between the check and the call
             pass
 
-    def _on_delivery(self, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
+    def _on_delivery(self, delivered: Delivered | None, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
+        if stats is not None and delivered is not None:  # first: the snapshot counts this message's failed requests
+            delivered.scheduler = stats
         for collector, item in batch:
             if isinstance(item, BaseException):
                 collector.put_error(item)

@@ -26,11 +26,12 @@ from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import combined_stats, load_score, replica_env, served_max_model_len
 from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.protocol import SchedulerStats
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.launched import Launched, stop_launched
 from asyncllm.engine.off_loop import finish_in_thread, in_thread, start_daemon
 from asyncllm.engine.prepare import Prepared, prepare
-from asyncllm.engine.processor import Deliver, Processor
+from asyncllm.engine.processor import Processor
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics import multiprocess
@@ -67,8 +68,13 @@ class Replica:
 
     def score(self) -> int:
         """Its load for the balancer (`data_parallel.load_score`)."""
-        stats = self.observer.stats.scheduler
+        stats = self.queue_stats()
         return load_score(stats, self.admission.num_waiting(stats))
+
+    def queue_stats(self) -> SchedulerStats:
+        """The core's latest snapshot as the loop was given it (`admission.Delivered`), for the queue estimate."""
+        latest = self.admission.latest
+        return self.observer.stats.scheduler if latest is None else latest.scheduler
 
     def snapshot(self) -> EngineStats:
         return self.observer.stats.snapshot(engine_alive=self.alive)
@@ -82,6 +88,8 @@ class Replica:
         if self._seen_dead is not processor:
             self._seen_dead = processor
             self.observer.stats.mark_closed()
+            if self.admission.latest is not None:  # the estimate counts from 0 (its zeros) until the next core's
+                self.admission.latest.scheduler = self.observer.stats.scheduler
         self.supervisor.on_core_dead(processor.dead)
 
     def stop(self) -> None:
@@ -202,7 +210,9 @@ class ReplicaSet:
 class LaunchSpec:
     """What starting any replica needs from its engine."""
 
-    deliver: Deliver
+    deliver: Callable[..., None]
+    """The engine's delivery (`AsyncEngine._deliver_threadsafe`): a processor's `Deliver` once given its replica's
+    `admission.Delivered`."""
     connect_address: str | None = None
     """Attach to this shared core (`AsyncEngine.connect`) instead of launching one."""
     engine_key: str | None = None
@@ -282,7 +292,8 @@ def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, s
         prepared.mm.stats = replica.observer.stats
     return Processor(
         address=core.address if core is not None else spec.connect_address, tokenizer=prepared.tokenizer,
-        eos_token_ids=prepared.eos_token_ids, vocab_size=prepared.vocab_size, deliver=spec.deliver, core=core,
+        eos_token_ids=prepared.eos_token_ids, vocab_size=prepared.vocab_size,
+        deliver=functools.partial(spec.deliver, replica.admission.latest), core=core,
         stats_logger=stats_logger, startup_timeout_s=timeout_s, observer=replica.observer,
         engine_key=spec.engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
         pooling_model=prepared.pooling_model, stream_interval=prepared.config.stream_interval,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from asyncllm.engine.admission import HostAdmission, estimate_prompt_tokens
@@ -180,3 +182,31 @@ def test_a_request_ended_before_the_core_got_it_stops_counting_without_a_new_sna
     request.finished = True  # aborted while parked: no message to the core, no new snapshot
     assert admission.num_waiting(idle) == 0
     admission.admit(idle, "b", chat=False)  # the queue is empty: accepted
+
+
+async def test_the_estimate_sees_a_snapshot_only_after_the_failures_delivered_before_it():
+    """The core refuses b (behind a) and queues c; the processor thread delivers b's error, then takes the snapshot
+    counting a and c for the metrics at once. The engine's estimate must see that snapshot only with its delivery,
+    after b's error: seen before (as it was until 2026-12-07), its count of 2 went to a and b, and c, queued, stayed
+    counted twice, a count too high that passes to the next request as long as traffic goes on."""
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.collector import RequestCollector
+
+    engine = AsyncEngine("m", max_num_queued_requests=8)
+    engine._loop = asyncio.get_running_loop()
+    replica = engine._replicas.replicas[0]
+    admission, delivered = replica.admission, replica.admission.latest
+    collectors = []
+    for prompt in "abc":
+        admitted = admission.admit(replica.queue_stats(), prompt, chat=False)
+        collectors.append(RequestCollector(prompt, 0.0, 1, admitted=admitted))
+        admitted.track(collectors[-1])
+    engine._deliver_threadsafe(delivered, [(collectors[1], EngineOverloadedError("the queue is full"))], None)
+    snapshot = SchedulerStats(num_requests_waiting=2, host_samples_queued=2)
+    replica.observer.on_scheduler_stats(snapshot, True)  # the processor thread, at once
+    engine._deliver_threadsafe(delivered, [], snapshot)
+    assert replica.observer.stats.scheduler is snapshot and replica.queue_stats() is not snapshot
+    assert admission.num_waiting(replica.queue_stats()) == 3  # the loop before the deliveries: a, b, c in flight
+    await asyncio.sleep(0)
+    assert collectors[1].finished and replica.queue_stats() is snapshot
+    assert admission.num_waiting(replica.queue_stats()) == 2  # a and c, both in the snapshot's count, once
