@@ -191,6 +191,13 @@ class HostAdmission:
             self._drop(first)
         self._credit = credit if unqueued else 0  # nothing left to count: what it had was miscounted (out of order)
 
+    def take(self, stats: SchedulerStats) -> None:
+        """A snapshot as the loop is delivered it (`Delivered`; a dead core's zeros, `Replica.check_dead`): the
+        estimate's latest, seen at once, so that a new core's count is never read as the old one's going on."""
+        if self.latest is not None:
+            self.latest.scheduler = stats
+        self._since(stats)
+
     def _drop(self, admitted: Admitted) -> None:
         if self._unqueued.pop(admitted, False) is None:
             self._num_unqueued -= admitted.num_requests

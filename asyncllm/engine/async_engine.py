@@ -377,19 +377,20 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
     def _abort(self, request_id: str) -> None:
         self._replicas.abort(request_id)
 
-    def _deliver_threadsafe(self, delivered: Delivered | None, batch: Delivery,
+    def _deliver_threadsafe(self, admission: HostAdmission | None, batch: Delivery,
                             stats: protocol.SchedulerStats | None) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._on_delivery, delivered, batch, stats)
+            loop.call_soon_threadsafe(self._on_delivery, admission, batch, stats)
         except RuntimeError:  # the loop closed between the check and the call
             pass
 
-    def _on_delivery(self, delivered: Delivered | None, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
-        if stats is not None and delivered is not None:  # first: the snapshot counts this message's failed requests
-            delivered.scheduler = stats
+    def _on_delivery(self, admission: HostAdmission | None, batch: Delivery,
+                     stats: protocol.SchedulerStats | None) -> None:
+        if stats is not None and admission is not None:  # first: the snapshot counts this message's failed requests
+            admission.take(stats)
         for collector, item in batch:
             if isinstance(item, BaseException):
                 collector.put_error(item)

@@ -88,8 +88,7 @@ class Replica:
         if self._seen_dead is not processor:
             self._seen_dead = processor
             self.observer.stats.mark_closed()
-            if self.admission.latest is not None:  # the estimate counts from 0 (its zeros) until the next core's
-                self.admission.latest.scheduler = self.observer.stats.scheduler
+            self.admission.take(self.observer.stats.scheduler)  # its zeros: the next core's count starts from 0
         self.supervisor.on_core_dead(processor.dead)
 
     def stop(self) -> None:
@@ -212,7 +211,7 @@ class LaunchSpec:
 
     deliver: Callable[..., None]
     """The engine's delivery (`AsyncEngine._deliver_threadsafe`): a processor's `Deliver` once given its replica's
-    `admission.Delivered`."""
+    `HostAdmission`."""
     connect_address: str | None = None
     """Attach to this shared core (`AsyncEngine.connect`) instead of launching one."""
     engine_key: str | None = None
@@ -293,7 +292,7 @@ def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, s
     return Processor(
         address=core.address if core is not None else spec.connect_address, tokenizer=prepared.tokenizer,
         eos_token_ids=prepared.eos_token_ids, vocab_size=prepared.vocab_size,
-        deliver=functools.partial(spec.deliver, replica.admission.latest), core=core,
+        deliver=functools.partial(spec.deliver, replica.admission), core=core,
         stats_logger=stats_logger, startup_timeout_s=timeout_s, observer=replica.observer,
         engine_key=spec.engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
         pooling_model=prepared.pooling_model, stream_interval=prepared.config.stream_interval,

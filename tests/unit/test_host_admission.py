@@ -195,18 +195,44 @@ async def test_the_estimate_sees_a_snapshot_only_after_the_failures_delivered_be
     engine = AsyncEngine("m", max_num_queued_requests=8)
     engine._loop = asyncio.get_running_loop()
     replica = engine._replicas.replicas[0]
-    admission, delivered = replica.admission, replica.admission.latest
+    admission = replica.admission
     collectors = []
     for prompt in "abc":
         admitted = admission.admit(replica.queue_stats(), prompt, chat=False)
         collectors.append(RequestCollector(prompt, 0.0, 1, admitted=admitted))
         admitted.track(collectors[-1])
-    engine._deliver_threadsafe(delivered, [(collectors[1], EngineOverloadedError("the queue is full"))], None)
+    engine._deliver_threadsafe(admission, [(collectors[1], EngineOverloadedError("the queue is full"))], None)
     snapshot = SchedulerStats(num_requests_waiting=2, host_samples_queued=2)
     replica.observer.on_scheduler_stats(snapshot, True)  # the processor thread, at once
-    engine._deliver_threadsafe(delivered, [], snapshot)
+    engine._deliver_threadsafe(admission, [], snapshot)
     assert replica.observer.stats.scheduler is snapshot and replica.queue_stats() is not snapshot
     assert admission.num_waiting(replica.queue_stats()) == 3  # the loop before the deliveries: a, b, c in flight
     await asyncio.sleep(0)
     assert collectors[1].finished and replica.queue_stats() is snapshot
     assert admission.num_waiting(replica.queue_stats()) == 2  # a and c, both in the snapshot's count, once
+
+
+async def test_a_dead_cores_zeros_are_seen_before_the_next_cores_count():
+    """A core that queued 2 of this host's samples dies; its replacement queues 3 more before any request is
+    admitted. The dead core's zeros (`Replica.check_dead`) must reach the estimate first, or the new count reads as
+    the old one going on: 1 more queued instead of 3, and two queued requests counted twice."""
+    from types import SimpleNamespace
+
+    from asyncllm.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine("m")
+    replica = engine._replicas.replicas[0]
+    admission = replica.admission
+    for prompt in "ab":
+        admission.admit(replica.queue_stats(), prompt, chat=False)
+    engine._on_delivery(admission, [], SchedulerStats(num_requests_waiting=2, host_samples_queued=2))
+    assert admission.num_waiting(replica.queue_stats()) == 2
+    replica.processor = SimpleNamespace(dead=RuntimeError("the core died"))
+    replica.supervisor = SimpleNamespace(on_core_dead=lambda exc: None)  # type: ignore[assignment]
+    replica.check_dead()
+    assert replica.queue_stats().host_samples_queued == 0
+    replica.processor = SimpleNamespace(dead=None)  # the next core
+    for prompt in "cde":
+        admission.admit(replica.queue_stats(), prompt, chat=False)
+    engine._on_delivery(admission, [], SchedulerStats(num_requests_waiting=3, host_samples_queued=3))
+    assert admission.num_waiting(replica.queue_stats()) == 3

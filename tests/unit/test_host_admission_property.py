@@ -455,9 +455,11 @@ def test_a_refusal_handled_after_a_later_snapshot_errs_high_until_the_next_reque
 
 
 def test_a_new_core_counting_past_the_old_one_before_the_host_looks():
-    """Reported doubt: a restart is told by a count lower than the last one the host looked at; a new core that
-    queued more of this host's samples than the old one before the host looks is read as the old one going on: the
-    old count is not taken off, c counts twice until it ends. Too high, never too low, no leak."""
+    """A restart is told by a count lower than the last one the estimate saw; a new core that queued more of this
+    host's samples than the old one before the estimate looks is read as the old one going on: the old count is not
+    taken off, c counts twice until it ends. Too high, never too low, no leak. (The engine's estimate no longer
+    misses a count: since 2026-12-07 it takes each snapshot as delivered, and a dead core's zeros, `HostAdmission.
+    take`; tests/unit/test_host_admission.py.)"""
     sim = Sim(None, None, lagged=False)
     sim.exact = False
     play(sim, [A(), S("send"), S("take"), S("schedule"), S("finish"), S("deliver"), S("observe"), A(), A(),
