@@ -170,8 +170,6 @@ class _Handlers:
         model, lora = self.server._model(req.model)
         if not req.documents:
             raise InvalidRequestError("documents", "is empty: give at least one document to rank")
-        if req.top_n < 0:
-            raise InvalidRequestError("top_n", f"must be 0 (all) or positive, got {req.top_n}")
         _check_count("documents", req.documents, self.server.limits.max_prompts)
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         request_id = pooling_request_id("rerank", req, request.headers)
@@ -222,7 +220,8 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | 
     """`AsyncEngine.classify` on every prompt at once (`options`: `_options`'), results in input order, each
     logged as ``request_id-i``. The first error cancels the others; `until` completing (the client went away)
     raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error
-    ``input_tokens`` (`errors.context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
+    ``input_tokens`` (`errors.context_param`), saying `api`'s word (`errors.POOLING_OPERATIONS`;
+    None: "classification")."""
     log_under(request_log, request_id, logged_prompts(prompts), PoolingParams(task="classify"),
               options["lora_request"])
     options = dict(options)
@@ -235,10 +234,10 @@ async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int] | 
 
 def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,
                    return_documents: bool) -> list[dict[str, Any]]:
-    """Best first (ties in input order), the first `top_n` (0: all)."""
+    """Best first (ties in input order), the first `top_n` (0 or less: all, as vLLM)."""
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
     results = []
-    for i in order[: top_n or None]:
+    for i in order[: top_n if top_n > 0 else None]:
         result: dict[str, Any] = {"index": i, "relevance_score": outputs[i].score}
         if return_documents:
             result["document"] = {"text": documents[i]}

@@ -63,6 +63,8 @@ async def test_rerank_sorts_by_relevance(app, want) -> None:
     assert [r["index"] for r in top["results"]] == [DOCS.index(doc) for doc in best[:2]]
     assert all("document" not in r for r in top["results"])
     assert full["usage"]["total_tokens"] == sum(lengths[QUERY] + lengths[doc] for doc in DOCS)
+    negative = await _post(app, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1})  # vLLM: top_n <= 0 is all
+    assert [r["index"] for r in negative["results"]] == [r["index"] for r in full["results"]]
 
 
 async def test_pooling_basics_user_and_request_id(app) -> None:
@@ -77,7 +79,7 @@ async def test_pooling_basics_user_and_request_id(app) -> None:
     ("/classify", {"messages": [{"role": "user", "content": "hi"}]}, "model"),  # chat messages too
     ("/v2/rerank", {"query": QUERY, "documents": []}, "documents"),
     ("/rerank", {"query": QUERY, "documents": ["a", ""]}, "documents"),
-    ("/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": QUERY, "documents": ["a"], "top_n": 1.5}, "top_n"),
     ("/rerank", {"query": "", "documents": ["a"]}, "query"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
     ("/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation"),
