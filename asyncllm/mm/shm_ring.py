@@ -102,8 +102,9 @@ class ShmRingWriter(Generic[M]):
 
     def put(self, key: str, data: memoryview, meta: M) -> RingEntry[M] | None:
         """Write ``data`` as a new entry for ``key`` (None when it is larger than the whole ring)."""
-        self.drop(key)
         nbytes = data.nbytes
+        raw = data.cast("B") if nbytes else b""  # memoryview cannot cast an empty (1, 0) view; before any change
+        self.drop(key)
         if _padded(nbytes) > self.capacity:
             return None
         offset = self._reserve(_padded(nbytes))
@@ -114,7 +115,7 @@ class ShmRingWriter(Generic[M]):
         fence()
         buf[offset + 8 : offset + 16] = nbytes.to_bytes(8, "little")
         buf[offset + 16 : offset + 16 + _KEY_BYTES] = key_digest(key)
-        buf[offset + HEADER_BYTES : offset + HEADER_BYTES + nbytes] = data.cast("B")
+        buf[offset + HEADER_BYTES : offset + HEADER_BYTES + nbytes] = raw
         fence()
         self._view.words[offset // 8] = entry.generation  # published: readers may use it from now on
         self._index[key] = entry
@@ -187,8 +188,8 @@ class ShmRingReader:
     def read(self, key: str, offset: int, generation: int, nbytes: int, field: str) -> bytes | None:
         """The entry's data if it still holds ``key`` at ``generation``; None if it was overwritten."""
         if offset < 0 or offset % ALIGN or offset + HEADER_BYTES + nbytes > self.size or generation <= 0:
-            raise InvalidRequestError(field, f"ring location (offset {offset}, {nbytes} bytes, generation {generation}) "
-                                      f"is outside the host's ring of {self.size} bytes")
+            raise InvalidRequestError(field, f"ring location (offset {offset}, {nbytes} bytes, generation "
+                                      f"{generation}) is outside the host's ring of {self.size} bytes")
         view = self._view
         if view.generation(offset) != generation:
             return None

@@ -83,6 +83,14 @@ def test_a_dropped_entry_misses_and_a_location_outside_the_ring_is_refused(ring)
         reader.read("a", 3, 1, ENTRY, "mm_items[0]")  # not on an entry boundary
 
 
+def test_an_empty_array_of_any_shape_is_an_entry(ring):
+    writer, reader = ring
+    writer.put("a", memoryview(_data(1)), "a")
+    entry = writer.put("a", memoryview(np.zeros((1, 0), dtype=np.float32)), "empty")  # memoryview cannot cast it
+    assert (entry.nbytes, writer.get("a").meta) == (0, "empty")
+    assert reader.read("a", entry.offset, entry.generation, 0, "f") == b""
+
+
 def test_a_ring_larger_than_dev_shm_is_a_config_error():
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     with pytest.raises(ConfigError, match=r"mm_processor_cache_gb=.* at most /dev/shm's free space"):
