@@ -258,17 +258,27 @@ def render_chat(
     return text.lower() if lower else text
 
 
-def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
+def chat_token_ids(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False,
+                   max_length: int | None = None, truncation_side: str = "left") -> list[int]:
     """A rendered chat's token ids as transformers' ``apply_chat_template(tokenize=True)`` makes them: the template
     wrote the special tokens itself (BOS included), so none are added unless `add_special_tokens` (vLLM's); a
-    `MistralChat`'s are mistral_common's own (BOS included)."""
+    `MistralChat`'s are mistral_common's own (BOS included). With them added and a `max_length`, cut by the
+    tokenizer as vLLM's ``truncation=True, max_length=k``: the added tokens kept, the text cut on `truncation_side`
+    (without them the caller's cut of the ids is the same)."""
     if isinstance(text, MistralChat):
         if add_special_tokens:
             raise InvalidRequestError("add_special_tokens", "mistral_common writes a chat's special tokens itself "
                                                             "(tokenizer_mode='mistral'): leave it False")
         return list(text.token_ids)
+    if add_special_tokens and max_length is not None:
+        with truncating(tokenizer, max_length, truncation_side) as cutting:
+            return _chat_encoded(cutting, text, add_special_tokens=True, truncation=True, max_length=max_length)
+    return _chat_encoded(tokenizer, text, add_special_tokens=add_special_tokens)
+
+
+def _chat_encoded(tokenizer: PreTrainedTokenizerBase, text: str, **kwargs: Any) -> list[int]:
     try:
-        token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        token_ids = tokenizer(text, **kwargs).input_ids
     except Exception as exc:  # noqa: BLE001 - a 400, as vLLM's
         raise InvalidRequestError("messages", f"could not be tokenized ({type(exc).__name__}: {exc})") from exc
     return [int(t) for t in token_ids]

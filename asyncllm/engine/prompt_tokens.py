@@ -88,7 +88,8 @@ class PromptTokenizer:
             job.embeds = prompt_embeds_of(job.prompt, self.embeds_width, job.params, self.max_model_len, operation)
             return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
-            job.prompt = plain_prompt(job.prompt) or job.prompt
+            plain = plain_prompt(job.prompt)  # {"prompt": ""} is "" (BOS alone), as vLLM's
+            job.prompt = job.prompt if plain is None else plain
         if job.chat:  # bounds told before any template renders it, a multimodal chat's too (chat_bounds.py)
             check_chat_size(self.tokenizer, job.prompt, self.max_model_len, self.max_prompt_chars, operation,
                             cuttable=job.params.truncate_prompt_tokens is not None)
@@ -134,7 +135,10 @@ class PromptTokenizer:
                            tools=options.tools, chat_template=options.chat_template,
                            content_format=options.chat_template_content_format, lower=lowercases(self.pooling_model))
         self._check_chat_chars(job, text)
-        return chat_token_ids(self.tokenizer, text, bool(options.add_special_tokens))
+        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len,
+                                 pooling=options.pooling is not None)
+        return chat_token_ids(self.tokenizer, text, bool(options.add_special_tokens), max_length=keep,
+                              truncation_side="right" if options.pooling is not None else "left")
 
     def _check_chat_chars(self, job: Submit, text: str, cuttable: bool = True) -> None:
         """A rendered chat longer than ``max_prompt_chars`` refused by parts (`_refuse_past_chars`), unless it may be

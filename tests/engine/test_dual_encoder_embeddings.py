@@ -93,16 +93,24 @@ async def test_texts_and_images_sharing_steps_are_as_alone(engine, tiny_clip):
 @pytest.mark.parametrize(("prompt", "field", "words"), [
     ({"prompt": "a cat", "images": ["IMAGE"]}, "prompt", "not both"),
     ({"prompt": "", "images": ["IMAGE", "IMAGE"]}, "prompt.images", "one image per prompt"),
-    ({"prompt": ""}, "prompt", "non-empty"),
+    ({"prompt_token_ids": []}, "prompt", "empty"),
 ])
 async def test_text_with_an_image_two_images_or_nothing_are_refused_by_name(engine, prompt, field, words):
-    """vLLM's rule (text or one image, not both), and an empty prompt without an image; the engine serves on."""
+    """vLLM's rule (text or one image, not both), and no tokens without an image; the engine serves on (an empty
+    text, ``""`` or ``{"prompt": ""}``, is the tokenizer's special tokens: the test below)."""
     image = make_image(32, 32, seed=5)
     prompt = {**prompt, **({"images": [image] * len(prompt["images"])} if "images" in prompt else {})}
     with pytest.raises(InvalidRequestError) as info:
         await engine.embed(prompt)
     assert info.value.field == field and words in info.value.message
     assert len((await engine.embed("still here")).embedding) == 24
+
+
+async def test_an_empty_text_is_its_special_tokens(engine):
+    """``{"prompt": ""}`` is the bare ``""`` (vLLM's TextPrompt): the tokenizer's special tokens, embedded as text."""
+    bare, as_dict = await engine.embed("", RAW), await engine.embed({"prompt": ""}, RAW)
+    assert as_dict.prompt_token_ids == bare.prompt_token_ids and len(bare.prompt_token_ids) >= 1
+    np.testing.assert_array_equal(as_dict.embedding, bare.embedding)
 
 
 async def test_pixels_the_tower_cannot_take_and_videos_are_refused_by_name(engine):
