@@ -101,12 +101,17 @@ def _check_reward_pooler(value: dict[str, Any]) -> None:
 
 def check_step_fields(step_tag_id: Any, returned_token_ids: Any, error: Any) -> None:
     """``step_tag_id`` a token id (int >= 0) or None, ``returned_token_ids`` a non-empty list of column indices or
-    None; ``error(message)`` the exception to raise."""
-    if step_tag_id is not None and (not is_int(step_tag_id) or step_tag_id < 0):
+    None, each below 2**63 (the wire's int64); ``error(message)`` the exception to raise."""
+    if step_tag_id is not None and not _wire_index(step_tag_id):
         raise error(f"step_tag_id a token id (an int >= 0), got {step_tag_id!r}")
     if returned_token_ids is not None and (not isinstance(returned_token_ids, (list, tuple)) or not returned_token_ids
-                                           or not all(is_int(i) and i >= 0 for i in returned_token_ids)):
+                                           or not all(_wire_index(i) for i in returned_token_ids)):
         raise error(f"returned_token_ids a non-empty list of ints >= 0, got {returned_token_ids!r}")
+
+
+def _wire_index(value: Any) -> bool:
+    """An int from 0 below 2**63: msgpack carries it to the core as an int64."""
+    return is_int(value) and 0 <= value < 2**63
 
 
 class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -147,7 +152,7 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
                 and (self.pooling_type != "STEP" or self.task != "token_classify"):
             raise InvalidRequestError("pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got "
                                                       f"{self.pooling_type!r}")
-        if self.task not in POOLING_TASKS:
+        if type(self.task) is not str or self.task not in POOLING_TASKS:  # numpy's str_ equals one, but no wire
             raise InvalidRequestError("task", f"must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
         if self.task in ("classify", "token_classify") and self.dimensions is not None:
             raise InvalidRequestError("dimensions", "applies to embeddings, not to classification")
