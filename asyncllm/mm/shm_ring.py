@@ -16,7 +16,8 @@ generation the request carries, both before and after the copy::
     (padding to 64 bytes, then the data, padded to 64 bytes)
 
 Before the host overwrites any byte of an entry it zeroes that entry's
-generation, so a reader that finds the same generation after copying read
+generation (then its size and key digest, which data written over the
+generation's bytes alone would otherwise complete), so a reader that finds the same generation after copying read
 untouched data (the stores and loads are ordered on x86-TSO; the fences are
 ``asyncllm.shm_segment.fence``, a locked instruction, as in ``workers/shm_broadcast.py``). A mismatch is a
 cache miss: the host resends the request with its data (docs/multimodal.md).
@@ -122,10 +123,15 @@ class ShmRingWriter(Generic[M]):
         return entry
 
     def drop(self, key: str) -> None:
-        """Forget ``key`` and invalidate its entry (a reader holding its location now misses)."""
+        """Forget ``key`` and invalidate its entry (a reader holding its location now misses): its generation, then
+        its size and key digest are zeroed, so that a later entry's data, which may overwrite the generation's bytes
+        and leave the rest, never completes a header a stale location would accept."""
         entry = self._index.pop(key, None)
         if entry is not None:
-            self._view.words[entry.offset // 8] = 0
+            offset = entry.offset
+            self._view.words[offset // 8] = 0
+            fence()
+            self._view.buf[offset + 8 : offset + 16 + _KEY_BYTES] = bytes(8 + _KEY_BYTES)
 
     def _reserve(self, size: int) -> int:
         """The offset of ``size`` free bytes at the head; the entries there are dropped first."""

@@ -217,11 +217,18 @@ _REPUT_AND_REFUSED = (3, 5, [  # a key rewritten (its old location stale), then 
     ("put", 0, ("lines1", -1), 3, 0), ("put", 0, ("ring", 0), 1, 2), ("read", 1, 0), ("put", 0, ("ring", 1), 0, 0),
     ("read", 0, 0), ("put", 1, ("bytes", 0), 0, 1), ("read", 0, 0), ("read", 0, 9), ("read", 0, 6)])
 
+_DATA_OVER_A_DROPPED_HEADER = (3, 0, [  # k0's empty entry of generation 6 at 128 is dropped by its own re-put; the
+    # last put's 65 bytes at [64, 129) write one byte, 6, over that header's zeroed generation: a stale read of
+    # (k0, 128, 6, 0) found generation 6, size 0 and k0's digest there and returned b"" (the digest is zeroed now)
+    *[("put", 0, ("ring", 0), 0, 0)] * 3, *[("put", 0, ("lines0", 0), 0, 0)] * 5, ("put", 0, ("to_end", 0), 0, 0),
+    ("put", 0, ("lines0", 0), 0, 0), ("put", 0, ("lines1", 1), 0, 0)])
+
 
 @settings(max_examples=EXAMPLES, **SETTINGS)
 @given(program=programs)
 @example(program=_WRAP_SKIPS_THE_TAIL)
 @example(program=_REPUT_AND_REFUSED)
+@example(program=_DATA_OVER_A_DROPPED_HEADER)
 def test_the_ring_matches_a_fifo_model_and_stale_locations_miss(program) -> None:
     lines, extra, steps = program
     writer: ShmRingWriter[tuple] = ShmRingWriter(lines * ALIGN + extra)
