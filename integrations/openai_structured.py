@@ -4,7 +4,8 @@
 ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object: true``, read as
 `SamplingParams`' (`from_vllm_structured`). Both in one request, or keys asyncllm does not build, are a 400 naming
 the field; so is a ``response_format`` key OpenAI does not define (`check_response_format_keys`), named
-``response_format.<key>``.
+``response_format.<key>``, and, whatever the type, a ``json_schema`` that OpenAI's and vLLM's models refuse (no string
+``name``, a ``schema`` that is not an object), named ``response_format``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict", "description"})
 def structured_output(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
                       ) -> tuple[StructuredOutputs | None, str]:
     """A request's output constraint, and the field that set it: ``response_format`` or ``structured_outputs``."""
+    if response_format is not None:
+        _check_json_schema(response_format.get("json_schema"))
     if response_format is not None and response_format.get("type") == "text":
         response_format = None
     if response_format is not None and structured_outputs is not None:
@@ -43,11 +46,26 @@ def structured_output(response_format: dict[str, Any] | None, structured_outputs
     if kind == "json_object":
         return StructuredOutputs(json=_JSON_OBJECT), "response_format"
     if kind != "json_schema":
-        raise InvalidRequestError("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        raise InvalidRequestError("response_format",
+                                  f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise InvalidRequestError("response_format", "json_schema must be an object with a 'schema' (and a 'name')")
     return StructuredOutputs(json=spec["schema"]), "response_format"
+
+
+def _check_json_schema(spec: object) -> None:
+    """`InvalidRequestError` naming ``response_format`` for a ``json_schema`` that OpenAI's and vLLM's models refuse,
+    whatever the type (vLLM's pydantic reads it for each): not an object, no string ``name``, or a ``schema`` that is
+    neither an object nor null (nor its JSON text, which vLLM refuses too)."""
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequestError("response_format", "json_schema must be an object with a string 'name' (and a "
+                                                     "'schema' for the json_schema type)")
+    if spec.get("schema") is not None and not isinstance(spec["schema"], dict):
+        raise InvalidRequestError("response_format", "json_schema's schema must be a JSON schema object, got "
+                                                     f"{type(spec['schema']).__name__}")
 
 
 def constraint_field(req: Any, tool_constraint: bool = False) -> str:

@@ -62,8 +62,8 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
                                                      "and --tool-call-parser (or choose 'none', 'required' or a function)")
         return ToolMode("auto", parser=parser.for_tools(functions), parallel=parallel, new_call_id=ids)
     if tool_choice == "required":
-        return ToolMode("required", parallel=parallel, constraint=_required_schema(functions.values(), parallel),
-                        new_call_id=ids)
+        return ToolMode("required", parallel=parallel, new_call_id=ids,  # each tool, two of one name too: vLLM's
+                        constraint=_required_schema([tool["function"] for tool in tools], parallel))
     name = _named(tool_choice)
     if name not in functions:
         raise InvalidRequestError("tool_choice", f"names {name!r}, which is not among the tools {sorted(functions)}")
@@ -90,7 +90,8 @@ def _dumped_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 def _named(tool_choice: Any) -> str:
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if not isinstance(function, dict) or tool_choice.get("type") != "function" or not isinstance(function.get("name"), str):
+    if (not isinstance(function, dict) or tool_choice.get("type", "function") != "function"  # left out: vLLM's default
+            or not isinstance(function.get("name"), str)):
         raise InvalidRequestError("tool_choice", "must be 'none', 'auto', 'required' or "
                                                  f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
     return function["name"]
