@@ -181,26 +181,37 @@ PART_CHARS = 1 << 16
 """Fewest characters per part a long text is counted by (`tokens_at_least`), else 4 per token of
 ``max_model_len``: few tokenizer calls for a text whose characters make few tokens."""
 PART_CUT_TOKENS = 2
-"""Tokens a cut between two parts may add (a word split in two, a dummy-prefix "▁"): not counted."""
+"""Tokens a cut before a space may add (a dummy-prefix "▁", a space token joined differently): not counted."""
+HARD_CUT_WINDOW = 32
+"""A part with no space is cut inside a word, which may add more tokens than `PART_CUT_TOKENS` (a word's merges
+redone on both sides: "return" repeated, cut in one, made 4 more): such a cut takes off the tokens of the text
+`HARD_CUT_WINDOW` characters either side of it."""
 
 
 def tokens_at_least(tokenizer: Any, text: str, limit: int, part_chars: int) -> int:
     """`text`'s token count or less: its parts of at most `part_chars` characters, cut before a space, tokenized one
-    by one without special tokens (``PART_CUT_TOKENS`` taken off per cut), stopped once past `limit`.
+    by one without special tokens (``PART_CUT_TOKENS`` taken off per cut, more at a cut inside a word:
+    `HARD_CUT_WINDOW`), stopped once past `limit`.
 
     Costs about `limit` tokens' tokenizing however long `text` is (a huge prompt does not hold the processor thread
     for every request), unless its characters make few tokens: then it is tokenized whole, as it may fit.
     """
-    found, start = 0, 0
+    found, start, spared = 0, 0, 0  # the first part has no cut before it
     while start < len(text) and found <= limit:
-        end = start + part_chars
+        end, cut_spares = start + part_chars, PART_CUT_TOKENS
         if end < len(text):
             cut = text.rfind(" ", start + 1, end)
-            end = cut if cut > start else end
-        tokens = len(tokenizer(text[start:end], add_special_tokens=False).input_ids)
-        found += tokens if start == 0 else max(0, tokens - PART_CUT_TOKENS)  # the first part has no cut before it
-        start = end
+            if cut > start:
+                end = cut
+            else:
+                cut_spares = _count(tokenizer, text[end - HARD_CUT_WINDOW : end + HARD_CUT_WINDOW])
+        found += max(0, _count(tokenizer, text[start:end]) - spared)
+        start, spared = end, cut_spares
     return found
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def check_prompt_chars(tokenizer: Any, texts: tuple[str, ...], max_model_len: int, past: int,
