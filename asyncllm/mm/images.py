@@ -13,7 +13,6 @@ decode fails its own request with `InvalidRequestError`, never the engine.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import io
 import os
@@ -101,7 +100,7 @@ def data_url_bytes(url: str, field: str) -> bytes:
         raise InvalidRequestError(field, f"a data: URL must be 'data:image/<type>;base64,<data>', got {header!r:.60}")
     try:
         return base64.b64decode(payload, validate=True)
-    except binascii.Error as exc:
+    except ValueError as exc:  # binascii.Error, or a ValueError for a non-ASCII character
         raise InvalidRequestError(field, f"the data: URL's base64 is invalid: {exc}") from exc
 
 
