@@ -1,14 +1,16 @@
 """``--config FILE``: a YAML file of command-line options, as vLLM's ``FlexibleArgumentParser.load_config_file``.
 
 Each key is a long option's name (``tensor-parallel-size`` or ``tensor_parallel_size``); a true boolean gives the
-flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives
-the option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON; any
-other value as its text. The options are put in front of the command line's, which win (argparse keeps the last);
-an unknown key (a flag's prefix too, and ``config``: one file) is argparse's ``unrecognized arguments`` error naming
-it; a null value leaves the option unset; a flag's value must be a boolean. vLLM's dotted keys
-(``hf-overrides.max_position_embeddings: 256``) are merged into their flag's JSON object, and vLLM's flags that change
-nothing here (``disable-fastapi-docs``) get their note, as on the command line. ``model`` is the command's MODEL when
-the command line gives none. A ``--config`` after ``--`` is a positional, not read.
+flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives the
+option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON (one JSON
+cannot hold, a YAML date in it, is refused naming its key); any other value as its text. The options are put in front
+of the command line's, which win (argparse keeps the last); an unknown key (a flag's prefix too, and ``config``: one
+file) is argparse's ``unrecognized arguments`` error naming it; a null value leaves the option unset; a flag's value
+must be a boolean. vLLM's dotted keys (``hf-overrides.max_position_embeddings: 256``) are merged into their flag's
+JSON object (the flag's own key, wherever the file puts it, is their base), and vLLM's flags that change nothing here
+(``disable-fastapi-docs``) get their note, as on the command line. ``model`` is the command's MODEL when the command
+line gives none (a name: a boolean, list or mapping is refused). A ``--config`` after ``--`` is a positional, not
+read.
 
 `dash_flag_names` reads ``--max_model_len`` as ``--max-model-len``, as the same parser does.
 """
@@ -16,6 +18,7 @@ the command line gives none. A ``--config`` after ``--`` is a positional, not re
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from typing import Any
 
@@ -58,6 +61,8 @@ def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tup
         path, rest = argv[i].removeprefix("--config="), argv[:i] + argv[i + 1:]
     options = _dotted_merged(_load(path, command), command, path)
     model = options.pop("model", None)
+    if isinstance(model, (bool, list, dict)):  # vLLM's `--model` with no value, or with several
+        command.error(f"--config {path}: the key 'model' is the model's name or path, got {model!r}")
     flags = [arg for key, value in options.items() for arg in _flag_args(str(key), value, command, path)]
     # After the command and a leading MODEL (an option taking several values would swallow the MODEL after it,
     # as vLLM's _pull_args_from_config orders them); before the rest, which win
@@ -86,20 +91,28 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
 
 def _dotted_merged(options: dict[str, Any], command: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     """vLLM's dotted keys (``hf-overrides.max_position_embeddings: 256``; ``a.b`` nests) merged into their flag's
-    JSON object, over the flag's own key if the file has it, as vLLM reads the file's keys as command-line words."""
+    JSON object, in file order, over the flag's own key wherever the file has it (its last spelling's; null: none),
+    as vLLM reads the file's keys as command-line words (its dotted keys last)."""
     merged: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     """Each flag's key as the file first spells it (its errors name that)."""
+    dotted: list[tuple[str, str, list[str], Any]] = []
     for key, value in options.items():
         written, dot, keys = str(key).partition(".")
         name = written.replace("_", "-")  # hf_overrides and hf-overrides are one flag's keys
         spelled.setdefault(name, written)
-        if not dot:
-            merged[name] = {**value, **merged[name]} if isinstance(value, dict) and isinstance(
-                merged.get(name), dict) else value
-            continue
-        target = merged.setdefault(name, {})
-        *parents, last = keys.split(".")
+        if dot:
+            merged.setdefault(name, None)  # the flag's place: its first key's
+            dotted.append((str(key), name, keys.split("."), value))
+        else:
+            merged[name] = value
+    based: set[str] = set()
+    for key, name, keys, value in dotted:
+        if name not in based:  # the flag's own mapping, copied (a YAML alias may share it), or a new one
+            based.add(name)
+            merged[name] = {} if merged[name] is None else copy.deepcopy(merged[name])
+        target = merged[name]
+        *parents, last = keys
         for parent in parents:
             target = target.setdefault(parent, {}) if isinstance(target, dict) else target
         if not isinstance(target, dict):
@@ -120,7 +133,8 @@ def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str
         refused = VLLM_FLAGS.get(flag)
         if isinstance(refused, str) and flag != "--guided-decoding-backend":  # (a backend's value decides)
             command.error(f"vLLM's {flag} (the key {key!r} of --config {path}): {refused}")
-        words = [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+        words = [flag] if value is True else [flag, _json(key, value, command, path) if isinstance(value, dict)
+                                              else str(value)]
         return known_vllm_flags(words, command)
     if flag not in command._option_string_actions or flag == "--config":  # argparse would take a flag's prefix
         command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path}; one config file)")
@@ -137,5 +151,12 @@ def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str
     if isinstance(value, list):
         return [flag, *map(str, value)] if value else []
     if isinstance(value, dict):
-        return [flag, json.dumps(value)]
+        return [flag, _json(key, value, command, path)]
     return [flag, str(value)]
+
+
+def _json(key: str, value: dict[str, Any], command: argparse.ArgumentParser, path: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:  # a YAML date, set or binary in it: no JSON value
+        command.error(f"--config {path}: the key {key!r} holds a value JSON cannot: {exc}")
