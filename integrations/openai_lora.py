@@ -164,7 +164,9 @@ class LoRAModels:
 
     async def unload(self, engine: AsyncEngine, req: UnloadLoRAAdapterRequest) -> None:
         """Stop serving ``lora_name`` (a 404 if no adapter has that name) and remove its id from the engine
-        (`AsyncEngine.remove_lora`); requests running with it finish with it."""
+        (`AsyncEngine.remove_lora`); requests running with it finish with it. An empty name is a 400, as vLLM's."""
+        if not req.lora_name:
+            raise InvalidRequestError("lora_name", "must not be empty")
         async with self._lock:
             served = self.loras.pop(req.lora_name, None)
             if served is None:
