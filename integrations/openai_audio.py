@@ -79,7 +79,7 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
                                            "'mistral'): this server's model does not transcribe audio")
     form = await _form(request, server.limits.max_audio_bytes)
     model, lora = server._model(form.get("model"))
-    response_format = form.get("response_format", "json")
+    response_format = form.get("response_format") or "json"  # an empty field left out, as FastAPI's forms
     if response_format not in _FORMATS:
         raise InvalidRequestError("response_format", f"one of {', '.join(_FORMATS)}, got {response_format!r}")
     timed = response_format in _TIMED
@@ -88,11 +88,12 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     prompt = speech.prompt(task, language, form.get("prompt"), timestamps=timed)
     audio = await _audio(form, speech.sampling_rate)
     params = SamplingParams(temperature=_parsed(form, "temperature", float, "a number", 0.0),
-                            max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
-                            seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
+                            max_tokens=_parsed(form, "max_completion_tokens", _integer, "an integer"),  # vLLM's; left
+                            seed=_parsed(form, "seed", _integer, "an integer"))  # out: what max_model_len allows
     with renamed_fields({"max_tokens": "max_completion_tokens"}):  # checked here to name the form's field
         params.validate()
-    priority = _parsed(form, "priority", int, "an integer", 0)
+    priority = _parsed(form, "priority", _integer, "an integer", 0)
+    stream, usage = _flag(form, "stream"), _flag(form, "stream_include_usage")  # refused before anything is queued
     request_id = route_id(task, request.headers)  # vLLM's "transcribe-ID", "translate-ID": the client's prompt
     log_under(server.request_log, request_id, [form.get("prompt") or ""], params, lora, indexed=False)
     requests = speech.requests(prompt, audio)
@@ -102,13 +103,12 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     if timed:
         return await _timed_response(server, request, streams, requests, response_format,
                                      (task, language or "en", audio.size / speech.sampling_rate, params.temperature))
-    if _flag(form, "stream"):
+    if stream:
         meta = {"id": request_id, "object": "transcription.chunk", "created": int(time.time()),
                 "model": model}
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
-        usage = _flag(form, "stream_include_usage") or server.force_include_usage
-        return EventStream(_events(request, streams, firsts, meta, usage))
+        return EventStream(_events(request, streams, firsts, meta, usage or server.force_include_usage))
     text = "".join([piece async for piece in _texts_in_order(request, streams)])
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
@@ -202,11 +202,23 @@ def _parsed(form: dict[str, Any], key: str, parse: Callable[[str], Any], what: s
         raise InvalidRequestError(key, f"{what}, got {value!r}") from None
 
 
+def _integer(text: str) -> int:
+    """An int as pydantic's lax mode reads a string (vLLM's form fields): ``"3"``, ``" 3 "``, ``"3.0"`` (a zero
+    fraction); not ``"3.5"``, ``"3."`` or ``"1e3"``."""
+    whole, dot, fraction = text.strip().partition(".")
+    return int(whole if dot and fraction and not fraction.strip("0") else text)
+
+
+_TRUE = ("true", "1", "yes", "y", "on", "t")
+_FALSE = ("false", "0", "no", "n", "off", "f")
+"""The strings pydantic's lax mode reads as a bool (any case), as vLLM's form fields."""
+
+
 def _flag(form: dict[str, Any], key: str) -> bool:
-    value = str(form.get(key, "false")).lower()
-    if value not in ("true", "false", "1", "0"):
+    value = str(form.get(key) or "false").lower()  # an empty field left out, as FastAPI's forms
+    if value not in _TRUE + _FALSE:
         raise InvalidRequestError(key, f"true or false, got {value!r}")
-    return value in ("true", "1")
+    return value in _TRUE
 
 
 async def _texts_in_order(request: Request, streams: list[RequestStream], firsts: list[Any] = (),
