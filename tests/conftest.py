@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -12,6 +13,11 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tiny test models need a few MB of KV cache; every worker would zero the 1 GiB default at start (~0.6 s).
 os.environ.setdefault("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.125")
+# The suite starts many interpreters (the CLI's, spawned engines' cores and workers): with PYTHONDONTWRITEBYTECODE
+# set (as on the 2-CPU CI box) each compiled asyncllm from source again (the suite took 13 min 56 s there, 12 min
+# 25 s writing bytecode, one run each). Its test processes and children write bytecode (__pycache__ is git-ignored).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session", autouse=True)
