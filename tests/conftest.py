@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 # Worker processes share 2 cores with the test process: keep torch from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -18,6 +19,11 @@ os.environ.setdefault("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.125")
 # 25 s writing bytecode, one run each). Its test processes and children write bytecode (__pycache__ is git-ignored).
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
     sys.dont_write_bytecode = False
+# Property tests (hypothesis) draw the same examples on every run, so that a CI run is reproducible (a test may set
+# its own `derandomize`: the files reading PROP_EXAMPLES do); PROP_RANDOM=1 draws at random, for hunts.
+if not os.environ.get("PROP_RANDOM"):
+    settings.register_profile("asyncllm-fixed-draws", derandomize=True)
+    settings.load_profile("asyncllm-fixed-draws")
 
 
 @pytest.fixture(scope="session", autouse=True)
