@@ -642,8 +642,8 @@ def segments(draw: st.DrawFn, fmt: Format, well_formed: bool) -> list[tuple[str,
         if fmt.xml:
             parts.append(st.sampled_from(OPEN_XML).map(lambda b: (fmt.open + b, [])))
     drawn = st.lists(st.one_of(parts), max_size=5)
-    if well_formed:  # free texts side by side read as one: together they must hold no tag either
-        drawn = drawn.filter(lambda ps: all(no_tag(fmt, run) for run in text_runs(ps)))
+    if well_formed:  # free texts side by side read as one, and the content joins them all: no tag there either
+        drawn = drawn.filter(lambda ps: all(no_tag(fmt, run) for run in [*text_runs(ps), content_of(ps)]))
     return draw(drawn)
 
 
@@ -656,6 +656,11 @@ def text_runs(parts: list[tuple[str, list]]) -> list[str]:
         else:
             run += text
     return runs + [run]
+
+
+def content_of(parts: list[tuple[str, list]]) -> str:
+    """Every free-text part joined: the reply's content once its call groups are taken out."""
+    return "".join(text for text, calls_ in parts if not calls_)
 
 
 def grouped(fmt: Format, group: list[tuple[str, list]], gap: str) -> tuple[str, list]:
