@@ -247,9 +247,10 @@ class OpenAIServer:
                           echo_only=echo_only(req), num_prompt_logprobs=req.prompt_logprobs,
                           return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
-        with constraint_errors(constraint_field(req)):
+        field = constraint_field(req)
+        with constraint_errors(field):
             return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo,
-                                 force_include_usage=self.force_include_usage)
+                                 force_include_usage=self.force_include_usage, constraint=field)
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
@@ -260,9 +261,10 @@ class OpenAIServer:
                 return await beam_search_response(self, request, req, model, lora)
             streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
                                                 header_data_parallel_rank(request.headers))
-            with constraint_errors(constraint_field(req, choices.tool_mode.constraint is not None)):
+            field = constraint_field(req, choices.tool_mode.constraint is not None)
+            with constraint_errors(field):
                 return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
-                                     force_include_usage=self.force_include_usage)
+                                     force_include_usage=self.force_include_usage, constraint=field)
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""

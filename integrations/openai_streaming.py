@@ -24,6 +24,7 @@ from asyncllm.integrations.errors import error_body
 from asyncllm.integrations.openai_http import EventStream, json_response
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, response_id
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
+from asyncllm.integrations.openai_structured import constraint_errors
 from asyncllm.integrations.responses_api import ResponseEvents
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import (ClientDisconnected, accepted_streams, first_deltas, gather_until,
@@ -40,11 +41,13 @@ Echoed = list[tuple[int, dict[str, Any] | None, str]]
 
 async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, model: str,
                   streams: list[RequestStream], choices: Choices, id_prefix: str, kind: str,
-                  echo: tuple[list[str | list[int]], Any] | None = None, force_include_usage: bool = False) -> Response:
+                  echo: tuple[list[str | list[int]], Any] | None = None, force_include_usage: bool = False,
+                  constraint: str = "response_format") -> Response:
     """The response of `streams`: SSE chunks with ``stream``, else one JSON body. `echo`: completions' prompts to
     put first, and the tokenizer that gives prompts of token ids their text (None: none loaded).
     `force_include_usage` (vLLM's --enable-force-include-usage): continuous usage and the usage chunk, asked or
-    not (`usage_mode`)."""
+    not (`usage_mode`). `constraint`: the field that set the output constraint (`constraint_field`), which an
+    error event of the constraint names (the caller's `constraint_errors` ends when the stream begins)."""
     chunk_kind = kind + ".chunk" if choices.chat else kind
     meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
             "created": int(time.time()), "model": model}
@@ -61,7 +64,7 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
             held = await _hold_for_prompt_logprobs(streams, firsts, choices, lambda: wait_disconnect(request))
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
         events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed, held,
-                      steps)
+                      steps, constraint)
         return EventStream(events)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
@@ -157,11 +160,13 @@ async def _hold_for_prompt_logprobs(streams: list[RequestStream], firsts: list[A
 
 async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
                meta: dict[str, Any], usage: str, echoed: Echoed,
-               held: list[tuple[int, Any]] = (), steps: dict[int, Any] | None = None) -> AsyncIterator[bytes]:
+               held: list[tuple[int, Any]] = (), steps: dict[int, Any] | None = None,
+               constraint: str = "response_format") -> AsyncIterator[bytes]:
     """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
     (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's);
     `held`: deltas taken after `firsts` (`_hold_for_prompt_logprobs`), or before any (`accepted_streams`, whose
-    pending reads are `steps`)."""
+    pending reads are `steps`); an error of the output constraint names `constraint`, the client's field (a prompt
+    list's stream begins before the engine compiled it: `accepted_streams`)."""
 
     encode = ChunkEncoder(meta)
 
@@ -171,26 +176,30 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
         return encode(choice, chunk_usage(choices, choice["index"], usage))
 
     try:
-        if choices.chat:
-            for choice, top in _chat_openings(choices):
-                yield chunk(choice, top)
-        for index, logprobs, text in echoed:
-            yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
-                         "stop_reason": None, **choices.stream_token_ids(index, [])})
-        async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request),
-                                                       held=held, steps=steps):
-            index, logprobs = choices.add(prompt_index, delta)
+        with constraint_errors(constraint):  # the engine's ``structured``: the client's field
             if choices.chat:
-                for choice in chat_stream_choices(choices, index, delta, logprobs):
-                    yield chunk(choice)
-            elif (delta.text or delta.finish_reason is not None or logprobs is not None
-                  or (choices.return_token_ids and delta.token_ids)):
-                text = "" if choices.echo_only else delta.text  # echo with max_tokens 0 drops the generated token
-                finish, stop = choices.finish_of(index) if delta.finish_reason is not None else (None, None)
-                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                             "stop_reason": stop, **choices.stream_token_ids(index, delta.token_ids)})
-        if usage != "none":
-            yield sse_event({**meta, "choices": [], "usage": choices.usage()})
+                for choice, top in _chat_openings(choices):
+                    yield chunk(choice, top)
+            for index, logprobs, text in echoed:
+                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
+                             "stop_reason": None, **choices.stream_token_ids(index, [])})
+            async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request),
+                                                           held=held, steps=steps):
+                index, logprobs = choices.add(prompt_index, delta)
+                if choices.chat:
+                    for choice in chat_stream_choices(choices, index, delta, logprobs):
+                        yield chunk(choice)
+                elif (delta.text or delta.finish_reason is not None or logprobs is not None
+                      or (choices.return_token_ids and delta.token_ids)):
+                    text = "" if choices.echo_only else delta.text  # echo with max_tokens 0 drops the generated token
+                    finish, stop = choices.finish_of(index) if delta.finish_reason is not None else (None, None)
+                    yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                                 "stop_reason": stop, **choices.stream_token_ids(index, delta.token_ids)})
+            if usage != "none":
+                # counted again: a prompt list's streams began on acceptance (`accepted_streams`), before their first
+                # tokens, and a prompt's cached tokens are known from its first token on
+                count_prompts(streams, choices)
+                yield sse_event({**meta, "choices": [], "usage": choices.usage()})
     except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
         yield sse_event(error_body(exc)[1])
     except ClientDisconnected:
