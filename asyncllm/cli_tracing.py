@@ -77,16 +77,24 @@ def tracer_provider(endpoint: str) -> Any:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    named = os.environ.get("OTEL_SERVICE_NAME") or "service.name=" in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    named = bool(os.environ.get("OTEL_SERVICE_NAME")) or "service.name" in _resource_keys()
     provider = TracerProvider(resource=Resource.create({} if named else {"service.name": "asyncllm"}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
 
 
+def _resource_keys() -> set[str]:
+    """The attribute keys ``OTEL_RESOURCE_ATTRIBUTES`` names, parsed as OpenTelemetry's SDK parses them (comma-separated
+    ``key=value`` pairs, the spaces around a key stripped: its ``OTELResourceDetector``)."""
+    items = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",")
+    return {item.split("=", 1)[0].strip() for item in items if "=" in item}
+
+
 def span_exporter(endpoint: str) -> Any:
     """The OTLP span exporter of the configured protocol; a ValueError naming the package to install when it (or
     OpenTelemetry's SDK) is missing, a `ConfigError` naming the protocols for another protocol."""
-    name = next((name for name in _PROTOCOL_VARIABLES if name in os.environ), _PROTOCOL_VARIABLES[0])
+    # an empty variable is unset, as OpenTelemetry's SDK reads it (its configurator: the traces' or else the general)
+    name = next((name for name in _PROTOCOL_VARIABLES if os.environ.get(name, "").strip()), _PROTOCOL_VARIABLES[0])
     protocol = os.environ.get(name, "").strip() or "grpc"
     if protocol not in _EXPORTERS:
         raise ConfigError(name, protocol, "grpc or http/protobuf (OpenTelemetry's Python OTLP span exporters)")

@@ -130,3 +130,29 @@ def test_the_provider_exports_over_http_protobuf_with_asyncllms_service_name(mon
         assert provider.resource.attributes["service.name"] == "mine"  # the environment's name is kept
     finally:
         provider.shutdown()
+
+
+def test_an_empty_protocol_or_resource_variable_is_read_as_opentelemetrys_sdk_reads_it(monkeypatch) -> None:
+    """OpenTelemetry's SDK reads an empty OTEL_EXPORTER_OTLP_TRACES_PROTOCOL as unset (then the general variable
+    names the protocol), and OTEL_RESOURCE_ATTRIBUTES' keys with the spaces around them stripped."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from asyncllm.cli_tracing import span_exporter, tracer_provider
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)  # not installed
+    assert isinstance(span_exporter("http://127.0.0.1:1/v1/traces"), OTLPSpanExporter)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=prod, service.name = mine")
+    provider = tracer_provider("http://127.0.0.1:1/v1/traces")
+    try:
+        assert provider.resource.attributes["service.name"] == "mine"  # the environment's name is kept
+    finally:
+        provider.shutdown()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "peer.service.name=theirs")  # another attribute: no service name
+    provider = tracer_provider("http://127.0.0.1:1/v1/traces")
+    try:
+        assert provider.resource.attributes["service.name"] == "asyncllm"
+    finally:
+        provider.shutdown()
