@@ -210,7 +210,8 @@ class Scheduler:
         self.waiting.add(request)
         if request.timeout is not None:
             self.deadlines.add(request, self._clock() + request.timeout, len(self.requests))
-        request.record_event(EngineCoreEventType.QUEUED)
+        if not any(event.type == EngineCoreEventType.QUEUED for event in request.events or ()):
+            request.record_event(EngineCoreEventType.QUEUED)  # (a grammar's request: queued when it was parked)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Finish these requests as aborted and free their blocks now; unknown ids are ignored."""

@@ -103,6 +103,7 @@ class StructuredOutputManager:
                                                   tokenizer_mode=self._tokenizer_mode)
         future = self._compilers.submit(request.params.structured, request.client_id)  # type: ignore[arg-type]
         self.pending[request.request_id] = _Pending(request, future, self._clock())  # its client's turn: fair_queue.py
+        request.record_event(protocol.EngineCoreEventType.QUEUED)  # waiting from now, as in vLLM (queue time)
 
     def abort(self, req_ids: list[str], client_id: bytes) -> None:
         """`client_id`'s parked requests among these stop waiting (their job is cancelled if nobody else waits).

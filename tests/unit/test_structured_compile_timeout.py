@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from types import SimpleNamespace
 
-from asyncllm import StructuredOutputs
+from asyncllm import StructuredOutputs, protocol
 from asyncllm.structured.manager import StructuredOutputManager, _Pending
 from test_structured_unit import _request
 
@@ -22,3 +22,19 @@ def test_a_grammar_queued_behind_others_is_not_timed_by_their_compile() -> None:
     assert manager._check(entry, 130.0) is None
     error = manager._check(entry, 131.0)
     assert error is not None and "grammar compilation timed out after 30.0 s" in str(error)
+
+
+def test_a_grammars_request_is_queued_when_parked_not_when_its_grammar_is_ready() -> None:
+    """Queue time counts the grammar's compile, as vLLM's (its QUEUED event is recorded when the core takes the
+    request, before the compile): the parked request's QUEUED is the one its metrics read, and the scheduler's
+    `add_request` after the compile records no second one."""
+    from test_scheduler import make_scheduler
+
+    manager = StructuredOutputManager("unused", 512, compile_timeout_s=30.0)
+    manager._compilers = SimpleNamespace(submit=lambda *args: Future())  # type: ignore[assignment]
+    request = _request("r", StructuredOutputs(regex="a"))
+    manager.add(request)
+    queued = [event for event in request.events or () if event.type == protocol.EngineCoreEventType.QUEUED]
+    assert len(queued) == 1
+    make_scheduler().add_request(request)  # compiled: the scheduler takes it
+    assert [event for event in request.take_events() or ()] == queued
