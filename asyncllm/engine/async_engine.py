@@ -374,8 +374,14 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))
         return collector
 
-    def _abort(self, request_id: str) -> None:
-        self._replicas.abort(request_id)
+    def _abort(self, request_id: str, collector: RequestCollector | None = None) -> None:
+        """The core's abort of `request_id`; given its `collector`, of that request only (thread-safe): a duplicate
+        of an id in flight, left before its refusal came, must not abort the request it duplicates."""
+        processor = None if collector is None else self._replicas[collector.replica].processor
+        if processor is None:
+            self._replicas.abort(request_id)
+        else:
+            processor.abort(request_id, collector)
 
     def _deliver_threadsafe(self, admission: HostAdmission | None, batch: Delivery,
                             stats: protocol.SchedulerStats | None) -> None:

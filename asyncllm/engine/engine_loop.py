@@ -33,7 +33,7 @@ class EngineLoop:
     _closed: bool
 
     if TYPE_CHECKING:
-        def _abort(self, request_id: str) -> None: ...
+        def _abort(self, request_id: str, collector: RequestCollector | None = None) -> None: ...
 
     def _loop_start_lock(self) -> asyncio.Lock:
         """The calling loop's start lock: an asyncio.Lock belongs to the loop that first waited on it, so a loop that
@@ -67,7 +67,7 @@ class EngineLoop:
         loop's end cut off, is restarted now by its supervisor."""
         for collector in list(self._in_flight):
             if not collector.finished:
-                self._abort(collector.request_id)
+                self._abort(collector.request_id, collector)
                 with contextlib.suppress(RuntimeError):  # a waiter of a loop closed with its tasks still pending
                     collector.put_error(EventLoopError("its event loop closed; the engine moved to another loop"))
         self._in_flight = weakref.WeakSet()

@@ -43,7 +43,7 @@ class EngineRequests:
 
         def _check_loop(self) -> None: ...
 
-        def _abort(self, request_id: str) -> None: ...
+        def _abort(self, request_id: str, collector: RequestCollector | None = None) -> None: ...
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
@@ -282,7 +282,7 @@ class EngineRequests:
         self._check_loop()  # collectors belong to the engine's loop
         for collector in list(self._in_flight):
             if collector.request_id in ids and not collector.finished:
-                self._abort(collector.request_id)  # as `RequestStream._abort`: the core's abort, then the deltas
+                self._abort(collector.request_id, collector)  # as `RequestStream._abort`: the core's abort, then deltas
                 collector.abort()
 
     async def get_tokenizer(self) -> Any:

@@ -149,8 +149,10 @@ class Processor(ProcessorRequests, ProcessorOutputs):
     def submit(self, job: Submit) -> None:
         self._post(job)
 
-    def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+    def abort(self, request_id: str, collector: RequestCollector | None = None) -> None:
+        """Abort `request_id`; given its `collector`, only while that request holds the id (a duplicate's abort,
+        refused here as in flight already, leaves the request it duplicated running)."""
+        self._post(("abort", request_id, collector))
 
     def serve_max_model_len(self, max_model_len: int) -> None:
         """Serve `max_model_len` (data parallelism: the least the replicas' cores fitted, `served_max_model_len`),
@@ -349,6 +351,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if heartbeat is not None:
                     self._read_core(dealer, heartbeat)
             elif job[0] == "abort":
+                if not self._holds_id(job[1], job[2]):
+                    continue  # another request of this id (the duplicate was refused): not this abort's
                 self._unpark(job[1])
                 untracked = self._untrack(job[1])
                 if untracked:
@@ -369,6 +373,19 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 self.said_goodbye = True
                 self._fail_all(None)
                 return False
+
+    def _holds_id(self, request_id: str, collector: RequestCollector | None) -> bool:
+        """Whether the request in flight here as `request_id` (parked or tracked) is `collector`'s (None: any)."""
+        if collector is None:
+            return True
+        parked = self._parked.get(request_id)
+        if parked is not None:
+            return parked.collector is collector
+        for core_id in self._samples.get(request_id, ()):
+            tracked = self._tracked.get(core_id)
+            if tracked is not None:
+                return tracked.collector is collector
+        return False
 
     def _lost_connection(self, dealer: zmq.Socket, when: str = "") -> BaseException | None:
         """The error that ends the engine if the connection to the core broke (the core's last word first; `when`:

@@ -234,7 +234,7 @@ class RequestStream:
         """Post the core's abort of an unfinished request (thread-safe); whether there was one."""
         if self.collector is None or self.collector.finished:
             return False
-        self._engine._abort(self.collector.request_id)
+        self._engine._abort(self.collector.request_id, self.collector)
         return True
 
     def _check_loop(self) -> None:

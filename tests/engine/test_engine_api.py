@@ -78,6 +78,24 @@ async def test_an_id_used_again_right_after_its_abort_gets_none_of_the_old_token
         assert out.request_id == "again" and out.token_ids == expected
 
 
+async def test_a_duplicate_id_left_before_its_refusal_leaves_the_original_running(engine: AsyncEngine) -> None:
+    """A second request of an id in flight is refused on the processor thread; left before that refusal reached it
+    (``asyncio.wait_for`` around its ``generate``, a client gone), its abort named the id only, and so aborted the
+    original request in the core: the original's stream then waited forever for its next delta."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    original = engine.stream([1, 2, 3], params, request_id="dup")
+    first = await original.__anext__()
+    duplicate = engine.stream([4, 5, 6], params, request_id="dup")
+    reader = asyncio.create_task(duplicate.__anext__())
+    await asyncio.sleep(0)  # submitted (the engine is started: no await before the processor has it), not refused yet
+    assert duplicate.collector is not None and not duplicate.collector.finished
+    await duplicate.aclose()
+    assert (await reader).finish_reason == "abort"
+    rest = await asyncio.wait_for(_read(original), 10)
+    assert rest[-1].finish_reason == "length" and len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 30
+    await _wait_idle(engine)
+
+
 async def test_a_second_concurrent_reader_is_refused_and_the_request_runs_once(engine: AsyncEngine) -> None:
     """Two tasks reading one stream at once (a prefetching ``anext`` beside an ``async for``): the second is refused
     with RuntimeError, as an async generator's, and the request is submitted once; closing it frees everything."""

@@ -112,7 +112,8 @@ def test_a_stream_collected_on_another_thread_only_posts_the_abort() -> None:
     from asyncllm.engine.stream import RequestOptions, RequestStream
 
     aborted: list[str] = []
-    stream = RequestStream(SimpleNamespace(_abort=aborted.append), "p", None, RequestOptions(), False)
+    stream = RequestStream(SimpleNamespace(_abort=lambda request_id, collector: aborted.append(request_id)), "p", None,
+                           RequestOptions(), False)
     stream.collector = collector = RequestCollector("r", 0.0, n=2)
     finalizer = threading.Thread(target=stream.__del__)
     finalizer.start()
