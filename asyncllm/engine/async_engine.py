@@ -361,12 +361,13 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         await self.start()
         if self._closed:
             raise EngineDeadError("the engine was closed")
+        arrival = time.time()  # a wait for a restarting core counts in its latencies; a lazy start does not
         replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
         admitted = replica.admission.admit(replica.queue_stats(), prompt, chat, params.n,
                                            options.admission_group)  # counts, refuses
-        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind,
+        collector = RequestCollector(options.request_id or uuid.uuid4().hex, arrival, params.n, params.output_kind,
                                      logprobs=params.logprobs is not None, admitted=admitted, accepted=accepted)
         admitted.track(collector)  # ended (aborted, say) before the core queued it: un-counted (admission.py)
         self._replicas.placed(replica, collector)

@@ -407,3 +407,18 @@ async def test_a_request_the_processor_thread_fails_on_gets_the_error_every_stre
             await asyncio.wait_for(engine.generate("x", SamplingParams(max_tokens=2)), 10)
         with pytest.raises(EngineDeadError, match="processor thread failed: a bug in the add path"):
             await _read(running)
+
+
+async def test_a_requests_arrival_is_its_call_not_the_end_of_its_wait_for_a_core(engine: AsyncEngine,
+                                                                                monkeypatch) -> None:
+    """A request that waits for a core (one restarting: `ReplicaSet.pick`) arrived when it was called: its time to
+    first token and end-to-end latency count the wait, as its caller saw it (its arrival was stamped after it)."""
+    pick = engine._replicas.pick
+
+    async def slow_pick(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        return await pick(*args, **kwargs)
+
+    monkeypatch.setattr(engine._replicas, "pick", slow_pick)
+    out = await engine.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
+    assert out.metrics.time_to_first_token >= 0.3 and out.metrics.e2e_latency >= 0.3
