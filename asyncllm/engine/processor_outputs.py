@@ -102,6 +102,8 @@ class ProcessorOutputs:
         for tracked in self._tracked.values():
             item = error if error is not None else StreamDelta(tracked.index, "", [], "abort",
                                                                cumulative_logprob=tracked.cumulative_logprob)
+            if tracked.pacer is not None and error is None:  # with the tokens stream_interval held back
+                item = tracked.pacer.offer(item)
             batch.append((tracked.collector, item))
             if error is not None:  # once per sample: the observer counts samples, ends a span once
                 self._observer.on_error(tracked.collector, error, now)

@@ -9,6 +9,7 @@ with max_num_batched_tokens=64 so long prompts are prefilled in chunks.
 from __future__ import annotations
 
 import asyncio
+import math
 
 import msgspec
 import pytest
@@ -345,3 +346,21 @@ async def test_stream_interval_batches_a_streams_tokens(tiny_llama: str) -> None
     assert len(sizes) <= 5 and deltas[-1].finish_reason == "length"
     assert [t for d in deltas for t in d.token_ids] == hf_greedy(tiny_llama, list(AutoTokenizer.from_pretrained(
         tiny_llama)(PROMPT).input_ids), 14, eos_token_id=None)
+
+
+async def test_an_engine_closed_mid_stream_delivers_the_tokens_stream_interval_held() -> None:
+    """The abort that `aclose()` ends a paced stream with carries the tokens the pacer held (they were dropped, while
+    the cumulative logprob counted them): the stream's tokens are its logprob rows, summing to that logprob."""
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, logprobs=0)
+    paced = AsyncEngine(None, stream_interval=10_000, disable_log_stats=True)
+    stream = paced.stream(PROMPT, params)
+    deltas = [await stream.__anext__()]  # the first token comes alone; the next ones are held
+    await asyncio.sleep(0.2)
+    await paced.aclose()
+    deltas += [delta async for delta in stream]
+    tokens = [t for d in deltas for t in d.token_ids]
+    rows = [row for d in deltas for row in d.logprobs or ()]
+    assert deltas[-1].finish_reason == "abort" and 1 < len(tokens) < 400
+    assert len(rows) == len(tokens)
+    assert math.isclose(sum(row[t].logprob for row, t in zip(rows, tokens)), deltas[-1].cumulative_logprob,
+                        rel_tol=1e-5)
