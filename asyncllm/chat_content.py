@@ -151,7 +151,8 @@ def formatted_messages(messages: list[Any], content_format: str,
 
 def _string_content(i: int, texts: list[str], media: list[str], placeholder: Callable[[str], str] | None) -> str:
     """A message's ``"string"`` content as vLLM writes it: its texts joined with ``"\\n"``, after one placeholder per
-    medium that the text does not already hold (in the order of their kinds' first parts)."""
+    medium that the text does not already hold (in the order of their kinds' first parts; with no text, the
+    placeholders alone)."""
     text = "\n".join(texts)
     if not media:
         return text
@@ -166,7 +167,7 @@ def _string_content(i: int, texts: list[str], media: list[str], placeholder: Cal
             raise InvalidRequestError("messages", f"item {i}: its text holds {text.count(mark)} {mark!r} placeholders "
                                                   f"but the message has {count} such media parts")
         missing += [mark] * left
-    return "\n".join([*missing, text])
+    return "\n".join([*missing, text] if text else missing)  # media alone: no newline after them (vLLM's)
 
 
 def _parts(i: int, content: str | list[Any] | None) -> list[dict[str, Any]]:

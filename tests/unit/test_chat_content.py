@@ -82,7 +82,10 @@ def test_string_writes_each_mediums_missing_placeholder_ahead_of_the_text_as_vll
     content = formatted_messages([{"role": "user", "content": parts}], "string", marks)[0]["content"]
     assert content == "<A>\n<A>\n<I>\nx <I> y\nz"
     assert formatted_messages([{"role": "user", "content": [{"type": "image"}]}], "string", marks)[0]["content"] \
-        == "<I>\n"
+        == "<I>"  # media alone: the placeholders alone (vLLM since its separator option; "<I>\n" before)
+    assert formatted_messages([{"role": "user", "content": [{"type": "image"}, {"type": "audio", "audio": ""},
+                                                            {"type": "text", "text": ""}]}], "string", marks)[0][
+        "content"] == "<I>\n<A>"
     with pytest.raises(InvalidRequestError, match="item 0: its text holds 2 '<I>' placeholders but the message has 1"):
         formatted_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "<I><I>"}]}],
                            "string", marks)

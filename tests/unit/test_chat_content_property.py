@@ -4,7 +4,8 @@ The model, from the module's docstrings and docs/sampling.md, docs/multimodal.md
 
 - ``"string"``: a message's content is one string, its text parts joined with ``"\\n"``; each image, video or audio
   part is its placeholder text (the model's mark for its kind), one per medium the text does not already hold,
-  each ahead of the text and followed by ``"\\n"`` (in the order of the kinds' first parts); a text holding more of
+  each ahead of the text and followed by ``"\\n"`` (in the order of the kinds' first parts; with no text, the marks
+  alone, joined with ``"\\n"``, as vLLM since its separator option); a text holding more of
   a mark than the message has such media is an `InvalidRequestError`, and so is any media part without a
   multimodal model (no placeholder).
 - ``"openai"``: a list of ``{"type": "text", "text": ...}`` parts with the media parts in place, a string content
@@ -105,7 +106,7 @@ def ref_string(i: int, texts: list[str], media: list[dict], marks: dict[str, str
         if text.count(mark) > wanted:
             raise RefError(i)
         ahead.extend([mark] * (wanted - text.count(mark)))
-    return "\n".join([*ahead, text])
+    return "\n".join([*ahead, text] if text else ahead)
 
 
 def ref_content(i: int, message: dict, fmt: str, marks: dict[str, str] | None) -> Any:
