@@ -1,8 +1,10 @@
 """``--config FILE``: a YAML file of command-line options, as vLLM's ``FlexibleArgumentParser.load_config_file``.
 
 Each key is a long option's name (``tensor-parallel-size`` or ``tensor_parallel_size``); a true boolean gives the
-flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives the
-option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON (one JSON
+flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives an
+option taking several values once with each item as an argument (``served-model-name: [a, b]``; a mapping item as
+JSON: ``lora-modules: [{name: a, path: /p}]``), and an option taking one value its JSON (``allowed-origins:
+[https://a.org]``; its items as words would leave the second for MODEL); a mapping is passed as JSON (one JSON
 cannot hold, a YAML date in it, is refused naming its key); any other value as its text. The options are put in front
 of the command line's, which win (argparse keeps the last); an unknown key (a flag's prefix too, and ``config``: one
 file) is argparse's ``unrecognized arguments`` error naming it; a null value leaves the option unset; a flag's value
@@ -148,14 +150,17 @@ def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str
             return [flag]
         negative = "--no-" + key.replace("_", "-")
         return [negative] if negative in command._option_string_actions else []
-    if isinstance(value, list):
-        return [flag, *map(str, value)] if value else []
+    if isinstance(value, list) and action.nargs is None:  # one value (--allowed-origins' JSON list): the list's JSON,
+        return [flag, _json(key, value, command, path)]     # not its items as words (the second would be MODEL)
+    if isinstance(value, list):  # each item an argument, a mapping as JSON (lora-modules: [{name: a, path: /p}])
+        return [flag, *(_json(key, item, command, path) if isinstance(item, dict) else str(item) for item in value)] \
+            if value else []
     if isinstance(value, dict):
         return [flag, _json(key, value, command, path)]
     return [flag, str(value)]
 
 
-def _json(key: str, value: dict[str, Any], command: argparse.ArgumentParser, path: str) -> str:
+def _json(key: str, value: dict[str, Any] | list[Any], command: argparse.ArgumentParser, path: str) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as exc:  # a YAML date, set or binary in it: no JSON value

@@ -3,7 +3,8 @@ reference written from vLLM's ``FlexibleArgumentParser.load_config_file`` / ``_p
 (vllm/utils/argparse_utils.py) and the deliberate differences cli_config.py's docstring and docs/cli.md list.
 
 The reference turns the file into command-line words as vLLM does: a key is ``--KEY`` (``_`` read as ``-``); true
-gives the flag; a list the option once with each item's ``str``, an empty one nothing; a mapping its JSON; any other
+gives the flag; a list the option once with each item's ``str``, an empty one nothing (asyncllm's difference: for an option
+taking one value, the list's JSON); a mapping its JSON; any other
 value its ``str``. The words go after ``serve`` (and after MODEL when the command line starts with one), before the
 command line's, so the command line wins (argparse keeps the last). asyncllm's documented differences, also in the
 reference: false gives ``--no-KEY`` where serve has it (else nothing); null leaves the option unset; an unknown key
@@ -260,11 +261,14 @@ def _key_words(key: str, name: str, value: Any, refused: list[str]) -> list[str]
     if takes_none and not isinstance(value, bool):
         refused.append(key)
         return []
-    if isinstance(value, dict) and _dates_in(value):
+    one_value = not takes_none and SERVE._option_string_actions[flag].nargs is None
+    if (isinstance(value, dict) or isinstance(value, list) and one_value) and _dates_in(value):
         refused.append(key)
         return []
     if name == "disable-fastapi-docs":
         return []
+    if isinstance(value, list) and one_value:  # asyncllm's: the list's JSON (vLLM: its items, the second MODEL)
+        return [flag, json.dumps(value)]
     if isinstance(value, list):
         return [flag, *map(str, value)] if value else []
     return _cli_words(name, value)
@@ -407,3 +411,25 @@ def test_a_dotted_key_does_not_change_another_flag_sharing_its_mapping_by_a_yaml
     args, message = _serve(tmp_path, "hf-overrides: &a {b: 1}\nmm-processor-kwargs: *a\nhf-overrides.c: 2\n", capsys)
     assert args is not None, message
     assert (args.hf_overrides, args.mm_processor_kwargs) == ({"b": 1, "c": 2}, {"b": 1})  # was {"b": 1, "c": 2} too
+
+
+@pytest.mark.parametrize(("text", "field", "expected"), [
+    # was: refused, "JSON is malformed" (each item's Python repr, not JSON)
+    ("enable-lora: true\nlora-modules: [{name: a, path: /p/a}, b=/p/b]\n", "lora_modules", ["a", "b"]),
+    # was: refused, "not JSON" ('https://a.org', the list's first item, as the flag's JSON)
+    ("allowed-origins: [https://a.org, https://b.org]\n", "allowed_origins", ["https://a.org", "https://b.org"]),
+    ("allowed-origins: []\n", "allowed_origins", []),  # was ["*"]: the empty list dropped, any origin allowed
+])
+def test_a_config_files_lists_are_read_as_the_option_reads_them(tmp_path, capsys, text, field, expected) -> None:
+    args, message = _serve(tmp_path, text, capsys)
+    assert args is not None, message
+    value = getattr(args, field)
+    assert [item.name for item in value] == expected if field == "lora_modules" else value == expected
+
+
+def test_a_list_for_an_option_taking_one_value_leaves_model_alone(tmp_path, capsys) -> None:
+    # was: MODEL 'y' (the list's second item, after --chat-template x), the bundled model's name silently replaced
+    path = tmp_path / "serve.yaml"
+    path.write_text("chat-template: [x, y]\n", encoding="utf-8")
+    args = parse_args(PARSER, ["serve", "--config", str(path)])
+    assert args.model is None and args.chat_template == '["x", "y"]'
