@@ -55,7 +55,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: bool | None = False
+    """null is false (OpenAI's and vLLM's ``stream: bool | None``)."""
     stream_options: BaseStreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -213,6 +214,12 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
             "total_tokens": usage["total_tokens"]}
 
 
+def _text_echo(text: dict[str, Any] | None) -> dict[str, Any]:
+    """The response's ``text``: the request's, with OpenAI's default format (``text``) where it sets none (a
+    ``verbosity`` alone, or a null format)."""
+    return {**(text or {}), "format": (text or {}).get("format") or {"type": "text"}}
+
+
 def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model, "status": "in_progress",
@@ -220,7 +227,7 @@ def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str)
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
         "top_p": req.top_p, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": req.store is True,
+        "tools": req.tools or [], "text": _text_echo(req.text), "store": req.store is True,
         "previous_response_id": req.previous_response_id, "truncation": "disabled", "usage": None,
     }
 

@@ -112,3 +112,24 @@ async def test_too_large_max_output_tokens_is_worded_with_it(app) -> None:
     error = reply.json()["error"]
     assert (reply.status_code, error["param"]) == (400, "max_output_tokens")
     assert error["message"].startswith("'max_output_tokens' is too large: 600.")
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_stream_null_is_a_whole_response(app) -> None:
+    """OpenAI's and vLLM's ``stream`` is ``bool | None``: null (a client that sends every field) is not streamed."""
+    async with asgi_client(app) as http:
+        reply = await http.post("/v1/responses", json={**BASE, "stream": None})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "response"
+
+
+def test_text_echo_has_its_format_with_verbosity_alone() -> None:
+    """``text: {"verbosity": ...}`` without a format echoes OpenAI's default format (text) beside it."""
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    body = responses_api.response_body(ResponsesRequest(input="hi", text={"verbosity": "low"}), "m", [], "stop", usage)
+    assert body["text"] == {"format": {"type": "text"}, "verbosity": "low"}
+    fmt = {"type": "json_object"}
+    body = responses_api.response_body(ResponsesRequest(input="hi", text={"format": fmt}), "m", [], "stop", usage)
+    assert body["text"] == {"format": fmt}
+    body = responses_api.response_body(ResponsesRequest(input="hi", text={"format": None}), "m", [], "stop", usage)
+    assert body["text"] == {"format": {"type": "text"}}
