@@ -40,7 +40,7 @@ from torch import nn
 from asyncllm.lora import Adapter
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear, _ColumnParallelLinear
 
-__all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors", "slot_masked"]
+__all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors", "scaled_b", "slot_masked"]
 
 
 class LoRAContext:
@@ -59,6 +59,14 @@ class LoRAContext:
         """``[tokens, slots]`` in the model's dtype: 1 where the token's request uses the slot's adapter."""
         self.experts = experts and mask is not None
         """Whether a request of the step runs an adapter of the experts (asyncllm/models/lora_experts.py)."""
+
+
+def scaled_b(lora_b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """``scaling * lora_b`` in float32 at least (or the slots' `dtype`, if wider), rounded once into the slots; never
+    in a half-precision file's dtype: a bfloat16 adapter's B times 16 / 6 rounded to bfloat16 changes a float32
+    model's tokens (PEFT upcasts the adapter's matrices; vLLM scales them in the model's dtype)."""
+    wide = torch.promote_types(torch.promote_types(lora_b.dtype, dtype), torch.float32)
+    return lora_b.to(wide) * scaling
 
 
 def slot_masked(products: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -141,7 +149,7 @@ class LoRALayer(SlotBuffers):
         rank = lora_a.shape[0]
         start = slot * self.width + self.parts.index(part) * self.max_rank
         columns = slice(start, start + rank)
-        lora_b = lora_b * scaling
+        lora_b = scaled_b(lora_b, scaling, self.b.dtype)
         if self.row_parallel:
             width = base.input_size_per_rank
             self.a[columns].copy_(lora_a[:, base.tp.rank * width:(base.tp.rank + 1) * width])

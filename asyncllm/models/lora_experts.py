@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from asyncllm.models.lora import LoRAContext, SlotBuffers, slot_masked
+from asyncllm.models.lora import LoRAContext, SlotBuffers, scaled_b, slot_masked
 from asyncllm.models.moe import FusedMoE
 
 __all__ = ["ExpertsLoRA", "attach_expert_layers", "expert_target"]
@@ -86,10 +86,11 @@ class ExpertsLoRA(SlotBuffers):
                 a, b = b.transpose(1, 2), a.transpose(1, 2)
             if kind == "gate_up" and experts.interleaved_gate_up:  # gpt-oss: gate rows even, up rows odd
                 b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
-            self._write(slot, kind, slice(None), a, b * scaling)
+            self._write(slot, kind, slice(None), a, scaled_b(b, scaling, self.b2.dtype))
         elif experts.is_local(expert):
             local = expert - start
-            self._write(slot, kind, slice(local, local + 1), lora_a[None], lora_b[None] * scaling)
+            self._write(slot, kind, slice(local, local + 1), lora_a[None],
+                        scaled_b(lora_b[None], scaling, self.b2.dtype))
 
     def _write(self, slot: int, kind: str, experts: slice, a: torch.Tensor, b: torch.Tensor) -> None:
         """Experts' A ``[n, r, in]`` and scaled B ``[n, out, r]`` (whole, as the checkpoint's) into the slot."""

@@ -68,6 +68,24 @@ async def test_mixed_batches_equal_peft_with_max_loras_and_slot_eviction(tiny_ll
             assert next(got).token_ids == _reference(tiny_llama, variant, prompt), (variant, prompt)
 
 
+async def test_a_bfloat16_adapter_on_a_float32_model_equals_peft(tiny_llama: str, lora_engine: AsyncEngine,
+                                                                 tmp_path) -> None:
+    """An adapter saved in bfloat16 (as PEFT saves one trained in bfloat16) on the float32 model: PEFT upcasts its
+    matrices, so B is scaled (16 / 6 here) in float32, not rounded to bfloat16 first (8 of these 24 prompts' tokens
+    differed from PEFT's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = make_adapter(tiny_llama, str(tmp_path / "bf16"), seed=41, rank=6, alpha=16)
+    weights = f"{path}/adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights)
+    lora = LoRARequest("bf16", 61, path)  # an id of its own on the shared engine
+    prompts = random_prompts(24, seed=7, max_len=40)
+    outs = await asyncio.gather(*(lora_engine.generate(p, GREEDY, lora_request=lora) for p in prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == peft_greedy(tiny_llama, path, prompt, MAX_TOKENS), prompt
+
+
 async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, lora_engine: AsyncEngine,
                                                              adapters: list[LoRARequest], tmp_path) -> None:
     prompt = random_prompts(2, seed=12, stem_len=40, max_len=45)[1]  # 43 to 45 tokens: two full blocks, unseen
