@@ -11,9 +11,10 @@ and at most what the prompt leaves of ``max_model_len`` (`beam_max_tokens`, the 
 then ends with "length". At the end the complete and the live beams are ranked by
 ``cumulative_logprob / length ** length_penalty`` (vLLM's ``get_beam_search_score``: length counts the
 prompt and output tokens, less an EOS the beam ends with) and the best ``beam_width`` are
-returned. Logprobs are the model's raw ones (greedy, no temperature, ``raw_logprobs``
-whatever the engine's ``logprobs_mode``, so logits never rank the beams). The model's generation config
-rules hold as in generate: a ``suppress_tokens`` id is never a candidate, nor a ``begin_suppress_tokens``
+returned, their text without the EOS that ended them (vLLM's; special or not). Logprobs are the model's raw
+ones (greedy, no temperature, ``raw_logprobs`` whatever the engine's ``logprobs_mode``, so logits never rank
+the beams). The model's generation config rules hold as in generate: a ``suppress_tokens`` id is never a
+candidate, nor a ``begin_suppress_tokens``
 id at the first step (`SuppressedTokens`); the others keep their raw logprobs, not renormalised, as in
 transformers' beam search, whose processors mask the log-softmax scores (a step's request
 asks for as many more logprobs as it leaves out). Each beam keeps, per output token, the step's whole
@@ -271,5 +272,6 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
         beam.finish_reason = "length"
     best = sorted(complete + beams, key=lambda b: _score(b, params.length_penalty, eos), reverse=True)[:width]
     for beam in best if engine.tokenizer is not None else ():  # skip_tokenizer_init: ids only, text ""
-        beam.text = engine.tokenizer.decode(beam.tokens[len(prompt_ids):], skip_special_tokens=True)
+        end = len(beam.tokens) - (beam.finish_reason == "stop")  # vLLM's: an EOS that ended it is no text
+        beam.text = engine.tokenizer.decode(beam.tokens[len(prompt_ids):end], skip_special_tokens=True)
     return BeamSearchOutput(best)

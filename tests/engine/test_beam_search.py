@@ -51,6 +51,8 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
         out = await engine.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
         stopped = [seq for seq in out.sequences if seq.finish_reason == "stop"]
         assert stopped and all(seq.tokens[-1] == best[2] and seq.num_output_tokens <= max_tokens for seq in stopped)
+        assert all(seq.text == engine.tokenizer.decode(seq.tokens[len(prompt):-1], skip_special_tokens=True)
+                   for seq in stopped)  # vLLM's: the (here not special) EOS that ended a beam is no text
         scores = [seq.cum_logprob / (len(seq.tokens) - (seq.finish_reason == "stop")) for seq in out.sequences]
         assert scores == sorted(scores, reverse=True) and len(out.sequences) == width
         text = await engine.beam_search("def add(a, b):", BeamSearchParams(beam_width=2, max_tokens=4))

@@ -115,3 +115,23 @@ def test_prompts_it_takes_and_refuses() -> None:
             _search(_Engine(), prompts)
     with pytest.raises(NotBuiltError, match="beam search over an encoder-decoder prompt"):
         _search(_Engine(), {"encoder_prompt": {"prompt": "", "multi_modal_data": {}}, "decoder_prompt": "hi"})
+
+
+class _Tokenizer:
+    """Decodes ids as their numbers; no id is special, as a generation config's extra EOS id (say a newline's)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_a_beam_that_ended_with_eos_leaves_it_out_of_its_text() -> None:
+    """vLLM's beam search decodes a beam ending in EOS without it (as generate's text leaves its stop token out), not
+    only when skip_special_tokens would drop it: an EOS id need not be a special token. ignore_eos: it is text."""
+    engine = _Engine()
+    engine.tokenizer = _Tokenizer()
+    out = _search(engine, [5], beam_width=3, max_tokens=1)
+    assert [(s.tokens, s.finish_reason, s.text) for s in out.sequences] == [
+        ([5, A], "length", str(A)), ([5, B], "length", str(B)), ([5, EOS], "stop", "")]
+    out = _search(engine, [5], beam_width=2, max_tokens=1, ignore_eos=True, length_penalty=0.0)
+    assert [(s.tokens, s.finish_reason, s.text) for s in out.sequences] == [
+        ([5, A], "length", str(A)), ([5, EOS], "length", str(EOS))]
