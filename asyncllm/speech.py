@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 import numpy as np
 
 from asyncllm.engine.admission import admission_group
 from asyncllm.errors import InvalidRequestError
 from asyncllm.generation_config import timestamp_rules
 from asyncllm.mistral_tokenizer import is_mistral, mistral_transcribes, render_mistral_transcription
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import RequestOutputKind, SamplingParams
 from asyncllm.speech_segments import Segment, segments_of
 
 if TYPE_CHECKING:
@@ -245,11 +246,15 @@ async def piece_segments(engine: AsyncEngine, requests: list[dict[str, Any]],
 
 def _one_sample(params: SamplingParams | None) -> SamplingParams:
     """``params`` (None: greedy, as long as ``max_model_len`` allows), refused unless they ask for one sample: a
-    transcript is one text (the OpenAI routes take no ``n`` either)."""
+    transcript is one text (the OpenAI routes take no ``n`` either); their ``output_kind`` DELTA, as `transcribe`
+    hands out each delta's text once (a CUMULATIVE snapshot would repeat the text before it)."""
     if params is None:
         return SamplingParams(temperature=0.0, max_tokens=None)
     if params.n != 1:
         raise InvalidRequestError("params.n", f"1 (a transcript is one sample), got {params.n}")
+    if params.output_kind != RequestOutputKind.DELTA:
+        params.validate()  # a bad output_kind (a typo) is refused, not replaced
+        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.DELTA)
     return params
 
 

@@ -14,10 +14,11 @@ import pytest
 import pytest_asyncio
 from asgi_helpers import asgi_client
 from audio_utils import SAMPLING_RATE, make_audio, wav_bytes
-from whisper_utils import PROMPT, hf_whisper_generate, hf_whisper_greedy, make_tiny_whisper
+from whisper_utils import CHUNK_SECONDS, PROMPT, hf_whisper_generate, hf_whisper_greedy, make_tiny_whisper
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import RequestOutputKind
 from asyncllm.integrations.openai_server import create_app
 from asyncllm.mm.audios import read_audio
 from asyncllm.speech_segments import srt, vtt
@@ -223,3 +224,16 @@ async def test_segments_of_a_long_audio_and_the_routes(engine, tiny_whisper):
 
 def _decoder(engine: AsyncEngine):
     return lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+async def test_transcribe_gives_the_same_text_whatever_the_output_kind(engine, kind) -> None:
+    """`transcribe` hands out each piece's new text once, whatever ``params.output_kind`` the caller passes: a
+    CUMULATIVE one repeated the text before each snapshot (asyncllm/speech.py `_one_sample`)."""
+    wav = wav_bytes(make_audio(1.5 * CHUNK_SECONDS, seed=4))  # two pieces
+    expected = "".join([text async for text in engine.transcribe(wav, params=SamplingParams(
+        temperature=0.0, max_tokens=8))])
+    assert expected
+    got = "".join([text async for text in engine.transcribe(
+        wav, params=SamplingParams(temperature=0.0, max_tokens=8, output_kind=kind))])
+    assert got == expected
