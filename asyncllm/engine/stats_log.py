@@ -48,8 +48,9 @@ class StatsLogger:
             return None
         prompt_tps = (cur.prompt_tokens_total - prev.prompt_tokens_total) / elapsed_s
         gen_tps = (cur.generation_tokens_total - prev.generation_tokens_total) / elapsed_s
-        queries = cur.prefix_cache_queries - prev.prefix_cache_queries
-        hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+        before = _since(prev, cur, "prefix_cache_queries")
+        queries = cur.prefix_cache_queries - before.prefix_cache_queries
+        hits = cur.prefix_cache_hits - before.prefix_cache_hits
         hit_rate = 100.0 * hits / queries if queries else 0.0
         return (
             f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
@@ -63,6 +64,7 @@ class StatsLogger:
 
 def _spec_decoding(prev: EngineStats, cur: EngineStats) -> str:
     """vLLM's speculative-decoding figures over the interval ('' when no draft was verified in it)."""
+    prev = _since(prev, cur, "spec_decode_num_drafts")
     drafts = cur.spec_decode_num_drafts - prev.spec_decode_num_drafts
     if not drafts:
         return ""
@@ -73,6 +75,16 @@ def _spec_decoding(prev: EngineStats, cur: EngineStats) -> str:
     return (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
             f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
             f"Draft acceptance rate: {100.0 * accepted / drafted:.1f}%, Per-position acceptance rate: {per_pos}")
+
+
+_NO_COUNTS = EngineStats()
+
+
+def _since(prev: EngineStats, cur: EngineStats, counter: str) -> EngineStats:
+    """What the interval's engine-wide figures count from: `prev`, or nothing when the core's `counter` went down
+    since (a shared core that restarted under an attached host counts from 0 again: all of `cur`'s counts are new,
+    as Prometheus' rate() reads a counter reset)."""
+    return prev if getattr(cur, counter) >= getattr(prev, counter) else _NO_COUNTS
 
 
 def _activity(stats: EngineStats) -> tuple[int, ...]:

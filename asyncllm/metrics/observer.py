@@ -173,9 +173,10 @@ class RequestObserver:
     def _start_span(self, job: Submit, num_prompt_tokens: int, sample_index: int | None) -> Any:
         assert self._tracer is not None
         operation = span_operation(job.chat, job.options.pooling is not None)
+        max_tokens = self._vllm_max_tokens(job.params.max_tokens, num_prompt_tokens) if num_prompt_tokens else None
         return self._span_call("start", self._tracer.start, job.collector.request_id, job.params, operation,
                                num_prompt_tokens, job.trace_context, job.collector.metrics.arrival_time,
-                               sample_index)
+                               sample_index, max_tokens)
 
     # ------------------------------------------------------------ outputs
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
@@ -321,11 +322,16 @@ class RequestObserver:
         it to (max_model_len - the prompt's tokens); a pooling request has none."""
         request_id = collector.request_id
         if request_id in self._max_tokens:
-            max_tokens = self._max_tokens[request_id]
-            if max_tokens is None:
-                max_tokens = self.max_model_len - len(collector.prompt_token_ids)
-            if max_tokens > 0:
+            max_tokens = self._vllm_max_tokens(self._max_tokens[request_id], len(collector.prompt_token_ids))
+            if max_tokens is not None:
                 self.stats.request_params_max_tokens.observe(max_tokens)
+
+    def _vllm_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int) -> int | None:
+        """A sampling request's max_tokens as vLLM's server sets it: unset, max_model_len - the prompt's tokens (the
+        length it runs to); None when that leaves none (or max_model_len is not known yet)."""
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt_tokens
+        return max_tokens if max_tokens > 0 else None
 
     # ------------------------------------------------------------ early ends
     def on_aborted(self, collector: RequestCollector, now: float) -> None:

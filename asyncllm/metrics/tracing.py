@@ -121,12 +121,15 @@ class RequestTracer:
         self._tracer = otel_trace.get_tracer("asyncllm", __version__)
 
     def start(self, request_id: str, params: SamplingParams, operation: str, num_prompt_tokens: int,
-              context: Any, arrival_time: float, sample_index: int | None = None) -> Any:
+              context: Any, arrival_time: float, sample_index: int | None = None,
+              max_tokens: int | None = None) -> Any:
         """A recording span, or None when the host set no tracer provider (nothing more to pay); `operation`:
-        `span_operation`'s; `sample_index`: the span of that sample of an n > 1 request (vLLM's child request's)."""
+        `span_operation`'s; `sample_index`: the span of that sample of an n > 1 request (vLLM's child request's);
+        `max_tokens`: the request's as vLLM's server sets it (an unset one: max_model_len - the prompt's tokens;
+        None: `params.max_tokens`)."""
         span = self._tracer.start_span(
             f"{operation} {self.model_name}", context=context, kind=SpanKind.INTERNAL, start_time=_ns(arrival_time),
-            attributes=self._request_attributes(operation, request_id, params, sample_index),
+            attributes=self._request_attributes(operation, request_id, params, sample_index, max_tokens),
         )
         if not span.is_recording():
             return None
@@ -136,7 +139,7 @@ class RequestTracer:
         return span
 
     def _request_attributes(self, operation: str, request_id: str, params: SamplingParams,
-                            sample_index: int | None) -> dict[str, Any]:
+                            sample_index: int | None, max_tokens: int | None = None) -> dict[str, Any]:
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": "asyncllm",
@@ -154,8 +157,9 @@ class RequestTracer:
             "gen_ai.request.top_p": params.top_p,
             "gen_ai.request.n": params.n,  # vLLM's
         }
-        if params.max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        if max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = max_tokens
         if params.top_k > 0:
             attributes["gen_ai.request.top_k"] = params.top_k
         if params.seed is not None:

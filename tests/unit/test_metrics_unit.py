@@ -242,6 +242,26 @@ def test_stats_line_format_and_quiet_when_idle() -> None:
     assert StatsLogger.format_line(EngineStats(), EngineStats(num_gpu_blocks=100), 10.0) is None
 
 
+def test_stats_line_after_a_shared_cores_restart_counts_the_new_cores_figures() -> None:
+    """A host attached to a shared core that restarted (max_core_restarts) sees the engine-wide counters start over
+    from 0: the line's interval figures are the new core's counts (a counter reset, as Prometheus' rate() reads
+    one), never a negative or made-up hit rate or acceptance."""
+    prev = EngineStats(num_gpu_blocks=100, prompt_tokens_total=100, generation_tokens_total=50,
+                       prefix_cache_queries=1000, prefix_cache_hits=0, num_preemptions_total=7,
+                       spec_decode_num_drafts=100, spec_decode_num_draft_tokens=400,
+                       spec_decode_num_accepted_tokens=300, spec_decode_accepted_per_pos=[90, 80, 70, 60])
+    cur = EngineStats(num_requests_running=1, num_gpu_blocks=100, kv_cache_usage=0.1, num_used_blocks=10,
+                      prompt_tokens_total=200, generation_tokens_total=100, prefix_cache_queries=100,
+                      prefix_cache_hits=50, spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
+                      spec_decode_num_accepted_tokens=20, spec_decode_accepted_per_pos=[8, 6, 4, 2])
+    assert StatsLogger.format_line(prev, cur, 10.0) == (
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 1 reqs, "
+        "Waiting: 0 reqs, Preemptions: 0, KV cache usage: 10.0%, Prefix cache hit rate: 50.0%, "
+        "SpecDecoding: Mean acceptance length: 3.00, Accepted: 20 tokens, Drafted: 40 tokens, "
+        "Draft acceptance rate: 50.0%, Per-position acceptance rate: 0.800, 0.600, 0.400, 0.200"
+    )
+
+
 def test_without_opentelemetry_tracing_is_a_none_check() -> None:
     code = (
         "import sys; sys.modules['opentelemetry'] = None\n"  # makes `import opentelemetry...` raise ImportError

@@ -186,3 +186,27 @@ def test_a_failed_n_request_ends_each_samples_span_failed(how: str) -> None:
         assert span.status.status_code is StatusCode.ERROR and "InvalidRequestError" in span.status.description
         assert span.attributes["error.type"] == "InvalidRequestError" and span.events[-1].name == "exception"
     assert traced.observer._traced == {}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_unset_max_tokens_is_on_the_span_as_vllm_sets_it(n: int) -> None:
+    """A request without max_tokens (an OpenAI chat request that names none) runs to max_model_len: its span carries
+    gen_ai.request.max_tokens = max_model_len - the prompt's tokens, what vLLM's server puts in its SamplingParams
+    (and so on its llm_request span) and what request_params_max_tokens observes; a request refused before its
+    prompt was read has none."""
+    traced = _Traced()
+    traced.observer.max_model_len = 128
+    collector = traced.add("u", SamplingParams(n=n, max_tokens=None))
+    for index in range(n):
+        traced.deliver(collector, index, 102.0, [7], "stop")
+    for span in traced.spans().values():
+        assert span.attributes["gen_ai.request.max_tokens"] == 128 - len(PROMPT)
+    histogram = traced.observer.stats.request_params_max_tokens
+    assert (histogram.count, histogram.sum) == (n, n * (128 - len(PROMPT)))
+    refused = _Traced()
+    refused.observer.max_model_len = 128
+    job = Submit(RequestCollector("x", 100.0), PROMPT, SamplingParams(max_tokens=None), RequestOptions(),
+                 trace_context=set_span_in_context(refused.caller))
+    refused.observer.on_rejected(job, InvalidRequestError("prompt", "bad"), 101.0)
+    (span,) = refused.spans().values()
+    assert "gen_ai.request.max_tokens" not in span.attributes
