@@ -20,6 +20,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.mm.embeddings import EncodeFn, EncoderOutputCache, ScheduledSpan
 from asyncllm.models.layers import TensorParallel
+from asyncllm.models.rotary import RotaryEmbedding
 from asyncllm.models.vision_language import image_limit
 from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.input_batch import InputBatch
@@ -91,19 +92,43 @@ class MRopePositions:
 
     Requests without images keep ``[T]`` positions: their axes are equal, so the ordinary rope is theirs."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, max_model_len: int | None = None) -> None:
         self.model = model
+        self.max_model_len = max_model_len
         self.requests: dict[str, tuple[np.ndarray, int]] = {}
         """request id -> (its prompt's ``[axes, prompt_len]`` positions, the delta of every later token)."""
+        modules = model.modules() if callable(getattr(model, "modules", None)) else ()
+        self.table_rows: int | None = min((m.max_position for m in modules if isinstance(m, RotaryEmbedding)),
+                                          default=None)
+        """Rows of the decoder's rotary table (max(max_position_embeddings, max_model_len)): a position past it has
+        no rotation (None: not known, unchecked)."""
 
-    def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any]) -> str | None:
-        """Lay out the request's positions; the error when its items' placeholders disagree with their grids (the
-        request fails, its positions are the plain ones meanwhile)."""
+    def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any],
+                    max_tokens: int | None = None) -> str | None:
+        """Lay out the request's positions; the error when its items' placeholders disagree with their grids, or when
+        its positions, up to its last token's (`_last_position`), pass the rotary table (a video's time axis at a low
+        frame rate): the request fails, its positions are the plain ones meanwhile."""
         try:
-            self.requests[req_id] = self.model.mrope_positions(num_prompt_tokens, items)
+            table, delta = self.model.mrope_positions(num_prompt_tokens, items)
         except ValueError as exc:
             return f"mm_items: {exc}"
+        if self.table_rows is not None and table.size:
+            last = self._last_position(table, delta, num_prompt_tokens, max_tokens)
+            if last >= self.table_rows or int(table.min()) < 0:
+                return (f"mm_items: its rotary positions reach {last}, past the {self.table_rows} rows of the model's "
+                        "rotary table (max_position_embeddings or max_model_len, the larger): a video's frame rate "
+                        "(its fps metadata) spaces its temporal patches that far apart; give its frames at a higher "
+                        "rate, or fewer max_tokens")
+        self.requests[req_id] = (table, delta)
         return None
+
+    def _last_position(self, table: np.ndarray, delta: int, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The largest position the request rotates by: its prompt's, or its last input token's, ``delta`` past its
+        index (at most ``prompt + max_tokens - 1``, drafts included, within ``max_model_len``; neither known: the
+        prompt's alone)."""
+        ends = [end for end in (self.max_model_len, None if max_tokens is None else num_prompt_tokens + max_tokens)
+                if end is not None]
+        return max(int(table.max()), min(ends) - 1 + delta) if ends else int(table.max())
 
     def positions(self, spans: list[ScheduledSpan], flat: np.ndarray, device: torch.device) -> torch.Tensor | None:
         """The rope positions of a step whose token indices are ``flat``: None when no span has images; ``[T]``
@@ -151,7 +176,8 @@ class MultiModalRunner:
                                         _encode_fn(model, config, tp, device) if encodes else None)
         self._reported = (0, 0)
         """(queries, hits) already reported in a `ModelRunnerOutput`."""
-        self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
+        self.mrope = (MRopePositions(model, config.max_model_len) if callable(getattr(model, "mrope_positions", None))
+                      else None)
         """M-RoPE models' positions (Qwen2-VL): None for the others."""
         self.routes_prompt_rows = bool(getattr(model, "mm_routes_prompt_rows", False))
         """Whether the model reads `AttentionMetadata.mm_prompt_rows` (ERNIE 4.5 VL's modality experts)."""
@@ -189,8 +215,8 @@ class MultiModalRunner:
                 if self.cross_attention or self.cross_images:
                     self._starting.add(new.req_id)
                     self._prompt_lens[new.req_id] = new.num_prompt_tokens
-                if self.mrope is not None and (error := self.mrope.add_request(new.req_id, new.num_prompt_tokens,
-                                                                                 new.mm_items)):
+                if self.mrope is not None and (error := self.mrope.add_request(
+                        new.req_id, new.num_prompt_tokens, new.mm_items, new.params.max_tokens)):
                     self.cache.failed[new.req_id] = error
 
     def _spans(self, sched_out: SchedulerOutput, batch: InputBatch) -> list[ScheduledSpan]:

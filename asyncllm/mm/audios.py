@@ -110,7 +110,8 @@ def _file_bytes(value: bytes | bytearray | memoryview | str, field: str) -> byte
     if value.startswith(("http://", "https://")):
         raise InvalidRequestError(field, "audio URLs are not fetched: pass the file's bytes, a path or a data: URL")
     if not os.path.isfile(value):
-        raise InvalidRequestError(field, f"no audio file at {value!r}")
+        raise InvalidRequestError(field, f"no audio file at {value!r:.120} (a str audio is a path, or a "
+                                         "data:audio/<type>;base64,... URL)")
     with open(value, "rb") as f:
         return f.read()
 

@@ -66,7 +66,8 @@ def read_image(image: ImageInput, field: str) -> bytes | Any:
             with open(image, "rb") as f:
                 return f.read()
         except OSError as exc:
-            raise InvalidRequestError(field, f"cannot read image file {os.fspath(image)!r}: {exc.strerror}") from exc
+            raise InvalidRequestError(field, f"cannot read image file {os.fspath(image)!r:.120}: {exc.strerror} (a str "
+                                             "image is a path, or a data:image/<type>;base64,... URL)") from exc
     if type(image).__module__ == "numpy":
         return _array_image(image, field)
     raise InvalidRequestError(field, f"an image must be bytes, a path, a PIL image or a numpy array of pixels, got "

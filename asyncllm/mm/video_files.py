@@ -66,11 +66,12 @@ def _file_source(source: Any, field: str) -> Any:
     if isinstance(source, str) and source.startswith(("http://", "https://")):
         raise InvalidRequestError(field, "URLs are not fetched; pass the video's bytes, a base64 data: URL or frames")
     if not os.path.isfile(os.fspath(source)):
-        raise InvalidRequestError(field, f"no video file at {os.fspath(source)!r}")
+        raise InvalidRequestError(field, f"no video file at {os.fspath(source)!r:.120} (a str video is a path, or a "
+                                         "data:video/<type>;base64,... URL)")
     try:
         return open(os.fspath(source), "rb")  # PyAV reads this file object; FFmpeg opens nothing itself
     except OSError as exc:
-        raise InvalidRequestError(field, f"cannot read video file {os.fspath(source)!r}: {exc.strerror}") from exc
+        raise InvalidRequestError(field, f"cannot read video file {os.fspath(source)!r:.120}: {exc.strerror}") from exc
 
 
 def refuse_open(url: str, flags: int, options: dict[str, Any]) -> Any:

@@ -17,6 +17,8 @@ Runs on the processor thread; bad input fails its own request with
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,15 +142,20 @@ def _with_timing(frames: np.ndarray, metadata: dict[str, Any] | None, field: str
     count = frames.shape[0]
     fps = metadata.get("fps")
     fps = DEFAULT_FPS if fps is None else fps
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-        raise InvalidRequestError(f"{field}.metadata.fps", f"a frame rate > 0, got {fps!r}")
+    if isinstance(fps, (bool, np.bool_)) or not isinstance(fps, numbers.Real) or not 0 < fps < math.inf:
+        raise InvalidRequestError(f"{field}.metadata.fps", f"a finite frame rate > 0, got {fps!r}")
     indices = metadata.get("frames_indices")
-    indices = list(range(count)) if indices is None else list(indices)
-    if len(indices) != count or not all(isinstance(i, (int, np.integer)) and i >= 0 for i in indices):
+    indices = list(range(count)) if indices is None else [int(i) if _is_index(i) else i for i in indices]
+    if len(indices) != count or not all(is_int(i) and i >= 0 for i in indices):
         raise InvalidRequestError(f"{field}.metadata.frames_indices", f"one index >= 0 per frame ({count} frames)")
     total = metadata.get("total_num_frames")
-    total = max(indices) + 1 if total is None else total
+    total = max(indices) + 1 if total is None else int(total) if _is_index(total) else total
     if not is_int(total) or total <= max(indices):
         raise InvalidRequestError(f"{field}.metadata.total_num_frames",
                                   f"an int above every frame index (largest {max(indices)}), got {total!r}")
-    return Video(frames, float(fps), tuple(int(i) for i in indices), total)
+    return Video(frames, float(fps), tuple(indices), total)
+
+
+def _is_index(value: Any) -> bool:
+    """An int or a numpy integer (vLLM's metadata may hold numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))

@@ -103,6 +103,27 @@ async def test_bad_videos_fail_their_own_request(engine):
     assert len(ok.outputs[0].token_ids) == 8
 
 
+async def test_a_video_whose_time_positions_pass_the_rotary_table_fails_only_its_request(qwen25_vl):
+    """A low frame rate spaces a video's temporal patches ``tokens_per_second x 2 / fps`` positions apart (8 / fps
+    here); past the rotary table (max(max_position_embeddings, max_model_len) = 1024 rows) its prompt, or its
+    decoding up to max_tokens, would index outside it: that request fails (until 2026-12-07 an IndexError in the
+    worker, restarted until the engine died). One that fits is served as transformers computes it."""
+    video = make_video(4, 56, 56, seed=5)
+    async with AsyncEngine(qwen25_vl, disable_log_stats=True, block_size=4, max_num_seqs=2,
+                           max_worker_restarts=0) as engine:
+        with pytest.raises(InvalidRequestError, match="past the 1024 rows of the model's rotary table"):
+            await engine.generate({"prompt": VIDEO_PLACEHOLDER, "videos": [(video, {"fps": 0.001})]}, GREEDY)
+        fits = {"prompt": VIDEO_PLACEHOLDER, "videos": [(video, {"fps": 0.01})]}  # 800 positions apart
+        with pytest.raises(InvalidRequestError, match="rotary table"):
+            await engine.generate(fits, SamplingParams(max_tokens=300, temperature=0.0))
+        out = await engine.generate(fits, GREEDY)
+        ok = await engine.generate({"prompt": VIDEO_PLACEHOLDER, "videos": [video]}, GREEDY)
+    patches = video_patches_of(qwen25_vl, (video, {"fps": 0.01}))
+    assert out.outputs[0].token_ids == hf_qwen_vl_video_greedy(qwen25_vl, out.prompt_token_ids, [patches], [], 8,
+                                                               [200.0])
+    assert len(ok.outputs[0].token_ids) == 8
+
+
 async def test_qwen2_vl_video_from_a_file_matches_transformers(tmp_path_factory):
     """Qwen2-VL: temporal patches one position apart; the file's frames sampled (media_io_kwargs num_frames)."""
     from asyncllm.mm.video_files import decode_video_file

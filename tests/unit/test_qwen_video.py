@@ -145,6 +145,24 @@ def test_video_inputs_and_their_metadata():
             read_video(value, "v", 1000)
 
 
+def test_metadata_of_numpy_numbers_is_the_same_timing():
+    """vLLM's metadata as numpy gives it (``np.arange`` indices, ``np.int64`` counts, ``np.float32`` rates): the same
+    video as the plain numbers (until 2026-12-07 numpy indices without a count, a numpy count or a float32 rate were
+    refused, the first naming a total_num_frames the caller never gave); an infinite rate is refused as 0 is."""
+    frames = np.zeros((3, 10, 12, 3), np.uint8)
+    plain = read_video((frames, {"fps": 2.5, "frames_indices": [0, 15, 30], "total_num_frames": 90}), "v", 10**6)
+    numpy = read_video((frames, {"fps": np.float32(2.5), "frames_indices": np.arange(0, 31, 15),
+                                 "total_num_frames": np.int64(90)}), "v", 10**6)
+    assert numpy.key() == plain.key() and numpy.total_num_frames == 90 and type(numpy.total_num_frames) is int
+    counted = read_video((frames, {"frames_indices": np.arange(3)}), "v", 10**6)
+    assert counted.key() == read_video(frames, "v", 10**6).key()
+    for fps in (float("inf"), np.float64("nan"), True):
+        with pytest.raises(InvalidRequestError, match="v.metadata.fps"):
+            read_video((frames, {"fps": fps}), "v", 10**6)
+    with pytest.raises(InvalidRequestError, match="total_num_frames"):
+        read_video((frames, {"total_num_frames": np.float64(90)}), "v", 10**6)
+
+
 def test_video_files_are_decoded_and_sampled_with_their_timing(tmp_path):
     import base64
 
