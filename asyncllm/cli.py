@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from asyncllm import __version__
+from asyncllm import __version__, envs
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
 from asyncllm.cli_config import dash_flag_names, expand_config_file
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(bench_main(argv[1:]))
     parser = _parser()
     args = parse_args(parser, argv)
+    try:  # the environment's values, before a command imports transformers (whose import of huggingface_hub fails on
+        envs.check_at_start()  # a bad HF_HUB_ETAG_TIMEOUT) or starts anything: one line, as a bad flag
+    except ConfigError as exc:
+        parser.error(str(exc))
     if args.command == "generate":
         try:  # a bad value (a flag, the model, an ASYNCLLM_* variable) is one line and exit 2, as serve's and engine's
             asyncio.run(_generate(args, *_generate_setup(args)))

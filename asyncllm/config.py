@@ -280,6 +280,9 @@ class EngineConfig:
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """A copy with some flat fields changed (validated again; the machine checked again for those fields)."""
         flat = self.to_dict()
+        derived = flat["max_num_seqs"] == default_max_num_seqs(flat["max_num_batched_tokens"])
+        if derived and "max_num_seqs" not in kwargs:  # unset (its default): derived again from the budget it may change
+            flat["max_num_seqs"] = None
         flat.update(kwargs)
         config = EngineConfig._create(flat.pop("model"), flat)
         if "attention_backend" in kwargs:

@@ -18,7 +18,9 @@ def is_int(value: object) -> TypeGuard[int]:
 
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
+    """`value` is one of `allowed`, names or ints (a bool, float or numpy int equal to one, ``True``, ``16.0``, is
+    not: the workers and the wire take ints)."""
+    if not (isinstance(value, str) or is_int(value)) or value not in allowed:
         raise ConfigError(name, value, f"one of {', '.join(map(repr, allowed))}")
 
 
@@ -54,6 +56,8 @@ def check_sampling_fields(name: str, value: object) -> None:
         raise ConfigError(name, value, "a dict of SamplingParams fields, or None")
     try:
         SamplingParams(**{key: item for key, item in value.items() if item is not None}).validate()
+    except ConfigError:  # a variable `validate` reads (ASYNCLLM_MAX_NUM_BAD_WORDS): its own error, not the field's
+        raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(name, value, f"SamplingParams fields with valid values ({exc})") from None
 

@@ -202,7 +202,8 @@ def _positive_int(raw: str) -> int:
 HF_HUB_ETAG_TIMEOUT = EnvVar(
     "HF_HUB_ETAG_TIMEOUT", 10, _positive_int,
     "huggingface_hub's own: seconds a hub id's lookup waits for the hub before its cached snapshot is read instead "
-    "(asyncllm/models/hub.py); a whole number above 0 (huggingface_hub reads it with int() at its import). Read "
+    "(asyncllm/models/hub.py); a whole number above 0 (huggingface_hub reads it with int() at its import, which "
+    "transformers' import makes: another value was that import's traceback). Read at start (`check_at_start`) and "
     "when a model path is resolved.",
 )
 
@@ -331,6 +332,7 @@ def check_at_start() -> None:
     PDL.get()
     GREEDY_GRAPHS.get()
     WORKER_PIPELINE.get()
+    HF_HUB_ETAG_TIMEOUT.get()  # before huggingface_hub's import reads it (a traceback for a value int() refuses)
 
 
 _WARNED: set[str] = set()

@@ -146,7 +146,7 @@ def _read(path: str, field: str, must_exist: bool) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: the file itself given as the folder
         if must_exist:
             raise ConfigError(field, os.path.dirname(path), "'auto', 'vllm' or a folder holding a "
                                                             "generation_config.json") from None

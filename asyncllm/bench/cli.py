@@ -15,6 +15,7 @@ from typing import Any
 from asyncllm.bench import (
     attention_sweep, common, kernels, latency, loop_lag, profile, scheduler, serve, soak, throughput,
 )
+from asyncllm import envs
 from asyncllm.errors import AsyncLLMError, ConfigError
 
 __all__ = ["main", "parser", "WORKLOADS"]
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> Any:
+    envs.check_at_start()  # the environment's values, before transformers' import reads HF_HUB_ETAG_TIMEOUT
     output_json = getattr(args, "output_json", None)
     if output_json and not os.path.isdir(os.path.dirname(os.path.abspath(output_json))):
         raise ConfigError("output_json", output_json, "a file in a folder that exists (checked before the run)")

@@ -65,10 +65,16 @@ def resolve_bench_model(model: str | None, preset: str | None, load_format: str 
 
 
 def _bench_model(name: str, path: str, load_format: str) -> BenchModel:
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
+    """`ConfigError` naming ``model`` for a folder without a readable config.json of a vocab_size (no traceback)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        vocab_size = int(config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("model", path, f"a local checkpoint folder whose config.json gives a vocab_size "
+                                         f"({type(exc).__name__}: {exc})") from None
     max_position = int(config.get("max_position_embeddings", 2048))
-    return BenchModel(name, path, load_format, int(config["vocab_size"]), max_position)
+    return BenchModel(name, path, load_format, vocab_size, max_position)
 
 
 def _tiny_folder() -> str:

@@ -146,3 +146,14 @@ def test_latency_of_one_output_token_has_no_decode_metrics(capsys) -> None:
     out = capsys.readouterr().out
     assert "tokens/s; measured n/a\n" in out and "ms_per_output_token" in out
     assert [line.split()[-1] for line in out.splitlines() if line.startswith(("decode_", "fraction"))] == ["n/a"] * 2
+
+
+@pytest.mark.parametrize("config_json", [None, "{", '{"hidden_size": 8}'], ids=["none", "not-json", "no-vocab-size"])
+def test_a_model_folder_without_a_usable_config_json_is_one_error_line(tmp_path, capsys, no_engine,
+                                                                      config_json: str | None) -> None:
+    """A folder that exists but has no config.json (a parent folder given by mistake), or an unreadable one, was a
+    FileNotFoundError / KeyError traceback until 2026-12-07; now the bench's one line and exit 2."""
+    if config_json is not None:
+        (tmp_path / "config.json").write_text(config_json)
+    assert main(["latency", "--model", str(tmp_path), "--no-progress"]) == 2
+    assert f"model={str(tmp_path)!r} is not allowed" in capsys.readouterr().err

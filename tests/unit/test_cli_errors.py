@@ -132,3 +132,19 @@ def test_several_api_keys_without_a_model_are_refused_as_they_may_have_taken_it(
                         (["serve", "--config", str(config), "--api-key", "k1", "k2"], "org/real-model")):
         args = parse_args(_parser(), argv)
         assert (args.model, args.api_key) == (model, ["k1", "k2"])
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve", "--port", "0"], ["engine", "--address", "ipc:///nowhere"],
+                                     ["bench", "latency", "--preset", "tiny"]])
+def test_a_bad_hub_timeout_variable_is_one_line_not_huggingface_hubs_import_traceback(command: list[str]) -> None:
+    """huggingface_hub reads HF_HUB_ETAG_TIMEOUT with int() at its import, which transformers' import makes (serve's
+    engine constructor, generate's start): ``abc`` was that import's ValueError traceback, exit 1, until 2026-12-07."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_ETAG_TIMEOUT": "abc"}
+    done = subprocess.run([sys.executable, "-m", "asyncllm", *command], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "HF_HUB_ETAG_TIMEOUT='abc' is not allowed" in done.stderr.splitlines()[-1]

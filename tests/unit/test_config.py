@@ -76,6 +76,8 @@ def test_kwargs_and_from_config_agree() -> None:
         ("logprobs_mode", "logits"),
         ("kv_offloading_size", -1.0),
         ("prefix_caching_hash_algo", "builtin"),  # vLLM 0.8's, gone from vLLM since
+        ("block_size", 16.0),  # equal to a choice, not an int: a worker's TypeError at start, until 2026-12-07
+        ("block_size", True),  # equal to 1: the host's msgspec ValidationError at start, until 2026-12-07
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object) -> None:
@@ -216,3 +218,17 @@ def test_a_kv_cache_too_small_advises_raising_what_sized_it(fields, sized_by: st
     with pytest.raises(ConfigError) as info:
         served_config(config, 10, False, sized_by)
     assert str(info.value).endswith(f"or raise {advice}")
+
+
+def test_replace_derives_an_unset_max_num_seqs_from_the_new_budget() -> None:
+    """`max_num_seqs` unset is 256 at most the step budget (vLLM's): `replace` of the budget alone kept the value
+    derived from the old one, so ``create(m).replace(max_num_batched_tokens=100)`` was a ConfigError (256 > 100) where
+    ``create(m, max_num_batched_tokens=100)`` is fine, until 2026-12-07. A value given stays."""
+    base = EngineConfig.create("m")
+    assert base.replace(max_num_batched_tokens=100).max_num_seqs == 100
+    small = EngineConfig.create("m", max_num_batched_tokens=100)
+    assert small.replace(max_num_batched_tokens=8192).max_num_seqs == 256
+    assert small.replace(seed=1).max_num_seqs == 100
+    assert EngineConfig.create("m", max_num_seqs=8).replace(max_num_batched_tokens=100).max_num_seqs == 8
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineConfig.create("m", max_num_seqs=64).replace(max_num_batched_tokens=32)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncllm import AsyncEngine, ConfigError, envs
+from asyncllm import AsyncEngine, ConfigError, EngineConfig, envs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +84,18 @@ async def test_an_engine_start_refuses_a_bad_value_before_spawning(monkeypatch, 
     monkeypatch.setattr(engine, "_start_replicas", no_replicas)
     with pytest.raises(ConfigError, match=f"{name}='nan' is not allowed"):
         await engine.start()
+
+
+@pytest.mark.parametrize("name", [envs.MAX_NUM_BAD_WORDS.name, envs.MAX_BAD_WORDS_TOTAL_TOKENS.name])
+def test_a_bad_bad_words_limit_is_refused_naming_the_variable_not_the_generation_config(monkeypatch, name) -> None:
+    """`SamplingParams.validate` reads the bad-words limits, and the check of the model's sampling defaults (even
+    none: every engine start) validates one: its ConfigError was reworded as ``generation_config={} is not allowed``
+    (``override_generation_config=...`` with one), naming the wrong setting, until 2026-12-07."""
+    from asyncllm.engine.defaults import default_sampling_fields
+
+    monkeypatch.setenv(name, "abc")
+    for check in (lambda: default_sampling_fields({}),
+                  lambda: EngineConfig.create("m", override_generation_config={"temperature": 0.5})):
+        with pytest.raises(ConfigError) as info:
+            check()
+        assert info.value.field == name and info.value.value == "abc"

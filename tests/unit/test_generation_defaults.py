@@ -197,3 +197,17 @@ def test_the_server_caps_with_the_engines_config() -> None:
     engine = SimpleNamespace(started=True, config=config, default_sampling_fields=lambda: {"max_tokens": 4})
     defaults = asyncio.run(OpenAIServer._sampling_defaults(SimpleNamespace(engine=engine)))
     assert defaults == {"max_tokens": 4, "max_tokens_cap": 4}
+
+
+def test_the_file_given_for_its_folder_is_refused_naming_what_was_given(tmp_path) -> None:
+    """``--generation-config DIR/generation_config.json`` (the file, not its folder) was refused as
+    ``generation_config='DIR/generation_config.json/generation_config.json'``, a path never given, with an OS error,
+    until 2026-12-07."""
+    from asyncllm.generation_config import read_generation_config
+
+    given = tmp_path / "generation_config.json"
+    given.write_text('{"temperature": 0.3}')
+    with pytest.raises(ConfigError) as info:
+        read_generation_config(str(given), str(tmp_path))
+    assert info.value.field == "generation_config" and info.value.value == str(given)
+    assert "a folder holding a generation_config.json" in str(info.value)
