@@ -366,15 +366,15 @@ def claim_socket(socket_path: str, field: str, value: str, owner: str) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise ConfigError(field, value, "a socket path: something that is not a socket is there")
-    if _listening(socket_path, field, value):
+    if listening(socket_path, field, value):
         raise ConfigError(field, value, f"a free address: {owner} already serves there")
     os.unlink(socket_path)  # a killed server left its socket behind: binding would fail
 
 
-def _listening(socket_path: str, field: str, value: str) -> bool:
-    """Whether a process listens on the Unix socket: the kernel accepts or refuses the connection itself, so a live
-    server whose CPU is starved still counts (a handshake with a deadline would have called it dead); a full backlog
-    (a stopped server) blocks the connect: listening too."""
+def listening(socket_path: str, field: str, value: str) -> bool:
+    """Whether a process listens on the Unix socket (False: no file there, or one a killed server left): the kernel
+    accepts or refuses the connection itself, so a live server whose CPU is starved still counts (a handshake with a
+    deadline would have called it dead); a full backlog (a stopped server) blocks the connect: listening too."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:

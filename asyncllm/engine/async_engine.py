@@ -262,7 +262,7 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         if drain and not self._closed and self._started:
             try:
                 await self._drain.wait(lambda: any(not c.finished for c in list(self._in_flight)),
-                                       lambda: self._replicas.any_alive, timeout)
+                                       lambda: self._replicas.may_serve, timeout)
             except asyncio.CancelledError:  # the host's shutdown deadline: abort what is left and stop, as on timeout
                 await self._close()
                 raise
@@ -275,8 +275,8 @@ class AsyncEngine(EngineRequests, EngineControl, EngineState, EngineLoop):
         async with self._loop_start_lock():  # a start in progress ends first: it sees `_closed` and stops its replicas
             pass
         with anyio.CancelScope(shield=True):
-            for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
-                await replica.supervisor.wait()
+            for replica in self._replicas:  # a core restart in progress stops what it launched, as a start does
+                await replica.supervisor.cancel()
         stopping = self._stopping
         if self._started or (stopping is not None and stopping.cancelled() and not self._stop_ran):
             self._started = False  # (a stop cancelled before it began: by `asyncio.run`'s end, say)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.errors import ConfigError, EngineDeadError
+from asyncllm.procutil import listening
 
 __all__ = ["ATTACHED_FIELDS", "check_address", "default_address", "handshake", "prepare_attached"]
 
@@ -151,10 +153,28 @@ def _check_same_core(before: EngineConfig, now: EngineConfig, address: str) -> N
 
 def _handshake_now(address: str, timeout_s: float, key: str | None,
                    closed: Callable[[], bool] | None = None) -> protocol.Ready:
-    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
-        raise _CoreUnreachable(f"no engine core listens at {address}; start one with "
+    path = address[len("ipc://"):] if address.startswith("ipc://") else None
+    if path is not None and not listening(path, "address", address):  # no file, or one a killed core left
+        left = " (its socket file is there, left by a core that was killed)" if os.path.exists(path) else ""
+        raise _CoreUnreachable(f"no engine core listens at {address}{left}; start one with "
+                               f"`asyncllm engine MODEL --address {address}`")
+    if path is None and _refused(address):
+        raise _CoreUnreachable(f"no engine core listens at {address} (the connection was refused); start one with "
                                f"`asyncllm engine MODEL --address {address}`")
     return handshake(address, timeout_s, key, closed)
+
+
+def _refused(address: str) -> bool:
+    """Whether a tcp:// address's machine refuses a connection (nothing listens on the port): zmq would retry it
+    until the handshake's timeout. A silent machine, or an address that is no host:port, is left to the handshake."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _await_handshake(address: str, timeout_s: float, key: str | None, closed: Callable[[], bool]) -> protocol.Ready:

@@ -56,7 +56,7 @@ class EngineDrain:
 
     async def wait(self, busy: Callable[[], bool], alive: Callable[[], bool], timeout: float | None) -> None:
         """Refuse new requests; return once no call is open and the submitted ones are not `busy` (or no core is
-        `alive` to finish them), or after `timeout` seconds."""
+        `alive` to finish them, serving or being restarted), or after `timeout` seconds."""
         self.draining = True
         with anyio.move_on_after(timeout):
             while self.entered or busy():

@@ -130,6 +130,11 @@ class ReplicaSet:
     def any_alive(self) -> bool:
         return any(replica.alive for replica in self.replicas)
 
+    @property
+    def may_serve(self) -> bool:
+        """A replica serves, or its core is being restarted (its requests wait for it): what a drain waits on."""
+        return any(replica.alive or replica.supervisor.restarting for replica in self.replicas)
+
     async def pick(self, request_id: str | None, rank: int | None = None) -> Replica:
         """The replica for a new request: replica ``rank`` if given, else the least loaded live one (a request id
         still in flight: its replica, which refuses the duplicate). Waits for a core restart when no replica is
@@ -155,6 +160,7 @@ class ReplicaSet:
             raise InvalidRequestError("data_parallel_rank", f"a replica index below data_parallel_size="
                                                             f"{len(self.replicas)}, got {rank}")
         replica = self.replicas[rank]
+        replica.check_dead()
         if not replica.alive and replica.supervisor.restarting:
             await replica.supervisor.wait()
         if not replica.alive:
@@ -177,7 +183,10 @@ class ReplicaSet:
 
     async def wait_restart(self) -> None:
         """When no replica is alive but a core restarts: until its restart is done (bounded by the core's
-        startup timeout; it never raises, the replicas' state tells)."""
+        startup timeout; it never raises, the replicas' state tells). A core whose death the loop was not delivered
+        yet (a control call failed by it first) has its supervisor told here, so its restart is waited for."""
+        for replica in self.replicas:
+            replica.check_dead()
         if not self.any_alive:
             for replica in self.replicas:
                 if replica.supervisor.restarting:

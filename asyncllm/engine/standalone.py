@@ -42,21 +42,13 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     configure_child_logging("core")
     report_crashes()
     envs.check_at_start()
-    prepared = prepare(config, decodes_images=False)  # the model folder and max_model_len, as a host would
-    model_name = model_label(config.model)  # as given (a hub id, not its folder): what attached hosts label
-    auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
-    socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
-    if socket_path is not None:
-        _claim_socket(socket_path)
-    io = CoreIO(address)
+    term = signal.signal(signal.SIGTERM, _interrupt_load)  # while it loads, SIGTERM ends it as Ctrl-C does
     try:
-        core = EngineCore(config, io, prepared.hf_config_json, auto_fit, model_name)
+        core, io, socket_path = _load(config, address)
     except BaseException:
-        io.close()
-        if socket_path is not None:
-            remove_file(socket_path)
+        signal.signal(signal.SIGTERM, term)
         raise
-    previous = _install_stop_handlers(core)
+    previous = {**_install_stop_handlers(core), signal.SIGTERM: term}  # (no gap where SIGTERM kills it at once)
     try:
         if on_ready is not None:
             on_ready()
@@ -66,6 +58,32 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
             _stop(core, io, socket_path)
         finally:
             _restore(previous)
+
+
+def _load(config: EngineConfig, address: str) -> tuple[EngineCore, CoreIO, str | None]:
+    """Bind `address` and start the core (its model, its workers); what a failure (or Ctrl-C, or SIGTERM) left bound
+    is closed and its socket file removed."""
+    prepared = prepare(config, decodes_images=False)  # the model folder and max_model_len, as a host would
+    model_name = model_label(config.model)  # as given (a hub id, not its folder): what attached hosts label
+    auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
+    socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
+    if socket_path is not None:
+        _claim_socket(socket_path)
+    io = CoreIO(address)
+    try:
+        return EngineCore(config, io, prepared.hf_config_json, auto_fit, model_name), io, socket_path
+    except BaseException:
+        io.close()
+        if socket_path is not None:
+            remove_file(socket_path)
+        raise
+
+
+def _interrupt_load(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM before the core serves (a service stopped while the model loads): raised as Ctrl-C's
+    KeyboardInterrupt is, so that the start's cleanup runs (its workers stopped, its socket removed) where the
+    default action ended the process at once and left them (its socket file, the workers' folder and ring)."""
+    raise SystemExit(128 + signum)
 
 
 def _stop(core: EngineCore, io: CoreIO, socket_path: str | None) -> None:

@@ -10,8 +10,9 @@ core is attached to again), and requests submitted meanwhile wait for it.
 Restarts are bounded like worker restarts: `max_core_restarts` within
 `RESTART_WINDOW_S`; past that, or if a restart fails, the engine stays dead.
 
-The restart task is owned by the engine: `aclose` waits for it (a restart
-that was half done would otherwise leave a core process behind). A restart
+The restart task is owned by the engine: `aclose` cancels it and waits while it stops what it launched (a
+restart left half done would otherwise leave a core process behind; waited for to its end, it held the close, and
+the other replicas' streams, for as long as a model load). A restart
 cut off by its event loop's end (``asyncio.run`` returning cancels it; a loop
 closed with it pending never runs it again) is retried by the next loop's
 takeover, without taking another restart from the budget; so is the restart
@@ -43,6 +44,9 @@ class CoreSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._cut_off = False
         """The latest restart never finished (its loop ended): the next one is its retry, on the budget it took."""
+        self._handled: BaseException | None = None
+        """The death last acted on (restarted, or left dead past the budget): told again (every delivery of another
+        replica, every request's pick), it changes nothing and logs nothing."""
 
     @property
     def enabled(self) -> bool:
@@ -54,8 +58,9 @@ class CoreSupervisor:
 
     def on_core_dead(self, error: BaseException) -> None:
         """The processor reported the core dead (on the loop): start a restart if the budget allows."""
-        if not self.enabled or self.restarting:
-            return
+        if not self.enabled or self.restarting or (error is self._handled and not self._cut_off):
+            return  # a failed restart too: the engine stays dead (docs/reliability.md)
+        self._handled = error
         if self._cut_off:
             logger.warning("%s: its restart was cut off by the end of its event loop; restarting it again", self.name)
         elif self.budget.try_take():
@@ -84,6 +89,14 @@ class CoreSupervisor:
         """Until the restart in progress (if any) is done; never raises (the engine's state tells)."""
         task = self._task
         if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def cancel(self) -> None:
+        """The engine closes: the restart in progress (if any) is cancelled, which stops what it launched as a
+        cancelled start does (`replica.start_replica`), and waited for; never raises."""
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
             await asyncio.wait([task])
 
     async def _run(self) -> None:

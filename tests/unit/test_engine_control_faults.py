@@ -49,7 +49,7 @@ class _Engine(EngineControl):
 
 def _replica(processor: _Processor | None, restart=None) -> SimpleNamespace:
     """A replica as `ReplicaSet` reads it (``alive`` kept in step with ``processor`` by hand)."""
-    return SimpleNamespace(processor=processor, alive=processor is not None,
+    return SimpleNamespace(processor=processor, alive=processor is not None, check_dead=lambda: None,
                            supervisor=CoreSupervisor(1, restart or (lambda: asyncio.sleep(0))))
 
 

@@ -52,3 +52,35 @@ def test_a_file_that_is_not_a_socket_is_never_removed(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a socket"):
         _claim_socket(str(path))
     assert path.read_text() == "precious"
+
+
+def test_attaching_to_a_killed_cores_socket_file_fails_at_once(tmp_path: Path) -> None:
+    """`AsyncEngine.connect` to an address whose core was killed (its socket file left): refused at once, as when no
+    file is there, where the handshake waited ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S (600 s) for a core."""
+    import time
+
+    from asyncllm.engine.connect import prepare_attached
+    from asyncllm.errors import EngineDeadError
+
+    path = tmp_path / "core.sock"
+    _bound(path, listen=False).close()
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="no engine core listens .* left by a core that was killed"):
+        prepare_attached(None, f"ipc://{path}", timeout_s=5.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0
+
+
+def test_attaching_to_a_tcp_port_nobody_listens_on_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp://: a refused connection (no core on that port) is refused at once too, where zmq retried it for
+    ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S."""
+    import time
+
+    from asyncllm.engine.connect import prepare_attached
+    from asyncllm.errors import EngineDeadError
+    from asyncllm.procutil import free_tcp_port
+
+    monkeypatch.setenv("ASYNCLLM_ENGINE_KEY", "a shared secret for this test only")
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="no engine core listens .* connection was refused"):
+        prepare_attached(None, f"tcp://127.0.0.1:{free_tcp_port()}", timeout_s=5.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 1.0

@@ -96,3 +96,32 @@ def test_once_stopped_the_cli_ignores_a_repeat_during_the_interpreters_exit(monk
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_sigterm_while_the_model_loads_removes_the_socket(fake_core, monkeypatch, tmp_path) -> None:
+    """A service stopped while its core loads (systemd, ``docker stop``): the start's cleanup runs, as for Ctrl-C,
+    and the exit status is SIGTERM's; the default action ended the process at once, its socket file left behind
+    (and the workers' folder and ring)."""
+    import time
+
+    config, _ = fake_core
+
+    def loading(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the model loads: the signal's handler runs here
+        raise AssertionError("never loaded")
+
+    monkeypatch.setattr(standalone, "EngineCore", loading)
+    outside: list[int] = []
+
+    def default(signum: int, frame: object) -> None:  # the process's handler (SIG_DFL's would end the test run)
+        outside.append(signum)
+
+    before = signal.signal(signal.SIGTERM, default)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            standalone.run_standalone_core(config, f"ipc://{tmp_path}/e.sock")
+        assert signal.getsignal(signal.SIGTERM) is default
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert outside == [] and exit_info.value.code == 128 + signal.SIGTERM and not (tmp_path / "e.sock").exists()
