@@ -104,7 +104,7 @@ class ModelRunner(KVCacheSetup):
         if hf_config is None:  # no config from the host (a runner built directly): read it
             hf_config = served_hf_config(resolve_model_path(self.config.model, self.config.revision),
                                          self.config.hf_overrides, self.config.trust_remote_code)
-        dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
+        dtype = resolve_dtype(self.config.dtype, hf_config, self.device, self.config.runner == "pooling")
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)
         if self.config.load_format != "dummy":  # sentence-transformers Dense modules after pooling

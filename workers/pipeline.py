@@ -100,7 +100,7 @@ class PipelineModelRunner(ModelRunner):
         start, end = get_pp_indices(text_config.num_hidden_layers, stage.rank, stage.size,
                                     envs.PP_LAYER_PARTITION.get())
         stage = self.stage = dataclasses.replace(stage, start_layer=start, end_layer=end)
-        dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
+        dtype = resolve_dtype(self.config.dtype, hf_config, self.device, self.config.runner == "pooling")
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size, pipeline=stage)
         tp = self.tp_size
         prev_rank = None if stage.is_first else self.world_rank - tp

@@ -61,7 +61,8 @@ from asyncllm.models.fp8_checkpoint import (
 from asyncllm.models.int4_checkpoint import UnpackedWeight, attach_dequantized, attach_packed, unpack_columns
 from asyncllm.models.int4_experts import ct_format, finish_int4_experts, make_int4_expert_params
 from asyncllm.models.int8 import attach_int8_weight, quantize_int8_weight
-from asyncllm.models.layers import LoadedWeight, copy_weight, default_weight_loader, new_param, weight_narrow
+from asyncllm.models.layers import (LoadedWeight, check_whole_size, copy_weight, default_weight_loader, new_param,
+                                    weight_narrow)
 from asyncllm.models.linear import LinearBase, RowParallelLinear
 from asyncllm.models.quantization import (
     FP8_DTYPE,
@@ -98,15 +99,19 @@ def quantized_schemes(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
 def _load_output_rows(layer: LinearBase, unit: int, param: nn.Parameter, loaded: LoadedWeight,
                       shard_id: object = None) -> None:
     """A column-parallel layer: the checkpoint tensor's rows of this rank's output features (``unit`` of them per
-    row when packed along the output), into the shard's rows."""
+    row when packed along the output), into the shard's rows; the tensor's whole rows checked first (a larger one
+    would load cut short)."""
+    check_whole_size(loaded, 0, -(-layer._checkpoint_rows(shard_id) // unit))  # type: ignore[attr-defined]
     dst, src, length = layer._shard_rows(shard_id)  # type: ignore[attr-defined]
     copy_weight(param.data.narrow(0, dst // unit, length // unit), weight_narrow(loaded, 0, src // unit,
                                                                                  length // unit))
 
 
 def _load_input_columns(layer: RowParallelLinear, param: nn.Parameter, loaded: LoadedWeight) -> None:
-    """A row-parallel layer: this rank's columns (of input features, of their packs or of their groups)."""
+    """A row-parallel layer: this rank's columns (of input features, of their packs or of their groups), every
+    rank's together the whole checkpoint tensor's."""
     width = param.shape[1]
+    check_whole_size(loaded, 1, width * layer.tp.size)
     copy_weight(param.data, weight_narrow(loaded, 1, layer.tp.rank * width, width))
 
 

@@ -50,7 +50,7 @@ from asyncllm.models.fp8_experts import (
     whole_row_group,
 )
 from asyncllm.models.int8 import int8_scale, quantize_int8
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
+from asyncllm.models.layers import LoadedWeight, check_whole_size, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
@@ -149,7 +149,8 @@ def make_ct_w8a8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpoin
 def _load_scale(moe: FusedMoE, scheme: CompressedTensorsScheme, param: nn.Parameter, loaded: LoadedWeight,
                 shard_id: tuple[int, str]) -> None:
     """One expert matrix's ``weight_scale``: whole (tensor; the down's rows), or this rank's rows of the gate and
-    up (per row or block row), or the down's block columns."""
+    up (per row or block row), or the down's block columns (the whole tensor's rows or columns checked first: a
+    larger one would load cut short)."""
     expert, part = shard_id
     dst = param.data[expert - moe.expert_start]
     start = moe.intermediate_start
@@ -157,8 +158,10 @@ def _load_scale(moe: FusedMoE, scheme: CompressedTensorsScheme, param: nn.Parame
     if scheme.strategy == "tensor":
         copy_weight(dst, scalar_weight(loaded).reshape(1, 1))
     elif part != "down":
+        check_whole_size(loaded, 0, -(-moe.whole_intermediate // bn))
         copy_weight(dst, weight_narrow(loaded, 0, start // bn, dst.shape[0]))
     elif scheme.block is not None:
+        check_whole_size(loaded, 1, -(-moe.whole_intermediate // bk))
         copy_weight(dst, weight_narrow(loaded, 1, start // bk, dst.shape[1]))
     else:
         copy_weight(dst, loaded)

@@ -33,7 +33,7 @@ from torch import nn
 from asyncllm.errors import ConfigError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
+from asyncllm.models.layers import LoadedWeight, check_whole_size, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.linear import (
     LinearBase,
     RowParallelLinear,
@@ -134,14 +134,17 @@ def check_block_split(name: str, layer: LinearBase, block: tuple[int, int], labe
 # ---------------------------------------------------------------- the scales' loaders
 def _load_column_blocks(layer: LinearBase, block_rows: int, param: nn.Parameter, loaded: LoadedWeight,
                         shard_id: object = None) -> None:
-    """The checkpoint tensor's block rows of this rank's rows, into the shard's block rows."""
+    """The checkpoint tensor's block rows of this rank's rows, into the shard's block rows (the tensor's whole
+    block rows checked first: a larger one would load cut short)."""
+    check_whole_size(loaded, 0, -(-layer._checkpoint_rows(shard_id) // block_rows))  # type: ignore[attr-defined]
     dst, src, length = layer._shard_rows(shard_id)  # type: ignore[attr-defined]
     blocks = -(-length // block_rows)
     copy_weight(param.data.narrow(0, dst // block_rows, blocks), weight_narrow(loaded, 0, src // block_rows, blocks))
 
 
 def _load_row_blocks(layer: RowParallelLinear, block_cols: int, param: nn.Parameter, loaded: LoadedWeight) -> None:
-    """The checkpoint tensor's block columns of this rank's input columns."""
+    """The checkpoint tensor's block columns of this rank's input columns (its whole block columns checked first)."""
+    check_whole_size(loaded, 1, -(-layer.input_size_per_rank * layer.tp.size // block_cols))
     start = layer.tp.rank * layer.input_size_per_rank // block_cols
     copy_weight(param.data, weight_narrow(loaded, 1, start, param.shape[1]))
 

@@ -42,7 +42,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
 from asyncllm.models.fp8_checkpoint import DUMMY_INPUT_SCALE, quantize_fp8_blocks
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
+from asyncllm.models.layers import LoadedWeight, check_whole_size, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
@@ -137,10 +137,12 @@ def compute_in_fp8(moe: FusedMoE, block: tuple[int, int]) -> None:
 
 def _load_scales(moe: FusedMoE, block: tuple[int, int], param: nn.Parameter, loaded: LoadedWeight,
                  shard_id: tuple[int, str]) -> None:
-    """One expert's gate, up or down block scales: this rank's block rows (gate, up) or block columns (down)."""
+    """One expert's gate, up or down block scales: this rank's block rows (gate, up) or block columns (down), the
+    whole tensor's checked first (a larger one would load cut short)."""
     expert, part = shard_id
     (bn, bk), dst = block, param.data[expert - moe.expert_start]
     inter, start = moe.intermediate, moe.intermediate_start
+    check_whole_size(loaded, 1 if part == "down" else 0, -(-moe.whole_intermediate // (bk if part == "down" else bn)))
     if part == "down":
         copy_weight(dst, weight_narrow(loaded, 1, start // bk, dst.shape[1]))
     else:

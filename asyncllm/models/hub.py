@@ -37,6 +37,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                        weights: bool = True, load_format: str = "auto", trust_remote_code: bool = False) -> str:
     """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
     tokenizer files only, a `tokenizer_revision`'s snapshot; ``load_format`` 'pt': its pickles, not its safetensors;
+    'dummy': no weights at all, as with ``weights`` False;
     `trust_remote_code`: its ``*.py`` too, the configuration_*.py, tokenization_*.py its ``auto_map`` names).
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import); when it does not answer within
@@ -71,7 +72,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                                    local_files_only=offline or unreachable is not None)
         files = [*_TOKENIZER_PATTERNS, *(["*.py"] if trust_remote_code else [])]
         path = snapshot_download(model, **hub, allow_patterns=files)  # configs and the weights' index first
-        if not weights:
+        if not weights or load_format == "dummy":  # random weights: none downloaded (vLLM's "Nothing to download")
             return path
         if load_format == "pt":  # vLLM's *.pt, and pytorch_model*.bin (asyncllm/models/pt_checkpoint.py)
             return snapshot_download(model, **hub, allow_patterns=[*files, "*.bin", "*.pt"])
@@ -79,7 +80,10 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         path = snapshot_download(model, **hub, allow_patterns=[*files, *tensors])
         if uses_mistral_weights(path, load_format):  # Mistral's safetensors or nothing: no pickles to fall back to
             return path
-        pickles = dense_pickle_patterns(path) if glob.glob(os.path.join(path, "*.safetensors")) else ["*.bin", "*.pt"]
+        if glob.glob(os.path.join(path, "*.safetensors")) or load_format == "safetensors":  # no pickle fallback
+            pickles = dense_pickle_patterns(path)  # (with safetensors the loader names load_format)
+        else:
+            pickles = ["*.bin", "*.pt"]
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
             model, **hub, allow_patterns=[*files, *tensors, *pickles])
     except HFValidationError as exc:
@@ -87,11 +91,21 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     except LocalEntryNotFoundError as exc:
         why = ("offline mode is on (HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 or download it first" if offline
                else f"the hub could not be reached (network? {unreachable or exc}); download it first when online")
+        at = "" if revision is None else f" at revision {revision!r}"
         raise ConfigError("model", model, f"a local folder or a hub id in the Hugging Face cache: it is not a folder, "
-                                          f"not in the cache ({cache_dir}), and {why} "
-                                          f"(`huggingface-cli download {model}`)") from exc
+                                          f"not in the cache{at} ({cache_dir}), and {why} "
+                                          f"(`{_download_command(model, revision, download_dir)}`)") from exc
     except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
         raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def _download_command(model: str, revision: str | None, download_dir: str | None) -> str:
+    """The command that puts ``model`` where `resolve_model_path` looks: at ``revision``, in ``download_dir``."""
+    import shlex
+
+    words = ["huggingface-cli", "download", model, *(["--revision", revision] if revision is not None else []),
+             *(["--cache-dir", download_dir] if download_dir else [])]
+    return shlex.join(words)
 
 
 def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
@@ -112,12 +126,22 @@ def safetensors_patterns(path: str, load_format: str = "auto") -> list[str]:
 
 def index_names(path: str, index_name: str) -> list[str] | None:
     """The file names a checkpoint's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``)
-    maps its weights to, each once; None without one."""
+    maps its weights to, each once; None without one; `ConfigError` naming the index when it is not such a map
+    (broken JSON, no ``weight_map``)."""
     index_path = os.path.join(path, index_name)
     if not os.path.exists(index_path):
         return None
-    with open(index_path) as f:
-        return sorted(set(json.load(f)["weight_map"].values()))
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # broken JSON, no weight_map, not a mapping
+        raise ConfigError("model", index_path, f"a checkpoint index whose \"weight_map\" maps each weight to its "
+                                               f"file ({type(exc).__name__}: {exc}; download it again)") from exc
+    if not all(isinstance(name, str) and name for name in names):
+        raise ConfigError("model", index_path, "a checkpoint index whose \"weight_map\" maps each weight to its "
+                                               "file name")
+    return names
 
 
 def names_a_path(model: str) -> bool:

@@ -35,7 +35,8 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.quantized_layers import output_partitions, quantized_layers, shard_index
 from asyncllm.models.int4_config import Int4CheckpointConfig
-from asyncllm.models.layers import LoadedWeight, copy_weight, default_weight_loader, new_param, weight_narrow
+from asyncllm.models.layers import (LoadedWeight, check_whole_size, copy_weight, default_weight_loader, new_param,
+                                    weight_narrow)
 from asyncllm.models.linear import LinearBase, RowParallelLinear
 from asyncllm.models.quantization import disable_fused_decode
 
@@ -127,15 +128,19 @@ def _check_split(name: str, layer: LinearBase, cfg: Int4CheckpointConfig) -> Non
 def _load_columns(layer: LinearBase, dim: int, pack: int, param: nn.Parameter, loaded: LoadedWeight,
                   shard_id: object = None) -> None:
     """A column-parallel layer: the checkpoint tensor's columns of this rank's output features (``pack`` of them
-    per column when packed along the output), into the shard's columns."""
+    per column when packed along the output), into the shard's columns; one whose whole size is not the checkpoint
+    tensor's (a larger one would load cut short) is a ValueError."""
+    check_whole_size(loaded, dim, layer._checkpoint_rows(shard_id) // pack)  # type: ignore[attr-defined]
     dst, src, length = layer._shard_rows(shard_id)  # type: ignore[attr-defined]
     copy_weight(param.data.narrow(dim, dst // pack, length // pack), weight_narrow(loaded, dim, src // pack,
                                                                                   length // pack))
 
 
 def _load_rows(layer: RowParallelLinear, param: nn.Parameter, loaded: LoadedWeight) -> None:
-    """A row-parallel layer: this rank's rows (of input features, of packs of them, or of groups)."""
+    """A row-parallel layer: this rank's rows (of input features, of packs of them, or of groups), every rank's
+    together the whole checkpoint tensor's."""
     rows = param.shape[-1] if param.dim() == 1 else param.shape[0]
+    check_whole_size(loaded, 0, rows * layer.tp.size)
     copy_weight(param.data, weight_narrow(loaded, 0, layer.tp.rank * rows, rows))
 
 
@@ -143,6 +148,7 @@ def _load_g_idx(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, sh
     """``g_idx`` of one checkpoint tensor into its shard's row (they must agree: `_groups` checks)."""
     row = param.data[shard_index(layer, shard_id)]
     if isinstance(layer, RowParallelLinear):
+        check_whole_size(loaded, 0, row.shape[0] * layer.tp.size)
         loaded = weight_narrow(loaded, 0, layer.tp.rank * row.shape[0], row.shape[0])
     copy_weight(row, loaded)
 

@@ -31,7 +31,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.int4_checkpoint import UnpackedWeight, _awq_unpack, unpack_columns
 from asyncllm.models.int4_config import Int4CheckpointConfig
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, check_whole_size, copy_weight, new_param, weight_narrow
 from asyncllm.models.moe import FusedMoE
 
 __all__ = ["make_int4_expert_params", "finish_int4_experts", "draw_int4_experts", "ct_format",
@@ -144,35 +144,40 @@ def make_int4_expert_params(model: nn.Module, cfg: Int4CheckpointConfig) -> int:
 
 def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param: nn.Parameter,
           loaded: LoadedWeight, shard: tuple[int, str]) -> None:
-    """One expert's checkpoint tensor: this rank's columns (gate, up) or rows (down) of it."""
+    """One expert's checkpoint tensor: this rank's columns (gate, up) or rows (down) of it, the whole tensor's
+    checked first (a larger one would load cut short)."""
     expert = shard[0] - moe.expert_start
     start = moe.intermediate_start
     length, pack, group = moe.intermediate, cfg.pack_factor, cfg.group_size
     if cfg.method == "ct":
-        src = _ct_part(loaded, part, kind, start, length, pack, group)
+        src = _ct_part(loaded, part, kind, start, length, pack, group, moe.whole_intermediate)
     elif part == "down" and kind in ("qzeros", "scales") and _all_groups(moe, part, cfg):
         src = loaded  # act-order: every group's
     elif part == "down":  # split by input rows: qweight (GPTQ's by packs), zero points and scales by groups, g_idx
         rows = {"qweight": pack if cfg.method == "gptq" else 1, "g_idx": 1}.get(kind, group if group > 0 else length)
+        check_whole_size(loaded, 0, -(-moe.whole_intermediate // rows))
         src = weight_narrow(loaded, 0, start // rows, -(-length // rows))
     elif kind == "g_idx":
         src = loaded
     else:  # split by output columns: packed ones for AWQ's qweight and every qzeros
         columns = pack if kind == "qzeros" or (kind == "qweight" and cfg.method == "awq") else 1
+        check_whole_size(loaded, 1, -(-moe.whole_intermediate // columns))
         src = weight_narrow(loaded, 1, start // columns, length // columns)
     copy_weight(param.data[expert], src)
 
 
-def _ct_part(loaded: LoadedWeight, part: str, kind: str, start: int, length: int, pack: int, group: int
-             ) -> LoadedWeight:
+def _ct_part(loaded: LoadedWeight, part: str, kind: str, start: int, length: int, pack: int, group: int,
+             whole: int) -> LoadedWeight:
     """This rank's part of a compressed-tensors expert tensor (``[out, ...]``: the gate and up split by output rows,
-    the down by its input columns)."""
+    the down by its input columns; ``whole``: every rank's intermediate size, the tensor's checked first)."""
     if kind == "weight_shape":
         return loaded
     if part != "down":  # rows: zero points packed along them
         unit = pack if kind == "weight_zero_point" else 1
+        check_whole_size(loaded, 0, -(-whole // unit))
         return weight_narrow(loaded, 0, start // unit, length // unit)
     unit = pack if kind == "weight_packed" else group if group > 0 else length  # columns: packs, or groups
+    check_whole_size(loaded, 1, -(-whole // unit))
     return weight_narrow(loaded, 1, start // unit, -(-length // unit))
 
 

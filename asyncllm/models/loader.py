@@ -51,18 +51,42 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DUMMY_STD = 0.02
 
 
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """The model dtype. ``auto``: float32 on CPU; on GPU the checkpoint's half type, else bfloat16."""
+_FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
+"""vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS`` (numerical instability): ``auto`` never picks float16 for them."""
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device, pooling: bool = False) -> torch.dtype:
+    """The model dtype. ``auto``: float32 on CPU; on GPU as vLLM's: the checkpoint's half type (its config's dtype,
+    else its text, vision or encoder config's), a float32 or unknown one served in bfloat16, or float16 for a
+    ``pooling`` model (runner='pooling'); bfloat16 for the models float16 is unstable for (`_FLOAT16_UNSTABLE`:
+    Gemma 2 / 3, GLM-4, PLaMo 2), a float16 checkpoint of theirs too."""
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ConfigError("dtype", dtype, f"one of 'auto', {', '.join(map(repr, _DTYPES))}")
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32
-    ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(ckpt_dtype, str):
-        ckpt_dtype = _DTYPES.get(ckpt_dtype)
-    return ckpt_dtype if ckpt_dtype in _HALF_DTYPES else torch.bfloat16
+    ckpt_dtype = _checkpoint_dtype(hf_config)
+    unstable = getattr(hf_config, "model_type", None) in _FLOAT16_UNSTABLE
+    if ckpt_dtype not in _HALF_DTYPES:  # float32 (vLLM: "downcast for float32 models"), or none given
+        return torch.float16 if pooling and not unstable else torch.bfloat16
+    return torch.bfloat16 if ckpt_dtype == torch.float16 and unstable else ckpt_dtype
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    """The dtype config.json gives (``dtype`` or ``torch_dtype``): the outer config's, else its text, vision or
+    encoder config's (an image-text checkpoint may give it there only), as vLLM reads it; None without one."""
+    for config in (hf_config, *(getattr(hf_config, name, None) for name in ("text_config", "vision_config",
+                                                                             "encoder_config"))):
+        if config is None:
+            continue
+        # transformers 5's torch_dtype is a deprecated alias of dtype (read only from a config without dtype)
+        value = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
+        if isinstance(value, str):
+            value = _DTYPES.get(value)
+        if value is not None:
+            return value
+    return None
 
 
 def _has_encoder_modes(model_cls: type) -> bool:
@@ -228,18 +252,29 @@ def _pt_files(path: str, load_format: str = "auto") -> list[str]:
 
 def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
     """(name, lazy slice) for every tensor; a slice reads only the part that is indexed. PyTorch pickle files
-    (``.bin`` / ``.pt``) give whole tensors (memory-mapped where they can be)."""
-    from safetensors import safe_open
-
+    (``.bin`` / ``.pt``) give whole tensors (memory-mapped where they can be). A file that cannot be read (truncated,
+    corrupt): a `ConfigError` naming it."""
     from asyncllm.models.pt_checkpoint import iterate_pt
 
     for file in files:
         if not file.endswith(".safetensors"):
             yield from iterate_pt([file])
             continue
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
+
+
+def _open_safetensors(file: str) -> Any:
+    """``safe_open`` of ``file``; a file it cannot read (truncated by an interrupted download, not safetensors) a
+    `ConfigError` naming that file, not safetensors' bare ``SafetensorError`` ("incomplete metadata")."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError("model", file, f"a readable safetensors file ({type(exc).__name__}: {exc}; a truncated or "
+                                         "corrupt download: download it again)") from exc
 
 
 def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",

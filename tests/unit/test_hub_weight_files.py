@@ -75,3 +75,39 @@ def test_load_format_mistral_fetches_consolidated_files_and_never_pickles(fake_h
     shutil.copy(repo / "model.safetensors", repo / "consolidated.safetensors")
     resolve_model_path("some-org/no-consolidated", load_format="mistral")
     assert _fetched(snapshot) == {"consolidated.safetensors"}
+
+
+def test_load_format_dummy_fetches_no_weights(fake_hub) -> None:
+    """vLLM's dummy loader downloads nothing: a hub id's configs and tokenizer come, not its safetensors or
+    pickles (a 70B model benchmarked with random weights would otherwise download all of them first)."""
+    import torch
+
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.prepare import prepare
+
+    repo, snapshot = fake_hub
+    torch.save({}, repo / "pytorch_model.bin")
+    prepared = prepare(EngineConfig.create("some-org/benchmarked", load_format="dummy"))
+    assert prepared.config.model == str(snapshot) and prepared.tokenizer is not None
+    assert _fetched(snapshot) == set() and not list(snapshot.glob("*.bin"))
+    assert (snapshot / "config.json").is_file() and (snapshot / "tokenizer.json").is_file()
+
+
+def test_load_format_safetensors_never_fetches_the_pickles_auto_falls_back_to(fake_hub) -> None:
+    """A repo of pickles only: with load_format='safetensors' (vLLM's ``*.safetensors`` patterns) none of its
+    ``*.bin`` come (the loader then names load_format); auto fetches them."""
+    import torch
+
+    from asyncllm.config import EngineConfig
+    from asyncllm.errors import ConfigError
+    from asyncllm.models.loader import checkpoint_files
+
+    repo, snapshot = fake_hub
+    (repo / "model.safetensors").unlink()
+    torch.save({}, repo / "pytorch_model.bin")
+    path = resolve_model_path("some-org/pickled", load_format="safetensors")
+    assert not list(snapshot.glob("*.bin")) and (snapshot / "config.json").is_file()
+    with pytest.raises(ConfigError, match="load_format"):
+        checkpoint_files(path, EngineConfig.create(path, load_format="safetensors").load_format)
+    resolve_model_path("some-org/pickled")
+    assert [p.name for p in snapshot.glob("*.bin")] == ["pytorch_model.bin"]

@@ -59,6 +59,26 @@ def test_sharded_checkpoint_with_index(tmp_path):
     torch.testing.assert_close(_logits(model, load_hf_config(str(tmp_path)), tokens), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("index", ["{", "{}", '{"weight_map": []}'], ids=["broken-json", "no-map", "not-a-map"])
+def test_a_broken_index_is_a_config_error_naming_it(tmp_path, index):
+    save_tiny_checkpoint(tmp_path, "qwen3", max_shard_size="40KB")
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ConfigError, match=r"model\.safetensors\.index\.json.*weight_map") as info:
+        _load(tmp_path)
+    assert info.value.field == "model"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_an_unreadable_shard_is_a_config_error_naming_it(tmp_path, damage):
+    """An interrupted download's shard: its name, not safetensors' bare "incomplete metadata"."""
+    save_tiny_checkpoint(tmp_path, "qwen3", max_shard_size="40KB")
+    shard = tmp_path / "model-00002-of-00014.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"not safetensors")
+    with pytest.raises(ConfigError, match=r"model-00002-of-00014\.safetensors.*a readable safetensors file"):
+        _load(tmp_path)
+
+
 def test_dummy_weights_real_shapes_deterministic(tmp_path, llama_dir):
     tiny_hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)  # config only
     real = dict(_load(llama_dir).named_parameters())
@@ -261,6 +281,22 @@ def test_download_dir_is_the_cache_a_hub_id_is_read_from(tmp_path, monkeypatch):
         EngineConfig.create("m", download_dir="")
 
 
+def test_an_uncached_revision_names_it_and_the_command_that_fetches_it(tmp_path, monkeypatch):
+    """The repo cached at main but not at the revision asked, offline: the error names the revision, and the
+    command it suggests downloads that revision into ``download_dir`` (not main into huggingface_hub's default)."""
+    repo = tmp_path / "models--tiny-org--tiny-llama"
+    shutil.copytree(tiny_checkpoint("llama"), repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert Path(resolve_model_path("tiny-org/tiny-llama", None, str(tmp_path))).name == "a" * 40
+    with pytest.raises(ConfigError) as info:
+        resolve_model_path("tiny-org/tiny-llama", "v2", str(tmp_path))
+    message = str(info.value)
+    assert "not in the cache at revision 'v2'" in message
+    assert f"`huggingface-cli download tiny-org/tiny-llama --revision v2 --cache-dir {tmp_path}`" in message
+
+
 def test_tokenizer_revision_without_tokenizer_reads_the_model_repo_at_it(tmp_path, monkeypatch):
     """vLLM's ``tokenizer_revision`` with no ``tokenizer``: the model repo's tokenizer at that revision (its
     snapshot without weights), the model at its own; a local model has no revisions (a ConfigError)."""
@@ -304,6 +340,27 @@ def test_resolve_dtype(dtype, ckpt_dtype, device, expected):
     config = tiny_hf_config("llama")
     config.dtype = ckpt_dtype
     assert resolve_dtype(dtype, config, torch.device(device)) is expected
+
+
+@pytest.mark.parametrize(("model_type", "outer", "text", "pooling", "expected"), [
+    ("llama", "float32", None, True, torch.float16),  # vLLM prefers float16 for a pooling model's float32 weights
+    ("llama", None, None, True, torch.float16),
+    ("llama", "bfloat16", None, True, torch.bfloat16),  # a half type is kept
+    ("gemma2", "float16", None, False, torch.bfloat16),  # float16 unstable for Gemma 2 / 3, GLM-4 (vLLM's list)
+    ("gemma3_text", "float32", None, True, torch.bfloat16),  # EmbeddingGemma: not float16 either
+    ("glm4", "float16", None, False, torch.bfloat16),
+    ("llava", None, "float16", False, torch.float16),  # an image-text config giving it in text_config only
+    ("llava", "bfloat16", "float16", False, torch.bfloat16),  # the outer one first
+])
+def test_auto_dtype_on_gpu_follows_vllm(model_type, outer, text, pooling, expected):
+    """vLLM's ``_get_and_verify_dtype``: the config's dtype, else its text config's; float32 (or none) downcast to
+    float16 for pooling models, bfloat16 otherwise; never float16 for the models it is unstable for."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model_type=model_type, dtype=outer,
+                             text_config=SimpleNamespace(dtype=text) if text is not None else None)
+    assert resolve_dtype("auto", config, torch.device("cuda"), pooling=pooling) is expected
+    assert resolve_dtype("auto", config, CPU, pooling=pooling) is torch.float32  # CPU: float32 always
 
 
 def test_kv_cache_spec_and_tp_checks():
