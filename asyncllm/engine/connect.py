@@ -50,11 +50,20 @@ def check_address(address: object, key: str | None = None) -> str:
     if not isinstance(address, str):
         raise ConfigError("address", address, "an 'ipc:///path/to/socket' or 'tcp://host:port' string")
     if address.startswith("tcp://"):
+        _check_tcp_port(address)
         resolve_key(address, key)
         return address
     if not address.startswith("ipc://") or len(address) <= len("ipc://"):
         raise ConfigError("address", address, "an 'ipc:///path/to/socket' or 'tcp://host:port' address")
     return address
+
+
+def _check_tcp_port(address: str) -> None:
+    """``tcp://HOST:PORT`` with a host and a port from 1 to 65535 (zmq wraps a larger one round: the core would serve
+    at another port than the one it announces)."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError("address", address, "'tcp://host:port' with a port from 1 to 65535")
 
 
 def handshake(address: str, timeout_s: float, key: str | None = None,

@@ -192,3 +192,13 @@ def test_openai_server_binds_localhost_and_limits_requests_by_default() -> None:
     args = _parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"
     assert args.max_body_bytes == 64 << 20 and args.max_n == 128 and args.max_prompts == 2048
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1",
+                                     "tcp://:5555", "tcp://127.0.0.1:x", "tcp://127.0.0.1:*"])
+def test_a_tcp_address_needs_a_host_and_a_port_zmq_serves_as_given(address: str, monkeypatch) -> None:
+    """zmq wraps a port past 65535 round (99999 served at 34463, while the core announced 99999): refused."""
+    monkeypatch.setenv("ASYNCLLM_ENGINE_KEY", KEY)
+    with pytest.raises(ConfigError, match="port from 1 to 65535"):
+        check_address(address)
+    assert check_address("tcp://[::1]:65535") == "tcp://[::1]:65535"
