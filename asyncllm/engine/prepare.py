@@ -152,7 +152,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
             config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
-            multimodal, arch, config.download_dir))
+            multimodal, arch, config.download_dir, config.load_format))
     if config.enable_expert_parallel and base_architecture(arch) not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None

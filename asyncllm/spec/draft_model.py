@@ -43,10 +43,11 @@ class DraftModelProposer:
 
 def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config: Any, tensor_parallel_size: int,
                         max_model_len: int, multimodal: bool, arch: str | None = None,
-                        download_dir: str | None = None) -> dict:
+                        download_dir: str | None = None, load_format: str = "auto") -> dict:
     """Check the draft checkpoint against the target (``target_config``: its text config; ``arch``: the
-    checkpoint's architecture, default the config's; ``download_dir``: the engine's hub cache); returns
-    ``speculative_config`` with the draft's folder."""
+    checkpoint's architecture, default the config's; ``download_dir``: the engine's hub cache; ``load_format``: the
+    engine's, which the draft is loaded with: a hub id's files fetched as for the target, none of its weights for
+    'dummy'); returns ``speculative_config`` with the draft's folder."""
     from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of, max_positions
     from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
     from asyncllm.models.eagle_targets import check_multimodal_target
@@ -65,7 +66,8 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
                                                    "the target's sharded embeddings and hidden states: the target's size)")
     from asyncllm.models.eagle import load_head_config, speculators_kind
 
-    path = resolve_model_path(spec.model, spec.revision, download_dir)  # type: ignore[arg-type]
+    path = resolve_model_path(spec.model, spec.revision, download_dir,  # type: ignore[arg-type]
+                              load_format=load_format)
     method = spec.method
     if method == "draft_model" and "method" not in spec_dict and speculators_kind(path) == "eagle3":
         method = "eagle3"  # vLLM reads the method from the head

@@ -111,3 +111,16 @@ def test_load_format_safetensors_never_fetches_the_pickles_auto_falls_back_to(fa
         checkpoint_files(path, EngineConfig.create(path, load_format="safetensors").load_format)
     resolve_model_path("some-org/pickled")
     assert [p.name for p in snapshot.glob("*.bin")] == ["pytorch_model.bin"]
+
+
+def test_load_format_dummy_fetches_no_draft_weights_either(fake_hub) -> None:
+    """A dummy engine's draft model is loaded with random weights too (the engine's load_format): its hub id's
+    configs come, none of its safetensors (until 2026-12-07 every draft weight was downloaded first)."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.prepare import prepare
+
+    _, snapshot = fake_hub
+    spec = {"model": "some-org/draft", "num_speculative_tokens": 2}
+    prepared = prepare(EngineConfig.create(tiny_checkpoint("llama"), load_format="dummy", speculative_config=spec))
+    assert prepared.config.speculative_config["model"] == str(snapshot)
+    assert _fetched(snapshot) == set() and (snapshot / "config.json").is_file()
