@@ -38,6 +38,7 @@ FINAL_START = CHANNEL + "final" + MESSAGE
 """The final channel's header with nothing between: a constraint starts after `GptOssReasoningParser`'s end_tag and
 end_suffix, which allow tokens between (``<|constrain|>json``)."""
 _ENDS = (END, RETURN, CALL)
+_LONGEST_MARKER = max(len(marker) for marker in (START, MESSAGE, *_ENDS))
 _FIRST_OPENERS = (CHANNEL, " to=")
 """What may open the reply's first message, whose ``<|start|>assistant`` is in the prompt."""
 _FUNCTIONS = "functions."
@@ -72,6 +73,7 @@ class HarmonyScanner:
     def __init__(self) -> None:
         self._buffer = ""
         self._state = "first"  # first (the reply's start), outside, header, body
+        self._searched = 0  # in a header: where the next search for a marker starts (the text before holds none)
 
     def feed(self, text: str) -> list[Event]:
         self._buffer += text
@@ -125,9 +127,11 @@ class HarmonyScanner:
     def _read_header(self, events: list[Event]) -> bool:
         """The header up to ``<|message|>``; a ``<|start|>`` or an end marker before it: not a header (text)."""
         skip = len(START) if self._buffer.startswith(START) else 0
-        marker, pos = _earliest(self._buffer, (MESSAGE, START, *_ENDS), skip)
-        if marker is None:
+        marker, pos = _earliest(self._buffer, (MESSAGE, START, *_ENDS), max(skip, self._searched))
+        if marker is None:  # the next search starts where a marker may still end in the next text: linear time
+            self._searched = max(0, len(self._buffer) - _LONGEST_MARKER + 1)
             return False
+        self._searched = 0
         if marker == START:  # a new message begins: the broken header was text
             events.append(("text", self._buffer[:pos]))
             self._buffer = self._buffer[pos:]

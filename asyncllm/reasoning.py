@@ -70,6 +70,7 @@ class ReasoningStream:
         self._thinking: bool | None = False if answering else None
         """None until the reply's first characters show whether it opens ``<think>``."""
         self._buffer = ""
+        self._blank = False  # undecided, and only whitespace has come (more of it is read once: linear time)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content this delta releases."""
@@ -77,8 +78,11 @@ class ReasoningStream:
             return "", self._answer(text)
         self._buffer += text
         if self._thinking is None:
+            if self._blank and text.isspace():
+                return "", ""
             head = self._buffer.lstrip()
             if len(head) < len(self._open) and self._open.startswith(head):
+                self._blank = not head
                 return "", ""  # whitespace, or the opening tag's first characters: wait
             self._thinking = head.startswith(self._open) or self._opened_by_prompt
             if head.startswith(self._open):
@@ -200,14 +204,25 @@ class Qwen3ReasoningStream(ReasoningStream):
     CALL = "<tool_call>"
     _FUNCTION = re.compile(r"\s*<function[\s=]")
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._spaced = 0
+        """While a held ``<tool_call>`` starts the buffer: how much of it is that tag and whitespace (read once)."""
+
     def _thinking_end(self) -> tuple[int, int]:
+        if self._spaced and self._buffer[self._spaced:].isspace():  # more whitespace after the held tag: still wait
+            self._spaced = len(self._buffer)
+            return -1, len(self._buffer)
+        self._spaced = 0
         end, after = super()._thinking_end()
         start = 0
         while (call := self._buffer.find(self.CALL, start)) >= 0 and (end < 0 or call < end):
             rest = self._buffer[call + len(self.CALL):]
             if self._FUNCTION.match(rest):
                 return call, call
-            if "<function".startswith(rest.lstrip()):  # what follows may still open the function: wait
+            head = rest.lstrip()
+            if "<function".startswith(head):  # what follows may still open the function: wait (held from the tag)
+                self._spaced = 0 if head else len(self._buffer) - call
                 return -1, len(self._buffer) - call
             start = call + 1
         return (end, after) if end >= 0 else (-1, max(after, partial_tag_suffix(self._buffer, self.CALL)))

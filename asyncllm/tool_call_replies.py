@@ -83,6 +83,7 @@ class _CallsReplyStream(ToolCallDeltaStream):
         self._held: list[ReplyPart] = []  # without stream_arguments: the calls, until the reply's end
         self._index = 0  # whole calls read
         self._trailing_space = False  # past whitespace that only the reply's end may follow
+        self._blank = False  # undecided, and only whitespace has come (more of it is read once: linear time)
 
     def feed(self, text: str) -> list[ReplyPart]:
         if self._mode == "content":
@@ -91,6 +92,8 @@ class _CallsReplyStream(ToolCallDeltaStream):
         if self._mode is not None:
             self._pending += text
             return self._read() if self._mode == "calls" else []
+        if self._blank and text.isspace():
+            return []
         return self._content_first() if self.CONTENT_FIRST else self._decide()
 
     def finish(self) -> list[ReplyPart]:
@@ -119,6 +122,7 @@ class _CallsReplyStream(ToolCallDeltaStream):
         text = "".join(self._text)
         head = text.lstrip()
         if not head or any(opener.startswith(head) for opener in self.OPENERS):
+            self._blank = not head
             return []  # whitespace, or an opener's first characters
         opener = next((opener for opener in self.OPENERS if head.startswith(opener)), None)
         if opener is None:

@@ -64,10 +64,12 @@ _STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 
 
 def parameter_types(functions: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """Function name -> parameter name -> its JSON-schema ``type`` (the first of a list)."""
+    """Function name -> parameter name -> its JSON-schema ``type`` (the first of a list); ``properties`` that is no
+    object names no parameter (every value a string)."""
     types: dict[str, dict[str, str]] = {}
     for name, function in functions.items():
-        properties = (function.get("parameters") or {}).get("properties") or {}
+        properties = (function.get("parameters") or {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         types[name] = {}
         for key, schema in properties.items():
             kind = schema.get("type", "string") if isinstance(schema, dict) else "string"

@@ -144,7 +144,7 @@ def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None
     fields: dict[str, Any] = {
         "model": req.model, "messages": input_messages(items, req.instructions),
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
+        "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
         **{name: getattr(req, name) for name in _PASSED_THROUGH},
     }
@@ -165,7 +165,11 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
     return out
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
+    """The choice as chat's; ``"auto"`` without tools is the Responses API's default (no tool calling), as OpenAI's
+    and vLLM's, where chat refuses it."""
+    if choice == "auto" and not tools:
+        return None
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
     return choice

@@ -273,3 +273,27 @@ def test_every_reasoning_stream_gives_parts_and_harmony_keeps_its_messages_apart
     joined, apart = (get_reasoning_parser("openai_gptoss").stream(apart=a) for a in (False, True))
     assert joined.feed_parts(text) + joined.finish_parts() == [("reasoning", "x\ny", False)]
     assert apart.feed_parts(text) + apart.finish_parts() == [("reasoning", "x", True), ("reasoning", "y", True)]
+
+
+def test_a_long_header_is_searched_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header that never reaches its ``<|message|>`` (a model looping inside one) is searched for its markers once
+    per piece's new text, not again from its start at every piece (quadratic time on the server's event loop)."""
+    from asyncllm import harmony
+
+    searched = [0]
+    earliest = harmony._earliest
+
+    def counted(text: str, markers: tuple[str, ...], skip: int = 0) -> tuple[str | None, int]:
+        searched[0] += len(text) - skip
+        return earliest(text, markers, skip)
+
+    monkeypatch.setattr(harmony, "_earliest", counted)
+    pieces = 3000
+    reply = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis" + " x" * pieces + \
+        "<|message|>b<|end|>"
+    stream, parts = get_reasoning_parser("openai_gptoss").stream(), []
+    for start in range(0, len(reply), 3):
+        parts.append(stream.feed(reply[start:start + 3]))
+    parts.append(stream.finish())
+    assert "".join(p[0] for p in parts) == "a\nb"
+    assert searched[0] < 50 * pieces

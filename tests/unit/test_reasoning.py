@@ -270,3 +270,50 @@ def test_qwen3_thinking_ends_at_a_call_made_inside_it() -> None:
     deltas = [d for i in range(0, len(call) + 8, 3) for d in reply.feed(f"Call f.\n{call}"[i:i + 3])]
     message = merge_deltas(deltas + reply.finish("stop")[0], tools=True)
     assert message["reasoning"] == "Call f.\n" and message["tool_calls"][0]["function"]["arguments"] == '{"x": "1"}'
+
+
+def test_qwen3_reads_whitespace_after_a_tool_call_tag_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``<tool_call>`` in the thinking is held while only whitespace follows it (a ``<function`` may still come);
+    each piece of that whitespace is read once, not the whole held text again (a model looping on whitespace there
+    cost the event loop 7 s of CPU over 32k tokens: quadratic time)."""
+    from asyncllm import reasoning
+
+    read = [0]
+    pattern = reasoning.Qwen3ReasoningStream._FUNCTION
+
+    class Counted:
+        def match(self, text: str) -> object:
+            read[0] += len(text)
+            return pattern.match(text)
+
+    monkeypatch.setattr(reasoning.Qwen3ReasoningStream, "_FUNCTION", Counted())
+    stream, out, pieces = get_reasoning_parser("qwen3").stream(), [], 3000
+    for text in ["I may call <tool_call>", *["  "] * pieces, "\n<function=f>", "</think>"]:
+        out.append(stream.feed(text))
+    out.append(stream.finish())
+    reasoning_text, content = ("".join(part[i] for part in out) for i in (0, 1))
+    assert reasoning_text == "I may call " and content == "<tool_call>" + "  " * pieces + "\n<function=f></think>"
+    assert read[0] < 20 * pieces
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "glm45", "hunyuan_a13b"])
+def test_leading_whitespace_is_read_once(name: str) -> None:
+    """While only whitespace has come, a reply is not yet known to open ``<think>``: each new piece of that
+    whitespace is read once, not the whole held text again (quadratic time on the event loop)."""
+    read = [0]
+
+    class Counted(str):  # the stream's buffer, counting the characters stripped from it
+        def __add__(self, other: str) -> "Counted":
+            return Counted(str(self) + other)
+
+        def lstrip(self, chars: str | None = None) -> str:
+            read[0] += len(self)
+            return str.lstrip(self, chars)
+
+    parser, pieces = get_reasoning_parser(name), 3000
+    stream = parser.stream()
+    stream._buffer = Counted()
+    out = [stream.feed(text) for text in ["\n", *["  "] * pieces, f"{parser.start_tag}a{stream._close}b"]]
+    out.append(stream.finish())
+    assert ("".join(part[0] for part in out), "".join(part[1] for part in out)) == ("a", "b")
+    assert read[0] < 20 * pieces

@@ -423,3 +423,27 @@ def test_whitespace_around_calls_is_the_same_whole_and_streamed(parser: str, bef
     streamed = merge_deltas(_streamed(list(text), parser=parser)[0], tools=True)
     assert whole["content"] == streamed["content"] == (before or None)
     assert len(whole["tool_calls"]) == len(streamed["tool_calls"]) == 2
+
+
+def test_leading_whitespace_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``granite``'s reply is calls only when it opens with its tag after any whitespace: while only whitespace has
+    come, each new piece of it is read once, not the whole reply again (a reply looping on whitespace cost the event
+    loop seconds: quadratic time)."""
+    from asyncllm import tool_call_replies
+
+    read = [0]
+    decide = tool_call_replies._CallsReplyStream._decide
+
+    def counted(stream: tool_call_replies._CallsReplyStream) -> list:
+        read[0] += sum(map(len, stream._text))
+        return decide(stream)
+
+    monkeypatch.setattr(tool_call_replies._CallsReplyStream, "_decide", counted)
+    pieces, stream, parts = 3000, get_tool_parser("granite").delta_stream(), []
+    for text in ["\n", *[" \n"] * pieces, '<|tool_call|>[{"name": "f", "arguments": {"a": 1}}]']:
+        parts += stream.feed(text)
+    parts += stream.finish()
+    calls = [p for p in parts if isinstance(p, ToolCallDelta)]
+    assert not [p for p in parts if isinstance(p, str)] and calls[0].name == "f"
+    assert "".join(c.arguments for c in calls) == '{"a": 1}'
+    assert read[0] < 20 * pieces

@@ -141,3 +141,23 @@ def test_qwen3_coder_numbers_and_booleans_as_vllm_types_them() -> None:
     assert [typed_value(text, "boolean") for text in ("true", "TRUE", "false", "yes", "1")] == [
         True, True, False, False, False]  # anything but true is false, as vLLM's
     assert typed_value("7", "unsigned") == 7
+
+
+@pytest.mark.parametrize("properties", [["city"], "city", 5, True])
+@pytest.mark.parametrize("parser_name", ["qwen3_coder", "seed_oss", "glm45", "minimax_m2"])
+def test_a_schema_whose_properties_are_no_object_types_nothing(parser_name: str, properties: object) -> None:
+    """A tool's ``parameters`` with ``properties`` that is no object (a client's mistake that only a constraint would
+    refuse) names no parameter: every value is a string, where reading the tools raised (a 500 for ``"auto"``)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                            "properties": properties}}}]
+    mode = tool_mode(tools, "auto", None, get_tool_parser(parser_name))
+    reply = {"qwen3_coder": "<tool_call>\n<function=f>\n<parameter=city>\n1\n</parameter>\n</function>\n</tool_call>",
+             "seed_oss": "<seed:tool_call>\n<function=f>\n<parameter=city>\n1\n</parameter>\n</function>\n"
+                         "</seed:tool_call>",
+             "glm45": "<tool_call>f\n<arg_key>city</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+             "minimax_m2": '<minimax:tool_call>\n<invoke name="f">\n<parameter name="city">1</parameter>\n</invoke>\n'
+                           "</minimax:tool_call>"}[parser_name]
+    chat = ChatReply(mode, stream_arguments=False)
+    message = merge_deltas(chat.feed(reply) + chat.finish("stop")[0], tools=True)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("f", '{"city": "1"}')]
