@@ -333,17 +333,21 @@ def chat_role(req: ChatCompletionRequest, response_role: str = "assistant") -> s
     return req.messages[-1].get("role") or response_role
 
 
-def chat_echo(req: ChatCompletionRequest, response_role: str = "assistant") -> str:
+def chat_echo(req: ChatCompletionRequest, response_role: str = "assistant",
+              messages: list[dict[str, Any]] | None = None) -> str:
     """vLLM's chat ``echo``: the last message's text when its role is the reply's (`chat_role`), which the reply
-    continues; "" otherwise."""
+    continues; "" otherwise. `messages`: the request's as the prompt reads them (`openai_messages.chat_messages`:
+    every part vLLM reads as text, a bare string, ``input_text``, ``refusal``, ..., a text part, one whose text is
+    null dropped); by default the request's own, whose text parts alone count."""
     if not req.echo or not req.messages:
         return ""
-    last = req.messages[-1]
+    last = (messages or req.messages)[-1]
     if last.get("role") != chat_role(req, response_role):
         return ""
     content = last.get("content") or ""
     if isinstance(content, list):  # parts: their texts, a line apart (as vLLM joins them)
-        return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
+        return "\n".join(part["text"] for part in content
+                         if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))
     return content if isinstance(content, str) else ""
 
 

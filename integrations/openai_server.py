@@ -335,7 +335,8 @@ class OpenAIServer:
                           token_ids_as_text=self.ids_as_text(req),
                           num_prompt_logprobs=req.prompt_logprobs,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
-                          chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
+                          chat_echo=chat_echo(req, self.response_role, messages),
+                          chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or responses,
                           reasoning_end=self.reasoning_end(), thinking_off=thinking_off, counts_reasoning=responses,
                           message_starts=responses)

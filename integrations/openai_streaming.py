@@ -10,6 +10,7 @@ here too.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.integrations.errors import error_body
+from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_http import EventStream, json_response
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, response_id
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
 
 __all__ = ["respond", "count_prompts", "response_events", "usage_mode", "chunk_usage", "ChunkEncoder"]
+
+logger = logging.getLogger("asyncllm.integrations.openai")
 
 Echoed = list[tuple[int, dict[str, Any] | None, str]]
 """Completions' echo when streaming: one (choice index, prompt logprobs, prompt text) per choice."""
@@ -204,6 +207,11 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
         yield sse_event(error_body(exc)[1])
     except ClientDisconnected:
         return
+    except Exception as exc:  # noqa: BLE001 - a bug: the 500 `guard` answers before the stream, as an event (vLLM's)
+        logger.exception("unexpected error in a stream of %s", request.url.path)
+        for stream in streams:  # its requests end with it (an error in this loop leaves `merge_streams` open)
+            await stream.aclose()
+        yield sse_event(error_body(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))[1])
     yield b"data: [DONE]\n\n"
 
 

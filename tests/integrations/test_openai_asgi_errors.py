@@ -127,3 +127,48 @@ async def test_health_and_metrics_of_a_dead_engine() -> None:
         metrics = await client.get("/metrics")
     assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
     assert metrics.status_code == 404
+
+
+class _BreaksMidStream(_FailingEngine):
+    """An engine whose streams hand out one delta, then fail with an error that is no asyncllm error (a bug)."""
+
+    closed = 0
+
+    def stream(self, prompt, params, **options):
+        return self._Broken(self.error)
+
+    chat = stream
+
+    class _Broken(_FailingEngine._Stream):
+        def __init__(self, error: Exception) -> None:
+            super().__init__(error)
+            self.sent = False
+
+        async def __anext__(self):
+            from asyncllm.outputs import StreamDelta
+
+            if not self.sent:
+                self.sent = True
+                return StreamDelta(0, "Hello", [1])
+            raise self.error
+
+        async def aclose(self) -> None:
+            _BreaksMidStream.closed += 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_an_unexpected_error_mid_stream_is_an_error_event(path, caplog) -> None:
+    """As vLLM's stream generators (and a 500 before the stream starts: `guard`): the stream ends with an OpenAI error
+    event and ``[DONE]``, not a connection dropped mid-body (clients saw an incomplete chunked read, no message)."""
+    from asgi_helpers import sse_events
+
+    app = create_app(_BreaksMidStream(RuntimeError("boom")), model_name="fake", manage_engine=False)
+    body = {"model": "fake", "stream": True,
+            **({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})}
+    async with asgi_client(app) as client:
+        response = await client.post(path, json=body)
+    events = sse_events(response.text)
+    assert response.status_code == 200 and "Hello" in response.text
+    assert events[-1] == {"error": {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
+                                    "code": None}}
+    assert "unexpected error in a stream of " + path in caplog.text and _BreaksMidStream.closed >= 1

@@ -371,6 +371,26 @@ async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
     assert chat_echo(decode_request(json.dumps({**parts, "echo": False}).encode(), ChatCompletionRequest)) == ""
 
 
+async def test_chat_echo_reads_the_parts_the_prompt_reads(app) -> None:
+    """vLLM echoes the last message as its parsed conversation has it: every part it reads as text (bare strings,
+    ``input_text``, ``output_text``, ``refusal``, ``thinking``) joined by a newline, a text part whose text is null
+    dropped. Those parts were left out of the echo, and a null text was a 500 (TypeError in the join)."""
+    partial = {**GREEDY, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
+    last = [{"type": "text", "text": None}, "Sure", {"type": "input_text", "text": "let"},
+            {"type": "output_text", "text": "me"}, {"type": "refusal", "refusal": "not"}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": last}]
+    async with asgi_client(app) as client:
+        plain = (await client.post("/v1/chat/completions", json={**partial, "messages": messages})).json()
+        whole = await client.post("/v1/chat/completions", json={**partial, "messages": messages, "echo": True})
+        streamed = await client.post("/v1/chat/completions", json={**partial, "messages": messages, "echo": True,
+                                                                   "stream": True})
+    assert whole.status_code == 200, whole.text
+    reply = plain["choices"][0]["message"]["content"]
+    assert whole.json()["choices"][0]["message"]["content"] == "Sure\nlet\nme\nnot" + reply
+    chunks = sse_events(streamed.text)
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Sure\nlet\nme\nnot"}
+
+
 async def test_reply_role_is_the_last_messages_without_a_generation_prompt(app) -> None:
     """vLLM's get_chat_request_role: with add_generation_prompt false the reply continues the last message's turn
     and takes its role, in the message and in the streamed role chunk (beam search's too)."""
