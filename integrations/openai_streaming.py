@@ -208,11 +208,18 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
     except ClientDisconnected:
         return
     except Exception as exc:  # noqa: BLE001 - a bug: the 500 `guard` answers before the stream, as an event (vLLM's)
-        logger.exception("unexpected error in a stream of %s", request.url.path)
-        for stream in streams:  # its requests end with it (an error in this loop leaves `merge_streams` open)
-            await stream.aclose()
-        yield sse_event(error_body(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))[1])
+        yield sse_event(await _unexpected(request, streams, exc))
     yield b"data: [DONE]\n\n"
+
+
+async def _unexpected(request: Request, streams: list[RequestStream], exc: Exception) -> dict[str, Any]:
+    """A stream's unexpected error (a bug, any exception that is no asyncllm error), after its status was sent:
+    logged, its requests aborted (an error in the reading loop leaves `merge_streams` open), and the error body of
+    the 500 `guard` answers before a stream."""
+    logger.exception("unexpected error in a stream of %s", request.url.path, exc_info=exc)
+    for stream in streams:
+        await stream.aclose()
+    return error_body(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))[1]
 
 
 class ChunkEncoder:
@@ -265,3 +272,5 @@ async def response_events(request: Request, events: ResponseEvents, streams: lis
         yield events.error(error_body(exc)[1]["error"])
     except ClientDisconnected:
         return
+    except Exception as exc:  # noqa: BLE001 - a bug: as `_sse`'s, an error event that ends the stream
+        yield events.error((await _unexpected(request, streams, exc))["error"])

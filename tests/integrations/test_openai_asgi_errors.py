@@ -4,6 +4,8 @@ engine; the routes are in tests/integrations/test_openai_asgi.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.requests import Request
 
@@ -172,3 +174,15 @@ async def test_an_unexpected_error_mid_stream_is_an_error_event(path, caplog) ->
     assert events[-1] == {"error": {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
                                     "code": None}}
     assert "unexpected error in a stream of " + path in caplog.text and _BreaksMidStream.closed >= 1
+
+
+async def test_an_unexpected_error_mid_response_stream_is_an_error_event(caplog) -> None:
+    """The Responses API's stream as chat's: an ``error`` event ends it (OpenAI's ``ResponseErrorEvent``), logged,
+    its request aborted; until 2026-12-08 the exception left the response, cut off mid-body."""
+    app = create_app(_BreaksMidStream(RuntimeError("boom")), model_name="fake", manage_engine=False)
+    async with asgi_client(app) as client:
+        response = await client.post("/v1/responses", json={"model": "fake", "input": "x", "stream": True})
+    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and "Hello" in response.text
+    assert events[-1]["type"] == "error" and events[-1]["message"] == "internal error: RuntimeError"
+    assert "unexpected error in a stream of /v1/responses" in caplog.text and _BreaksMidStream.closed >= 1
