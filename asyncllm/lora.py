@@ -256,6 +256,11 @@ def _read_config(path: str) -> dict[str, Any]:
         "trainable_token_indices": "trainable tokens", "layer_replication": "layer replication",
         "lora_bias": "LoRA biases",
         "alora_invocation_tokens": "activated LoRA (aLoRA: the adapter from its invocation tokens on)",
+        # PEFT's variants whose product is not B A x over the stored matrices
+        "arrow_config": "Arrow routing (a per-token mix of other adapters, not its own B A x)",
+        "use_bdlora": "block-diagonal LoRA (BD-LoRA: A or B stored as diagonal blocks)",
+        "kasa_config": "KaSA (a singular-value vector between A and B, over a truncated base weight)",
+        "use_qalora": "QA-LoRA (A over pooled groups of the input)",
     }
     targets = config.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) and is_expert_parameter(t) for t in targets):

@@ -67,6 +67,11 @@ def test_rslora_scales_by_the_square_root_of_the_rank(adapter: str, tmp_path) ->
     ({"bias": "all"}, "biases"),
     ({"peft_type": "IA3"}, "IA3 adapter"),
     ({"alora_invocation_tokens": [5, 9]}, "aLoRA"),
+    # PEFT's variants whose forward is not B A x over the stored matrices (their files may hold plain-shaped ones)
+    ({"arrow_config": {"top_k": 2}}, "Arrow"),
+    ({"use_bdlora": {"nblocks": 2, "target_modules_bd_a": ["q_proj"]}}, "BD-LoRA"),
+    ({"kasa_config": {"beta": 1e-4, "gamma": 1e-3}}, "KaSA"),
+    ({"use_qalora": True}, "QA-LoRA"),
     ({"lora_alpha": None}, "cannot read .*lora_alpha"),
     ({"lora_alpha": {"x": 1}}, "cannot read"),
     ({"alpha_pattern": {"q_proj(": 4}}, "cannot read"),
