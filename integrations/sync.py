@@ -144,10 +144,7 @@ class SyncEngine:
     def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
         """Run one request to the end (options as for `AsyncEngine.generate`); `EngineDeadError` when `close` cut
         it short (the engine's close aborts it: its output would look complete but for its finish reason)."""
-        output = self.run(self._engine.generate(prompt, params, **options))
-        if self._closed and any(sample.finish_reason == "abort" for sample in output.outputs):
-            raise EngineDeadError(CLOSED)
-        return output
+        return self._whole([self.run(self._engine.generate(prompt, params, **options))])[0]
 
     def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> EmbeddingOutput:
         """The embedding of a prompt (options as for `AsyncEngine.embed`)."""
@@ -180,9 +177,18 @@ class SyncEngine:
 
     def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                       max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
-        """A batch job, results in input order (see `AsyncEngine.generate_many`)."""
-        return self.run(self._engine.generate_many(prompts, params, progress=progress,
-                                                   max_concurrency=max_concurrency, lora_request=lora_request))
+        """A batch job, results in input order (see `AsyncEngine.generate_many`); `EngineDeadError` when `close` cut
+        it short, as `generate`."""
+        return self._whole(self.run(self._engine.generate_many(prompts, params, progress=progress,
+                                                               max_concurrency=max_concurrency,
+                                                               lora_request=lora_request)))
+
+    def _whole(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs`, unless `close` aborted one of them (finish_reason "abort": it would pass for a whole output,
+        in a batch job above all): then `EngineDeadError`, as every other call close ends."""
+        if self._closed and any(sample.finish_reason == "abort" for output in outputs for sample in output.outputs):
+            raise EngineDeadError(CLOSED)
+        return outputs
 
     def stream(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
         """Iterate `StreamDelta`s as they come; leaving the loop early aborts the request."""

@@ -82,12 +82,17 @@ def _is_token_ids(prompts: Any) -> bool:
 
 
 def _per_prompt(field: str, value: Any, kind: type, count: int) -> list[Any]:
-    """One value for every prompt, or a list with one per prompt."""
+    """One value for every prompt, or a list with one per prompt (each a `kind` or None, checked before any prompt
+    runs: a bad one at the end of a long batch would fail it after the rest ran)."""
     if value is None or isinstance(value, kind):
         return [value] * count
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise InvalidRequestError(field, f"got {len(value)} {kind.__name__}s for {count} prompts")
+        for index, each in enumerate(value):
+            if each is not None and not isinstance(each, kind):
+                raise InvalidRequestError(field, f"must be a {kind.__name__} or None per prompt, got "
+                                                 f"{type(each).__name__} for prompt {index}")
         return list(value)
     raise InvalidRequestError(field, f"must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 

@@ -58,6 +58,8 @@ __all__ = ["Deliver", "Delivery", "Processor", "Submit", "sample_request_ids"]
 T = TypeVar("T")
 
 _POLL_MS = 100
+_GOODBYE_LINGER_MS = 1000
+"""A failed thread's Goodbye (`_leave`): how long closing its socket waits to hand it over."""
 _EXIT_STATUS_WAIT_S = 0.5
 """After the connection to an owned core dropped: how long to wait for the process's exit status."""
 
@@ -228,6 +230,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
             logger.exception("asyncllm processor thread failed")
             self._settle_ready(exc)
+            self._leave(dealer)
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
             self._fail_queued_requests()
@@ -236,8 +239,18 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if self._mm is not None:
                 self._mm.close_cache()
             watch.close()
-            dealer.close(linger=0)
+            dealer.close()  # linger 0, unless `_leave` let its Goodbye out
             self._doorbell_pull.close(linger=0)
+
+    def _leave(self, dealer: zmq.Socket) -> None:
+        """The thread failed: detach from the core (`Goodbye`, shutdown=False), which aborts this host's requests
+        there; a shared core would otherwise run them to their end and keep this host attached while its process
+        lives (its liveness check watches the process, not the thread). Lingers a moment so the Goodbye goes out."""
+        try:
+            dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=False)), zmq.NOBLOCK)
+            dealer.setsockopt(zmq.LINGER, _GOODBYE_LINGER_MS)
+        except zmq.ZMQError:  # no connection to queue it on: nothing of this host is there to abort
+            pass
 
     def _fail_queued_requests(self) -> None:
         """Requests posted that the ending thread will never serve (the one it failed while adding included): they

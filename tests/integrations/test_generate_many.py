@@ -85,3 +85,15 @@ async def test_first_error_cancels_the_rest() -> None:
     with pytest.raises(InvalidRequestError, match="boom"):
         await generate_many(engine, ["slow", "boom", "slow"], max_concurrency=3)
     assert engine.cancelled == 2 and engine.in_flight == 0
+
+
+async def test_a_bad_entry_of_a_per_prompt_list_refuses_the_batch_before_any_prompt_runs() -> None:
+    """A params or lora_request list whose entry is no SamplingParams / LoRARequest (a dict of fields, say) fails the
+    batch before any prompt runs, as a SamplingParams that does not validate: found at that prompt's turn, it would
+    fail the batch after the prompts before it ran (hours of a long batch, their results lost)."""
+    engine = _CountingEngine()
+    with pytest.raises(InvalidRequestError, match="params: .*got dict for prompt 2"):
+        await generate_many(engine, ["a", "b", "c"], [SamplingParams(), None, {"max_tokens": 2}])
+    with pytest.raises(InvalidRequestError, match="lora_request: .*got str for prompt 1"):
+        await generate_many(engine, ["a", "b"], SamplingParams(), lora_request=[None, "sql-adapter"])
+    assert engine.peak == 0

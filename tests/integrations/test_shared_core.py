@@ -206,6 +206,33 @@ async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
         ctx.term()
 
 
+async def test_a_host_whose_processor_thread_fails_detaches_from_the_core(core) -> None:
+    """A host's processor thread that fails (an unexpected exception in it) while its process lives: its callers get
+    `EngineDeadError`, and it says Goodbye, so the core aborts its requests at once (not run on to max_tokens) and
+    hands the engine-wide metrics to a live host (the core's liveness check watches the process, which lives on)."""
+    _, address = core
+    registry = CollectorRegistry()
+    async with AsyncEngine.connect(address, disable_log_stats=True) as failing:
+        await failing.generate("hi", SamplingParams(max_tokens=1))  # attached first: it reports
+        async with AsyncEngine.connect(address, disable_log_stats=True, prometheus_registry=registry) as live:
+            await live.generate("hi", SamplingParams(max_tokens=1))
+            stream = failing.stream("hello", SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
+            await anext(stream)
+            assert live.stats().num_requests_running == 1 and _engine_gauges(registry) == []
+
+            def fail(*args) -> None:
+                raise RuntimeError("injected")
+
+            failing._replicas[0].processor._on_core_message = fail  # its next core message fails the thread
+            with pytest.raises(EngineDeadError, match="processor thread failed: injected"):
+                async for _ in stream:
+                    pass
+            deadline = time.monotonic() + 3
+            while live.stats().num_requests_running or not _engine_gauges(registry):
+                assert time.monotonic() < deadline, (live.stats(), _engine_gauges(registry))
+                await asyncio.sleep(0.05)
+
+
 def _probe_hello(folder: Path) -> bytes:
     """The first frame `AsyncEngine.connect`'s handshake sends, as a core at its address receives it."""
     ctx = zmq.Context()

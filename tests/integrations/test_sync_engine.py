@@ -256,6 +256,33 @@ def test_a_generate_that_close_cut_short_raises_rather_than_returning_a_partial_
     assert outcome == ["EngineDeadError: this SyncEngine was closed; create a new one"]
 
 
+def test_a_generate_many_that_close_cut_short_raises_rather_than_returning_partial_outputs(tiny_llama: str,
+                                                                                          monkeypatch) -> None:
+    """A batch whose last prompts were in flight when close() came: the engine's close aborts them, and their outputs
+    (finish_reason "abort") would pass for whole ones; the caller gets EngineDeadError, as `generate`'s does."""
+    from asyncllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    engine = SyncEngine(tiny_llama, disable_log_stats=True)
+
+    async def cut_short(prompt, *args, **kwargs) -> RequestOutput:  # as the engine's close ends a running request
+        while not engine._closed:
+            await asyncio.sleep(0.01)
+        return RequestOutput("r", prompt, [1], [CompletionOutput(0, "def", [2], "abort", None)],
+                             RequestMetrics(arrival_time=time.time()))
+
+    async def slow_aclose(close=engine._engine.aclose) -> None:  # the batch returns before the loop stops
+        await asyncio.sleep(0.5)
+        await close()
+
+    monkeypatch.setattr(engine._engine, "generate", cut_short)
+    monkeypatch.setattr(engine._engine, "aclose", slow_aclose)
+    caller, outcome = _in_a_thread(lambda: engine.generate_many(["x", "y"], max_concurrency=2))
+    time.sleep(0.2)
+    engine.close()
+    caller.join(10)
+    assert outcome == ["EngineDeadError: this SyncEngine was closed; create a new one"]
+
+
 def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engine, expected) -> None:
     """gunicorn --preload / a Celery prefork master: an engine started before os.fork() serves the parent only. In
     the child every call says so (instead of waiting forever) and closing it stops nothing of the parent's."""
