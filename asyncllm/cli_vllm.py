@@ -42,13 +42,23 @@ VLLM_FLAGS.update({
                           "(docs/integrations/shared-engine.md)",
     "--enable-log-outputs": "not built in asyncllm: --enable-log-requests logs each request's prompt and "
                             "parameters, not its output",
+    "--fully-sharded-loras": "not built in asyncllm: under tensor parallelism a column-parallel layer's adapter keeps "
+                             "its whole A and its rows of B, a row-parallel one its columns of A (vLLM's default; "
+                             "docs/lora.md)",
+    "--lora-dtype": "not built in asyncllm: adapters are held in the model's dtype (vLLM's auto, accepted)",
+    "--lora-extra-vocab-size": "not built in asyncllm: an adapter that adds tokens to the vocabulary is refused "
+                               "(docs/lora.md)",
 })
 """vLLM flag -> our arguments (the same setting; a note says so) or the reason it is refused. vLLM's
 ``--structured-outputs-config`` is read by `_structured_outputs` (its one setting: disable_any_whitespace); a backend
 (``--guided-decoding-backend``'s too) of auto or xgrammar is accepted, another refused with the reason above."""
 _O_LEVEL = re.compile(r"-O([0-3]|=\S+)?")
 _TAKES_VALUE = frozenset({"--compilation-config", "-cc", "--optimization-level", "--guided-decoding-backend",
-                          "--structured-outputs-config", "--api-server-count"})
+                          "--structured-outputs-config", "--api-server-count", "--lora-dtype",
+                          "--lora-extra-vocab-size"})
+_DEFAULT_VALUES = {"--api-server-count": ("1", "`asyncllm serve` is one server process"),
+                   "--lora-dtype": ("auto", "adapters are held in the model's dtype")}
+"""Refused vLLM flags given vLLM's default value: what asyncllm does, noted as having no effect."""
 
 
 def vllm_argv(argv: list[str], command: argparse.ArgumentParser) -> list[str]:
@@ -102,8 +112,8 @@ def known_vllm_flags(words: list[str], command: argparse.ArgumentParser) -> list
         if name == "--guided-decoding-backend":
             _backend(f"{name} {value!r}", value, command)
             continue
-        if name == "--api-server-count" and value.strip() == "1":  # vLLM's default: what asyncllm serve is
-            print(f"[asyncllm] vLLM's {name} 1 has no effect here: `asyncllm serve` is one server process",
+        if name in _DEFAULT_VALUES and value.strip() == _DEFAULT_VALUES[name][0]:  # vLLM's default: what we do
+            print(f"[asyncllm] vLLM's {name} {value.strip()} has no effect here: {_DEFAULT_VALUES[name][1]}",
                   file=sys.stderr)
             continue
         meant = VLLM_FLAGS[name]

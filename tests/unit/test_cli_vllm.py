@@ -115,7 +115,10 @@ def test_vllm_flags_with_no_effect_are_noted_and_those_not_built_refused(capsys)
     assert args.port == 9 and capsys.readouterr().err.count("has no effect here") == 2
     assert _parse(["serve", "/m", "--api-server-count", "1", "--port", "9"]).port == 9  # vLLM's default: noted
     assert "--api-server-count 1 has no effect here" in capsys.readouterr().err
-    for flag in (["--api-server-count", "2"], ["--api-server-count=4"], ["--enable-log-outputs"]):
+    assert _parse(["serve", "/m", "--lora-dtype", "auto", "--port", "9"]).port == 9
+    assert "--lora-dtype auto has no effect here" in capsys.readouterr().err
+    for flag in (["--api-server-count", "2"], ["--api-server-count=4"], ["--enable-log-outputs"],
+                 ["--fully-sharded-loras"], ["--lora-dtype", "float32"], ["--lora-extra-vocab-size", "256"]):
         with pytest.raises(SystemExit):
             _parse(["serve", "/m", *flag])
         assert f"vLLM's {flag[0].split('=')[0]}: not built" in capsys.readouterr().err

@@ -107,7 +107,8 @@ def items(draw) -> Item:
     return draw(st.sampled_from([Item("mapped", ["--disable-mm-preprocessor-cache"]),
                                  Item("dropped", ["--disable-fastapi-docs"]),
                                  Item("dropped", ["--disable-frontend-multiprocessing"]),
-                                 Item("dropped", _spelt("--api-server-count", "1", equals))]))
+                                 Item("dropped", _spelt("--api-server-count", "1", equals)),
+                                 Item("dropped", _spelt("--lora-dtype", "auto", equals))]))
 
 
 REST_WORDS = st.sampled_from(["--hf-overrides.a", "1", "--model", "m", "-O3", "--disable-fastapi-docs", "--",
@@ -262,7 +263,7 @@ def refused_lines(draw, name: str) -> tuple[list[str], str]:
         flag = _spelt(name, str(draw(st.integers(2, 9))), equals)
     elif name.startswith("-O"):
         flag, shown = [name], "-O"
-    elif name == "--enable-log-outputs":
+    elif name in ("--enable-log-outputs", "--fully-sharded-loras"):
         flag = [name]
     else:
         flag = _spelt(name, draw(st.sampled_from(["{}", "3", "a.org"])), equals)
