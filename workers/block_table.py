@@ -38,10 +38,10 @@ class BlockTable:
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
         self._mirrored = device.type != "cpu" or self.MIRROR_ON_CPU
         self._pending: dict[int, int] = {}
+        """Device writes not applied yet: flat index (row * max_blocks_per_req + column) -> block id."""
         self.version = 0
         """Bumped by every write (`append`, `clear`, `grow`): rows gathered at an unchanged version still hold what a
         gather would give (`InputBatch` skips gathering them again)."""
-        """Device writes not applied yet: flat index (row * max_blocks_per_req + column) -> block id."""
         self.device_table = self._new_device_table(num_rows)
 
     def _new_device_table(self, num_rows: int) -> torch.Tensor:
