@@ -192,9 +192,10 @@ class _HostClock:
 
 
 def _host_ms(phases: list[tuple[float, float, float]], host: list[dict[str, float]]) -> dict[str, float]:
-    """Median host ms per phase over the timed steps; ``wait``: the model step's time outside the phases."""
+    """Median host ms per phase over the timed steps; ``wait``: the rest of the (median) model step, so that the
+    phases add up to ``model_ms`` (a median of each step's rest did not, by far on a loaded machine)."""
     medians = {name: statistics.median(h[name] for h in host) * 1e3 for name in _HostClock.PHASES}
-    medians["wait"] = statistics.median(p[1] - sum(h.values()) for p, h in zip(phases, host)) * 1e3
+    medians["wait"] = max(0.0, statistics.median(p[1] for p in phases) * 1e3 - sum(medians.values()))
     return medians
 
 
