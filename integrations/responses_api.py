@@ -125,9 +125,16 @@ def check_request(req: ResponsesRequest) -> None:
         (req.prompt is not None, "prompt", "stored prompt templates are not built (send the input)"),
         (req.conversation is not None, "conversation",
          "conversation objects are not built (continue a response with previous_response_id)"),
+        (_verbosity(req.text) not in (None, "low", "medium", "high"), "text.verbosity",
+         f"must be 'low', 'medium', 'high' or null, got {_verbosity(req.text)!r}"),
     ])
     check_stream_options(req.stream_options, req.stream)
     check_service_fields(req)
+
+
+def _verbosity(text: dict[str, Any] | None) -> Any:
+    """``text.verbosity`` (OpenAI's ``ResponseTextConfig``: low, medium, high; accepted and not read)."""
+    return (text or {}).get("verbosity")
 
 
 def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None) -> ChatCompletionRequest:
@@ -170,8 +177,13 @@ def _chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
     and vLLM's, where chat refuses it."""
     if choice == "auto" and not tools:
         return None
-    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        if not tools:
+            raise InvalidRequestError("tool_choice", f"names {choice['name']!r}, but the request has no tools")
         return {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None and choice not in ("auto", "none", "required"):  # worded with the Responses API's shape
+        raise InvalidRequestError("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', "
+                                                 f"'name': ...}}, got {choice!r}")
     return choice
 
 

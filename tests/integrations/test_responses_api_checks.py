@@ -133,3 +133,32 @@ def test_text_echo_has_its_format_with_verbosity_alone() -> None:
     assert body["text"] == {"format": fmt}
     body = responses_api.response_body(ResponsesRequest(input="hi", text={"format": None}), "m", [], "stop", usage)
     assert body["text"] == {"format": {"type": "text"}}
+
+
+@pytest.mark.parametrize("verbosity", ["bogus", "LOW", 3, ["low"]])
+def test_text_verbosity_other_than_openai_values_is_refused(verbosity) -> None:
+    # OpenAI's ResponseTextConfig (and so vLLM's request model): low, medium, high or null; until 2026-12-08 any value
+    # was accepted and echoed in the response's text
+    with pytest.raises(InvalidRequestError) as caught:
+        check_request(ResponsesRequest(input="hi", text={"verbosity": verbosity}))
+    assert caught.value.field == "text.verbosity"
+    for ok in ("low", "medium", "high", None):
+        check_request(ResponsesRequest(input="hi", text={"verbosity": ok}))
+
+
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function"}, {"type": "function", "name": 5},
+                                    {"type": "function", "function": {"name": "f"}}, {"type": "file_search"}])
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "name": "f", "parameters": {}}]])
+def test_bad_tool_choice_is_worded_with_the_responses_shape(choice, tools) -> None:
+    # until 2026-12-08 chat's check answered: "'bogus' needs tools", or named chat's {'function': {'name'}} shape
+    with pytest.raises(InvalidRequestError, match=r"\{'type': 'function', 'name': \.\.\.\}") as caught:
+        chat_request(ResponsesRequest(input="hi", tools=tools, tool_choice=choice))
+    assert caught.value.field == "tool_choice"
+
+
+@pytest.mark.parametrize("tools", [None, []])
+def test_named_tool_choice_without_tools_names_the_responses_choice(tools) -> None:
+    # until 2026-12-08 the 400 showed chat's shape: "{'type': 'function', 'function': {'name': 'f'}} needs tools"
+    with pytest.raises(InvalidRequestError, match="names 'f', but the request has no tools") as caught:
+        chat_request(ResponsesRequest(input="hi", tools=tools, tool_choice={"type": "function", "name": "f"}))
+    assert caught.value.field == "tool_choice"
