@@ -77,6 +77,9 @@ def _rows(embeds: Any, hidden_size: int) -> Any:
     expected = f"a torch.Tensor [tokens, {hidden_size}] (the model's hidden size) or [1, tokens, {hidden_size}]"
     if not isinstance(embeds, torch.Tensor):
         raise InvalidRequestError(_FIELD, f"{expected}, got {_described(embeds)}")
+    if embeds.is_nested:  # strided or jagged: no shape to check (torch raises reading it)
+        raise InvalidRequestError(_FIELD, "a dense tensor, got a nested one (one prompt per tensor: a batch's prompts "
+                                          "are separate prompts)")
     if embeds.layout != torch.strided:
         raise InvalidRequestError(_FIELD, f"a dense tensor, got a {str(embeds.layout).removeprefix('torch.')} one "
                                           f"(sparse tensors are not accepted: .to_dense() it)")

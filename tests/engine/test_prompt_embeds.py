@@ -124,7 +124,9 @@ async def test_a_batch_of_one_is_squeezed_and_other_tensors_are_refused_saying_w
     assert squeezed == prompt_embeds_of({"prompt_embeds": rows}, 64, SamplingParams(), 8)
     for tensor, words in ((torch.zeros(2, 3, 64), r"\[1, tokens, 64\], got Tensor of shape \(2, 3, 64\) \(one"),
                           (rows.to_sparse(), "got a sparse_coo one"),
-                          (torch.empty(3, 64, device="meta"), "meta tensor")):
+                          (torch.empty(3, 64, device="meta"), "meta tensor"),
+                          (torch.nested.nested_tensor([rows, rows[:2]]), "got a nested one"),
+                          (torch.nested.nested_tensor([rows], layout=torch.jagged), "got a nested one")):
         with pytest.raises(InvalidRequestError, match=words) as info:
             prompt_embeds_of({"prompt_embeds": tensor}, 64, SamplingParams(), 8)
         assert info.value.field == "prompt.prompt_embeds"
