@@ -61,9 +61,16 @@ def check_address(address: object, key: str | None = None) -> str:
 def _check_tcp_port(address: str) -> None:
     """``tcp://HOST:PORT`` with a host and a port from 1 to 65535 (zmq wraps a larger one round: the core would serve
     at another port than the one it announces)."""
+    if _tcp_endpoint(address) is None:
+        raise ConfigError("address", address, "'tcp://host:port' with a port from 1 to 65535")
+
+
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """A ``tcp://HOST:PORT`` address's host (an IPv6 one without its brackets) and port; None when it is not one."""
     host, _, port = address[len("tcp://"):].rpartition(":")
     if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError("address", address, "'tcp://host:port' with a port from 1 to 65535")
+        return None
+    return host.strip("[]"), int(port)
 
 
 def handshake(address: str, timeout_s: float, key: str | None = None,
@@ -176,13 +183,15 @@ def _handshake_now(address: str, timeout_s: float, key: str | None,
 def _refused(address: str) -> bool:
     """Whether a tcp:// address's machine refuses a connection (nothing listens on the port): zmq would retry it
     until the handshake's timeout. A silent machine, or an address that is no host:port, is left to the handshake."""
-    host, _, port = address[len("tcp://"):].rpartition(":")
+    endpoint = _tcp_endpoint(address)
+    if endpoint is None:
+        return False
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        with socket.create_connection(endpoint, timeout=1.0):
             return False
     except ConnectionRefusedError:
         return True
-    except (OSError, ValueError):
+    except OSError:
         return False
 
 
