@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import time
 from typing import Any
 
@@ -101,8 +102,6 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
 
 def _download_command(model: str, revision: str | None, download_dir: str | None) -> str:
     """The command that puts ``model`` where `resolve_model_path` looks: at ``revision``, in ``download_dir``."""
-    import shlex
-
     words = ["huggingface-cli", "download", model, *(["--revision", revision] if revision is not None else []),
              *(["--cache-dir", download_dir] if download_dir else [])]
     return shlex.join(words)
