@@ -182,6 +182,8 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache."""
+    prefix_cache_requests: int = 0
+    """Requests that looked them up (the stats line's hit rate is over the most recent 1000)."""
     prefix_cache_hits: int = 0
     """Prompt tokens found there."""
     cpu_prefix_cache_hits: int = 0

@@ -170,6 +170,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Per host (each host's `Outputs` carry its own): the samples (`AddRequest.num_samples`) of the requests of this
     host the core queued or parked so far, counted from 0 by each core process; its admission estimate counts its
     submissions past them (asyncllm/engine/admission.py)."""
+    prefix_cache_requests: int = 0
+    """Requests whose admission looked up the prefix cache (``prefix_cache_queries`` counts their tokens)."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -20,6 +20,7 @@ from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 from asyncllm.reasoning import ReasoningParser
+from asyncllm.sampling import SamplingParams
 from asyncllm.structured.start_after import Marker
 
 __all__ = ["Choices", "chat_chunk", "chat_stream_choices", "sse_event", "usage"]
@@ -57,7 +58,8 @@ class Choices:
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
                  reasoning_end: Marker | None = None, thinking_off: bool = False,
-                 counts_reasoning: bool = False, message_starts: bool = False) -> None:
+                 counts_reasoning: bool = False, message_starts: bool = False,
+                 sampling: SamplingParams | None = None) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -96,6 +98,8 @@ class Choices:
         """The Responses API's: the generated ids are kept for `reasoning_tokens` (chat completions report none)."""
         self.message_starts = message_starts
         """The Responses API's: a harmony reply's messages come apart (`ChatReply`'s ``message_starts``)."""
+        self.sampling = sampling
+        """The request's sampling parameters (the Responses API echoes their temperature, top_p and max_tokens)."""
         self.thinking_off = thinking_off
         """Chat: the request turned the thinking off (`ReasoningParser.thinking_off`)."""
         self.prompt_ended_thinking = [thinking_off] * num_prompts

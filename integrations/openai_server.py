@@ -65,8 +65,8 @@ from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_structured import constraint_errors, constraint_field
 from asyncllm.integrations.openai_tools import template_tools, tool_mode
-from asyncllm.integrations.responses_api import (RESPONSES_FIELDS, ResponseEvents, ResponsesRequest, response_body,
-                                                 response_identity)
+from asyncllm.integrations.responses_api import (ResponseEvents, ResponsesRequest, response_body, response_identity,
+                                                 responses_errors)
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import first_deltas, merge_streams
@@ -290,7 +290,7 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
-        with renamed_fields(RESPONSES_FIELDS):  # the client's names: input, text, max_output_tokens
+        with responses_errors():  # the client's names: input, text.format, max_output_tokens
             chat = turn.chat_request()
             streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
                                                 header_data_parallel_rank(request.headers), responses=True)
@@ -299,13 +299,15 @@ class OpenAIServer:
                     # errors before the first token keep their status code; a client gone while queued: 499
                     firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
                     count_prompts(streams, choices)
-                    events = ResponseEvents(turn.req, model, identity, turn.keep)  # kept before its last event
+                    events = ResponseEvents(turn.req, model, identity, turn.keep,  # kept before its last event
+                                            params=choices.sampling)
                     return EventStream(response_events(request, events, streams, firsts, choices))
                 async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
                     choices.add(prompt_index, delta)
         count_prompts(streams, choices)
         deltas, finish_reason = choices.reply_deltas(0)
-        body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True), identity)
+        body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True), identity,
+                             choices.sampling)
         return json_response(turn.keep(body))
 
     async def _sampling_defaults(self) -> dict[str, Any]:
@@ -339,7 +341,7 @@ class OpenAIServer:
                           chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or responses,
                           reasoning_end=self.reasoning_end(), thinking_off=thinking_off, counts_reasoning=responses,
-                          message_starts=responses)
+                          message_starts=responses, sampling=params)
         return streams, choices
 
     def thinking_off(self, template_kwargs: dict[str, Any]) -> bool:

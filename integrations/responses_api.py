@@ -27,23 +27,27 @@ is accepted and ignored, as vLLM ignores it).
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import CacheSalt, ChatCompletionRequest
 from asyncllm.integrations.openai_standard import (
     BaseStreamOptions, Metadata, check_service_fields, check_stream_options, refuse_failed,
 )
 from asyncllm.integrations.openai_structured import JSON_SCHEMA_KEYS
 from asyncllm.integrations.responses_input import input_items, input_messages
+from asyncllm.sampling import SamplingParams
 
 __all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "check_request", "chat_request", "input_items", "response_body",
-           "response_identity", "ResponseEvents"]
+           "response_identity", "responses_errors", "ResponseEvents"]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -105,10 +109,25 @@ _PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "
                    "include_stop_str_in_output", "structured_outputs")
 """The fields a chat completion has under the same name (vLLM's sampling extensions among them)."""
 
-RESPONSES_FIELDS = {"messages": "input", "prompt": "input", "response_format": "text",
+RESPONSES_FIELDS = {"messages": "input", "prompt": "input", "response_format": "text.format",
                     "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
 """The chat request's fields (`chat_request`) that errors name -> the Responses API's (`renamed_fields`): ``prompt``,
 the engine's name of the rendered messages (a prompt over the context, `check_context_length`), is the input too."""
+
+
+@contextlib.contextmanager
+def responses_errors() -> Iterator[None]:
+    """The chat's errors worded for the Responses API: fields renamed (`RESPONSES_FIELDS`), and chat's
+    ``response_format`` in a message (one naming another field: ``structured_outputs``, ``tool_choice``) written as the
+    client's ``text.format``."""
+    try:
+        with renamed_fields(RESPONSES_FIELDS):
+            yield
+    except InvalidRequestError as exc:
+        if "response_format" not in exc.message:
+            raise
+        raise InvalidRequestError(exc.field, re.sub(r"\bresponse_format\b", "text.format", exc.message),
+                                  code=exc.code) from None
 
 
 def check_request(req: ResponsesRequest) -> None:
@@ -192,18 +211,33 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     ``json_schema``); a key OpenAI's format of that type does not have is a 400 naming ``text.format.<key>``."""
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
-        raise InvalidRequestError("text", f"format must be an object ({{\"type\": ...}}), got {fmt!r}")
+        raise InvalidRequestError("text.format", f"must be an object ({{\"type\": ...}}), got {fmt!r}")
     kind = None if fmt is None else fmt.get("type")
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise InvalidRequestError("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
     known = {"type", *JSON_SCHEMA_KEYS} if kind == "json_schema" else {"type"}
     unknown = [key for key in fmt or () if key not in known]
-    if unknown and kind in (None, "text", "json_object", "json_schema"):  # another type: chat refuses it as such
+    if unknown:
         raise InvalidRequestError(f"text.format.{unknown[0]}", f"unknown field (OpenAI's {kind or 'text'} format has "
                                                                f"{', '.join(sorted(known))})")
     if fmt is None or kind in (None, "text"):
         return None
     if kind == "json_schema":
+        _check_json_schema(fmt)
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return {"type": kind}
+
+
+def _check_json_schema(fmt: dict[str, Any]) -> None:
+    """A json_schema format's ``name`` and ``schema`` (both required, as in OpenAI's
+    ``ResponseFormatTextJSONSchemaConfig``), refused naming ``text.format.<key>`` (chat's check would name its
+    ``json_schema`` object, which this API has not)."""
+    if not isinstance(fmt.get("name"), str):
+        raise InvalidRequestError("text.format.name", f"a json_schema format needs a string name, got "
+                                                      f"{fmt.get('name')!r}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise InvalidRequestError("text.format.schema", f"a json_schema format needs a JSON schema object, got "
+                                                        f"{type(fmt.get('schema')).__name__}")
 
 
 # ------------------------------------------------------------------ the response
@@ -236,15 +270,29 @@ def _text_echo(text: dict[str, Any] | None) -> dict[str, Any]:
     return {**(text or {}), "format": (text or {}).get("format") or {"type": "text"}}
 
 
-def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
+def _sampled(req: ResponsesRequest, params: SamplingParams | None) -> dict[str, Any]:
+    """``temperature``, ``top_p`` and ``max_output_tokens`` as the reply was sampled with (vLLM's echo of its
+    ``sampling_params``): the request's, else the model's generation-config defaults, else 1.0 and 1.0, as OpenAI's
+    response reports them; ``max_output_tokens`` null where nothing bounds the reply but the context (OpenAI's null;
+    vLLM's echoes the room left, max_model_len - the prompt). Without `params` (a body built outside the server), the
+    request's values over OpenAI's defaults."""
+    if params is None:
+        params = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                top_p=1.0 if req.top_p is None else req.top_p, max_tokens=req.max_output_tokens)
+    return {"temperature": params.temperature, "top_p": params.top_p, "max_output_tokens": params.max_tokens}
+
+
+def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str,
+              params: SamplingParams | None = None) -> dict[str, Any]:
     return {
         "id": response_id, "object": "response", "created_at": created, "model": model, "status": "in_progress",
         "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
-        "top_p": req.top_p, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        **_sampled(req, params), "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [], "text": _text_echo(req.text), "store": req.store is True,
         "previous_response_id": req.previous_response_id, "truncation": "disabled", "usage": None,
+        "background": False, "max_tool_calls": None, "top_logprobs": 0, "user": req.user,  # as OpenAI's and vLLM's
+        "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
     }
 
 
@@ -275,10 +323,12 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
 
 
 def response_body(req: ResponsesRequest, model: str, deltas: list[dict[str, Any]], finish_reason: str | None,
-                  usage: dict[str, Any], identity: tuple[str, int] | None = None) -> dict[str, Any]:
+                  usage: dict[str, Any], identity: tuple[str, int] | None = None,
+                  params: SamplingParams | None = None) -> dict[str, Any]:
     """A whole response from a chat choice's deltas (`Choices.reply_deltas`): the body its stream would end with
-    (`ResponseEvents`), so a response has the same output items streamed or not."""
-    events = ResponseEvents(req, model, identity)
+    (`ResponseEvents`), so a response has the same output items streamed or not; `params`: the sampling parameters
+    the chat ran with (`Choices.sampling`), echoed."""
+    events = ResponseEvents(req, model, identity, params=params)
     events.feed(deltas)
     events.finish(finish_reason, usage)
     return events.body
@@ -292,8 +342,9 @@ class ResponseEvents:
     `ChatReply`'s ``message_starts``), closes the open text item, so a gpt-oss reply has an item per message."""
 
     def __init__(self, req: ResponsesRequest, model: str, identity: tuple[str, int] | None = None,
-                 on_finish: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self.body = _skeleton(req, *(identity or response_identity()), model)
+                 on_finish: Callable[[dict[str, Any]], Any] | None = None,
+                 params: SamplingParams | None = None) -> None:
+        self.body = _skeleton(req, *(identity or response_identity()), model, params)
         self._on_finish = on_finish
         """Called with the finished body before the last event (the response store keeps it)."""
         self._sequence = 0

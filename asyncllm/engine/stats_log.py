@@ -6,12 +6,15 @@ root logger of the host process; ``asyncllm serve``, asyncllm's own process,
 sends it to stderr when nothing is configured: `cli_commands.log_stats`).
 Throughputs count this host's requests; running, waiting, preemptions, KV
 usage and the prefix-cache hit rate are engine-wide (see docs/observability.md).
+The hit rate is vLLM's: over the most recent 1000 requests that queried the
+cache (`PrefixCacheWindow`), not the interval's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from asyncllm.metrics.host_stats import HostStats
 from asyncllm.outputs import EngineStats
@@ -29,29 +32,35 @@ class StatsLogger:
         """Put before each line: "Engine 001: " for a data-parallel replica's core (vLLM's form), else empty."""
         self._last = stats.snapshot()
         self._last_time = time.monotonic()
+        self._prefix_cache = PrefixCacheWindow()
 
     def maybe_log(self) -> None:
         now = time.monotonic()
         if now - self._last_time < self.interval_s:
             return
         current = self._stats.snapshot()
-        line = self.format_line(self._last, current, now - self._last_time)
+        self._prefix_cache.observe(self._last, current)
+        line = self.format_line(self._last, current, now - self._last_time, self._prefix_cache.hit_rate)
         if line is not None:
             logger.info(self._prefix + line)
         self._last, self._last_time = current, now
 
     @staticmethod
-    def format_line(prev: EngineStats, cur: EngineStats, elapsed_s: float) -> str | None:
-        """None when nothing happened since `prev` and nothing is in flight."""
+    def format_line(prev: EngineStats, cur: EngineStats, elapsed_s: float,
+                    prefix_cache_hit_rate: float | None = None) -> str | None:
+        """None when nothing happened since `prev` and nothing is in flight; `prefix_cache_hit_rate`: the line's
+        (0 to 1, `PrefixCacheWindow`'s), None: the interval's."""
         busy = cur.num_requests_running or cur.num_requests_waiting
         if not busy and _activity(prev) == _activity(cur):
             return None
         prompt_tps = (cur.prompt_tokens_total - prev.prompt_tokens_total) / elapsed_s
         gen_tps = (cur.generation_tokens_total - prev.generation_tokens_total) / elapsed_s
-        before = _since(prev, cur, "prefix_cache_queries")
-        queries = cur.prefix_cache_queries - before.prefix_cache_queries
-        hits = cur.prefix_cache_hits - before.prefix_cache_hits
-        hit_rate = 100.0 * hits / queries if queries else 0.0
+        if prefix_cache_hit_rate is None:
+            before = _since(prev, cur, "prefix_cache_queries")
+            queries = cur.prefix_cache_queries - before.prefix_cache_queries
+            hits = cur.prefix_cache_hits - before.prefix_cache_hits
+            prefix_cache_hit_rate = hits / queries if queries else 0.0
+        hit_rate = 100.0 * prefix_cache_hit_rate
         return (
             f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
             f"Avg generation throughput: {gen_tps:.1f} tokens/s, "
@@ -75,6 +84,46 @@ def _spec_decoding(prev: EngineStats, cur: EngineStats) -> str:
     return (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
             f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
             f"Draft acceptance rate: {100.0 * accepted / drafted:.1f}%, Per-position acceptance rate: {per_pos}")
+
+
+class PrefixCacheWindow:
+    """vLLM's ``CachingMetrics(max_recent_requests=1000)``, the hit rate of its stats line: the prefix-cache queries
+    and hits of the most recent requests that queried the cache, observed per line (each interval's new requests,
+    queries and hits; vLLM observes each step's). An observation without a new request is skipped, so the rate holds
+    while the engine only decodes; past `max_recent_requests` requests the oldest observations leave, the latest
+    always stays. A core whose counters went down (a shared core restarted) starts the window over."""
+
+    def __init__(self, max_recent_requests: int = 1000) -> None:
+        self.max_recent_requests = max_recent_requests
+        self._observed: deque[tuple[int, int, int]] = deque()
+        """(requests, queries, hits) of each observation in the window, oldest first."""
+        self.requests = self.queries = self.hits = 0
+
+    def observe(self, prev: EngineStats, cur: EngineStats) -> None:
+        """The counts `cur` added to `prev`'s (all of `cur`'s after a counter reset, which empties the window)."""
+        before = _since(prev, cur, "prefix_cache_requests")
+        if before is _NO_COUNTS:
+            self._observed.clear()
+            self.requests = self.queries = self.hits = 0
+        requests = cur.prefix_cache_requests - before.prefix_cache_requests
+        if requests <= 0:
+            return
+        observed = (requests, cur.prefix_cache_queries - before.prefix_cache_queries,
+                    cur.prefix_cache_hits - before.prefix_cache_hits)
+        self._observed.append(observed)
+        self._add(observed, 1)
+        while len(self._observed) > 1 and self.requests > self.max_recent_requests:
+            self._add(self._observed.popleft(), -1)
+
+    def _add(self, observed: tuple[int, int, int], sign: int) -> None:
+        self.requests += sign * observed[0]
+        self.queries += sign * observed[1]
+        self.hits += sign * observed[2]
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over queries in the window, 0 to 1 (0.0 while it is empty)."""
+        return self.hits / self.queries if self.queries else 0.0
 
 
 _NO_COUNTS = EngineStats()

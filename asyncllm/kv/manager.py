@@ -90,6 +90,9 @@ class KVCacheManager:
         """req_id -> how many leading blocks of its table are registered in the prefix cache."""
         self.prefix_cache_queries = 0
         """Tokens of admitted requests looked up in the prefix cache."""
+        self.prefix_cache_requests = 0
+        """Admitted requests that looked up the prefix cache (vLLM's ``PrefixCacheStats.requests``: the stats line's
+        hit rate is over the most recent 1000 of them)."""
         self.prefix_cache_hits = 0
         """Tokens of those found in the prefix cache."""
         self.cpu_prefix_cache_hits = 0
@@ -372,6 +375,7 @@ class KVCacheManager:
         if request.num_preemptions:
             self.preempted_prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size
         else:
+            self.prefix_cache_requests += 1
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size
             self.cpu_prefix_cache_hits += num_cpu_hits * self.block_size

@@ -26,6 +26,7 @@ def scheduler_stats(sched: Scheduler) -> protocol.SchedulerStats:
         num_used_blocks=kv.num_used_blocks,
         num_preemptions_total=sched.preemptor.num_preemptions_total,
         prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_requests=kv.prefix_cache_requests,
         prefix_cache_hits=kv.prefix_cache_hits,
         cpu_prefix_cache_hits=kv.cpu_prefix_cache_hits,
         preempted_prefix_cache_hits=kv.preempted_prefix_cache_hits,

@@ -90,7 +90,8 @@ async def test_what_is_not_built_is_refused_by_name(app) -> None:
              ({"max_output_tokens": 0}, "max_output_tokens"), ({"max_output_tokens": 10**6}, "max_output_tokens"),
              ({"input": []}, "input"), ({"input": [{"type": "message", "content": "x"}]}, "input"),
              ({"input": "hello " * 600}, "input_tokens"),  # over the context: vLLM's param
-             ({"text": {"format": {"type": "yaml"}}}, "text"), ({"text": {"format": "json_object"}}, "text"),
+             ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+             ({"text": {"format": "json_object"}}, "text.format"),
              ({"text": {"format": {"type": "json_schema", "name": "c", "schema": CITY, "strict_mode": True}}},
               "text.format.strict_mode"),
              # function_call items need call_id, name and arguments as strings, their outputs call_id (vLLM's models)

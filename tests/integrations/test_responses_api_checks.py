@@ -11,6 +11,7 @@ from asgi_helpers import asgi_client
 from openai.types.responses import ResponseErrorEvent
 
 import asyncllm.integrations.responses_api as responses_api
+from asyncllm import SamplingParams
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.integrations.errors import error_body, renamed_fields
 from asyncllm.integrations.openai_server import OpenAIServer
@@ -162,3 +163,79 @@ def test_named_tool_choice_without_tools_names_the_responses_choice(tools) -> No
     with pytest.raises(InvalidRequestError, match="names 'f', but the request has no tools") as caught:
         chat_request(ResponsesRequest(input="hi", tools=tools, tool_choice={"type": "function", "name": "f"}))
     assert caught.value.field == "tool_choice"
+
+
+def _bodies(reply) -> list[dict]:
+    """The response bodies a reply carries: the whole one, or each of a stream's (created ... completed)."""
+    if reply.headers["content-type"].startswith("application/json"):
+        return [reply.json()]
+    return [json.loads(line[6:])["response"] for line in reply.text.split("\n") if '"response"' in line]
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sampling_fields_echo_the_values_used(app, bundled_engine, monkeypatch, stream) -> None:
+    """``temperature``, ``top_p`` and ``max_output_tokens`` echo what sampled the reply (vLLM's ``sampling_params``'
+    values; OpenAI's 1.0 and 1.0 for unset ones), the model's generation-config defaults included; until 2026-12-08
+    unset ones were null."""
+    fields = ("temperature", "top_p", "max_output_tokens")
+    async with asgi_client(app) as http:
+        reply = await http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "stream": stream})
+        assert {tuple(b[f] for f in fields) for b in _bodies(reply)} == {(1.0, 1.0, 2)}
+        sent = {"input": "hi", "temperature": 0, "top_p": 0.5, "max_output_tokens": 1, "stream": stream}
+        reply = await http.post("/v1/responses", json=sent)
+        assert {tuple(b[f] for f in fields) for b in _bodies(reply)} == {(0.0, 0.5, 1)}
+        monkeypatch.setattr(bundled_engine, "default_sampling_fields",
+                            lambda: {"temperature": 0.5, "top_p": 0.9, "max_tokens": 2})
+        reply = await http.post("/v1/responses", json={"input": "hi", "stream": stream})
+        assert {tuple(b[f] for f in fields) for b in _bodies(reply)} == {(0.5, 0.9, 2)}
+
+
+def test_unset_max_output_tokens_without_a_default_is_null() -> None:
+    """No max_output_tokens and no default: the reply may run to the context's end, and the echo is null, as
+    OpenAI's (vLLM's echoes max_model_len - the prompt's tokens)."""
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    body = responses_api.response_body(ResponsesRequest(input="hi"), "m", [], "stop", usage,
+                                       params=SamplingParams(temperature=0.7, max_tokens=None))
+    assert (body["temperature"], body["top_p"], body["max_output_tokens"]) == (0.7, 1.0, None)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("extra, param", [
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": "json_object"}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": 5, "schema": SCHEMA}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": "{}"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "bogus"}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+])
+async def test_output_format_errors_name_text_format(app, extra, param) -> None:
+    """A 400 about the output format names the Responses API's ``text.format`` (its key where one is wrong); until
+    2026-12-08 they named chat's ``response_format`` and its ``json_schema`` object ("structured_outputs: set
+    response_format or structured_outputs, not both"), with ``text`` as the param."""
+    async with asgi_client(app) as http:
+        reply = await http.post("/v1/responses", json={**BASE, **extra})
+    error = reply.json()["error"]
+    assert (reply.status_code, error["param"]) == (400, param), error
+    assert "response_format" not in error["message"] and "json_schema must" not in error["message"], error
+    assert "text.format" in error["message"], error
+
+
+def test_request_fields_openai_echoes_are_echoed() -> None:
+    """OpenAI's response (and vLLM's) carries the request's ``user``, ``safety_identifier``, ``prompt_cache_key``
+    and the ``background``, ``max_tool_calls`` and ``top_logprobs`` it ran with; until 2026-12-08 they were left out
+    (the SDK's ``response.user`` read None)."""
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    req = ResponsesRequest(input="hi", user="u", safety_identifier="s", prompt_cache_key="k")
+    body = responses_api.response_body(req, "m", [], "stop", usage)
+    echoed = ("user", "safety_identifier", "prompt_cache_key", "background", "max_tool_calls", "top_logprobs")
+    assert {name: body.get(name, "absent") for name in echoed} == {
+        "user": "u", "safety_identifier": "s", "prompt_cache_key": "k", "background": False, "max_tool_calls": None,
+        "top_logprobs": 0}
