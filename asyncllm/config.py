@@ -61,6 +61,9 @@ class CacheConfig:
     """auto = the model dtype; fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in
     one byte each with the checkpoint's calibrated per-layer scales, else 1.0; twice the blocks of bfloat16
     (docs/fp8-kv-cache.md)."""
+    calculate_kv_scales: bool = False
+    """vLLM's: False (its default) takes an fp8 cache's k_scale / v_scale from the checkpoint, else 1.0; True (scales
+    computed from the first batch's keys and values) is not built."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     prefix_caching_hash_algo: str = "sha256"
@@ -85,6 +88,11 @@ class CacheConfig:
         check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_bool("calculate_kv_scales", self.calculate_kv_scales)
+        if self.calculate_kv_scales:
+            raise NotBuiltError("calculate_kv_scales", True,
+                                "fp8 KV-cache scales computed from the first batch (asyncllm reads a checkpoint's "
+                                "calibrated k_scale / v_scale, else uses 1.0: docs/fp8-kv-cache.md)")
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("prefix_caching_hash_algo", self.prefix_caching_hash_algo, ("sha256", *UNBUILT_HASH_ALGOS))
         algo = self.prefix_caching_hash_algo

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.attention.availability import ATTENTION_BACKENDS
+from asyncllm.attention.availability import ATTENTION_BACKENDS, backend_name
 from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
                                      check_sampling_fields, is_int)
 from asyncllm.config_runner import check_runner_fields
@@ -121,7 +121,8 @@ class ModelConfig:
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None
     """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
-    flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
+    flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default.
+    vLLM's names, in any case, name the same backends: FLASH_ATTN, FLASHINFER, TRITON_ATTN (triton), TORCH_SDPA."""
     generation_config: str = "auto"
     """The model's generation config: auto = the model folder's generation_config.json, vllm = the same file without
     its sampling defaults, or a folder holding one. Its temperature, top_p, top_k, min_p, repetition_penalty and
@@ -193,6 +194,7 @@ class ModelConfig:
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_sleep_mode", self.enable_sleep_mode)
         if self.attention_backend is not None:
+            object.__setattr__(self, "attention_backend", backend_name(self.attention_backend))  # vLLM's names too
             check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)  # its package: EngineConfig.create
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")

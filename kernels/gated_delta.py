@@ -55,6 +55,8 @@ def gated_delta_step(states: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, 
     _, heads, dk, dv = states.shape
     n = rows.shape[0]
     check(rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64), f"rows must be int [N], got {rows.dtype}")
+    if rows.stride(0) != 1 and n > 1:  # read at ptr + i
+        raise ValueError(f"rows must be contiguous (stride 1): {rows.stride()}")
     for name, t, shape in (("q", q, (n, heads, dk)), ("k", k, (n, heads, dk)), ("v", v, (n, heads, dv)),
                            ("g", g, (n, heads)), ("beta", beta, (n, heads))):
         check(t.dtype == torch.float32 and tuple(t.shape) == shape and t.stride(-1) == 1,

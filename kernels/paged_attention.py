@@ -184,12 +184,17 @@ def _check_args(
           f"the KV cache must be of the query's dtype {query.dtype} or an fp8 type, got {key_cache.dtype}")
     check(query.shape[1] % key_cache.shape[2] == 0,
           f"query heads {query.shape[1]} must be a multiple of KV heads {key_cache.shape[2]}")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [R], got shape {tuple(seq_lens.shape)}")
     num_reqs = seq_lens.shape[0]
     check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == num_reqs + 1, "query_start_loc must be [R + 1]")
     check(block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs and block_tables.stride(1) == 1,
           "block_tables must be [>= R, max_blocks] with unit stride in its last dim")
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
         check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):  # read at ptr + i
+        if t.stride(0) != 1 and t.shape[0] > 1:  # the message built only on failure (every layer)
+            raise ValueError(f"{name} must be contiguous (stride 1): {t.stride()}")
     check_same_device(query=query, key_cache=key_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
                       block_tables=block_tables)
 

@@ -51,6 +51,8 @@ def ssd_decode_step(states: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, b
     _, heads, p, s = states.shape
     n = rows.shape[0]
     check(rows.dim() == 1 and rows.dtype in (torch.int32, torch.int64), f"rows must be int [N], got {rows.dtype}")
+    if rows.stride(0) != 1 and n > 1:  # read at ptr + i
+        raise ValueError(f"rows must be contiguous (stride 1): {rows.stride()}")
     for name, t, shape in (("x", x, (n, heads, p)), ("b", b, (n, heads, s)), ("c", c, (n, heads, s)),
                            ("dt", dt, (n, heads)), ("a", a, (heads,))):
         check(t.dtype == torch.float32 and tuple(t.shape) == shape and t.stride(-1) == 1,

@@ -12,12 +12,23 @@ import importlib.util
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["ATTENTION_BACKENDS", "BACKEND_PACKAGES", "BUILT_BACKENDS", "package_installed", "check_backend_available"]
+__all__ = ["ATTENTION_BACKENDS", "BACKEND_PACKAGES", "BUILT_BACKENDS", "VLLM_BACKEND_NAMES", "backend_name",
+           "package_installed", "check_backend_available"]
 
 ATTENTION_BACKENDS = ("torch_sdpa", "triton", "flashinfer", "flash_attn")
 BACKEND_PACKAGES = {"triton": "triton", "flashinfer": "flashinfer", "flash_attn": "flash_attn"}
 """Backend name -> the Python package it needs (torch_sdpa needs only torch)."""
 BUILT_BACKENDS = ("torch_sdpa", "triton")
+VLLM_BACKEND_NAMES = {"FLASH_ATTN": "flash_attn", "FLASHINFER": "flashinfer", "TRITON_ATTN": "triton",
+                      "TORCH_SDPA": "torch_sdpa"}
+"""vLLM's names of the backends asyncllm has (its ``AttentionBackendEnum``, read case-insensitively as vLLM reads
+``attention_backend``) -> asyncllm's."""
+
+
+def backend_name(name: object) -> object:
+    """``attention_backend`` in asyncllm's name: vLLM's (``"FLASH_ATTN"``, ``"triton_attn"``, ...) translated, any
+    other value as given (checked by the caller)."""
+    return VLLM_BACKEND_NAMES.get(name.upper(), name) if isinstance(name, str) else name
 
 
 def package_installed(package: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from asyncllm import envs
-from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available, package_installed
+from asyncllm.attention.availability import ATTENTION_BACKENDS, backend_name, check_backend_available, package_installed
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.torch_sdpa import TorchSDPABackend
 from asyncllm.errors import ConfigError
@@ -67,7 +67,7 @@ def get_attention_backend(
     without ``TRITON_INTERPRET=1``, or bfloat16 under the interpreter (which
     mis-rounds it). flashinfer / flash_attn are `NotBuiltError` once installed.
     """
-    name = default_backend_name(device) if name is None else name
+    name = default_backend_name(device) if name is None else backend_name(name)  # vLLM's names too
     if name not in ATTENTION_BACKENDS:
         raise ConfigError("attention_backend", name, f"one of {', '.join(map(repr, ATTENTION_BACKENDS))}")
     check_backend_available(name)

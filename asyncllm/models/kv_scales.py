@@ -72,8 +72,8 @@ def _set_scale(model: Any, name: str, weight: LoadedWeight, kv_cache_dtype: str)
     if attention is None:
         return  # a layer another pipeline stage holds
     value = float(torch.as_tensor(weight if isinstance(weight, torch.Tensor) else weight[...]).float().reshape(()))
-    if not value > 0:
-        raise ConfigError("model", name, f"a positive KV-cache scale (it is {value})")
+    if not 0 < value < float("inf"):  # inf: the cache holds zeros and every score is 0 * inf = NaN
+        raise ConfigError("model", name, f"a positive finite KV-cache scale (it is {value})")
     if leaf == "q_scale" and value != 1.0:
         raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"q_scale other than 1.0 ({name} is {value}): fp8 "
                                                               "attention; the query stays in the model dtype")
@@ -84,11 +84,15 @@ def _set_scale(model: Any, name: str, weight: LoadedWeight, kv_cache_dtype: str)
 
 
 def _attention_at(model: Any, stem: str) -> Attention | None:
-    """The `Attention` under the checkpoint's attention module ``stem`` (``model.layers.3.self_attn``); None for a
-    layer another pipeline stage holds."""
+    """The `Attention` under the checkpoint's attention module ``stem`` (``model.layers.3.self_attn``; a multimodal
+    model's ``model.language_model.layers.3.self_attn`` or ``language_model.model.layers.3.self_attn`` is its decoder's
+    ``language_model.model.layers.3.self_attn``); None for a layer another pipeline stage holds."""
     from asyncllm.models.pipeline import PPMissingLayer
 
-    for path in (stem, "language_model." + stem):
+    paths = [stem, "language_model." + stem]
+    if stem.startswith("model.language_model."):  # transformers' newer multimodal layout (Qwen3-VL, Gemma 3, ...)
+        paths.append("language_model.model." + stem.removeprefix("model.language_model."))
+    for path in paths:
         module = model
         for part in path.split("."):
             if isinstance(module, PPMissingLayer):

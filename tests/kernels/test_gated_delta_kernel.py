@@ -37,6 +37,11 @@ def test_the_launcher_rejects_bad_arguments() -> None:
         gated_delta_step(states.half(), torch.tensor([0]), q, q, q, torch.zeros(1, 1), torch.zeros(1, 1))
     with pytest.raises(ValueError, match="v must be float32"):
         gated_delta_step(states, torch.tensor([0]), q, q, torch.zeros(1, 1, 5), torch.zeros(1, 1), torch.zeros(1, 1))
+    # a strided rows view [0, 1] was read at ptr + i: request 1 stepped row 7, past the 2 states (no error)
+    states, q2, g2 = torch.zeros(2, 1, 4, 4), torch.ones(2, 1, 4), torch.zeros(2, 1)
+    strided = torch.tensor([0, 7, 1, 7])[::2]
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        gated_delta_step(states, strided, q2, q2, q2, g2, g2)
 
 
 def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:

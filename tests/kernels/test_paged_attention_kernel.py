@@ -264,6 +264,30 @@ def test_launcher_rejects_bad_arguments() -> None:
                             window, attention_chunk_size=chunk)
 
 
+def test_launchers_refuse_strided_or_2d_step_vectors() -> None:
+    """The kernels read request i's ``seq_lens`` and ``query_start_loc`` at ``ptr + i``: a strided view (every other
+    element of a wider buffer) read the wrong lengths and gave wrong outputs (max error 0.9, or 1e21 for the query
+    starts) with no error; now a ValueError naming it, from the unified and the split-KV launchers alike."""
+    from asyncllm.kernels.paged_decode import paged_decode
+
+    md = _metadata([(5, 1), (9, 1), (20, 1)], 4, seed=0)
+    cache, query = _inputs(md, 4, 2, 16, torch.float32)
+
+    def every_other(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t, torch.zeros_like(t)], 1).reshape(-1)[::2]
+
+    args = (md.query_start_loc, md.seq_lens, md.block_tables)
+    for index, name in ((0, "query_start_loc"), (1, "seq_lens")):
+        bad = list(args)
+        bad[index] = every_other(args[index])
+        assert torch.equal(bad[index], args[index]) and bad[index].stride() == (2,)
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            paged_attention(query, cache[0], cache[1], *bad, 0.25)
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            paged_decode(query, cache[0], cache[1], *bad, 0.25, 2)
+    with pytest.raises(ValueError, match=r"seq_lens must be \[R\]"):
+        paged_attention(query, cache[0], cache[1], md.query_start_loc, md.seq_lens[:, None], md.block_tables, 0.25)
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", DTYPES)

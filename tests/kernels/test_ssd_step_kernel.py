@@ -34,3 +34,7 @@ def test_the_launcher_rejects_bad_arguments() -> None:
     states, x, bc = torch.zeros(2, 1, 4, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4)
     with pytest.raises(ValueError, match="a must be float32"):
         ssd_decode_step(states, torch.tensor([0]), x, bc, bc, torch.zeros(1, 1), torch.zeros(2))
+    # a strided rows view [0, 1] was read at ptr + i: request 1 stepped row 7, past the 2 states (no error)
+    x2, dt2 = torch.ones(2, 1, 4), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        ssd_decode_step(states, torch.tensor([0, 7, 1, 7])[::2], x2, x2, x2, dt2, torch.zeros(1))

@@ -54,3 +54,24 @@ def test_core_config_skips_this_machines_package_check(monkeypatch: pytest.Monke
         EngineConfig.from_dict(flat)
     with pytest.raises(ConfigError, match="pip install triton"):
         config.replace(attention_backend="triton")
+
+
+def test_vllm_backend_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's documented `attention_backend="FLASH_ATTN"` (its AttentionBackendEnum names, read in any case) was
+    "not allowed: one of 'torch_sdpa', 'triton', ..."; now each names the same backend here: TRITON_ATTN runs triton,
+    TORCH_SDPA torch_sdpa, FLASH_ATTN / FLASHINFER get the missing-package error (or NotBuilt) of ours."""
+    import torch
+
+    from asyncllm.attention.selector import get_attention_backend
+
+    _pretend_installed(monkeypatch, {"triton"})
+    for name, ours in (("TRITON_ATTN", "triton"), ("triton_attn", "triton"), ("TORCH_SDPA", "torch_sdpa"),
+                       ("Torch_SDPA", "torch_sdpa")):
+        assert EngineConfig.create("m", attention_backend=name).attention_backend == ours
+    with pytest.raises(ConfigError, match="pip install flash-attn"):
+        EngineConfig.create("m", attention_backend="FLASH_ATTN")
+    with pytest.raises(ConfigError, match="pip install flashinfer-python"):
+        EngineConfig.create("m", attention_backend="FLASHINFER")
+    assert get_attention_backend("TORCH_SDPA", torch.device("cpu")).name == "torch_sdpa"
+    with pytest.raises(ConfigError, match="one of"):
+        EngineConfig.create("m", attention_backend="FLEX_ATTENTION")

@@ -168,6 +168,10 @@ def test_one_kv_scale_for_both_and_the_scales_refused(tiny_llama: str, tmp_path:
     per_head = _with_scales(tiny_llama, tmp_path / "heads", {"model.layers.0.self_attn.k_scale": [0.5, 0.25]})
     with pytest.raises(NotBuiltError, match="KV-cache scales per head or channel"):
         load_model(EngineConfig.create(per_head, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    for value in (float("inf"), 0.0, float("nan")):  # inf: zeros in the cache and NaN scores (0 * inf), no error
+        broken = _with_scales(tiny_llama, tmp_path / f"s{value}", {"model.layers.0.self_attn.v_scale": value})
+        with pytest.raises(ConfigError, match="a positive finite KV-cache scale"):
+            load_model(EngineConfig.create(broken, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
     query = _with_scales(tiny_llama, tmp_path / "q", {"model.layers.0.self_attn.q_scale": 0.1})
     load_model(EngineConfig.create(query), hf_config, CPU, torch.float32)
     with pytest.raises(NotBuiltError, match="q_scale other than 1.0") as info:
@@ -207,3 +211,42 @@ def test_a_scaled_cache_holds_k_over_k_scale_and_attends_as_the_unscaled_keys(fp
     dequantized[1] *= v_scale
     expected = reference.paged_attention(rot_q, dequantized, metadata, head_dim**-0.5)
     torch.testing.assert_close(out, expected.reshape(tokens, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_calculate_kv_scales_as_vllm_names_it() -> None:
+    """vLLM's documented `LLM(model, kv_cache_dtype="fp8", calculate_kv_scales=False)` (its default: the checkpoint's
+    scales, else 1.0, which asyncllm does) was a ConfigError ("a known EngineConfig field"); now accepted, and True
+    (scales estimated from the first batch) a NotBuiltError naming the field, from the flag too."""
+    import argparse
+
+    from asyncllm.cli_args import add_engine_args, engine_kwargs
+
+    config = EngineConfig.create("m", kv_cache_dtype="fp8", calculate_kv_scales=False)
+    assert config.calculate_kv_scales is False and config.kv_cache_dtype == "fp8"
+    with pytest.raises(NotBuiltError, match="calculate_kv_scales=True"):
+        EngineConfig.create("m", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    with pytest.raises(ConfigError, match="calculate_kv_scales='yes'"):
+        EngineConfig.create("m", calculate_kv_scales="yes")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for argv, value in ((["--no-calculate-kv-scales"], False), (["--calculate-kv-scales"], True)):
+        assert engine_kwargs(parser.parse_args(argv))["calculate_kv_scales"] is value
+
+
+@pytest.mark.parametrize("layout", ["model.language_model.layers", "model.layers", "language_model.model.layers"])
+def test_a_multimodal_checkpoints_scales_in_either_layout(tmp_path: Path, layout: str) -> None:
+    """A vision-language checkpoint's scales under transformers' newer layout (``model.language_model.layers.N``,
+    Qwen3-VL's and Gemma 3's from transformers 4.52 on, whose weights load) were a ConfigError "a KV-cache scale of
+    an attention layer the model has"; now they reach the decoder's layers as the older layouts' do."""
+    from qwen_vl_utils import make_tiny_qwen_vl
+
+    path = Path(make_tiny_qwen_vl(tmp_path / "vl", version="2"))
+    shard = next(path.glob("*.safetensors"))
+    weights = load_file(str(shard))
+    weights.update({f"{layout}.1.self_attn.k_scale": torch.tensor(0.5),
+                    f"{layout}.1.self_attn.v_scale": torch.tensor(0.25)})
+    save_file(weights, str(shard))
+    model = load_model(EngineConfig.create(str(path), kv_cache_dtype="fp8"), load_hf_config(str(path)), CPU,
+                       torch.float32)
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale)
+            for layer in model.language_model.model.layers] == [(1.0, 1.0), (0.5, 0.25)]
