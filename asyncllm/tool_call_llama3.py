@@ -9,10 +9,11 @@ __all__ = ["Llama3JsonStream", "PYTHON_TAG"]
 PYTHON_TAG = "<|python_tag|>"
 
 _RETRY_FACTOR, _RETRY_FLOOR = 16, 65_536
-"""At a reply's end, the characters read again for the ``{`` after each object the end cut off, at most this many
-times the text's length (plus the floor): each retry of deeply nested objects that never close reads the rest of
-the reply (a reply cut inside ``{"a": {"b": ...`` 3,000 deep took seconds on the event loop); past it the rest of
-the reply is text. A call starts at most that many characters into an unclosed object."""
+"""The characters read again for the ``{`` after each object that broke (or that the reply's end cut off), at most
+this many times the text's length (plus the floor): each retry of deeply nested objects reads them again up to the
+break (a reply cut inside ``{"a": {"b": ...`` 3,000 deep took seconds on the event loop, and one that broke
+mid-reply, ``{"a": {"a": ... x``, 15 s); past it an object that breaks is text, the ``{`` inside it not tried. A
+call starts at most that many characters into an object that broke."""
 
 
 class Llama3JsonStream(ToolCallDeltaStream):
@@ -35,9 +36,11 @@ class Llama3JsonStream(ToolCallDeltaStream):
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
         self._space: str | None = ""  # separators held before any content (None: content came)
+        self._budget = _RETRY_FLOOR  # characters that may yet be read again (`_RETRY_FACTOR`)
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
+        self._budget += _RETRY_FACTOR * len(text)
         parts: list[ReplyPart] = []
         while self._read_object(parts) if self._call is not None else self._read_text(parts):
             pass
@@ -45,13 +48,7 @@ class Llama3JsonStream(ToolCallDeltaStream):
 
     def finish(self) -> list[ReplyPart]:
         parts: list[ReplyPart] = []
-        budget = _RETRY_FACTOR * (len(self._buffer) + sum(map(len, self._object))) + _RETRY_FLOOR
         while self._call is not None:  # an object the reply's end cut off is text: the next "{" is tried
-            budget -= len(self._buffer) + sum(map(len, self._object))
-            if budget < 0:  # nested objects that never close, each retried: the rest is text (`_RETRY_FACTOR`)
-                self._buffer, self._object = "".join(self._object) + self._buffer, []
-                self._call = None
-                break
             self._not_json(parts)
             while self._read_object(parts) if self._call is not None else self._read_text(parts):
                 pass
@@ -84,11 +81,11 @@ class Llama3JsonStream(ToolCallDeltaStream):
         assert self._call is not None
         used, deltas = self._call.feed(self._buffer)
         parts += deltas
+        self._object.append(self._buffer[:used])
+        self._buffer = self._buffer[used:]
         if self._call.json.error:
             self._not_json(parts)
             return True
-        self._object.append(self._buffer[:used])
-        self._buffer = self._buffer[used:]
         if not self._call.json.done:
             return False
         call, self._call = self._call, None
@@ -102,13 +99,19 @@ class Llama3JsonStream(ToolCallDeltaStream):
         return True
 
     def _not_json(self, parts: list[ReplyPart]) -> None:
-        """The open object's ``{`` starts no JSON value: it is text, and what follows it is read again."""
+        """The open object's ``{`` starts no JSON value: it is text, and what follows it is read again (past the
+        bound, `_RETRY_FACTOR`, all of the object's text read so far is text)."""
         assert self._call is not None
         if self._call.started:
             self._index = self._call.index + 1
-        self._buffer = ("".join(self._object) + self._buffer)[1:]
-        self._call = None
-        self._content(parts, "{")
+        read = "".join(self._object)
+        self._budget -= len(read)
+        if self._budget < 0:
+            self._content(parts, read)
+        else:
+            self._buffer = read[1:] + self._buffer
+            self._content(parts, "{")
+        self._call, self._object = None, []
 
     def _content(self, parts: list[ReplyPart], text: str) -> None:
         if self._calls:  # text after a call is not content

@@ -187,6 +187,8 @@ class TaggedBlockStream(ToolCallDeltaStream):
         self._calls = 0  # whole calls read
         self._space = ""  # whitespace after a call, held until more content shows it is inside the content
         self._after_call = False  # a call's piece came: whitespace from here on is held
+        self._before_open = ""  # the whitespace dropped at a call's first piece, while it is not done: content if
+        # the call breaks (its text is content then, and so is the whitespace before it, as in the whole reply)
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
@@ -256,17 +258,22 @@ class TaggedBlockStream(ToolCallDeltaStream):
         """Text between calls that is only whitespace (the newlines around blocks) is not content: after a call,
         whitespace is held back until more content follows it (then it is content, as in the whole reply) and
         dropped if a call or the end follows, part by part in order, so however the reply was cut into pieces;
-        once content followed the call, whitespace is content as it comes."""
+        once content followed the call, whitespace is content as it comes. A streamed call that breaks after its
+        first piece is content as well (its text follows its pieces): the whitespace before it is content then."""
         out: list[ReplyPart] = []
         for part in parts:
             if not isinstance(part, str):
+                if part.name is not None:
+                    self._before_open = self._space
+                if part.done:
+                    self._before_open = ""
                 self._space, self._after_call = "", True
                 out.append(part)
             elif self._after_call and not part.strip():
                 self._space += part
             elif part:
-                out.append(self._space + part)
-                self._space, self._after_call = "", False
+                out.append(self._before_open + self._space + part)
+                self._space, self._before_open, self._after_call = "", "", False
         return out
 
 

@@ -12,8 +12,10 @@ text is complete. The one way the forms differ: an ``auto`` call that breaks
 after its first piece (its JSON stops being JSON, the reply is cut short, or a
 ``llama3_json``/``mistral`` reply turns out not to be all calls) stays in the
 stream as it was sent, while the whole reply has only its text, as content
-(both have the text); and a ``llama3_json`` reply's text before its first call
-goes out as content, where the whole reply with calls has none (as vLLM's).
+(both have the text; with ``parallel_tool_calls`` false it does not hold the
+one place, which the next whole call takes in both forms); and a ``llama3_json``
+reply's text before its first call goes out as content, where the whole reply
+with calls has none (as vLLM's).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class ChatReply:
         self._indexes: dict[int, int | None] = {}
         """An auto call's index in the parser's stream -> its index in the reply (None: left out, not parallel)."""
         self._whole_calls = 0
+        self._slot: int | None = None
+        """Not parallel: the parser's index of the call that holds the one place, while it is not known broken."""
+        self._done: set[int] = set()  # the parser's indexes of the calls that came whole
         self._named_id = mode.new_call_id()
 
     def feed(self, text: str) -> list[Delta]:
@@ -138,27 +143,35 @@ class ChatReply:
             if isinstance(part, ToolCallDelta):
                 deltas += self._call_delta(part)
             elif part:
+                if self._slot is not None and self._slot not in self._done:
+                    self._slot = None  # content after a call's pieces before it was whole: it broke (its text)
                 deltas.append({"content": part})
         return deltas
 
     def _call_delta(self, part: ToolCallDelta) -> list[Delta]:
-        if part.index not in self._indexes:  # a new call; parallel_tool_calls false: the first one only
-            self._indexes[part.index] = self._calls if self.mode.parallel or not self._calls else None
-            self._calls += self._indexes[part.index] is not None
+        if part.index not in self._indexes:  # a new call; parallel_tool_calls false: the first whole one only (a
+            # streamed call that broke after its first piece stays as it was sent, and leaves its place to the next)
+            takes = self.mode.parallel or self._slot is None
+            self._indexes[part.index] = self._calls if takes else None
+            self._calls += takes
+            self._slot = part.index if takes else self._slot
         index = self._indexes[part.index]
         if index is None:
             return []
+        if part.done:
+            self._done.add(part.index)
         self._whole_calls += part.done
         arguments = _escaped_surrogates(part.arguments)
-        if part.name is not None:
+        if part.name is not None:  # a name read from JSON may hold a lone surrogate as well
             return [{"tool_calls": [{"index": index, "id": part.id, "type": "function",
-                                     "function": {"name": part.name, "arguments": arguments}}]}]
+                                     "function": {"name": _escaped_surrogates(part.name), "arguments": arguments}}]}]
         return [{"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}] if arguments else []
 
 
 def _escaped_surrogates(arguments: str) -> str:
     """Arguments JSON whose strings hold lone surrogates (a model's ``"\\ud83d"``, decoded by the parser) with
-    them written back as JSON escapes: the same JSON, and text that UTF-8 (the response) can encode."""
+    them written back as JSON escapes: the same JSON, and text that UTF-8 (the response) can encode. A call's name
+    too: as the model wrote it."""
     return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", arguments)
 
 

@@ -396,3 +396,83 @@ def test_a_lone_surrogate_in_arguments_stays_an_escape() -> None:
         arguments = merge_deltas(deltas, tools=True)["tool_calls"][0]["function"]["arguments"]
         assert arguments == '{"city": "\U0001f600 \\ud83d"}' and json.loads(arguments) == {"city": "\U0001f600 \ud83d"}
         msgspec.json.encode(deltas)  # what the server sends
+
+
+def _message(text: str, parallel: bool | None, stream_arguments: bool, seed: int = 0) -> tuple[dict, str | None]:
+    """The hermes ``auto`` reply to `text` (streamed: fed in pieces of 1 to 5 characters) as merged deltas."""
+    mode = tool_mode([WEATHER, ADD], "auto", parallel, get_tool_parser("hermes"))
+    reply = ChatReply(mode, stream_arguments=stream_arguments)
+    if not stream_arguments:
+        deltas = reply.feed(text)
+        more, finish = reply.finish("stop")
+        return merge_deltas(deltas + more, tools=True), finish
+    deltas, more, finish = _fed_in_pieces(reply, text, seed, 5)
+    return merge_deltas(deltas + more, tools=True), finish
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whitespace_before_a_block_that_breaks_is_content_streamed_and_whole(seed: int) -> None:
+    """A call, newlines, then a block whose name was read but which the reply's end cut (max_tokens): the block is
+    content, with the newlines before it (nothing the model wrote is lost, as the whole reply reads it); streamed,
+    the newlines were held when its first piece went out, and were dropped (2026-12-08: the forms disagreed)."""
+    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n\n'
+            '<tool_call>\n{"name": "get_weather", "argu')
+    cut = '\n\n<tool_call>\n{"name": "get_weather", "argu'
+    whole, _ = _message(text, None, stream_arguments=False)
+    assert whole["content"] == cut and [c["function"]["name"] for c in whole["tool_calls"]] == ["add"]
+    streamed, _ = _message(text, None, stream_arguments=True, seed=seed)
+    assert streamed["content"] == cut  # and the broken call as it was sent
+    assert [c["function"]["name"] for c in streamed["tool_calls"]] == ["add", "get_weather"]
+    content, calls = _streamed("hermes", text, seed)
+    assert (content, calls) == (cut, [("add", '{"a": 1}')])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_not_parallel_a_broken_first_call_leaves_the_slot_to_the_next_whole_one(seed: int) -> None:
+    """``parallel_tool_calls: false`` keeps the first whole call. Streamed, a first call whose JSON then broke went
+    out as it was sent (as with parallel calls) and the good call after it was dropped, while the whole reply had
+    it (2026-12-08): now both have it, and finish_reason "tool_calls"."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": nope}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>')
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": nope}}\n</tool_call>\n'
+    whole, finish = _message(text, False, stream_arguments=False)
+    assert (whole["content"], finish) == (broken, "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == [("add", '{"a": 1}')]
+    streamed, finish = _message(text, False, stream_arguments=True, seed=seed)
+    assert (streamed["content"], finish) == (broken, "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["tool_calls"]] == [
+        ("get_weather", '{"city": '), ("add", '{"a": 1}')]  # the broken one as sent, then the first whole one
+    parallel, _ = _message(text, None, stream_arguments=True, seed=seed)
+    assert len(parallel["tool_calls"]) == 3
+
+
+def test_not_parallel_a_first_call_still_open_keeps_the_slot() -> None:
+    """``mistral`` calls are whole only at the reply's end: streamed, the second call starts while the first is
+    not yet known whole, and is dropped (it is not a broken call's text)."""
+    text = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {}}]'
+    for stream_arguments in (True, False):
+        reply = ChatReply(tool_mode([WEATHER, ADD], "auto", False, get_tool_parser("mistral")),
+                          stream_arguments=stream_arguments)
+        deltas = [d for ch in text for d in reply.feed(ch)]
+        more, finish = reply.finish("stop")
+        message = merge_deltas(deltas + more, tools=True)
+        assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"] and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("parser_name, text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather\\ud83d", "arguments": {}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather\\ud83d", "parameters": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather\\udc00", "arguments": {}}]'),
+    ("jamba", '<tool_calls>[{"name": "get_weather\\udc00", "arguments": {}}]</tool_calls>'),
+])
+def test_a_lone_surrogate_in_a_call_name_stays_an_escape(parser_name: str, text: str) -> None:
+    """A name decoded from JSON may hold a lone surrogate too: the response could not be encoded (UnicodeEncodeError
+    in the server, streamed and whole; 2026-12-08). It is written back as the model wrote it."""
+    for stream_arguments in (False, True):
+        reply = ChatReply(tool_mode([WEATHER], "auto", None, get_tool_parser(parser_name)),
+                          stream_arguments=stream_arguments)
+        deltas = [d for i in range(0, len(text), 3) for d in reply.feed(text[i:i + 3])] + reply.finish("stop")[0]
+        msgspec.json.encode(deltas)  # what the server sends
+        name = merge_deltas(deltas, tools=True)["tool_calls"][0]["function"]["name"]
+        assert name == text[text.index("get_weather"):text.index("get_weather") + 17]
