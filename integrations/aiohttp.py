@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
-from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.streams import ClientDisconnected, check_one_sample, first_deltas, merge_streams
+from asyncllm.integrations.errors import error_body, text_stream_end
+from asyncllm.integrations.streams import (
+    TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, first_deltas, merge_streams,
+)
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,25 +60,37 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
 
     The first delta is awaited before the status line goes out, so a bad
     prompt or an overloaded engine becomes a 400 / 429 JSON error, not a
-    broken 200 stream. A client that disconnects, while its request is queued
-    or between tokens, aborts the request.
+    broken 200 stream; an error after it (or an abort) aborts the request and
+    ends the text with a line of its JSON error body (`text_stream_end`). A
+    client that disconnects, while its request is queued or between tokens,
+    aborts the request.
     """
     until = partial(wait_disconnect, request)
     async with stream:
         try:
             check_one_sample(stream)
             firsts = await first_deltas([stream], until=until)
+            check_not_aborted(firsts[0])  # before its first token (a queued request, the engine closing)
         except AsyncLLMError as exc:
             return _error(exc)
         except ClientDisconnected:
             return web.Response(status=499)  # nobody reads it: aiohttp logs the early disconnect at debug level
-        response = web.StreamResponse(headers={"Content-Type": f"{content_type}; charset=utf-8"})
+        if "charset=" not in content_type.lower():  # the text is UTF-8; one given already is kept, not doubled
+            content_type = f"{content_type}; charset=utf-8"
+        response = web.StreamResponse(headers={"Content-Type": content_type, **TEXT_STREAM_HEADERS})
         try:
             await response.prepare(request)
-            async with aclosing(merge_streams([stream], firsts, until=until)) as deltas:
-                async for _, delta in deltas:
-                    if delta.text:
-                        await response.write(delta.text.encode())
+            try:
+                async with aclosing(merge_streams([stream], firsts, until=until)) as deltas:
+                    async for _, delta in deltas:
+                        if delta.text:
+                            await response.write(delta.text.encode())
+                        check_not_aborted(delta)
+            except (ClientDisconnected, ConnectionResetError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - after the status line: the stream's last line says it
+                await stream.aclose()
+                await response.write(text_stream_end(exc).encode())
             await response.write_eof()
         except (ClientDisconnected, ConnectionResetError):  # an ordinary disconnect: abort, no traceback
             pass

@@ -32,8 +32,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.streams import check_one_sample
+from asyncllm.integrations.errors import error_body, text_stream_end
+from asyncllm.integrations.streams import TEXT_STREAM_HEADERS, check_not_aborted, check_one_sample
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -89,7 +89,8 @@ async def stream_response(stream: RequestStream, request: HttpRequest | None = N
     """A `StreamingHttpResponse` of the generated text (await it in an async view, passing its `request`).
 
     The first delta is awaited first, so a bad prompt or an overloaded engine
-    is a 400 / 429 JSON error, not a broken 200. Django's ASGI handler stops
+    is a 400 / 429 JSON error, not a broken 200; an error after it (or an abort) aborts the request and ends the
+    text with a line of its JSON error body (`text_stream_end`). Django's ASGI handler stops
     the iterator when the client disconnects, which leaves the stream and
     aborts the request. A WSGI `request` (a WSGI server, the sync test Client) gets the whole text in one
     `HttpResponse`: Django would read a streamed body on another event loop, where the stream cannot go.
@@ -97,12 +98,16 @@ async def stream_response(stream: RequestStream, request: HttpRequest | None = N
     try:
         check_one_sample(stream)
         first = await stream.__anext__()
+        check_not_aborted(first)  # before its first token (a queued request, the engine closing)
         if request is not None and not _asgi(request):
             return HttpResponse(await _whole(stream, first), content_type=content_type)
     except AsyncLLMError as exc:
         await stream.aclose()
         return error_response(exc)
-    return StreamingHttpResponse(_text(stream, first), content_type=content_type)
+    response = StreamingHttpResponse(_text(stream, first), content_type=content_type)
+    for name, value in TEXT_STREAM_HEADERS.items():
+        response[name] = value
+    return response
 
 
 def _asgi(request: HttpRequest) -> bool:
@@ -112,8 +117,13 @@ def _asgi(request: HttpRequest) -> bool:
 
 
 async def _whole(stream: RequestStream, first: StreamDelta) -> str:
+    """The whole text; `RequestAbortedError` for an aborted request, which would pass for a whole text."""
     async with stream:
-        return first.text + "".join([delta.text async for delta in stream])
+        texts = [first.text]
+        async for delta in stream:
+            texts.append(delta.text)
+            check_not_aborted(delta)
+        return "".join(texts)
 
 
 def error_response(exc: AsyncLLMError) -> JsonResponse:
@@ -126,11 +136,16 @@ def error_response(exc: AsyncLLMError) -> JsonResponse:
 
 async def _text(stream: RequestStream, first: StreamDelta) -> AsyncIterator[str]:
     async with stream:  # however the iteration ends, the request is aborted if unfinished
-        if first.text:
-            yield first.text
-        async for delta in stream:
-            if delta.text:
-                yield delta.text
+        try:
+            if first.text:
+                yield first.text
+            async for delta in stream:
+                if delta.text:
+                    yield delta.text
+                check_not_aborted(delta)
+        except Exception as exc:  # noqa: BLE001 - after the status line: the stream's last line says it
+            await stream.aclose()
+            yield text_stream_end(exc)
 
 
 def _make_engine() -> AsyncEngine:

@@ -8,6 +8,8 @@ clients parse it (``openai.BadRequestError`` for 400, ``RateLimitError`` for
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -17,7 +19,10 @@ from asyncllm.errors import (
     RequestAbortedError, RequestTimeoutError,
 )
 
-__all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_fields", "status_of"]
+__all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_fields", "status_of",
+           "text_stream_end"]
+
+logger = logging.getLogger("asyncllm.integrations")
 
 
 class ApiError(Exception):
@@ -102,3 +107,18 @@ def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict
             code, message = exc.code, exc.message  # no "field: " prefix: clients match the message anchored
     headers = {"Retry-After": "1"} if status in (429, 503) else {}
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers
+
+
+def text_stream_end(exc: Exception) -> str:
+    """The end of a text stream (the web adapters' `stream_text`, `text_stream_response`, `stream_response`) that
+    `exc` broke off after its status line went out (its request already aborted by the caller): a line of its own
+    with the error body a status-line error has, so the client reads why the text stopped, and the body then ends
+    as usual (it was a traceback in the framework's log and a connection cut mid-body). An unexpected exception (a
+    bug: no asyncllm error) is logged with its traceback and reported as the 500 ``internal error: <type>``."""
+    error: AsyncLLMError | ApiError
+    if isinstance(exc, AsyncLLMError):
+        error = exc
+    else:
+        logger.error("unexpected error in a text stream", exc_info=exc)
+        error = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+    return "\n" + json.dumps(error_body(error)[1], ensure_ascii=False) + "\n"

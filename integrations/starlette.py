@@ -24,8 +24,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from asyncllm.errors import AsyncLLMError
-from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.streams import ClientDisconnected, check_one_sample, first_deltas, merge_streams
+from asyncllm.integrations.errors import error_body, text_stream_end
+from asyncllm.integrations.streams import (
+    TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, first_deltas, merge_streams,
+)
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -71,8 +73,12 @@ def get_engine(request: Request) -> AsyncEngine:
 
 async def wait_disconnect(request: Request) -> None:
     """Return when the client disconnects (call once the body has been read)."""
+    await _disconnected(request.receive)
+
+
+async def _disconnected(receive: Receive) -> None:
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -82,9 +88,11 @@ def text_stream_response(stream: RequestStream, request: Request | None = None, 
     """Stream the generated text as it comes; a client that leaves aborts the request.
 
     The first delta is awaited before the status line goes out, so a bad prompt
-    or an overloaded engine is a 400 / 429 JSON error, not a broken 200 stream.
-    With `request`, a client that disconnects is noticed even while its request
-    is queued or between tokens.
+    or an overloaded engine is a 400 / 429 JSON error, not a broken 200 stream;
+    an error after it (or an abort) aborts the request and ends the text with a
+    line of its JSON error body (`text_stream_end`). A client that disconnects
+    is noticed even while its request is queued or between tokens (`request`
+    is optional: the response listens to the connection it is sent on).
     """
     return _TextStreamResponse(stream, request, media_type)
 
@@ -93,16 +101,21 @@ class _TextStreamResponse(StreamingResponse):
     """Sends its status only once the first delta (or the error instead of it) has come."""
 
     def __init__(self, stream: RequestStream, request: Request | None, media_type: str) -> None:
-        super().__init__(self._text(), media_type=media_type)  # runs once __call__ has the first delta
+        # the body runs once __call__ has the first delta
+        super().__init__(self._text(), media_type=media_type, headers=TEXT_STREAM_HEADERS)
         self._stream = stream
         self._until = (lambda: wait_disconnect(request)) if request is not None else None
         self._firsts: list[StreamDelta] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._until is None:  # no request given: the response's own receive (a queued request's client too)
+            self._until = lambda: _disconnected(receive)
         try:
             check_one_sample(self._stream)
             self._firsts = await first_deltas([self._stream], until=self._until)
+            check_not_aborted(self._firsts[0])  # before its first token (a queued request, the engine closing)
         except AsyncLLMError as exc:
+            await self._stream.aclose()
             status, body, headers = error_body(exc)
             await JSONResponse(body, status, headers)(scope, receive, send)
             return
@@ -119,5 +132,9 @@ class _TextStreamResponse(StreamingResponse):
             async for _, delta in merge_streams([self._stream], self._firsts, until=self._until):
                 if delta.text:
                     yield delta.text
+                check_not_aborted(delta)
         except ClientDisconnected:
             return
+        except Exception as exc:  # noqa: BLE001 - after the status line: the stream's last line says it
+            await self._stream.aclose()
+            yield text_stream_end(exc)

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import StreamDelta
 
-__all__ = ["ClientDisconnected", "first_deltas", "accepted_streams", "merge_streams", "gather_until",
-           "check_one_sample"]
+__all__ = ["ClientDisconnected", "TEXT_STREAM_HEADERS", "first_deltas", "accepted_streams", "merge_streams",
+           "gather_until", "check_one_sample", "check_not_aborted"]
 
 T = TypeVar("T")
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one stream is merged as several are
@@ -25,6 +25,22 @@ _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one strea
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
+
+
+TEXT_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""A streamed text reply's headers (the web adapters'), as the OpenAI server's event streams': not cached, and not
+buffered by a proxy (nginx) that would hold its chunks back until the end."""
+
+
+def check_not_aborted(delta: StreamDelta) -> None:
+    """`RequestAbortedError` for a delta that ends its sample as aborted (``AsyncEngine.abort`` from the host's
+    code, or the engine's close at shutdown): a text stream has no finish reason to say so, and would end as if
+    the text were complete."""
+    if delta.finish_reason == "abort":
+        from asyncllm.errors import RequestAbortedError
+
+        raise RequestAbortedError("the request was aborted before it finished (AsyncEngine.abort, or the engine "
+                                  "closing)")
 
 
 def check_one_sample(stream: RequestStream) -> None:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from asyncllm import SamplingParams
 from asyncllm.integrations.starlette import text_stream_response
-from stream_stubs import StalledStream
+from stream_stubs import MID_STREAM_ENDS, FailingStream, StalledStream, error_line_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -72,6 +72,21 @@ async def test_disconnect_while_queued_aborts() -> None:
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499  # no 200 before the first delta
 
 
+async def test_disconnect_while_queued_aborts_without_the_request() -> None:
+    """`text_stream_response(stream)` with no `request` (it is optional) listens to its own connection: a client
+    gone while its request was queued left it queued until it ran and its first token came."""
+    stream = StalledStream()
+
+    async def complete(request):
+        return text_stream_response(stream)
+
+    async def once_queued(sent: list[dict]) -> None:
+        await stream.waiting.wait()
+
+    sent = await _call(Starlette(routes=[Route("/complete", complete)]), "x", once_queued)
+    assert stream.closed.is_set() and sent[0]["status"] == 499
+
+
 async def test_disconnect_between_tokens_aborts(bundled_engine) -> None:
     aborted_before = bundled_engine.stats().request_success_total.get("abort", 0)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # seconds of work on this model
@@ -87,6 +102,56 @@ async def test_disconnect_between_tokens_aborts(bundled_engine) -> None:
             break
         await asyncio.sleep(0.02)
     assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 1
+
+
+@pytest.mark.parametrize("end", list(MID_STREAM_ENDS))
+async def test_error_mid_stream_ends_the_text_with_an_error_line(end) -> None:
+    """An engine error after the first bytes (the engine died, an error found late, an abort): the request is
+    aborted and the text ends with a line of its JSON error body, the body ended as usual (was: the exception out
+    of the app, a traceback in the server's log and a connection cut mid-body; an abort ended as a whole text)."""
+    make, kind, code = MID_STREAM_ENDS[end]
+    texts = ("héllo ", "wörld")
+    stream = FailingStream(texts, make())
+    async with asgi_client(_app(lambda prompt: stream)) as client:
+        response = await client.get("/complete", params={"prompt": "x"})
+    assert response.status_code == 200 and response.headers["content-type"] == "text/plain; charset=utf-8"
+    assert response.headers["cache-control"] == "no-cache" and response.headers["x-accel-buffering"] == "no"
+    error = error_line_of(response.text, texts)
+    assert (error["type"], error["code"]) == (kind, code) and stream.closed.is_set()
+
+
+async def test_a_request_aborted_before_its_first_token_is_an_error_status() -> None:
+    """Aborted while queued (`AsyncEngine.abort`, the engine closing): no status was sent, so its error's (was: a 200
+    with no text, as if the completion were empty)."""
+    stream = FailingStream((), "abort")
+    async with asgi_client(_app(lambda prompt: stream)) as client:
+        response = await client.get("/complete", params={"prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["code"] == "request_aborted"
+    assert stream.closed.is_set()
+
+
+async def test_a_request_aborted_mid_stream_ends_with_an_error_line(bundled_engine) -> None:
+    """`AsyncEngine.abort` by the host's code (or the engine's close) mid-stream: the text said nothing of it."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # seconds of work on this model
+    streams = []
+
+    def make(prompt: str):
+        streams.append(bundled_engine.stream(prompt, params))
+        return streams[-1]
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message.get("body") and len(sent) == 2:  # the first text: abort it
+            await bundled_engine.abort(streams[0].request_id)
+
+    scope = http_scope("GET", "/complete", b"prompt=def+f():")
+    await asyncio.wait_for(_app(make)(scope, asyncio.Event().wait, send), 20)
+    body = b"".join(message.get("body", b"") for message in sent[1:]).decode()
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    error = error_line_of(body, (body.rsplit("\n", 2)[0],))
+    assert error["code"] == "request_aborted"
 
 
 async def test_a_failed_send_closes_the_stream_at_once() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from asyncllm import SamplingParams
 from asyncllm.integrations import aiohttp as aiohttp_adapter
-from stream_stubs import StalledStream
+from stream_stubs import MID_STREAM_ENDS, FailingStream, StalledStream, error_line_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -46,6 +47,22 @@ async def test_aiohttp_streams_generated_text(bundled_engine) -> None:
     assert unknown.status == 400 and unknown_body["error"]["param"] == "body"
     assert several.status == 400 and several_body["error"]["param"] == "n"
     assert bundled_engine.started  # close=False: the app's cleanup left the shared engine running
+
+
+async def test_aiohttp_error_found_late_in_a_real_request_ends_with_its_error_line(bundled_engine) -> None:
+    """The engine finds an error after the first tokens (a grammar whose next token allowed_token_ids forbid): the
+    text so far, then its error line, the body complete (was: a traceback in aiohttp's log, the connection cut)."""
+    a = (await bundled_engine.get_tokenizer()).encode("a", add_special_tokens=False)
+    app = web.Application()
+    aiohttp_adapter.setup_engine(app, bundled_engine, close=False)
+    app.router.add_post("/generate", aiohttp_adapter.generate_handler)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/generate", json={"prompt": "x", "max_tokens": 8, "temperature": 0,
+                                                        "structured_outputs": {"regex": "aab"},
+                                                        "allowed_token_ids": a})
+        body = await response.text()
+    assert response.status == 200
+    assert error_line_of(body, ("aa",))["param"] == "allowed_token_ids"
 
 
 async def test_aiohttp_custom_handler_with_engine_key(bundled_engine) -> None:
@@ -110,6 +127,51 @@ async def test_aiohttp_disconnect_between_tokens_aborts(bundled_engine, caplog) 
             await asyncio.sleep(0.02)
     assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 1
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("end", list(MID_STREAM_ENDS))
+async def test_aiohttp_error_mid_stream_ends_the_text_with_an_error_line(end, caplog) -> None:
+    """An engine error after the first bytes (the engine died, an error found late, an abort): the request is
+    aborted and the text ends with a line of its JSON error body, the body complete (was: a traceback in aiohttp's
+    log, the connection cut mid-body: the client's ClientPayloadError, no reason; an abort ended as a whole text)."""
+    make, kind, code = MID_STREAM_ENDS[end]
+    texts = ("héllo ", "wörld")
+    stream = FailingStream(texts, make())
+    async with _served(lambda: stream) as url, aiohttp.ClientSession() as client:
+        async with client.get(url) as response:
+            body = (await response.read()).decode()
+    assert response.status == 200 and response.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert response.headers["Cache-Control"] == "no-cache" and response.headers["X-Accel-Buffering"] == "no"
+    error = error_line_of(body, texts)
+    assert (error["type"], error["code"]) == (kind, code) and stream.closed.is_set()
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert [record.name for record in errors] == (["asyncllm.integrations"] if end == "bug" else [])
+
+
+@pytest.mark.parametrize("given, sent", [("text/markdown", "text/markdown; charset=utf-8"),
+                                         ("text/plain; charset=utf-8", "text/plain; charset=utf-8")])
+async def test_aiohttp_content_type_names_one_charset(given, sent) -> None:
+    """`content_type` with its charset already (as Starlette's media_type and Django's content_type take it) was
+    sent with a second one, ``text/plain; charset=utf-8; charset=utf-8``."""
+    app = web.Application()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await aiohttp_adapter.stream_text(request, FailingStream(("a",), StopAsyncIteration()),
+                                                 content_type=given)
+
+    app.router.add_get("/q", handler)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.get("/q")
+        assert await response.text() == "a" and response.headers["Content-Type"] == sent
+
+
+async def test_aiohttp_request_aborted_before_its_first_token_is_an_error_status() -> None:
+    """Aborted while queued (`AsyncEngine.abort`, the engine closing): its error's status (was: an empty 200)."""
+    stream = FailingStream((), "abort")
+    async with _served(lambda: stream) as url, aiohttp.ClientSession() as client:
+        async with client.get(url) as response:
+            body = await response.json()
+    assert response.status == 500 and body["error"]["code"] == "request_aborted" and stream.closed.is_set()
 
 
 # ---------------------------------------------------------------- Django
@@ -251,3 +313,60 @@ async def test_django_under_wsgi_answers_the_whole_text(bundled_engine) -> None:
     expected = await _expected(bundled_engine, "if x:")
     assert answers[:2] == [[200, expected], [200, expected]] and expected
     assert answers[2][0] == 400 and json.loads(answers[2][1])["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("end", list(MID_STREAM_ENDS))
+async def test_django_error_mid_stream_ends_the_text_with_an_error_line(django_client, end) -> None:
+    """As aiohttp's: an error after the first bytes ends the text with its error line (was: Django's ASGI handler
+    raised it, a traceback and a connection cut mid-body)."""
+    from django.urls import path
+
+    from asyncllm.integrations import django as django_adapter
+
+    make, kind, code = MID_STREAM_ENDS[end]
+    texts = ("héllo ", "wörld")
+    stream = FailingStream(texts, make())
+
+    async def failing(request):
+        return await django_adapter.stream_response(stream, request)
+
+    urlpatterns.append(path("failing", failing))
+    try:
+        response = await django_client.get("/failing")
+        body = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    finally:
+        urlpatterns.pop()
+    assert response.status_code == 200 and response.streaming
+    assert response["Cache-Control"] == "no-cache" and response["X-Accel-Buffering"] == "no"
+    error = error_line_of(body, texts)
+    assert (error["type"], error["code"]) == (kind, code) and stream.closed.is_set()
+
+
+@pytest.mark.parametrize("end", list(MID_STREAM_ENDS))
+async def test_django_wsgi_error_after_the_first_delta_is_the_json_error(django_client, end) -> None:
+    """A WSGI request's whole text: an error after the first delta is its JSON error response, an abort too (it
+    answered the text so far as if whole)."""
+    from django.test import RequestFactory
+
+    from asyncllm.integrations import django as django_adapter
+
+    make, kind, code = MID_STREAM_ENDS[end]
+    stream = FailingStream(("a", "b"), make())
+    if end == "bug":
+        with pytest.raises(RuntimeError):  # a bug: Django's 500 page, as any view's
+            await django_adapter.stream_response(stream, RequestFactory().get("/"))
+        return
+    response = await django_adapter.stream_response(stream, RequestFactory().get("/"))
+    error = json.loads(response.content)["error"]
+    assert not response.streaming and (error["type"], error["code"]) == (kind, code) and stream.closed.is_set()
+
+
+async def test_django_request_aborted_before_its_first_token_is_an_error_status(django_client) -> None:
+    """Aborted while queued (`AsyncEngine.abort`, the engine closing): its error's status (was: an empty 200)."""
+    from asyncllm.integrations import django as django_adapter
+
+    stream = FailingStream((), "abort")
+    response = await django_adapter.stream_response(stream)
+    assert response.status_code == 500 and not response.streaming and stream.closed.is_set()
+    assert json.loads(response.content)["error"]["code"] == "request_aborted"
+
