@@ -24,10 +24,11 @@ model wrote is lost. `HarmonyReasoningStream` (``openai_gptoss``) and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from asyncllm.tool_call_replies import ArgumentsObject
-from asyncllm.tool_call_streams import ReplyPart, ToolCallDeltaStream, partial_tag_suffix
+from asyncllm.tool_call_streams import ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix
 
 __all__ = ["Header", "HarmonyScanner", "HarmonyReasoningStream", "HarmonyToolStream", "FINAL_START", "MessagePart",
            "joined_parts", "parse_header"]
@@ -240,8 +241,10 @@ class HarmonyReasoningStream:
 
 class HarmonyToolStream(ToolCallDeltaStream):
     """``openai``: a message addressed to ``functions.NAME`` whose body is a JSON object is a call (its body the
-    arguments, streamed through the JSON scanner); everything else is content as written (after ``openai_gptoss``
-    that is the answer's text, and the messages with other recipients)."""
+    arguments, streamed through the JSON scanner); so is one ended by an end marker whose body does not start with
+    ``{`` (its arguments, in one piece at its end, the body's JSON as json.dumps writes it, or the body as written
+    when it is no JSON: vLLM's); everything else is content as written (after ``openai_gptoss`` that is the
+    answer's text, and the messages with other recipients)."""
 
     def __init__(self, stream_arguments: bool) -> None:
         self._scanner = HarmonyScanner()
@@ -294,13 +297,28 @@ class HarmonyToolStream(ToolCallDeltaStream):
         return list(deltas)
 
     def _close(self, marker: str) -> list[ReplyPart]:
-        """The call's last piece; a message whose body is not one JSON object is content (a call that started
-        streaming stays as it was sent)."""
+        """The call's last piece; a message whose body starts with ``{`` but is not one JSON object (or whose body
+        did not start with one and no end marker ended it) is content (a call that started streaming stays as it
+        was sent)."""
         assert self._call is not None
         call, self._call = self._call, None
         deltas = call.close() if not call.json.error and not self._after.strip() else None
+        if deltas is None and marker and call.json.error and not call.json.text:
+            deltas = self._raw_call(call)
         if deltas is not None or self._stream_arguments:  # streamed, its first piece was sent at its header
             self._index = call.index + 1
         if deltas is None:
             return ["".join(self._raw) + marker]
         return list(deltas)
+
+    def _raw_call(self, call: ArgumentsObject) -> list[ReplyPart]:
+        """A body that does not start with ``{`` (none of it was streamed): vLLM's arguments for it,
+        ``json.dumps(json.loads(body))``, or the body as written when it is no JSON."""
+        body = "".join(self._raw[1:])
+        try:
+            arguments = json.dumps(json.loads(body), ensure_ascii=False)
+        except (ValueError, RecursionError):
+            arguments = body
+        if self._stream_arguments:  # its first piece went out at its header
+            return [ToolCallDelta(call.index, arguments, done=True)]
+        return [ToolCallDelta(call.index, arguments, call.name, call.id, done=True)]

@@ -87,7 +87,8 @@ class CallObject:
 
     Its arguments text is what `call_from_value` makes of the whole object
     (json_stream.py writes json.dumps's text as it reads); with
-    `stream_arguments` its pieces are reported as they are read.
+    `stream_arguments` its pieces are reported as they are read. Arguments written as ``null`` make a call whose
+    arguments are ``null`` (vLLM's ``json.dumps(call["arguments"])``), sent whole at the object's end.
     """
 
     def __init__(self, index: int, arguments_keys: tuple[str, ...], stream_arguments: bool,
@@ -131,8 +132,8 @@ class CallObject:
         if self._serialized and arguments.startswith('"'):
             arguments = _serialized_object(arguments)
         text = self.json.value("name") if self.json.done else ""
-        if not text.startswith('"') or not arguments.startswith("{"):
-            return None
+        if not text.startswith('"') or not (arguments.startswith("{") or arguments == "null"):
+            return None  # arguments null: a call with arguments "null", as vLLM's json.dumps of the value
         if not self._stream:
             return [ToolCallDelta(self.index, arguments, json.loads(text), self.id, done=True)]
         if self.json.repeated & {"name", *self._keys} or sum(k in self.json.values for k in self._keys) > 1:

@@ -14,8 +14,9 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON list of calls, or
   ``name[ARGS]{...}`` per call (Mistral's models);
 - ``openai``: gpt-oss's harmony messages addressed to ``functions.NAME``, their
-  body the JSON arguments (harmony.py; after the ``openai_gptoss`` reasoning
-  parser, which the server requires with it).
+  body the JSON arguments (a body that does not start with ``{``: as vLLM's, its
+  JSON re-dumped or its text as written; harmony.py; after the ``openai_gptoss``
+  reasoning parser, which the server requires with it).
 - ``granite`` / ``phi4_mini_json``: ``<|tool_call|>`` (or ``<tool_call>``) /
   ``functools`` and a JSON list of calls (Granite 3.x / Phi-4-mini);
 - ``qwen3_coder``: ``<tool_call>`` blocks of ``<function=NAME>`` and
@@ -33,7 +34,8 @@ deltas: `ToolParser.stream` reports each call once its text is complete,
 calls' arguments as they are generated (``qwen3_coder``'s one parameter at a time) (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
 calls whole, at the reply's end). Content is passed on as
 it comes, except the few characters that may open a call. A call whose JSON
-does not parse is left in the content, so no text is ever lost (a streamed
+does not parse is left in the content (``"arguments": null`` is a call, its arguments
+``null``, as vLLM's), so no text is ever lost (a streamed
 call that broke after its first piece stays as it was sent, and its text is
 content too). A call's arguments are its JSON as ``json.dumps`` writes it (``deepseek_v3``, ``deepseek_v31`` and
 ``kimi_k2``'s: as the model wrote it, as vLLM's). A ``llama3_json`` reply with calls has no content, as vLLM's

@@ -7,8 +7,9 @@ a `ToolMode`, the answer after the thoughts). A non-streaming message is
 `merge_deltas` of the deltas of the whole text (``stream_arguments`` false), so
 both forms agree. Streaming, a named call's arguments flow as the tokens
 come, and so do an ``auto`` call's once its name is read (``pythonic`` calls
-come whole, at the reply's end); a ``required`` call is sent whole once its
-text is complete. The one way the forms differ: an ``auto`` call that breaks
+come whole, at the reply's end); ``required`` calls are sent whole at the
+reply's end (one cut short: those written whole, the unfinished one's text as
+content). The one way the forms differ: an ``auto`` call that breaks
 after its first piece (its JSON stops being JSON, the reply is cut short, or a
 ``llama3_json``/``mistral`` reply turns out not to be all calls) stays in the
 stream as it was sent, while the whole reply has only its text, as content
@@ -124,11 +125,10 @@ class ChatReply:
     def _finish_answer(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         kind = self.mode.kind
         if kind == "required":
-            calls = _required_calls("".join(self._text), self.mode.new_call_id)
-            if calls is None:  # cut short (length) or not a list of calls: the text as it is
-                return [{"content": "".join(self._text)}] if self._text else [], finish_reason
+            calls, rest = _required_calls("".join(self._text), self.mode.new_call_id)
             deltas = self._deltas([call.as_delta(index) for index, call in enumerate(calls)])
-            return deltas, "tool_calls" if finish_reason == "stop" else finish_reason
+            deltas += [{"content": rest}] if rest else []  # cut short (length): the unfinished call's text
+            return deltas, "tool_calls" if calls and finish_reason == "stop" else finish_reason
         if kind == "auto":
             assert self._calls_stream is not None
             deltas = self._deltas(self._calls_stream.finish())
@@ -175,17 +175,52 @@ def _escaped_surrogates(arguments: str) -> str:
     return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", arguments)
 
 
-def _required_calls(text: str, new_id: Callable[[], str]) -> list[ToolCall] | None:
+def _required_calls(text: str, new_id: Callable[[], str]) -> tuple[list[ToolCall], str]:
+    """A ``required`` reply's calls, and the text after the last whole one that is no call (stripped; "" when none).
+
+    The constrained text is a JSON list of calls unless it was cut short (``max_tokens``, a stop string): then the
+    calls written whole before the cut are calls (as vLLM's stream sent them) and the unfinished one's text is
+    content, as an ``auto`` reply's unfinished call (vLLM's whole reply drops both); text that is not a list of
+    calls at all is all content."""
     try:
         value = json.loads(text)
     except ValueError:
-        return None
-    if not isinstance(value, list):
-        return None
-    calls = [call_from_value(v, ("parameters",)) for v in value]
-    if None in calls:
-        return None
-    return [ToolCall(call.name, call.arguments, new_id()) for call in calls]  # type: ignore[union-attr]
+        values, rest = _whole_items(text)
+    else:
+        values, rest = (value, "") if isinstance(value, list) else ([], text)
+    calls: list[ToolCall] = []
+    for item in values:
+        call = call_from_value(item, ("parameters",))
+        if call is None:
+            return [], text
+        calls.append(ToolCall(call.name, call.arguments, new_id()))
+    return calls, rest.strip()
+
+
+def _whole_items(text: str) -> tuple[list[Any], str]:
+    """The items written whole of a JSON list cut short, and the text after the last of them and its comma (all of
+    `text` when none was whole)."""
+    decoder, items, rest = json.JSONDecoder(), [], text
+    pos = len(text) - len(text.lstrip())
+    if not text.startswith("[", pos):
+        return [], text
+    pos += 1
+    while True:
+        try:
+            item, pos = decoder.raw_decode(text, _skip_space(text, pos))
+        except ValueError:
+            return items, rest
+        items.append(item)
+        pos = _skip_space(text, pos)
+        pos += text.startswith(",", pos)
+        rest = text[pos:]
+
+
+def _skip_space(text: str, pos: int) -> int:
+    """`pos` past the JSON whitespace there."""
+    while pos < len(text) and text[pos] in " \t\n\r":
+        pos += 1
+    return pos
 
 
 def merge_deltas(deltas: list[Delta], tools: bool, reasoning_parser: bool = False) -> dict[str, Any]:

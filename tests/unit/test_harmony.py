@@ -54,9 +54,10 @@ PASSED_ON = {  # the reasoning parser's content where there are calls: they pass
     "first message a call, recipient in its role part": REPLIES["first message a call, recipient in its role part"][0],
 }
 BROKEN_CALLS = {  # the call message is content, as written (the reasoning parser leaves it for the tool parser)
-    "not JSON": CALL.format("get_weather", "Paris"),
     "JSON then more": CALL.format("get_weather", '{"city": "Paris"} and Rome'),
-    "a list": CALL.format("get_weather", "[1]"),
+    "not JSON after {": CALL.format("get_weather", "{city: Paris}"),
+    "not JSON, cut short": CALL.format("get_weather", "Paris").removesuffix("<|call|>"),
+    "empty": CALL.format("get_weather", " "),
     "cut short": CALL.format("get_weather", '{"city": "Par').removesuffix("<|call|>"),
     "no name": CALL.format("", "{}"),
     "a built-in tool": '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"query": "x"}<|call|>',
@@ -150,11 +151,29 @@ def test_a_message_that_is_not_a_call_stays_content(name: str) -> None:
         assert "".join(d.get("content", "") for d in deltas) == message and finish == "stop", pieces
 
 
+@pytest.mark.parametrize("body, arguments", [("Paris", "Paris"), ("city=Paris\nunit=C", "city=Paris\nunit=C"),
+                                             (" [1,2] ", "[1, 2]"), ('"x"', '"x"'), ("null", "null")])
+def test_a_call_whose_body_does_not_start_with_a_brace_passes_it_on_as_vllm(body: str, arguments: str) -> None:
+    """vLLM's ``openai`` parser: a ``functions.`` message's body that json.loads refuses is the arguments as written
+    (other JSON: ``json.dumps`` of it); here it was content, the message's text with its markers. Streamed, the
+    arguments come whole at the message's end."""
+    reply = A.format("Hmm.") + CALL.format("get_weather", body)
+    parsed = get_tool_parser("openai").parse(CALL.format("get_weather", body))
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", arguments)]
+    assert parsed.content is None
+    expected = _expected("Hmm.", None, [("get_weather", arguments)])
+    whole, finish = _reply([reply], stream_arguments=False)
+    assert _message(whole) == expected and finish == "tool_calls"
+    for pieces in _cuts(reply):
+        deltas, finish = _reply(pieces)
+        assert _message(deltas) == expected and finish == "tool_calls", pieces
+
+
 def test_a_broken_call_between_good_ones_keeps_the_indexes() -> None:
-    reply = CALL.format("add", "{}") + CALL.format("add", "nope") + CALL.format("get_weather", "{}")
+    reply = CALL.format("add", "{}") + CALL.format("add", "{nope}") + CALL.format("get_weather", "{}")
     parsed = get_tool_parser("openai").parse(reply)
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("add", "{}"), ("get_weather", "{}")]
-    assert parsed.content == CALL.format("add", "nope")
+    assert parsed.content == CALL.format("add", "{nope}")
     deltas, _ = _reply(list(reply))
     indexes = [item["index"] for d in deltas for item in d.get("tool_calls", ()) if "id" in item]
     assert indexes == [0, 1, 2]  # streamed, the broken call's first piece was sent: the next call is number 2

@@ -18,12 +18,15 @@ outside messages. A header's channel is the first word after ``<|channel|>``; it
 part or after its channel (``<|constrain|>`` separates words). Read by ``openai_gptoss``: analysis bodies are
 reasoning, the other messages' bodies content, each kind's messages (those with a body) joined by a newline; a message
 with a recipient and the text outside messages are content, as written. Read by ``openai``: a message to
-``functions.NAME`` (NAME not empty) whose body is one JSON object (JSON whitespace around) is call NAME, its arguments
-``json.dumps(json.loads(body), ensure_ascii=False)``; everything else is content as written. Calls are numbered from
-0; streamed, a broken call's first piece was sent, so it keeps its number. A call message cut off after its JSON
-object, before ``<|call|>``, is a call (the module's "an unfinished body ends"; docs/gpt-oss.md's "or that is cut
-short" is read as a body cut inside its JSON). Not drawn: non-JSON whitespace after a call's JSON (the parser takes
-any ``str.isspace`` there, json.loads none), repeated JSON keys (json_stream.py keeps every copy).
+``functions.NAME`` (NAME not empty) whose body is one JSON object (JSON whitespace around) is call NAME, its
+arguments ``json.dumps(json.loads(body), ensure_ascii=False)``; so is one ended by an end marker whose body (past
+JSON whitespace) is not empty and does not start with ``{``, its arguments the body's JSON as json.dumps writes it
+or, when it is no JSON, the body as written (vLLM's; until 2026-12-08 content); everything else is content as
+written. Calls are numbered from 0; streamed, a broken call's first piece was sent, so it keeps its number. A call
+message cut off after its JSON object, before ``<|call|>``, is a call (the module's "an unfinished body ends";
+docs/gpt-oss.md's "or that is cut short" is read as a body cut inside its JSON). Not drawn: non-JSON whitespace after
+a call's JSON (the parser takes any ``str.isspace`` there, json.loads none), repeated JSON keys (json_stream.py keeps
+every copy).
 
 Checked, whole and streamed: the reasoning, the content and the calls (names, arguments, numbers, ids) equal the
 model's; the parsers' ``parse`` agree; streamed deltas join to the whole's, and after every piece what came out is
@@ -217,6 +220,19 @@ def json_arguments(body: str) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
+def raw_arguments(message: Message) -> str | None:
+    """The arguments of a call message ended by an end marker whose body does not start with ``{`` (after JSON
+    whitespace; there is more): its JSON as json.dumps writes it, or the body as written when it is no JSON (vLLM's
+    reading); None for any other message."""
+    head = message.body.lstrip(JSON_SPACE)
+    if not message.end or not head or head.startswith("{"):
+        return None
+    try:
+        return json.dumps(json.loads(message.body), ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return message.body
+
+
 @dataclass
 class ToolReading:
     """``openai``'s reading: content, calls (index, name, arguments), the calls whose first piece is out (streamed:
@@ -241,6 +257,7 @@ def reference_tools(items: list[str | Message], streamed: bool) -> ToolReading:
         if item.open:
             continue
         arguments = json_arguments(item.body)
+        arguments = raw_arguments(item) if arguments is None else arguments
         if arguments is not None:
             calls.append((index, name, arguments))
         else:
@@ -492,7 +509,10 @@ class Drawn:
 
     def arguments(self) -> str | None:
         """The call it is (its arguments), if it is one."""
-        return json_arguments(self.body) if self.kind in ("call", "role call") and self.name else None
+        if self.kind not in ("call", "role call") or not self.name:
+            return None
+        arguments = json_arguments(self.body)
+        return raw_arguments(Message("", self.body, self.end)) if arguments is None else arguments
 
 
 @st.composite
@@ -553,7 +573,8 @@ def replies(draw: st.DrawFn) -> str:
 @example(drawn=[Drawn("preamble", "f", "", "Let me check <", END), Drawn("call", "f", "", "{}", CALL),
                 Drawn("final", "f", "", "Sunny.", RETURN)], sizes=[2, 1])  # a preamble is content
 @example(drawn=[Drawn("call", "add", "", "{}", CALL), Drawn("call", "add", "", "nope", CALL),
-                Drawn("call", "get_weather", "", "{}", CALL)], sizes=[3])  # a broken call between good ones
+                Drawn("call", "get_weather", "", "{}", CALL)], sizes=[3])  # a call whose body is no JSON: its text the
+# arguments, as vLLM's (until 2026-12-08 content)
 def test_well_formed_replies_read_as_their_messages(drawn: list[Drawn], sizes: list[int]) -> None:
     """A reply of drawn messages: the model reads the drawn messages (analysis is reasoning, final and preambles
     content, calls the drawn ones, no marker in reasoning nor, without a message that is not a call, in content),

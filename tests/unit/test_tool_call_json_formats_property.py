@@ -6,12 +6,12 @@ docstrings and docs/integrations/openai-server.md's parser table, with Python's 
 vLLM's parsers use it):
 
 - ``llama3_json``: every ``{`` is tried in order; a ``{`` that starts no JSON value (or whose value the reply's end
-  cut off) is text and the next ``{`` is tried; a JSON object ``{"name": str, "arguments" | "parameters": {...}}``
-  is a call, any other object is text, braces inside it included. A reply with calls has no content (``parse``:
-  None; `ToolParser.stream`, which holds a whole reply's text to its end: none); streamed arguments
-  (``delta_stream(True)``): the text before the first call, as written (leading ``<|python_tag|>``s, ``;`` and
-  whitespace alone before it are held and dropped: `held_lead`), nothing after it. A reply without calls is all
-  content, as written.
+  cut off) is text and the next ``{`` is tried; a JSON object ``{"name": str, "arguments" | "parameters": {...} or
+  null}`` is a call (null arguments: ``"null"``, as vLLM's json.dumps of them), any other object is text, braces
+  inside it included. A reply with calls has no content (``parse``: None; `ToolParser.stream`, which holds a whole
+  reply's text to its end: none); streamed arguments (``delta_stream(True)``): the text before the first call, as
+  written (leading ``<|python_tag|>``s, ``;`` and whitespace alone before it are held and dropped: `held_lead`),
+  nothing after it. A reply without calls is all content, as written.
 - ``pythonic``: a reply that is ``[`` ... ``]`` (or inside ``<|python_start|>`` ... ``<|python_end|>``), a non-empty
   Python list of ``name(key=literal, ...)`` calls, is calls; any other reply is content, all of it.
 - ``mistral``: content up to the first ``[TOOL_CALLS]``; after it, a JSON list of ``{"name", "arguments"}`` objects
@@ -216,11 +216,12 @@ Call = tuple[str, str]
 
 
 def json_call(value: object, keys: tuple[str, ...]) -> Call | None:
-    """``{"name": str, KEY: {...}}`` with the first of `keys` it has (one of them needed); None when it is not."""
+    """``{"name": str, KEY: {...} or null}`` with the first of `keys` it has (one of them needed); None when it is
+    not (null arguments: a call whose arguments are ``null``, as vLLM's json.dumps of them)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     key = next((k for k in keys if k in value), None)
-    if key is None or not isinstance(value[key], dict):
+    if key is None or not isinstance(value[key], (dict, type(None))):
         return None
     return value["name"], dumped(value[key])
 
@@ -470,7 +471,7 @@ def prose(markers: tuple[str, ...]) -> st.SearchStrategy[str]:
 
 @st.composite
 def llama3_call(draw: st.DrawFn) -> tuple[str, Call]:
-    name, arguments = draw(JSON_NAMES), draw(json_dicts())
+    name, arguments = draw(JSON_NAMES), draw(json_dicts() | st.none())
     key = draw(st.sampled_from(["parameters", "arguments"]))
     value = {"name": name, key: arguments} if draw(st.booleans()) else {key: arguments, "name": name}
     return draw(json_text(value)), (name, dumped(arguments))
@@ -492,7 +493,7 @@ def mistral_reply(draw: st.DrawFn) -> tuple[str, Reading]:
     """Content, then ``[TOOL_CALLS]`` and a JSON list (maybe text after it), or ``name[ARGS]{...}`` calls."""
     content = draw(prose((TOOL_CALLS,)))
     if draw(st.booleans()):
-        drawn = draw(st.lists(st.tuples(JSON_NAMES, json_dicts()), min_size=1, max_size=3))
+        drawn = draw(st.lists(st.tuples(JSON_NAMES, json_dicts() | st.none()), min_size=1, max_size=3))
         listed = draw(json_text([{"name": n, "arguments": a} for n, a in drawn]))
         after = draw(st.sampled_from(["", "\n", " trailing [x] {y"]))
         text = content + TOOL_CALLS + draw(st.sampled_from(["", " ", "\n"])) + listed + after
@@ -508,7 +509,7 @@ def mistral_reply(draw: st.DrawFn) -> tuple[str, Reading]:
 def list_reply(draw: st.DrawFn, name: str) -> tuple[str, Reading]:
     """``granite``: an opener and a JSON list of calls (whitespace around); ``phi4_mini_json``: content,
     ``functools`` and a JSON list of calls, maybe text after it."""
-    drawn = draw(st.lists(st.tuples(JSON_NAMES, json_dicts()), min_size=1, max_size=3))
+    drawn = draw(st.lists(st.tuples(JSON_NAMES, json_dicts() | st.none()), min_size=1, max_size=3))
     listed = draw(json_text([{"name": n, "arguments": a} for n, a in drawn]))
     space = st.sampled_from(["", " ", "\n"])
     calls = [(n, dumped(a)) for n, a in drawn]

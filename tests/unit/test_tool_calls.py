@@ -476,3 +476,41 @@ def test_a_lone_surrogate_in_a_call_name_stays_an_escape(parser_name: str, text:
         msgspec.json.encode(deltas)  # what the server sends
         name = merge_deltas(deltas, tools=True)["tool_calls"][0]["function"]["name"]
         assert name == text[text.index("get_weather"):text.index("get_weather") + 17]
+
+
+@pytest.mark.parametrize("parser_name, text", [
+    ("hermes", 'Ok.<tool_call>\n{"name": "now", "arguments": null}\n</tool_call>'),
+    ("llama3_json", '{"name": "now", "parameters": null}'),
+    ("mistral", 'Ok.[TOOL_CALLS][{"name": "now", "arguments": null}]'),
+    ("granite", '<|tool_call|>[{"name": "now", "arguments": null}]'),
+    ("phi4_mini_json", 'functools[{"name": "now", "arguments": null}]')])
+@pytest.mark.parametrize("seed", range(3))
+def test_null_arguments_are_a_call_with_arguments_null_as_vllm(parser_name: str, text: str, seed: int) -> None:
+    """vLLM's parsers write ``json.dumps(call["arguments"])``: ``"arguments": null`` is a call whose arguments are
+    ``null`` (here it was content, the call's JSON as text; streamed, a started call then that text)."""
+    parsed = get_tool_parser(parser_name).parse(text)
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("now", "null")]
+    assert parsed.content in (None, "Ok.")
+    assert _streamed(parser_name, text, seed) == (parsed.content or "", [("now", "null")])
+    reply = ChatReply(tool_mode([ADD], "auto", None, get_tool_parser(parser_name)))
+    deltas, more, finish = _fed_in_pieces(reply, text, seed, 5)
+    message = merge_deltas(deltas + more, True)
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"] == {"name": "now", "arguments": "null"}
+    assert message["content"] == parsed.content
+
+
+@pytest.mark.parametrize("stream_arguments", [True, False])
+def test_a_required_reply_cut_short_keeps_its_whole_calls(stream_arguments: bool) -> None:
+    """``max_tokens`` cut a ``required`` reply after its first call: that call is a call (as vLLM's stream sent
+    it), the unfinished one's text content, as an ``auto`` reply's (it was all content: the list's raw JSON)."""
+    text = '[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {"ci'
+    reply = ChatReply(tool_mode([WEATHER, ADD], "required", None, None), stream_arguments=stream_arguments)
+    assert reply.feed(text) == []
+    deltas, finish = reply.finish("length")
+    message = merge_deltas(deltas, True)
+    assert finish == "length" and message["content"] == '{"name": "get_weather", "parameters": {"ci'
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [("add", '{"a": 1}')]
+    whole = ChatReply(tool_mode([WEATHER, ADD], "required", None, None), stream_arguments=stream_arguments)
+    whole.feed(text[:text.index(", {")])  # cut right after the first call's object: no content
+    deltas, finish = whole.finish("length")
+    assert merge_deltas(deltas, True)["content"] is None and len(merge_deltas(deltas, True)["tool_calls"]) == 1
