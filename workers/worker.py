@@ -57,8 +57,10 @@ _LOOPBACK = "127.0.0.1"
 """Where rank 0 serves the torch.distributed store (every rank runs on this machine)."""
 
 
-def resolve_device(device: str, rank: int) -> torch.device:
-    """config.device -> this rank's torch device ("auto" = cuda when available; rank r uses cuda:r)."""
+def resolve_device(device: str, rank: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+                   ) -> torch.device:
+    """config.device -> this rank's torch device ("auto" = cuda when available; rank r uses cuda:r). Too few
+    devices for the ranks is a `ConfigError` naming the field as set (the host checks first: data_parallel.py)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -67,8 +69,11 @@ def resolve_device(device: str, rank: int) -> torch.device:
         raise ConfigError("device", device, "'cpu' or 'auto': no CUDA device is visible to the worker")
     count = torch.cuda.device_count()
     if rank >= count:
-        raise ConfigError("tensor_parallel_size", rank + 1, f"at most {count}, the number of visible CUDA devices "
-                          "(one per rank: tensor_parallel_size x pipeline_parallel_size)")
+        field, value = (("pipeline_parallel_size", pipeline_parallel_size) if pipeline_parallel_size > 1
+                        else ("tensor_parallel_size", tensor_parallel_size))
+        raise ConfigError(field, value, f"tensor_parallel_size x pipeline_parallel_size = "
+                          f"{tensor_parallel_size * pipeline_parallel_size} ranks, one per CUDA device, but "
+                          f"{count} are visible")
     torch.cuda.set_device(rank)
     return torch.device("cuda", rank)
 
@@ -153,7 +158,8 @@ class Worker:
         args = self.args
         config = self.config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
         self.reader = BroadcastReader(msgspec.json.decode(args.ring_json, type=RingHandle), self.rank)
-        device = resolve_device(config.device, self.rank)
+        device = resolve_device(config.device, self.rank, config.tensor_parallel_size,
+                                config.pipeline_parallel_size)
         threads = cpu_threads(self.world_size * config.data_parallel_size) if device.type == "cpu" else None
         if threads is not None:
             torch.set_num_threads(threads)
@@ -289,12 +295,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def cpu_threads(ranks_on_host: int) -> int | None:
-    """Torch threads of one CPU worker: its share of the cores (every replica's workers share them), or None
-    when ``OMP_NUM_THREADS`` is a count (an int >= 1), which torch already took at import (another value it ignores:
-    the share then)."""
+    """Torch threads of one CPU worker: its share of the cores it may run on (every replica's workers share them),
+    or None when ``OMP_NUM_THREADS`` is a count (an int >= 1), which torch already took at import (another value it
+    ignores: the share then)."""
     if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) >= 1:
         return None
-    return max(1, (os.cpu_count() or 1) // ranks_on_host)
+    return max(1, usable_cores() // ranks_on_host)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a container's cpuset), which torch's own
+    default thread count follows too, not every core of the machine (``os.cpu_count``, where there is no affinity)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # macOS and Windows have no sched_getaffinity
+        return os.cpu_count() or 1
 
 
 def run_worker(args: argparse.Namespace) -> int:

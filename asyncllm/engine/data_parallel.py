@@ -33,18 +33,23 @@ whole prefill)."""
 
 def visible_cuda_devices() -> list[str]:
     """The CUDA devices this host may use, found without initialising CUDA: CUDA_VISIBLE_DEVICES when set, else
-    the driver's list (``/proc/driver/nvidia/gpus``, or the ``/dev/nvidiaN`` device nodes of a container)."""
+    the driver's list (`driver_gpu_count`)."""
     listed = os.environ.get(CUDA_VISIBLE_DEVICES)
     if listed is not None:
         return [device.strip() for device in listed.split(",") if device.strip()]
+    return [str(i) for i in range(driver_gpu_count())]
+
+
+def driver_gpu_count() -> int:
+    """The NVIDIA GPUs this machine shows: ``/proc/driver/nvidia/gpus``, or the ``/dev/nvidiaN`` device nodes of a
+    container (0 on a machine without the driver)."""
     try:
-        count = len(os.listdir("/proc/driver/nvidia/gpus"))
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         try:
-            count = sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
+            return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
         except OSError:
-            count = 0
-    return [str(i) for i in range(count)]
+            return 0
 
 
 def replica_devices(config: EngineConfig) -> list[list[str]] | None:
@@ -52,20 +57,23 @@ def replica_devices(config: EngineConfig) -> list[list[str]] | None:
     tensor_parallel_size x pipeline_parallel_size), or None when the workers run on the CPU (device "cpu", or
     "auto" without a GPU) or there is one replica.
 
-    Raises `ConfigError` when fewer than data_parallel_size x w devices are visible.
+    Raises `ConfigError` when fewer than data_parallel_size x w devices are visible (with one replica too, before
+    any worker is spawned: naming the field the user set, not a worker rank's count).
     """
     dp, world = config.data_parallel_size, config.parallel_config.world_size
-    if dp == 1 or config.device == "cpu":
+    if dp * world == 1 or config.device == "cpu":
         return None
     visible = visible_cuda_devices()
-    if config.device == "auto" and not visible:
-        return None
+    if config.device == "auto" and (not visible or (dp == 1 and not driver_gpu_count())):
+        return None  # (one replica: CUDA_VISIBLE_DEVICES set on a machine without a GPU runs on the CPU)
     if len(visible) < dp * world:
-        raise ConfigError("data_parallel_size", dp, f"data_parallel_size x tensor_parallel_size x "
+        field = ("data_parallel_size" if dp > 1 else
+                 "pipeline_parallel_size" if config.pipeline_parallel_size > 1 else "tensor_parallel_size")
+        raise ConfigError(field, getattr(config, field), f"data_parallel_size x tensor_parallel_size x "
                           f"pipeline_parallel_size = {dp * world} CUDA devices, but {len(visible)} are visible "
                           f"({CUDA_VISIBLE_DEVICES}={os.environ.get(CUDA_VISIBLE_DEVICES, 'unset')}); lower "
-                          "data_parallel_size")
-    return [visible[i * world:(i + 1) * world] for i in range(dp)]
+                          f"{field}")
+    return None if dp == 1 else [visible[i * world:(i + 1) * world] for i in range(dp)]
 
 
 def replica_env(devices: list[list[str]] | None, index: int) -> dict[str, str] | None:

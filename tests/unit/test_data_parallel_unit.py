@@ -60,6 +60,42 @@ def test_too_few_devices_is_a_config_error(monkeypatch) -> None:
     assert info.value.field == "data_parallel_size" and "4 CUDA devices, but 3 are visible" in str(info.value)
 
 
+@pytest.mark.parametrize(("sizes", "field", "value"), [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size", 2),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size", 2),  # was "tensor_parallel_size=2" from worker rank 1
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "pipeline_parallel_size", 2),
+])
+def test_too_few_devices_for_one_replica_name_the_field_set_before_any_worker_starts(monkeypatch, sizes, field,
+                                                                                     value) -> None:
+    monkeypatch.setattr("asyncllm.engine.data_parallel.driver_gpu_count", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError) as info:
+        replica_devices(EngineConfig.create("m", device="auto", **sizes))
+    assert (info.value.field, info.value.value) == (field, value) and "but 1 are visible" in str(info.value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert replica_devices(EngineConfig.create("m", device="cuda", **sizes)) is None  # enough: the environment as is
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert replica_devices(EngineConfig.create("m", device="auto", **sizes)) is None  # no GPU: the CPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr("asyncllm.engine.data_parallel.driver_gpu_count", lambda: 0)
+    assert replica_devices(EngineConfig.create("m", device="auto", **sizes)) is None  # no driver: the CPU
+
+
+def test_a_worker_rank_past_the_devices_names_the_field_set(monkeypatch) -> None:
+    import torch
+
+    from asyncllm.workers.worker import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as info:  # pipeline_parallel_size=2 on one GPU: rank 1 has none
+        resolve_device("cuda", 1, 1, 2)
+    assert (info.value.field, info.value.value) == ("pipeline_parallel_size", 2)
+    with pytest.raises(ConfigError) as info:
+        resolve_device("cuda", 3, 4, 1)
+    assert (info.value.field, info.value.value) == ("tensor_parallel_size", 4) and "1 are visible" in str(info.value)
+
+
 def test_the_score_counts_waiting_four_times_and_what_the_snapshot_does_not_count_yet() -> None:
     admission = HostAdmission(None, None)  # no queue limit: it still counts for the balancer
 
