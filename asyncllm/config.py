@@ -34,8 +34,12 @@ __all__ = [
 ]
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-"""auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""auto = the model dtype; bfloat16 / float16 = that dtype, which must be the model's; fp8 and fp8_e4m3 =
+float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
+UNBUILT_KV_CACHE_DTYPES = ("int8", "fp8_inc", "fp8_ds_mla")
+"""vLLM's other `kv_cache_dtype` values: `NotBuiltError` (int8 with per-head scales, Intel Gaudi's fp8, DeepSeek's
+packed MLA cache)."""
 UNBUILT_HASH_ALGOS = ("sha256_cbor", "xxhash", "xxhash_cbor")
 """vLLM's other `prefix_caching_hash_algo` values: `NotBuiltError` (asyncllm/kv/hashing.py hashes with sha256)."""
 NONE_IS_DEFAULT = frozenset({"seed", "block_size", "enable_prefix_caching", "enable_chunked_prefill",
@@ -58,9 +62,10 @@ class CacheConfig:
     leaves after a profile step (on the CPU: instead of ASYNCLLM_CPU_KVCACHE_SPACE_GB); num_gpu_blocks_override
     wins over it."""
     kv_cache_dtype: str = "auto"
-    """auto = the model dtype; fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in
-    one byte each with the checkpoint's calibrated per-layer scales, else 1.0; twice the blocks of bfloat16
-    (docs/fp8-kv-cache.md)."""
+    """auto = the model dtype (bfloat16 / float16: vLLM's names of it, for a model of that dtype); fp8 / fp8_e4m3
+    (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in one byte each with the checkpoint's calibrated
+    per-layer scales, else 1.0; twice the blocks of bfloat16 (docs/fp8-kv-cache.md). vLLM's int8, fp8_inc and
+    fp8_ds_mla are not built."""
     calculate_kv_scales: bool = False
     """vLLM's: False (its default) takes an fp8 cache's k_scale / v_scale from the checkpoint, else 1.0; True (scales
     computed from the first batch's keys and values) is not built."""
@@ -87,6 +92,9 @@ class CacheConfig:
         check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        if self.kv_cache_dtype in UNBUILT_KV_CACHE_DTYPES:
+            raise NotBuiltError("kv_cache_dtype", self.kv_cache_dtype, f"vLLM's {self.kv_cache_dtype} KV cache "
+                                                                       f"(built: {', '.join(map(repr, KV_CACHE_DTYPES))})")
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_bool("calculate_kv_scales", self.calculate_kv_scales)
         if self.calculate_kv_scales:
@@ -252,6 +260,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_pipeline_config(self)  # combinations across sections not built with pipeline parallelism
+        kv, dtype = self.cache_config.kv_cache_dtype, self.model_config.dtype
+        if kv in ("bfloat16", "float16") and dtype not in ("auto", kv):  # auto: checked at load (kv_cache_torch_dtype)
+            raise NotBuiltError("kv_cache_dtype", kv, f"a {kv} KV cache under a {dtype} model (a cache of another "
+                                                      "dtype than the model's)")
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> "EngineConfig":

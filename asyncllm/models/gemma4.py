@@ -231,6 +231,14 @@ class Gemma4Model(Gemma4Stages, nn.Module):
             self.per_layer_model_projection = PPMissingLayer()
             self.per_layer_projection_norm = PPMissingLayer()
 
+    def kv_sharing_pairs(self) -> list[tuple[Attention, Attention]]:
+        """(a KV-sharing layer's attention, the attention of the layer whose cache it reads) for this stage's layers
+        (a stage holds both: `check_stage_kv_sharing`): the reader reads an fp8 cache with the writer's calibrated
+        scales (asyncllm/models/kv_scales.py)."""
+        owned = [(i, layer.self_attn) for i, layer in enumerate(self.layers) if not isinstance(layer, PPMissingLayer)]
+        writers = {self.cache_of_layer[i]: own.attn for i, own in owned if not own.shares_kv}
+        return [(own.attn, writers[self.cache_of_layer[i]]) for i, own in owned if own.shares_kv]
+
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """``[T, layers, P]``: the token's own per-layer embedding plus the normed projection of its embedding,
         times ``2 ** -0.5`` (transformers' ``get_per_layer_inputs`` and ``project_per_layer_inputs``)."""

@@ -20,7 +20,6 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import NotBuiltError
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 
 __all__ = [
@@ -272,10 +271,10 @@ class Attention(nn.Module):
                 rotary: RotaryInputs | None) -> tuple[Any, ...]:
         """The inputs for a cache holding ``k / k_scale`` and ``v / v_scale``: the keys divided (through the key
         norm's weight where the backend norms them: the norm would undo a division before it), the values divided,
-        the scores' scale times ``k_scale`` (and the output times ``v_scale``, after): the same attention."""
+        the scores' scale times ``k_scale`` (and the output times ``v_scale``, after): the same attention. No keys
+        and values (a layer that reads another layer's cache, with that layer's scales): the scales alone."""
         if key is None or value is None:
-            raise NotBuiltError("kv_cache_dtype", "fp8", "calibrated KV-cache scales on a layer that reads another "
-                                                         "layer's cache")
+            return query, key, value, rotary, self.scale * self.k_scale
         if rotary is not None and rotary.k_norm_weight is not None:
             rotary = rotary._replace(k_norm_weight=rotary.k_norm_weight / self.k_scale)
         else:

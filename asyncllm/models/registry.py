@@ -11,7 +11,7 @@ import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.architectures import (
     DECODER_CLASSIFIER_BASES, HEADLESS_BASES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
     architecture_of, serves_as_encoder, serves_text_only,
@@ -339,8 +339,15 @@ FP8_KV_CACHE_DTYPES = {
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: ``model_dtype`` for ``auto``, else the fp8 type named."""
-    return model_dtype if kv_cache_dtype == "auto" else FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    """The KV cache's element type: ``model_dtype`` for ``auto`` and for its name (``bfloat16``, ``float16``: vLLM's;
+    `NotBuiltError` for a model of another dtype), else the fp8 type named."""
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype not in ("auto", str(model_dtype).removeprefix("torch.")):
+        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"a {kv_cache_dtype} KV cache under a "
+                                                              f"{str(model_dtype).removeprefix('torch.')} model (a "
+                                                              "cache of another dtype than the model's)")
+    return model_dtype
 
 
 def text_config_of(hf_config: Any) -> Any:

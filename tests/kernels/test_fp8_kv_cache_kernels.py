@@ -165,3 +165,31 @@ def test_launchers_refuse_a_cache_of_another_wide_dtype() -> None:
     with pytest.raises(ValueError, match="share a dtype"):
         paged_attention(query, cache[0].float(), _to_fp8(cache[1], E4M3), md.query_start_loc,
                         md.seq_lens, md.block_tables, 0.25)
+
+
+def test_calibrated_scales_through_the_triton_backend_for_a_writer_and_a_reader() -> None:
+    """`Attention` with calibrated scales (k_scale 0.05, v_scale 4) over an e4m3 cache: the writing layer's step
+    (keys and values divided, then written) and a KV-sharing layer's over the same cache (no keys or values: the
+    writer's scales on the scores and the output, asyncllm/models/kv_scales.py) through the Triton backend equal
+    torch_sdpa's, the caches bit for bit."""
+    from asyncllm.attention.torch_sdpa import TorchSDPABackend
+    from asyncllm.models.layers import Attention
+
+    requests = [(9, 1), (0, 6), (4, 3)]
+    md = _metadata(requests, 4, seed=5)
+    md.slot_mapping = torch.tensor([int(md.block_tables[i, (c + j) // 4]) * 4 + (c + j) % 4
+                                    for i, (c, n) in enumerate(requests) for j in range(n)], device=DEVICE)
+    num_tokens = md.query_start_loc_cpu[-1]
+    query, key, value = (randn(num_tokens, h, 32, dtype=torch.float32, seed=s) for s, h in ((4, 4), (5, 2), (6, 2)))
+    positions = torch.tensor([c + j for c, n in requests for j in range(n)], device=DEVICE)
+    rotary = RotaryInputs(positions, _cos_sin_cache(32, 64))
+    base = _to_fp8(randn(2, int(md.block_tables.max()) + 2, 4, 2, 32, dtype=torch.float32, seed=8) * 20, E4M3)
+    caches, outs = [base.clone(), base.clone()], []
+    for backend, cache in zip((TritonBackend(), TorchSDPABackend()), caches):
+        writer, reader = Attention(4, 2, 32, backend), Attention(4, 2, 32, backend, scale=0.5)
+        for attn in (writer, reader):
+            attn.k_scale, attn.v_scale = 0.05, 4.0
+        outs.append((writer(query, key, value, cache, md, rotary), reader(query * 0.5, None, None, cache, md)))
+    assert torch.equal(_bits(caches[0]), _bits(caches[1]))
+    for got, expected in zip(*outs):
+        assert_close(got, expected, ATTENTION_TOL[torch.float32])

@@ -70,8 +70,7 @@ def test_kwargs_and_from_config_agree() -> None:
         ("preemption_mode", "offload"),
         ("scheduling_policy", "lifo"),
         ("kv_cache_dtype", "fp8_e4m3fn"),  # torch's name, not vLLM's
-        ("kv_cache_dtype", "int8"),
-        ("kv_cache_dtype", "bfloat16"),
+        ("kv_cache_dtype", "fp4"),  # vLLM's int8 and bfloat16: test_fp8_kv_cache.py test_kv_cache_dtypes_vllm_accepts
         ("tokenizer_mode", "fast"),
         ("logprobs_mode", "logits"),
         ("kv_offloading_size", -1.0),
@@ -132,7 +131,7 @@ def test_vllms_default_prefix_caching_hash_algo_is_accepted() -> None:
     assert cfg.cache_config.prefix_caching_hash_algo == "sha256" == EngineConfig.create("m").prefix_caching_hash_algo
 
 
-@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"])
 def test_kv_cache_dtypes_are_accepted(value: str) -> None:
     cfg = EngineConfig.create("m", kv_cache_dtype=value)
     assert cfg.kv_cache_dtype == value == cfg.cache_config.kv_cache_dtype

@@ -155,9 +155,8 @@ def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(t
 
 
 def test_one_kv_scale_for_both_and_the_scales_refused(tiny_llama: str, tmp_path: Path) -> None:
-    """One ``kv_scale`` sets both; a scale of a layer the model lacks is a `ConfigError`; per-head scales and a
-    query scale other than 1.0 (fp8 attention; the query stays in the model dtype) are `NotBuiltError`s with an
-    fp8 cache (the query scale is dropped with the model dtype's)."""
+    """One ``kv_scale`` sets both; a scale of a layer the model lacks is a `ConfigError`; per-head scales are a
+    `NotBuiltError` with an fp8 cache (a query scale is dropped: test_a_query_scale_is_ignored_...)."""
     hf_config = load_hf_config(tiny_llama)
     both = _with_scales(tiny_llama, tmp_path / "kv", {"model.layers.1.self_attn.kv_scale": 0.25})
     model = load_model(EngineConfig.create(both, kv_cache_dtype="fp8_e5m2"), hf_config, CPU, torch.float32)
@@ -172,11 +171,6 @@ def test_one_kv_scale_for_both_and_the_scales_refused(tiny_llama: str, tmp_path:
         broken = _with_scales(tiny_llama, tmp_path / f"s{value}", {"model.layers.0.self_attn.v_scale": value})
         with pytest.raises(ConfigError, match="a positive finite KV-cache scale"):
             load_model(EngineConfig.create(broken, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
-    query = _with_scales(tiny_llama, tmp_path / "q", {"model.layers.0.self_attn.q_scale": 0.1})
-    load_model(EngineConfig.create(query), hf_config, CPU, torch.float32)
-    with pytest.raises(NotBuiltError, match="q_scale other than 1.0") as info:
-        load_model(EngineConfig.create(query, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
-    assert info.value.field == "kv_cache_dtype"
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -250,3 +244,178 @@ def test_a_multimodal_checkpoints_scales_in_either_layout(tmp_path: Path, layout
                        torch.float32)
     assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale)
             for layer in model.language_model.model.layers] == [(1.0, 1.0), (0.5, 0.25)]
+
+
+def _copy_with_scales(source: str, folder: Path, scales: dict[str, float]) -> str:
+    """A copy of the checkpoint at ``source`` (one shard) with ``scales`` added."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in Path(source).iterdir():
+        if file.is_file():
+            (folder / file.name).write_bytes(file.read_bytes())
+    shard = next(folder.glob("*.safetensors"))
+    weights = load_file(str(shard))
+    weights.update({name: torch.tensor(value) for name, value in scales.items()})
+    save_file(weights, str(shard))
+    return str(folder)
+
+
+def _fp8_logits(path: str, set_scales: list[tuple[float, float]] | None = None
+                ) -> tuple[list[tuple[float, float]], list[torch.Tensor]]:
+    """Each layer's (k_scale, v_scale) as loaded and two requests' float32 logits over an e4m3 cache (chunked
+    prefills); ``set_scales``: each layer's scales set by hand after the load."""
+    from model_utils import PagedRun
+
+    from asyncllm.models.registry import kv_cache_spec
+
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    scales = [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in model.model.layers]
+    for layer, (k_scale, v_scale) in zip(model.model.layers, set_scales or []):
+        layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale = k_scale, v_scale
+    run = PagedRun(model, [list(range(40, 67)), list(range(100, 120))], block_size=4)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float8_e4m3fn)
+    return scales, run.run([[9, 5], [9, 9], [9, 6]])
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gemma3n"])
+def test_a_kv_sharing_layer_reads_the_cache_with_the_writers_scales(arch: str, tmp_path: Path) -> None:
+    """Gemma 4 / 3n's last layers attend over an earlier layer's cache, which holds ``k / k_scale`` of the layer that
+    wrote it. A checkpoint with scales for the writing layers only: the sharing layers read the cache as unscaled
+    (keys and values four and two times too large: logits off by ~1, no error); now they take the writer's scales:
+    the logits are those of every layer given the writers' scales by hand, and, the scales being powers of two, within
+    fp8 rounding of the unscaled cache's. Scales of the sharing layer's own that equal the writer's are accepted
+    (they were a NotBuiltError at the first forward); ones that contradict them (the cache cannot hold both) are a
+    ConfigError at load naming the layer."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    source = tiny_checkpoint(arch)
+    _, plain = _fp8_logits(source)
+    writers = {**{f"model.layers.{i}.self_attn.k_scale": 0.25 for i in (0, 1)},
+               **{f"model.layers.{i}.self_attn.v_scale": 0.5 for i in (0, 1)}}  # layers 2, 3 read 0's and 1's caches
+    scales, scaled = _fp8_logits(_copy_with_scales(source, tmp_path / "writers", writers))
+    assert scales == [(0.25, 0.5)] * 4
+    _, by_hand = _fp8_logits(source, set_scales=[(0.25, 0.5)] * 4)
+    for got, expected, unscaled in zip(scaled, by_hand, plain):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        torch.testing.assert_close(got, unscaled, atol=0.1, rtol=0)
+    own = {**writers, "model.layers.2.self_attn.k_scale": 0.25, "model.layers.3.self_attn.kv_scale": 0.25}
+    with pytest.raises(ConfigError, match=r"model.layers.3.self_attn.*v_scale 0.25 differs from the v_scale 0.5 of "
+                                          r"model.layers.1.self_attn"):
+        _fp8_logits(_copy_with_scales(source, tmp_path / "contradicting", own))
+    own = {**writers, "model.layers.2.self_attn.k_proj.k_scale": 2.0}
+    with pytest.raises(ConfigError, match=r"model.layers.2.self_attn.*k_scale 2.0 differs from the k_scale 0.25"):
+        _fp8_logits(_copy_with_scales(source, tmp_path / "contradicting-k", own))
+    own = {"model.layers.3.self_attn.v_scale": 0.5}  # its writer, layer 1, has none: 1.0
+    with pytest.raises(ConfigError, match=r"v_scale 0.5 differs from the v_scale 1.0 of model.layers.1.self_attn.attn"):
+        _fp8_logits(_copy_with_scales(source, tmp_path / "contradicting-none", own))
+    own = {**writers, "model.layers.2.self_attn.k_scale": 0.25, "model.layers.3.self_attn.v_scale": 0.5}
+    scales, same = _fp8_logits(_copy_with_scales(source, tmp_path / "agreeing", own))
+    assert scales == [(0.25, 0.5)] * 4
+    for got, expected in zip(same, scaled):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_a_layer_reading_a_scaled_cache_attends_as_over_the_unscaled_keys(fp8: torch.dtype) -> None:
+    """Through `Attention` with no keys or values (a KV-sharing layer: the query rotated, the cache another layer
+    wrote with ``k_scale`` / ``v_scale``): the output is attention over the dequantized cache (it was a NotBuiltError
+    for any scale but 1.0)."""
+    from asyncllm.models.layers import Attention
+
+    gen = torch.Generator().manual_seed(5)
+    metadata, _ = make_attn_metadata([4, 0], [2, 5], [[1, 3], [0, 2]], block_size=4)
+    head_dim, k_scale, v_scale = 16, 0.01, 8.0
+    query = torch.randn(7, 4, head_dim, generator=gen) * 3
+    cache = reference.to_kv_cache_dtype(torch.randn(2, 4, 4, 2, head_dim, generator=gen) * 3, fp8)
+    attn = Attention(4, 2, head_dim, TorchSDPABackend(), scale=0.3)
+    attn.k_scale, attn.v_scale = k_scale, v_scale
+    out = attn(query, None, None, cache, metadata)
+    dequantized = cache.float()
+    dequantized[0] *= k_scale
+    dequantized[1] *= v_scale
+    expected = reference.paged_attention(query, dequantized, metadata, 0.3)
+    torch.testing.assert_close(out, expected.reshape(7, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_one_of_k_scale_and_v_scale_serves_both(tiny_llama: str, tmp_path: Path) -> None:
+    """vLLM's ``BaseKVCacheMethod.process_weights_after_loading``: a layer with a ``k_scale`` and no ``v_scale``
+    stores its values over the same scale (its ``max(k_scale, v_scale)``, v_scale unset); asyncllm kept v_scale 1.0.
+    A lone ``v_scale`` serves both too (vLLM's assertion there fails)."""
+    hf_config = load_hf_config(tiny_llama)
+    path = _with_scales(tiny_llama, tmp_path / "one", {"model.layers.0.self_attn.k_scale": 0.25,
+                                                       "model.layers.1.self_attn.v_proj.v_scale": 4.0})
+    model = load_model(EngineConfig.create(path, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in model.model.layers] == \
+        [(0.25, 0.25), (4.0, 4.0)]
+
+
+def test_a_query_scale_is_ignored_as_the_query_stays_in_the_model_dtype(tiny_llama: str, tmp_path: Path) -> None:
+    """A ``q_scale`` (fp8 attention's query scale: the query is stored as ``q / q_scale``) other than 1.0 was a
+    NotBuiltError with an fp8 cache. vLLM's backends that keep the query in the model dtype ignore it (FlashAttention
+    3 rounds the query to fp8 with it, the same attention up to that rounding): asyncllm's query stays unrounded, so
+    the scale changes nothing (with the model dtype's cache too). So does fp8 attention's probabilities' scale
+    (``self_attn.prob_output_scale``, vLLM's ``attn.prob_scale``: its fp8 and Quark configs read it), which was an
+    "unexpected weights" ConfigError. The layer's k / v scales are its own."""
+    hf_config = load_hf_config(tiny_llama)
+    path = _with_scales(tiny_llama, tmp_path / "q", {"model.layers.0.self_attn.q_scale": 0.1,
+                                                     "model.layers.1.self_attn.q_proj.output_scale": 3.0,
+                                                     "model.layers.1.self_attn.k_scale": 0.5,
+                                                     "model.layers.0.self_attn.prob_output_scale": 0.02,
+                                                     "model.layers.1.self_attn.attn.prob_scale": 0.02})
+    for kv_cache_dtype, scales in (("fp8", [(1.0, 1.0), (0.5, 0.5)]), ("auto", [(1.0, 1.0)] * 2)):
+        model = load_model(EngineConfig.create(path, kv_cache_dtype=kv_cache_dtype), hf_config, CPU, torch.float32)
+        assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in model.model.layers] == scales
+
+
+def test_kv_cache_dtypes_vllm_accepts() -> None:
+    """vLLM's ``bfloat16`` (and newer releases' ``float16``) cache is the model dtype's when it is that dtype: accepted
+    as ``auto``; against another model dtype (no backend of vLLM's attends a cache of another dtype) and vLLM's
+    ``int8``, ``fp8_inc``, ``fp8_ds_mla`` are NotBuiltErrors naming the value (they were a ConfigError "one of ...",
+    as for a misspelt name, which stays one)."""
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        assert EngineConfig.create("m", kv_cache_dtype=name, dtype=name).kv_cache_dtype == name
+        assert EngineConfig.create("m", kv_cache_dtype=name).kv_cache_dtype == name  # dtype auto: checked at load
+        assert kv_cache_torch_dtype(name, dtype) == dtype
+        with pytest.raises(NotBuiltError, match=f"a {name} KV cache under a float32 model") as info:
+            kv_cache_torch_dtype(name, torch.float32)
+        assert (info.value.field, info.value.value) == ("kv_cache_dtype", name)
+    with pytest.raises(NotBuiltError, match="a bfloat16 KV cache under a float16 model"):
+        EngineConfig.create("m", kv_cache_dtype="bfloat16", dtype="half")
+    for name in ("int8", "fp8_inc", "fp8_ds_mla"):
+        with pytest.raises(NotBuiltError, match=f"kv_cache_dtype='{name}'") as info:
+            EngineConfig.create("m", kv_cache_dtype=name)
+        assert (info.value.field, info.value.value) == ("kv_cache_dtype", name)
+    with pytest.raises(ConfigError, match="one of") as info:
+        EngineConfig.create("m", kv_cache_dtype="fp9")
+    assert not isinstance(info.value, NotBuiltError)
+
+
+def test_a_runner_loads_a_cache_of_the_model_dtype_by_name(tiny_llama: str) -> None:
+    """``kv_cache_dtype="bfloat16"`` under a bfloat16 model is its ``auto`` cache; under the float32 model (dtype
+    ``auto`` on the CPU) a NotBuiltError at load, not a KeyError."""
+    config = EngineConfig.create(tiny_llama, kv_cache_dtype="bfloat16", dtype="bfloat16", device="cpu",
+                                 max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    assert runner.kv_cache_dtype == torch.bfloat16
+    with pytest.raises(NotBuiltError, match="a bfloat16 KV cache under a float32 model"):
+        _runner(tiny_llama, "bfloat16")
+
+
+@pytest.mark.parametrize("layout", ["model.language_model.layers", "language_model.model.layers"])
+def test_an_image_text_checkpoint_served_as_text_takes_its_decoders_scales(tmp_path: Path, layout: str) -> None:
+    """A Gemma 4 image-text checkpoint's scales (under its decoder, in either layout): in the image-text model and in
+    its language model served alone (``limit_mm_per_prompt`` of 0 images: ``model.layers.N``, whose scales were a
+    ConfigError "a KV-cache scale of an attention layer the model has"), the KV-sharing layer 3 taking layer 1's."""
+    from gemma4_mm_utils import make_tiny_gemma4_mm
+
+    from asyncllm.models.layers import Attention
+
+    path = Path(make_tiny_gemma4_mm(tmp_path / "gemma4", num_kv_shared_layers=1))
+    scaled = _copy_with_scales(str(path), tmp_path / "scaled", {f"{layout}.1.self_attn.k_scale": 0.25,
+                                                                 f"{layout}.1.self_attn.v_scale": 0.5})
+    for limits in ({}, {"limit_mm_per_prompt": {"image": 0}}):
+        model = load_model(EngineConfig.create(scaled, kv_cache_dtype="fp8", **limits), load_hf_config(scaled), CPU,
+                           torch.float32)
+        layers = [m for m in model.modules() if isinstance(m, Attention)][-4:]  # the decoder's, after any tower's
+        assert [(a.k_scale, a.v_scale) for a in layers] == [(1.0, 1.0), (0.25, 0.5), (1.0, 1.0), (0.25, 0.5)]
