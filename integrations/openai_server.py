@@ -291,7 +291,7 @@ class OpenAIServer:
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
         with responses_errors():  # the client's names: input, text.format, max_output_tokens
-            chat = turn.chat_request()
+            chat = turn.chat_request(auto_tools=self.tool_parser is not None)  # none: 'auto' calls none (vLLM's)
             streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
                                                 header_data_parallel_rank(request.headers), responses=True)
             with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):

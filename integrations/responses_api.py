@@ -4,7 +4,11 @@ A request's ``input`` (a string, or message / ``reasoning`` / ``function_call`` 
 ``function_call_output`` items; messages with ``input_text`` and, for a
 multimodal model, ``input_image`` parts) and ``instructions`` become chat messages
 (merged into assistant turns as vLLM merges them: responses_input.py);
-``tools`` (flat function tools), ``tool_choice``, ``text.format`` and the
+``tools`` (flat function tools, and a ``namespace`` tool's as ``<namespace>__<name>``, its calls named back with
+their ``namespace``, as vLLM's; tools of other types, ``web_search``, ``local_shell``, ``custom``, ..., are left
+out, as vLLM leaves them out of the template), ``tool_choice`` (``"auto"``, the default, is no tool calling on a
+server without a tool-call parser, as vLLM's Responses API), ``reasoning.effort`` (the template's
+``reasoning_effort``), ``text.format`` and the
 sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
 reasoning parsers and structured output behave exactly as in chat
 completions. The reply comes back as output items: ``reasoning`` (with a
@@ -18,11 +22,12 @@ a ``message`` (whole: the ``message`` only), and a ``llama3_json`` reply's text 
 ``store`` and ``previous_response_id`` are resolved by the server's response
 store (responses_store.py): `chat_request` runs the items it hands over
 before ``input``. Not built, and refused by name (`check_request`): ``background``,
-``include``, ``truncation: "auto"``, non-function tools, ``reasoning``
-settings, ``top_logprobs`` other than 0, ``max_tool_calls``, ``request_id``,
+``include: ["message.output_text.logprobs"]`` (vLLM's other ``include`` values are accepted and ignored:
+`INCLUDE_VALUES`), ``truncation: "auto"``, ``top_logprobs`` other than 0, ``max_tool_calls``, ``request_id``,
 ``prompt`` (stored prompt templates), ``conversation`` (conversation objects);
 the hosted service's fields are chat's (openai_standard.py: ``prompt_cache_key``
-is accepted and ignored, as vLLM ignores it).
+is accepted and ignored, as vLLM ignores it), and so are ``reasoning.summary`` and Codex's ``client_metadata``.
+The response echoes ``reasoning`` and ``service_tier`` (the request's, default ``auto``), as vLLM's.
 """
 
 from __future__ import annotations
@@ -75,8 +80,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     previous_response_id: str | None = None
     background: bool | None = None
     include: list[str] | None = None
+    """vLLM's values (`INCLUDE_VALUES`), accepted and ignored (no output here has that data), but
+    ``message.output_text.logprobs`` (not built)."""
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
+    """OpenAI's ``Reasoning``: ``effort`` reaches the chat template as ``reasoning_effort`` (as vLLM's); ``summary``
+    and ``generate_summary`` are accepted and ignored (no summaries are written, as vLLM's), and so are other keys.
+    Echoed."""
     service_tier: str | None = None
     seed: int | None = None
     top_k: int | None = None
@@ -102,6 +112,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """OpenAI's stored prompt template (``{"id", "version", "variables"}``): not built."""
     conversation: str | dict[str, Any] | None = None
     """OpenAI's conversation object: not built (``previous_response_id`` continues a response)."""
+    client_metadata: dict[str, str] | None = None
+    """Codex's (sent with its trace context): accepted and ignored, as vLLM ignores fields it does not know."""
 
 
 _PASSED_THROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "priority", "cache_salt", "chat_template_kwargs",
@@ -130,14 +142,32 @@ def responses_errors() -> Iterator[None]:
                                   code=exc.code) from None
 
 
+INCLUDE_VALUES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
+                  "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content")
+"""vLLM's ``include`` values (its ``ResponsesRequest``'s literal); another is a 400 naming ``include``."""
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+"""OpenAI's ``Reasoning.effort`` and ``summary`` (and ``generate_summary``) values, as vLLM validates them."""
+
+
 def check_request(req: ResponsesRequest) -> None:
     """The fields not built (a 400 naming each), checked before the request is looked up or run
     (`ResponseStore.begin`), so that errors name the Responses API's fields as sent (``prompt`` is not ``input``)."""
+    include = req.include or []
+    unknown = [value for value in include if value not in INCLUDE_VALUES]
+    reasoning = req.reasoning or {}
     refuse_failed([
         (bool(req.background), "background", "background responses are not built"),
-        (bool(req.include), "include", "extra output data is not built"),
+        (bool(unknown), "include", f"{unknown[0]!r} is not one of {', '.join(INCLUDE_VALUES)}" if unknown else ""),
+        ("message.output_text.logprobs" in include, "include",
+         "'message.output_text.logprobs': logprobs in the output are not built"),
         (req.truncation not in (None, "disabled"), "truncation", "only 'disabled' is built"),
-        (bool(req.reasoning), "reasoning", "reasoning settings are not built (a reasoning parser splits the reply)"),
+        (reasoning.get("effort") not in (None, *REASONING_EFFORTS), "reasoning.effort",
+         f"must be one of {', '.join(REASONING_EFFORTS)} or null, got {reasoning.get('effort')!r}"),
+        *((reasoning.get(key) not in (None, *REASONING_SUMMARIES), f"reasoning.{key}",
+           f"must be one of {', '.join(REASONING_SUMMARIES)} or null, got {reasoning.get(key)!r}")
+          for key in ("summary", "generate_summary")),
         (bool(req.top_logprobs), "top_logprobs", "logprobs in the output are not built (only 0)"),
         (req.max_tool_calls is not None, "max_tool_calls", "limiting tool calls is not built"),
         (req.request_id is not None, "request_id", "a client's response id is not built"),
@@ -156,46 +186,81 @@ def _verbosity(text: dict[str, Any] | None) -> Any:
     return (text or {}).get("verbosity")
 
 
-def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None,
+                 auto_tools: bool = True) -> ChatCompletionRequest:
     """The chat completion that runs this response (every check of chat completions applies; the Responses API's
     own are `check_request`'s).
 
     `history`: the conversation before ``input`` that ``previous_response_id``
     names (input items, as the response store hands them over); without it a
-    ``previous_response_id`` is refused.
+    ``previous_response_id`` is refused. `auto_tools`: whether the server reads replies for tool calls (a tool-call
+    parser); without one, ``tool_choice: "auto"`` (the default) is served as ``"none"``, the tools still in the
+    template, as vLLM's Responses API serves it (chat completions refuse it).
     """
     if req.previous_response_id is not None and history is None:
         raise InvalidRequestError("previous_response_id", "continuing a response needs the server's response store")
     items = [*history, *input_items(req.input)] if history else req.input
+    tools = _chat_tools(req.tools)
     fields: dict[str, Any] = {
         "model": req.model, "messages": input_messages(items, req.instructions),
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice, req.tools),
+        "tools": tools, "tool_choice": _chat_tool_choice(req.tool_choice, tools, auto_tools),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
         **{name: getattr(req, name) for name in _PASSED_THROUGH},
     }
     return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools ``{"type", "name", "parameters", ...}`` in the chat shape."""
-    if not tools:
-        return None
+    """Flat Responses function tools ``{"type", "name", "parameters", ...}`` in the chat shape; the hosted and
+    client-side tools of other types (``web_search``, ``local_shell``, ``custom``, ``mcp``, ...) are left out, as
+    vLLM leaves them out of the template (it runs none of them without its tool server). None: no function tools."""
     out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise InvalidRequestError("tools", f"item {i}: only function tools are built, got {kind!r}")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
+    for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise InvalidRequestError("tools", f"item {i}: a tool must be an object with a string type, got {tool!r}")
+        for name, function in _functions(tool):
+            declared = {k: function[k] for k in ("description", "parameters") if function.get(k) is not None}
+            out.append({"type": "function", "function": {**({"name": name} if name is not None else {}), **declared}})
+    return out or None
 
 
-def _chat_tool_choice(choice: Any, tools: list[Any] | None) -> Any:
-    """The choice as chat's; ``"auto"`` without tools is the Responses API's default (no tool calling), as OpenAI's
-    and vLLM's, where chat refuses it."""
-    if choice == "auto" and not tools:
-        return None
+NAMESPACE_SEPARATOR = "__"
+"""vLLM's: a ``namespace`` tool's function ``f`` of namespace ``ns`` reaches the template as ``ns__f``."""
+
+
+def _functions(tool: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """A tool's functions as (the template's name, the function): a function tool's own; a ``namespace`` tool's
+    function tools (Codex's MCP tools), flattened as vLLM's ``iter_response_function_tool_dicts``; none of another
+    type."""
+    if tool["type"] == "function":
+        return [(tool.get("name"), tool)]
+    if tool["type"] != "namespace":
+        return []
+    inner = tool.get("tools")
+    if not isinstance(tool.get("name"), str) or not isinstance(inner, list) or not all(
+            isinstance(each, dict) and isinstance(each.get("name"), str) for each in inner):
+        raise InvalidRequestError("tools", "a namespace tool needs a string name and a list of tools with string "
+                                           f"names, got {tool!r}")
+    return [(f"{tool['name']}{NAMESPACE_SEPARATOR}{each['name']}", each) for each in inner
+            if each.get("type") == "function"]
+
+
+def namespaced_calls(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str, str]]:
+    """The template's name of each namespaced function -> (its namespace, its name), to write calls back as the
+    client named them (vLLM's ``build_responses_tool_call_name_map``)."""
+    return {f"{tool['name']}{NAMESPACE_SEPARATOR}{inner['name']}": (tool["name"], inner["name"])
+            for tool in tools or () if isinstance(tool, dict) and tool.get("type") == "namespace"
+            for inner in tool.get("tools") or () if isinstance(inner, dict) and inner.get("type") == "function"}
+
+
+def _chat_tool_choice(choice: Any, tools: list[Any] | None, auto_tools: bool = True) -> Any:
+    """The choice as chat's; ``"auto"`` (the Responses API's default) without function tools is no tool calling, as
+    OpenAI's and vLLM's, where chat refuses it, and so is it on a server that does not read replies for calls
+    (`auto_tools` false), as vLLM's Responses API."""
+    if (choice is None or choice == "auto") and (not tools or not auto_tools):
+        return "none" if tools else None
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         if not tools:
             raise InvalidRequestError("tool_choice", f"names {choice['name']!r}, but the request has no tools")
@@ -293,6 +358,7 @@ def _skeleton(req: ResponsesRequest, response_id: str, created: int, model: str,
         "previous_response_id": req.previous_response_id, "truncation": "disabled", "usage": None,
         "background": False, "max_tool_calls": None, "top_logprobs": 0, "user": req.user,  # as OpenAI's and vLLM's
         "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
+        "reasoning": req.reasoning, "service_tier": req.service_tier or "auto",  # the request's, as vLLM echoes them
     }
 
 
@@ -317,9 +383,14 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
+def _call_item(item_id: str, call: dict[str, Any], status: str,
+               namespaces: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """A ``function_call`` item; a namespaced function's call with its ``namespace`` and own name (vLLM's)."""
+    name = call["function"]["name"]
+    namespace, name = (namespaces or {}).get(name, (None, name))
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": name,
+            "arguments": call["function"]["arguments"], "status": status,
+            **({"namespace": namespace} if namespace is not None else {})}
 
 
 def response_body(req: ResponsesRequest, model: str, deltas: list[dict[str, Any]], finish_reason: str | None,
@@ -351,6 +422,7 @@ class ResponseEvents:
         self._open: dict[str, Any] | None = None
         """The output item being streamed: {"kind", "id", "index", "text" or "call"}."""
         self._output: list[dict[str, Any]] = []
+        self._namespaces = namespaced_calls(req.tools)
 
     def start(self) -> list[bytes]:
         return [self._event("response.created", response=self.body),
@@ -399,7 +471,7 @@ class ResponseEvents:
             call = {"id": item["id"], "function": {"name": item["function"]["name"], "arguments": ""}}
             self._open = {"kind": "call", "id": _new_id("fc"), "index": len(self._output), "call": call}
             events.append(self._event("response.output_item.added", output_index=self._open["index"],
-                                      item=_call_item(self._open["id"], call, "in_progress")))
+                                      item=_call_item(self._open["id"], call, "in_progress", self._namespaces)))
         assert self._open is not None and self._open["kind"] == "call"
         arguments = item["function"].get("arguments", "")
         self._open["call"]["function"]["arguments"] += arguments
@@ -431,7 +503,7 @@ class ResponseEvents:
             return []
         index, item_id = open_["index"], open_["id"]
         if open_["kind"] == "call":
-            item = _call_item(item_id, open_["call"], "completed")
+            item = _call_item(item_id, open_["call"], "completed", self._namespaces)
             events = [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                                   arguments=item["arguments"])]
         elif open_["kind"] == "reasoning":

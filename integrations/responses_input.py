@@ -8,7 +8,8 @@ vLLM's ``_construct_message_from_response_item`` does:
 - a ``reasoning`` item sets that message's ``reasoning`` if it has none, else starts ``{"role": "assistant",
   "reasoning": text}`` (its text: the first ``content`` part's, else the first ``summary`` part's, else "");
 - an assistant ``message`` sets that message's content if it has none, else starts a new assistant message;
-- a ``function_call`` is appended to that message's ``tool_calls`` (parallel calls, or a reply with text before its
+- a ``function_call`` (with a ``namespace``: named ``<namespace>__<name>``, as vLLM flattens it) is appended to
+  that message's ``tool_calls`` (parallel calls, or a reply with text before its
   call, are one turn), else starts ``{"role": "assistant", "tool_calls": [call]}``;
 - a ``function_call_output`` is a tool message (a list of text parts joined with "\\n", as vLLM's chat parsing
   joins a tool message's parts).
@@ -67,8 +68,8 @@ def _message(i: int, item: dict[str, Any], previous: dict[str, Any] | None) -> d
         return _filled(previous, "reasoning", _reasoning(i, item))
     if kind == "function_call":
         _require_strings(i, item, ("call_id", "name", "arguments"))
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        name = f"{item['namespace']}__{item['name']}" if item.get("namespace") else item["name"]  # vLLM's flat name
+        call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": item["arguments"]}}
         if previous is None:
             return {"role": "assistant", "tool_calls": [call]}
         previous["tool_calls"] = [*(previous.get("tool_calls") or []), call]

@@ -75,8 +75,9 @@ class Turn:
     history: tuple[dict[str, Any], ...] = ()
     target: ResponseStore | None = field(default=None, repr=False)
 
-    def chat_request(self) -> ChatCompletionRequest:
-        return chat_request(self.req, self.history)
+    def chat_request(self, auto_tools: bool = True) -> ChatCompletionRequest:
+        """The chat this turn runs (`auto_tools`: the server has a tool-call parser; `responses_api.chat_request`)."""
+        return chat_request(self.req, self.history, auto_tools)
 
     def keep(self, body: dict[str, Any]) -> dict[str, Any]:
         """Store a finished response (when ``store`` is on for it); returns `body`."""

@@ -82,8 +82,11 @@ async def test_json_schema_text_format(client) -> None:
 
 async def test_what_is_not_built_is_refused_by_name(app) -> None:
     cases = [({"background": True}, "background"),
-             ({"tools": [{"type": "web_search"}]}, "tools"),
-             ({"reasoning": {"effort": "low"}}, "reasoning"),
+             # vLLM's include values are accepted (reasoning.encrypted_content: Codex's), but the logprobs not built
+             ({"include": ["message.output_text.logprobs"]}, "include"), ({"include": ["usage"]}, "include"),
+             ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+             ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+             ({"tools": [{"name": "f"}]}, "tools"),  # a tool without a type
              ({"input": [{"type": "image_generation_call"}]}, "input"),
              ({"unknown_field": 1}, "unknown_field"),
              # the chat request's errors name the Responses API's fields (RESPONSES_FIELDS)
