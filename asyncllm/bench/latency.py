@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncllm.bench import common, worker_trace
 from asyncllm.bench.peer_clock import seconds
+from asyncllm.bench.report import progress
 from asyncllm.bench.requests import BenchRequest, fixed_requests, longest_request
 
 __all__ = ["add_args", "run", "COMPARE_TIME_BUDGET_S"]
@@ -57,7 +58,12 @@ async def _one(engine: Any, request: BenchRequest) -> tuple[float, float, int]:
 
 async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> dict[str, Any]:
     async with common.open_engine(ctx, longest_request(requests)) as engine:
-        runs = [await _one(engine, request) for request in requests]
+        bar = progress(len(requests), "asyncllm latency", ctx.show_progress)
+        runs = []
+        for request in requests:
+            runs.append(await _one(engine, request))
+            bar.update(1)
+        bar.close()
     return _metrics(runs, requests[0].output_len)
 
 

@@ -78,8 +78,9 @@ def model_bytes(
 ) -> tuple[int, float]:
     """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
 
-    Counted from the config with the family's flags (biases, q/k norms) as
-    asyncllm's Llama-style decoder lays its parameters out. A mixture-of-experts
+    Counted on the model built on the meta device (`_built_model_bytes`: every family's own modules, a hybrid's
+    attention caches only), but for MXFP4 experts served packed (``mxfp4_packed``), whose bytes are counted from the
+    config with the family's flags as asyncllm's Llama-style decoder lays its parameters out. A mixture-of-experts
     layer reads its router, shared expert, and the experts the batch routes to:
     ``E * (1 - (1 - k / E) ** batch)`` of them on average under uniform routing
     (k at batch 1, all of them for large batches). With ``quantization="fp8"``
@@ -101,7 +102,7 @@ def model_bytes(
 
     cfg = load_hf_config(path)
     model_cls = get_model_class(cfg)
-    if hasattr(model_cls, "kv_cache_shapes") or hasattr(model_cls, "kv_cache_spec_of"):  # counted on the model
+    if not (mxfp4_packed and checkpoint_quantization(cfg) == "mxfp4"):  # counted on the model
         return _built_model_bytes(path, cfg, dtype, decode_batch, kv_cache_dtype, quantization, mean_context)
     flags = model_cls.decoder_flags(cfg)  # type: ignore[attr-defined]
     hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
@@ -130,28 +131,36 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: fl
                        quantization: str | None, mean_context: float | None) -> tuple[int, float]:
     """`model_bytes` counted on the model itself, built on the meta device: each linear layer whole (one byte per
     weight under fp8), the LM head whole, an embedding table not at all (a step reads only its batch's rows), the
-    stacked experts times the share of them the batch routes to, every other parameter whole; the KV bytes per token
+    stacked experts times the share of them the batch routes to (wherever a layer keeps them), every other parameter
+    whole (a learned position table, GPT-2's, not at all: its batch's rows); the KV bytes per token
     summed over the layers, a KV-sharing layer reading its source layer's cache (Gemma 4), a latent cache
-    (DeepSeek) one part, an attention-free model (Mamba) none."""
+    (DeepSeek) one part, a hybrid (Kimi-Linear) its attention layers' caches, an attention-free model (Mamba) none.
+    A multimodal model counts its language model (Gemma 3's: no encoder runs in a decode step). The count of every
+    family but packed MXFP4 experts: a two-matrix MLP (Phi, StarCoder2), extra norms (Gemma 2),
+    a config without Llama's ``num_key_value_heads`` (GPT-2, OPT, GPT-J, MPT) are what the model holds."""
     from asyncllm.config import EngineConfig
     from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
     from asyncllm.models.fp8_online_experts import takes_online_fp8
+    from asyncllm.models.gpt2 import LearnedPositions
     from asyncllm.models.linear import LinearBase
     from asyncllm.models.llama import sliding_window_of
     from asyncllm.models.loader import build_model
     from asyncllm.models.moe import FusedMoE
     from asyncllm.models.registry import kv_cache_spec, kv_cache_torch_dtype
 
-    model = build_model(EngineConfig.create(path), cfg, torch.device("cpu"), dtype, tensor_device=torch.device("meta"))
+    built = build_model(EngineConfig.create(path), cfg, torch.device("cpu"), dtype, tensor_device=torch.device("meta"))
+    model = getattr(built, "language_model", built)  # a multimodal model's decoder: no encoder runs in a decode step
+    spec_cfg, cfg = cfg, cfg if hasattr(cfg, "num_hidden_layers") else cfg.text_config
     itemsize = torch.empty((), dtype=dtype).element_size()
     linear_itemsize = 1 if quantization == "fp8" else itemsize
     specs = [type(model).moe_spec(cfg, i) for i in range(cfg.num_hidden_layers)] if getattr(model, "is_moe", False) \
         else []
-    top_k = {id(layer.experts): spec.top_k for layer, spec in zip(model.model.layers, specs) if spec is not None}
+    top_k = {id(moe): spec.top_k for layer, spec in zip(model.model.layers, specs) if spec is not None
+             for moe in layer.modules() if isinstance(moe, FusedMoE)}  # wherever the layer keeps its experts
     total = 0.0
     for module in model.modules():
         numel = sum(p.numel() for p in module.parameters(recurse=False))
-        if isinstance(module, ParallelLMHead) or not isinstance(module, VocabParallelEmbedding):
+        if isinstance(module, ParallelLMHead) or not isinstance(module, (VocabParallelEmbedding, LearnedPositions)):
             share = 1.0
             if isinstance(module, FusedMoE):
                 share = 1 - (1 - top_k[id(module)] / module.num_local_experts) ** max(1, decode_batch)
@@ -160,9 +169,10 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: fl
     kv_itemsize = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
     if hasattr(type(model), "kv_cache_spec_of"):  # attention-free (Mamba): no KV cache is read
         return int(total), 0.0
-    spec = kv_cache_spec(cfg, 1)
+    spec = kv_cache_spec(spec_cfg, 1)
     shapes, parts = spec.shapes(), spec.kv_parts
-    layout = getattr(model.model, "cache_of_layer", range(cfg.num_hidden_layers))  # Gemma 4: layers share caches
+    # Gemma 4: layers share caches; a hybrid (Kimi-Linear) has a cache only for its attention layers
+    layout = getattr(model.model, "cache_of_layer", range(len(shapes)))
     per_layer = (parts * kv_itemsize * heads * dim for heads, dim in (shapes[c] for c in layout))
     if mean_context is None:  # what the cache stores per token: each cache once
         return int(total), float(sum(parts * kv_itemsize * heads * dim for heads, dim in shapes))

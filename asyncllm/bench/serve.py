@@ -5,7 +5,10 @@ gaps of mean ``1 / request_rate`` (``inf``: all at once) and are streamed
 concurrently. TTFT is arrival to first token; each later delta adds one
 inter-token-latency sample (the gap since the previous delta: the bench
 consumes promptly, so deltas carry one token each unless the engine is faster
-than the event loop).
+than the event loop); with one output token per request there is none, and the
+ITL percentiles are null (``n/a``). A request the engine fails is counted
+(``num_failed_requests``) and left out of the other metrics, as in vLLM's
+``bench serve``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from asyncllm.bench import common
 from asyncllm.bench.report import percentile, progress
 from asyncllm.bench.requests import (BenchRequest, check_output_tokens, longest_request, sharegpt_like_requests,
                                     total_tokens)
+from asyncllm.errors import AsyncLLMError
 
 __all__ = ["add_args", "run"]
 
@@ -39,15 +43,18 @@ async def _stream(engine: Any, request: BenchRequest, delay: float, t0: float) -
     params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
     arrival = previous = time.perf_counter()
     ttft, itls, tokens = 0.0, [], 0
-    async for delta in engine.stream(request.prompt_token_ids, params):
-        now = time.perf_counter()
-        if delta.token_ids:
-            if tokens == 0:
-                ttft = now - arrival
-            else:
-                itls.append(now - previous)
-            previous = now
-            tokens += len(delta.token_ids)
+    try:
+        async for delta in engine.stream(request.prompt_token_ids, params):
+            now = time.perf_counter()
+            if delta.token_ids:
+                if tokens == 0:
+                    ttft = now - arrival
+                else:
+                    itls.append(now - previous)
+                previous = now
+                tokens += len(delta.token_ids)
+    except AsyncLLMError as exc:  # the engine failed this request: counted as failed, out of the latencies (vLLM's)
+        return {"error": exc, "tokens": tokens}
     return {"ttft": ttft, "itls": itls, "tokens": tokens, "e2e": time.perf_counter() - arrival}
 
 
@@ -80,20 +87,29 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], rat
 
 
 def _metrics(requests: list[BenchRequest], results: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
-    output_tokens = sum(r["tokens"] for r in results)
-    check_output_tokens(requests, output_tokens)
-    ttfts = [r["ttft"] for r in results]
-    itls = [itl for r in results for itl in r["itls"]]
+    """The metrics over the requests that completed; those the engine failed are counted (``num_failed_requests``,
+    their first errors in ``failed_errors``), as vLLM's ``bench serve`` does; a run where all failed raises the first
+    error (one ``asyncllm bench`` line)."""
+    failed = [r["error"] for r in results if "error" in r]
+    if len(failed) == len(results):
+        raise failed[0]
+    completed = [i for i, r in enumerate(results) if "error" not in r]
+    output_tokens = sum(results[i]["tokens"] for i in completed)
+    check_output_tokens([requests[i] for i in completed], output_tokens)
+    ttfts = [results[i]["ttft"] for i in completed]
+    itls = [itl for i in completed for itl in results[i]["itls"]]
     return {
         "num_requests": len(requests),
+        "num_failed_requests": len(failed),
+        "failed_errors": [f"{type(exc).__name__}: {exc}" for exc in failed[:5]],
         "elapsed_s": elapsed,
         "output_tokens": output_tokens,
         "output_tokens_per_s": output_tokens / elapsed,
         "ttft_p50_ms": 1000 * percentile(ttfts, 50),
         "ttft_p99_ms": 1000 * percentile(ttfts, 99),
-        "itl_p50_ms": 1000 * percentile(itls, 50),
-        "itl_p99_ms": 1000 * percentile(itls, 99),
-        "mean_concurrency": sum(r["e2e"] for r in results) / elapsed,
+        "itl_p50_ms": 1000 * percentile(itls, 50) if itls else None,  # one token each: no gap to measure (n/a)
+        "itl_p99_ms": 1000 * percentile(itls, 99) if itls else None,
+        "mean_concurrency": sum(results[i]["e2e"] for i in completed) / elapsed,
     }
 
 

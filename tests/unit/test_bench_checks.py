@@ -10,10 +10,10 @@ from typing import Any, AsyncIterator
 import pytest
 import torch
 
-from asyncllm.bench import common, latency
+from asyncllm.bench import common, latency, serve
 from asyncllm.bench.cli import main, parser
 from asyncllm.bench.model import BenchModel
-from asyncllm.bench.requests import sharegpt_like_requests
+from asyncllm.bench.requests import BenchRequest, sharegpt_like_requests
 from asyncllm.bench.roofline import Roofline
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
@@ -157,3 +157,70 @@ def test_a_model_folder_without_a_usable_config_json_is_one_error_line(tmp_path,
         (tmp_path / "config.json").write_text(config_json)
     assert main(["latency", "--model", str(tmp_path), "--no-progress"]) == 2
     assert f"model={str(tmp_path)!r} is not allowed" in capsys.readouterr().err
+
+
+def test_serve_of_one_output_token_each_has_no_inter_token_latency() -> None:
+    """No request has a second token: the ITL percentiles are n/a (null), not 0 ms; TTFT, tokens/s as measured."""
+    requests = [BenchRequest([11, 12], 1), BenchRequest([13], 1)]
+    results = [{"ttft": 0.01, "itls": [], "tokens": 1, "e2e": 0.01}, {"ttft": 0.03, "itls": [], "tokens": 1, "e2e": 0.03}]
+    metrics = serve._metrics(requests, results, 0.5)
+    assert metrics["itl_p50_ms"] is None and metrics["itl_p99_ms"] is None
+    assert metrics["ttft_p50_ms"] == pytest.approx(20.0) and metrics["output_tokens_per_s"] == pytest.approx(4.0)
+    results[1]["itls"], requests[1] = [0.002, 0.004], BenchRequest([13], 3)
+    results[1]["tokens"] = 3
+    metrics = serve._metrics(requests, results, 0.5)
+    assert (metrics["itl_p50_ms"], metrics["itl_p99_ms"]) == pytest.approx((3.0, 3.98))
+
+
+def test_serve_counts_the_requests_the_engine_failed(monkeypatch, tmp_path, capsys) -> None:
+    """A request the engine fails (here the second of four) is counted and left out of the latencies and tokens, as
+    vLLM's bench serve does, instead of ending the run with one error line and no numbers."""
+    import json
+
+    from asyncllm.errors import EngineOverloadedError
+
+    class FailsOne:
+        calls, fail_all = 0, False
+
+        async def stream(self, prompt: list[int], params: Any) -> AsyncIterator[Any]:
+            FailsOne.calls += 1
+            if FailsOne.calls == 2 or FailsOne.fail_all:
+                raise EngineOverloadedError("max_num_queued_requests=1: retry later")
+            for _ in range(params.max_tokens):
+                yield SimpleNamespace(token_ids=[7])
+
+    @contextlib.asynccontextmanager
+    async def failing_engine(ctx: Any, longest: int) -> AsyncIterator[Any]:
+        yield FailsOne()
+
+    monkeypatch.setattr(common, "open_engine", failing_engine)
+    out = tmp_path / "serve.json"
+    assert main(["serve", *TINY, "--num-requests", "4", "--request-rate", "inf", "--max-input-len", "8",
+                 "--max-output-len", "5", "--output-json", str(out)]) == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    requests = sharegpt_like_requests(4, 512, 0, 8, 5)
+    assert (metrics["num_requests"], metrics["num_failed_requests"]) == (4, 1)
+    assert metrics["failed_errors"] == ["EngineOverloadedError: max_num_queued_requests=1: retry later"]
+    assert metrics["output_tokens"] == sum(r.output_len for i, r in enumerate(requests) if i != 1)
+    assert "num_failed_requests" in capsys.readouterr().out
+    FailsOne.fail_all = True  # every request fails: the first error, one line, as before
+    assert main(["serve", *TINY, "--num-requests", "2", "--max-input-len", "8", "--max-output-len", "5"]) == 2
+    assert capsys.readouterr().err == "asyncllm bench: max_num_queued_requests=1: retry later\n"
+
+
+def test_latency_shows_a_progress_bar_over_its_iterations(monkeypatch, capsys) -> None:
+    """Every workload shows a progress bar (docs/benchmarks.md); latency's counts its iterations."""
+
+    class Streams:
+        async def stream(self, prompt: list[int], params: Any) -> AsyncIterator[Any]:
+            for _ in range(params.max_tokens):
+                yield SimpleNamespace(token_ids=[7])
+
+    @contextlib.asynccontextmanager
+    async def engine(ctx: Any, longest: int) -> AsyncIterator[Any]:
+        yield Streams()
+
+    monkeypatch.setattr(common, "open_engine", engine)
+    assert main(["latency", "--preset", "tiny", "--input-len", "4", "--output-len", "3", "--num-iters", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "asyncllm latency" in err and "2/2" in err

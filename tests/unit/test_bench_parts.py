@@ -219,3 +219,49 @@ def test_decode_shape_bytes_bound_a_step_by_step_count() -> None:
     prompt_tokens = total_tokens(requests)[0]
     former = outputs / len(requests) * weights + outputs * (prompt_tokens + outputs / 2) / len(requests) * kv
     assert former < 0.95 * step_bytes
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "dbrx", "kimi_linear", "gpt2", "mpt", "starcoder2", "gemma2",
+                                  "qwen3_5"])
+def test_roofline_of_families_counted_on_the_built_model(arch: str) -> None:
+    """The roofline runs after the workload: a family whose experts sit below the layer (DeepSeek's ``mlp.experts``,
+    DBRX's), a hybrid with fewer caches than layers (Kimi-Linear), or a config without ``num_key_value_heads``
+    (GPT-2, MPT) is counted, not a traceback that loses the run; a two-matrix MLP (StarCoder2), Gemma 2's extra
+    norms, a hybrid's linear-attention layers (Qwen3.5: no KV cache) are what the model holds, not a Llama's. A large
+    batch reads every parameter but the embedding tables (GPT-2's learned positions too: only the batch's rows);
+    batch 1 of a mixture of experts fewer."""
+    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+    from asyncllm.models.gpt2 import LearnedPositions
+    from asyncllm.models.registry import kv_cache_spec
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    owner = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in owner or isinstance(module, ParallelLMHead):  # a tied table: read whole by the LM head
+                owner[id(p)] = (module, p.numel())
+    every = sum(n for m, n in owner.values()
+                if isinstance(m, ParallelLMHead) or not isinstance(m, (VocabParallelEmbedding, LearnedPositions)))
+    weights, kv = model_bytes(path, torch.float32, 10**6, mean_context=4.0)  # inside every sliding window
+    assert weights == 4 * every
+    spec = kv_cache_spec(hf_config, 1)
+    assert kv == sum(spec.kv_parts * 4 * heads * dim for heads, dim in spec.shapes())
+    if getattr(model, "is_moe", False):
+        assert model_bytes(path, torch.float32, 1, mean_context=4.0)[0] < weights
+
+
+def test_roofline_of_a_multimodal_model_counts_its_decoder(tmp_path) -> None:
+    """A decode step runs the language model only: Gemma 3's vision tower and projector are not read (before, the
+    roofline failed with a traceback after the run)."""
+    from gemma3_mm_utils import make_tiny_gemma3_mm
+
+    path = make_tiny_gemma3_mm(tmp_path)
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    decoder = model.language_model  # its LM head tied to the embedding table: read once, whole
+    weights, kv = model_bytes(path, torch.float32, 1, mean_context=4.0)
+    assert weights == 4 * sum(p.numel() for p in decoder.parameters())
+    text = load_hf_config(path).text_config
+    assert kv == 2 * 4 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim
