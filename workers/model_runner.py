@@ -318,7 +318,9 @@ def _check_kv_cache_dtype_runs(name: str, kv_cache_dtype: torch.dtype, device: t
         raise ConfigError(
             "kv_cache_dtype", name,
             f"'fp8_e5m2' on this GPU (sm_{capability[0]}{capability[1]}): Triton converts float8_e4m3fn only "
-            "on sm_89 and newer (or use attention_backend='torch_sdpa', or kv_cache_dtype='auto')",
+            "on sm_89 and newer (or use attention_backend='torch_sdpa', or a cache of the model dtype: "
+            "kv_cache_dtype='bfloat16' or 'float16', its name; 'auto' is fp8 for a checkpoint that declares an fp8 "
+            "KV cache)",
         )
 
 

@@ -40,7 +40,13 @@ from asyncllm.models.architectures import (
     serves_as_encoder,
     serves_text_only,
 )
-from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
+from asyncllm.models.checkpoint import (
+    hf_config_json,
+    prequantized_config,
+    resolve_kv_cache_dtype,
+    resolve_model_path,
+    served_hf_config,
+)
 from asyncllm.models.rope_config import longrope_original
 from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.models.st_dense import embedding_width
@@ -133,6 +139,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
         tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
         config.trust_remote_code)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len,
+                              kv_cache_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, hf_config),
                               **resolve_runner(config, arch, hf_config))  # runner, convert, task: docs/pooling.md
     if base_architecture(arch) in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)

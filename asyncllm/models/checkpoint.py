@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import types
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from asyncllm.config_checks import is_int
 from asyncllm.errors import ConfigError, NotBuiltError, check_remote_code
 from asyncllm.models.hub import resolve_model_path
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
+
+logger = logging.getLogger("asyncllm.engine")
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -210,6 +213,45 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
         return None
     method = str(section.get("quant_method") or section.get("format") or "unknown").lower()
     return method.replace("compressed_tensors", "compressed-tensors")
+
+
+MODELOPT_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3"}
+"""ModelOpt's ``kv_cache_quant_algo`` values and the `kv_cache_dtype` they are (vLLM's
+``MODELOPT_TO_VLLM_KV_CACHE_DTYPE_MAP``)."""
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, hf_config: Any) -> str:
+    """``kv_cache_dtype`` as served: an explicit value as given; ``auto`` the fp8 cache a pre-quantized checkpoint
+    declares, as vLLM resolves it: ``fp8`` for a compressed-tensors ``quantization_config.kv_cache_scheme``
+    (llm-compressor's; vLLM's ``Attention`` sets it), ``fp8_e4m3`` for ModelOpt's ``kv_cache_quant_algo: FP8``
+    (vLLM's ``resolve_kv_cache_dtype_string``), else ``auto`` (the model dtype; so too, with a warning, under latent
+    attention, ``kv_lora_rank``: its one-part cache takes no calibrated scales, asyncllm/models/kv_scales.py, so it
+    keeps the model-dtype cache it was served with before). Called by the host's preparation
+    (asyncllm/engine/prepare.py), so the core, the stats and Prometheus' ``cache_config_info`` see the resolved value
+    (docs/fp8-kv-cache.md)."""
+    if kv_cache_dtype != "auto" or (section := _quantization_section(hf_config)) is None:
+        return kv_cache_dtype
+    method, resolved, source = checkpoint_quantization(hf_config) or "", None, ""
+    if method == "compressed-tensors" and section.get("kv_cache_scheme"):
+        resolved, source = "fp8", "quantization_config.kv_cache_scheme"
+    elif method.startswith("modelopt"):
+        inner = section.get("quantization") if isinstance(section.get("quantization"), dict) else section
+        algo = inner.get("kv_cache_quant_algo") or section.get("kv_cache_quant_algo")
+        if isinstance(algo, str) and algo.lower() in MODELOPT_KV_CACHE_DTYPES:
+            resolved, source = MODELOPT_KV_CACHE_DTYPES[algo.lower()], f"kv_cache_quant_algo {algo!r}"
+        elif algo is not None:
+            logger.warning("the checkpoint's kv_cache_quant_algo %r is none of %s: kv_cache_dtype 'auto' is the "
+                           "model dtype", algo, list(MODELOPT_KV_CACHE_DTYPES))
+    if resolved is None:
+        return kv_cache_dtype
+    if getattr(getattr(hf_config, "text_config", None) or hf_config, "kv_lora_rank", None):
+        logger.warning("kv_cache_dtype 'auto' is the model dtype: the checkpoint declares an fp8 KV cache (its %s), "
+                       "vLLM's is %r, and calibrated scales over a latent attention cache are not built "
+                       "(docs/fp8-kv-cache.md)", source, resolved)
+        return kv_cache_dtype
+    logger.info("kv_cache_dtype 'auto' is %r: the checkpoint declares an fp8 KV cache (its %s; an explicit "
+                "kv_cache_dtype overrides it)", resolved, source)
+    return resolved
 
 
 @dataclass(frozen=True)

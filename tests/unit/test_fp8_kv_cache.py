@@ -419,3 +419,37 @@ def test_an_image_text_checkpoint_served_as_text_takes_its_decoders_scales(tmp_p
                            torch.float32)
         layers = [m for m in model.modules() if isinstance(m, Attention)][-4:]  # the decoder's, after any tower's
         assert [(a.k_scale, a.v_scale) for a in layers] == [(1.0, 1.0), (0.25, 0.5), (1.0, 1.0), (0.25, 0.5)]
+
+
+def test_auto_resolves_to_the_fp8_cache_a_checkpoint_declares(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's ``auto``: fp8 for llm-compressor's ``kv_cache_scheme`` (its ``Attention`` sets ``cache_dtype="fp8"``) and
+    ``fp8_e4m3`` for ModelOpt's ``kv_cache_quant_algo: FP8`` (``resolve_kv_cache_dtype_string``), with a log line;
+    the model dtype otherwise; an explicit value wins (the engine: tests/engine/test_kv_cache_scheme_auto.py)."""
+    from types import SimpleNamespace
+
+    from asyncllm.models.checkpoint import resolve_kv_cache_dtype
+
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    ct = SimpleNamespace(quantization_config={"quant_method": "compressed-tensors", "kv_cache_scheme": scheme})
+    with caplog.at_level("INFO", logger="asyncllm.engine"):
+        assert resolve_kv_cache_dtype("auto", ct) == "fp8"
+    assert "kv_cache_dtype 'auto' is 'fp8'" in caplog.text and "kv_cache_scheme" in caplog.text
+    assert [resolve_kv_cache_dtype(value, ct) for value in ("bfloat16", "float16", "fp8_e5m2")] == \
+        ["bfloat16", "float16", "fp8_e5m2"]
+    multimodal = SimpleNamespace(text_config=SimpleNamespace(compression_config={  # compressed-tensors' older key
+        "quant_method": "compressed_tensors", "kv_cache_scheme": scheme}))
+    assert resolve_kv_cache_dtype("auto", multimodal) == "fp8"
+    modelopt = {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}}
+    assert resolve_kv_cache_dtype("auto", SimpleNamespace(quantization_config=modelopt)) == "fp8_e4m3"
+    flat = {"quant_method": "modelopt_fp4", "kv_cache_quant_algo": "fp8"}
+    assert resolve_kv_cache_dtype("auto", SimpleNamespace(quantization_config=flat)) == "fp8_e4m3"
+    unknown = {"quant_method": "modelopt", "kv_cache_quant_algo": "NVFP4"}  # vLLM: a warning, the model dtype
+    assert resolve_kv_cache_dtype("auto", SimpleNamespace(quantization_config=unknown)) == "auto"
+    latent = SimpleNamespace(quantization_config=ct.quantization_config, kv_lora_rank=16)  # DeepSeek's one-part cache
+    with caplog.at_level("WARNING", logger="asyncllm.engine"):
+        assert resolve_kv_cache_dtype("auto", latent) == "auto"  # its scales are not built: served as before
+    assert "latent attention" in caplog.text
+    for section in ({"quant_method": "compressed-tensors", "kv_cache_scheme": None},
+                    {"quant_method": "fp8", "kv_cache_scheme": scheme},  # vLLM's Fp8Config reads no kv_cache_scheme
+                    None):
+        assert resolve_kv_cache_dtype("auto", SimpleNamespace(quantization_config=section)) == "auto"
