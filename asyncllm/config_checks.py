@@ -8,8 +8,8 @@ from typing import TypeGuard
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["check_bool", "check_choice", "check_float", "check_int", "check_json_dict", "check_registry",
-           "check_sampling_fields", "is_int"]
+__all__ = ["check_bool", "check_choice", "check_float", "check_heads_split", "check_int", "check_json_dict",
+           "check_registry", "check_sampling_fields", "is_int"]
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -80,3 +80,14 @@ def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ConfigError(name, value, "True or False")
 
+
+def check_heads_split(tensor_parallel_size: int, text_config: object) -> None:
+    """The workers' `ConfigError` for attention heads that do not split over `tensor_parallel_size`, raised by the
+    host before anything is spawned (asyncllm/engine/prepare.py), as vLLM's `ModelConfig.verify_with_parallel_config`
+    checks the decoder config's total ``num_attention_heads`` there (none named, an attention-free model: 0, as
+    vLLM's). The rest (KV heads, MLP and expert widths: each family's own) the workers check as they build the
+    model (`models.registry.check_tensor_parallel`)."""
+    heads = getattr(text_config, "num_attention_heads", None) or 0
+    if tensor_parallel_size > 1 and is_int(heads) and heads % tensor_parallel_size:
+        raise ConfigError("tensor_parallel_size", tensor_parallel_size,
+                          f"a size that divides the model's num_attention_heads={heads}")

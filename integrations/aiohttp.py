@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
-from asyncllm.integrations.errors import error_body, text_stream_end
+from asyncllm.integrations.errors import error_body, renamed_fields, text_stream_end
 from asyncllm.integrations.streams import (
     TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, first_deltas, merge_streams,
 )
@@ -63,8 +63,16 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
     broken 200 stream; an error after it (or an abort) aborts the request and
     ends the text with a line of its JSON error body (`text_stream_end`). A
     client that disconnects, while its request is queued or between tokens,
-    aborts the request.
+    aborts the request. A HEAD request (a GET route answers HEAD too) gets the
+    status and headers its GET would, decided by the first delta, and no body:
+    the request is aborted there, not generated to its end.
     """
+    return await _stream_text(request, stream, content_type, {})
+
+
+async def _stream_text(request: web.Request, stream: RequestStream, content_type: str,
+                       renames: dict[str, str]) -> web.StreamResponse:
+    """`stream_text`, its errors naming the client's fields (`renames`, as `renamed_fields`)."""
     until = partial(wait_disconnect, request)
     async with stream:
         try:
@@ -72,12 +80,14 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
             firsts = await first_deltas([stream], until=until)
             check_not_aborted(firsts[0])  # before its first token (a queued request, the engine closing)
         except AsyncLLMError as exc:
-            return _error(exc)
+            return _error(_as_sent(exc, renames))
         except ClientDisconnected:
             return web.Response(status=499)  # nobody reads it: aiohttp logs the early disconnect at debug level
         if "charset=" not in content_type.lower():  # the text is UTF-8; one given already is kept, not doubled
             content_type = f"{content_type}; charset=utf-8"
         response = web.StreamResponse(headers={"Content-Type": content_type, **TEXT_STREAM_HEADERS})
+        if request.method == "HEAD":  # GET's status and headers, no body: the request is aborted on leaving
+            return response
         try:
             await response.prepare(request)
             try:
@@ -90,7 +100,7 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
                 raise
             except Exception as exc:  # noqa: BLE001 - after the status line: the stream's last line says it
                 await stream.aclose()
-                await response.write(text_stream_end(exc).encode())
+                await response.write(text_stream_end(_as_sent(exc, renames)).encode())
             await response.write_eof()
         except (ClientDisconnected, ConnectionResetError):  # an ordinary disconnect: abort, no traceback
             pass
@@ -111,12 +121,32 @@ async def generate_handler(request: web.Request) -> web.StreamResponse:
         if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
             raise InvalidRequestError("prompt", "send a JSON object with a string 'prompt'")
         prompt = body.pop("prompt")
-        params = SamplingParams(**body)
+        renames = _structured_as_sent(body)
+        with renamed_fields(renames):
+            params = SamplingParams(**body)
     except AsyncLLMError as exc:
         return _error(exc)
     except (ValueError, TypeError) as exc:  # bad JSON, an unknown SamplingParams field
         return _error(InvalidRequestError("body", str(exc)))
-    return await stream_text(request, request.app[ENGINE_KEY].stream(prompt, params))
+    return await _stream_text(request, request.app[ENGINE_KEY].stream(prompt, params), "text/plain", renames)
+
+
+def _structured_as_sent(body: dict[str, Any]) -> dict[str, str]:
+    """The engine's ``structured`` -> the name the body gave the constraint (vLLM's ``structured_outputs``, older
+    vLLM's ``guided_decoding``), for its errors, the host's checks and the core's compile alike."""
+    given = [name for name in ("structured", "structured_outputs", "guided_decoding") if body.get(name) is not None]
+    return {"structured": given[0]} if given and given[0] != "structured" else {}
+
+
+def _as_sent(exc: Exception, renames: dict[str, str]) -> Exception:
+    """`exc`, an `InvalidRequestError` naming the client's field (`renames`)."""
+    if not renames or not isinstance(exc, InvalidRequestError):
+        return exc
+    try:
+        with renamed_fields(renames):
+            raise exc
+    except InvalidRequestError as named:
+        return named
 
 
 def create_app(engine: AsyncEngine | None = None) -> web.Application:

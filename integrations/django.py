@@ -93,21 +93,36 @@ async def stream_response(stream: RequestStream, request: HttpRequest | None = N
     text with a line of its JSON error body (`text_stream_end`). Django's ASGI handler stops
     the iterator when the client disconnects, which leaves the stream and
     aborts the request. A WSGI `request` (a WSGI server, the sync test Client) gets the whole text in one
-    `HttpResponse`: Django would read a streamed body on another event loop, where the stream cannot go.
+    `HttpResponse`: Django would read a streamed body on another event loop, where the stream cannot go. A HEAD
+    `request` (a GET view answers HEAD too) gets the status and headers its GET would, decided by the first delta,
+    and no body: the request is aborted there, not generated to its end.
     """
     try:
         check_one_sample(stream)
         first = await stream.__anext__()
         check_not_aborted(first)  # before its first token (a queued request, the engine closing)
+        if request is not None and request.method == "HEAD":  # GET's status and headers, no body
+            await stream.aclose()  # aborted, not generated to its end (the server would drop the text)
+            return _with_stream_headers(StreamingHttpResponse(_nothing() if _asgi(request) else iter(()),
+                                                              content_type=content_type))
         if request is not None and not _asgi(request):
             return HttpResponse(await _whole(stream, first), content_type=content_type)
     except AsyncLLMError as exc:
         await stream.aclose()
         return error_response(exc)
-    response = StreamingHttpResponse(_text(stream, first), content_type=content_type)
+    return _with_stream_headers(StreamingHttpResponse(_text(stream, first), content_type=content_type))
+
+
+def _with_stream_headers(response: StreamingHttpResponse) -> StreamingHttpResponse:
     for name, value in TEXT_STREAM_HEADERS.items():
         response[name] = value
     return response
+
+
+async def _nothing() -> AsyncIterator[str]:
+    """An empty body (a HEAD request's)."""
+    return
+    yield  # an async generator
 
 
 def _asgi(request: HttpRequest) -> bool:

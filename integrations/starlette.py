@@ -92,7 +92,9 @@ def text_stream_response(stream: RequestStream, request: Request | None = None, 
     an error after it (or an abort) aborts the request and ends the text with a
     line of its JSON error body (`text_stream_end`). A client that disconnects
     is noticed even while its request is queued or between tokens (`request`
-    is optional: the response listens to the connection it is sent on).
+    is optional: the response listens to the connection it is sent on). A HEAD request (a GET route answers HEAD
+    too) gets the status and headers its GET would, decided by the first delta, and no body: the request is aborted
+    there, not generated to its end (the server would drop the text).
     """
     return _TextStreamResponse(stream, request, media_type)
 
@@ -122,6 +124,9 @@ class _TextStreamResponse(StreamingResponse):
         except ClientDisconnected:  # its request is aborted; nobody reads the status
             await Response(status_code=499)(scope, receive, send)
             return
+        if scope.get("method") == "HEAD":  # GET's status and headers, no body: not generated to its end
+            await self._stream.aclose()
+            self.body_iterator = _nothing()
         try:
             await super().__call__(scope, receive, send)
         finally:  # Starlette drops the body iterator unclosed when a send fails: abort now, not at a GC pass
@@ -138,3 +143,9 @@ class _TextStreamResponse(StreamingResponse):
         except Exception as exc:  # noqa: BLE001 - after the status line: the stream's last line says it
             await self._stream.aclose()
             yield text_stream_end(exc)
+
+
+async def _nothing() -> AsyncIterator[str]:
+    """An empty body (a HEAD request's)."""
+    return
+    yield  # an async generator

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.config import EngineConfig
+from asyncllm.config_checks import check_heads_split
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -133,6 +134,7 @@ def _prepare(config: EngineConfig, decodes_images: bool = True) -> Prepared:
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
+    check_heads_split(config.tensor_parallel_size, text_config)  # the workers' check, before spawning them
     max_model_len = _max_model_len(config, text_config, path)
     tokenizer_name = config.tokenizer or _model_tokenizer_path(config, path)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(

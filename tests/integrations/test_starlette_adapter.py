@@ -130,6 +130,16 @@ async def test_a_request_aborted_before_its_first_token_is_an_error_status() -> 
     assert stream.closed.is_set()
 
 
+async def test_head_request_is_not_generated() -> None:
+    """HEAD on a GET route (Starlette's Route adds it): GET's status and headers, no body, the request aborted after
+    its first delta (was: the whole text generated, for the server to drop)."""
+    stream = FailingStream(("a", "b", "c"), "abort")
+    async with asgi_client(_app(lambda prompt: stream)) as client:
+        response = await client.head("/complete", params={"prompt": "x"})
+    assert response.status_code == 200 and response.headers["content-type"] == "text/plain; charset=utf-8"
+    assert response.content == b"" and stream.texts == ["b", "c"] and stream.closed.is_set()
+
+
 async def test_a_request_aborted_mid_stream_ends_with_an_error_line(bundled_engine) -> None:
     """`AsyncEngine.abort` by the host's code (or the engine's close) mid-stream: the text said nothing of it."""
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # seconds of work on this model

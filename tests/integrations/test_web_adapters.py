@@ -65,6 +65,23 @@ async def test_aiohttp_error_found_late_in_a_real_request_ends_with_its_error_li
     assert error_line_of(body, ("aa",))["param"] == "allowed_token_ids"
 
 
+async def test_aiohttp_generate_constraint_errors_name_the_field_sent(bundled_engine) -> None:
+    """An invalid constraint in ``/generate``'s body names the field the client sent it in, found on the host or in
+    the core's compile alike (was: ``param: "structured"``, the engine's name)."""
+    app = web.Application()
+    aiohttp_adapter.setup_engine(app, bundled_engine, close=False)
+    app.router.add_post("/generate", aiohttp_adapter.generate_handler)
+    errors = {}
+    async with TestClient(TestServer(app)) as client:
+        for field, regex in [("structured_outputs", ""), ("guided_decoding", ""), ("structured_outputs", "("),
+                             ("guided_decoding", "("), ("structured", "")]:
+            response = await client.post("/generate", json={"prompt": "x", **PARAMS, field: {"regex": regex}})
+            assert response.status == 400
+            errors[field, regex] = (await response.json())["error"]
+    assert {key: error["param"] for key, error in errors.items()} == {key: key[0] for key in errors}
+    assert errors["guided_decoding", "("]["message"].startswith("guided_decoding: invalid regex")
+
+
 async def test_aiohttp_custom_handler_with_engine_key(bundled_engine) -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         engine = request.app[aiohttp_adapter.ENGINE_KEY]
@@ -172,6 +189,22 @@ async def test_aiohttp_request_aborted_before_its_first_token_is_an_error_status
         async with client.get(url) as response:
             body = await response.json()
     assert response.status == 500 and body["error"]["code"] == "request_aborted" and stream.closed.is_set()
+
+
+async def test_aiohttp_head_request_is_not_generated_and_sends_no_body() -> None:
+    """HEAD on a GET route (aiohttp routes it to the GET handler): GET's status and headers, the request aborted
+    after its first delta (was: the whole text generated, and written after the headers as a body a HEAD response
+    has none of, so the next response on the connection was read from the middle of it)."""
+    streams = [FailingStream(("a", "b", "c"), "abort"), FailingStream(("d",), "abort")]
+    async with _served(iter(streams).__next__) as url, aiohttp.ClientSession() as client:
+        async with client.head(url) as head:
+            assert await head.read() == b""
+        async with client.get(url) as after:  # the same kept-alive connection
+            after_body = await after.text()
+    assert head.status == 200 and head.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert head.headers["Cache-Control"] == "no-cache"
+    assert streams[0].texts == ["b", "c"] and streams[0].closed.is_set()
+    assert after.status == 200 and after_body.startswith("d\n")  # then its abort's error line
 
 
 # ---------------------------------------------------------------- Django
@@ -359,6 +392,32 @@ async def test_django_wsgi_error_after_the_first_delta_is_the_json_error(django_
     response = await django_adapter.stream_response(stream, RequestFactory().get("/"))
     error = json.loads(response.content)["error"]
     assert not response.streaming and (error["type"], error["code"]) == (kind, code) and stream.closed.is_set()
+
+
+@pytest.mark.parametrize("wsgi", [False, True], ids=["asgi", "wsgi"])
+async def test_django_head_request_is_not_generated(django_client, wsgi) -> None:
+    """HEAD on a GET view (Django serves it by the GET view): GET's status and headers, no body, the request
+    aborted after its first delta (was: the whole text generated, for the server to drop)."""
+    from django.test import RequestFactory
+
+    from asyncllm.integrations import django as django_adapter
+
+    stream = FailingStream(("a", "b", "c"), "abort")
+    if wsgi:
+        response = await django_adapter.stream_response(stream, RequestFactory().head("/"))
+    else:
+        from django.urls import path
+
+        async def view(request):
+            return await django_adapter.stream_response(stream, request)
+
+        urlpatterns.append(path("head", view))
+        try:
+            response = await django_client.head("/head")
+        finally:
+            urlpatterns.pop()
+    assert response.status_code == 200 and response["Cache-Control"] == "no-cache"
+    assert stream.texts == ["b", "c"] and stream.closed.is_set()
 
 
 async def test_django_request_aborted_before_its_first_token_is_an_error_status(django_client) -> None:
