@@ -213,17 +213,20 @@ async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[An
 
 def roofline(ctx: BenchContext, decode_batch: float, mean_context: float) -> Roofline:
     """The decode roofline on this device: measured copy bandwidth, the model's bytes (an MXFP4 checkpoint's experts
-    packed where the engine serves them so: the triton backend, CUDA's default)."""
+    packed where the engine serves them so: the triton backend, CUDA's default), the KV cache in the dtype the engine
+    serves (``auto``: the fp8 cache a checkpoint declares, `resolve_kv_cache_dtype`)."""
     from asyncllm.attention.selector import default_backend_name
+    from asyncllm.models.checkpoint import resolve_kv_cache_dtype
     from asyncllm.models.loader import load_hf_config
     from asyncllm.models.mxfp4_experts import serves_packed
 
     bandwidth = measure_copy_bandwidth(ctx.device)
     backend = ctx.args.attention_backend or default_backend_name(ctx.device)
-    packed = serves_packed(load_hf_config(ctx.model.path), backend, ctx.args.tensor_parallel_size,
-                           ctx.args.enable_expert_parallel)
+    hf_config = load_hf_config(ctx.model.path)
+    packed = serves_packed(hf_config, backend, ctx.args.tensor_parallel_size, ctx.args.enable_expert_parallel)
+    kv_cache_dtype = resolve_kv_cache_dtype(ctx.args.kv_cache_dtype, hf_config)  # the engine's: auto may be fp8
     return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context,
-                           ctx.args.kv_cache_dtype, ctx.args.quantization, packed)
+                           kv_cache_dtype, ctx.args.quantization, packed)
 
 
 def finish(

@@ -57,3 +57,22 @@ async def test_auto_is_the_checkpoints_fp8_cache(kv_scheme_checkpoint: str, monk
     assert (auto_dtype, fp8_dtype) == ("fp8", "fp8")
     assert auto_blocks == fp8_blocks > 0
     assert auto_tokens == fp8_tokens
+
+
+def test_the_bench_roofline_counts_the_resolved_cache(kv_scheme_checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncllm bench`'s roofline reads the KV cache in the dtype the engine serves: under ``auto`` the fp8 cache the
+    checkpoint declares, as ``--kv-cache-dtype fp8`` (until 2026-12-08 it counted float32 KV bytes, 4 a value)."""
+    from types import SimpleNamespace
+
+    from asyncllm.bench import common
+
+    monkeypatch.setattr(common, "measure_copy_bandwidth", lambda device: 1e12)
+
+    def line(kv_cache_dtype: str):
+        args = SimpleNamespace(attention_backend=None, tensor_parallel_size=1, enable_expert_parallel=False,
+                               kv_cache_dtype=kv_cache_dtype, quantization=None)
+        ctx = SimpleNamespace(device=torch.device("cpu"), args=args, model=SimpleNamespace(path=kv_scheme_checkpoint),
+                              dtype=torch.float32)
+        return common.roofline(ctx, 8, 512.0)
+
+    assert line("auto") == line("fp8")
