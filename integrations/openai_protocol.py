@@ -311,9 +311,10 @@ def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
 
 def template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
                     defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The chat template's variables of a request: ``add_generation_prompt``, ``continue_final_message`` and a chat
-    completion's ``reasoning_effort``, then the server's `defaults` (``--default-chat-template-kwargs``), then
-    ``chat_template_kwargs`` (which win key by key, as vLLM's ``default_chat_template_kwargs | request's``)."""
+    """The chat template's variables of a request: the server's `defaults` (``--default-chat-template-kwargs``)
+    under the request's ``add_generation_prompt``, ``continue_final_message`` and a chat completion's
+    ``reasoning_effort``, under its ``chat_template_kwargs`` (which win key by key); the request's over the defaults as
+    vLLM's ``ChatParams.with_defaults`` (until 2026-12-08 a default overrode the request's ``reasoning_effort``)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "continues the last message: set add_generation_prompt "
                                                             "to false (a new assistant turn cannot follow it)")
@@ -321,7 +322,7 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:
         extra["reasoning_effort"] = effort
-    return {"add_generation_prompt": req.add_generation_prompt, **extra, **(defaults or {}),
+    return {**(defaults or {}), "add_generation_prompt": req.add_generation_prompt, **extra,
             **(req.chat_template_kwargs or {})}
 
 

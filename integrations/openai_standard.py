@@ -7,14 +7,15 @@ and not read although it asks for something: chat's ``verbosity``, as vLLM (docs
 "Parameters"):
 
 - accepted, not used: ``metadata`` within OpenAI's bounds (`METADATA_LIMITS`; the Responses API echoes it),
-  ``service_tier`` ``auto`` or ``default`` (this server has one tier), ``prompt_cache_key`` (prefix caching needs no
-  key; vLLM ignores it), ``safety_identifier`` (as ``user``: the caller's abuse tracking), and
+  ``service_tier`` any of OpenAI's `SERVICE_TIERS` (this server has one tier; vLLM's Responses API takes and echoes
+  them, its chat completions ignore the field), ``prompt_cache_key`` (prefix caching needs no key; vLLM ignores it),
+  ``safety_identifier`` (as ``user``: the caller's abuse tracking), and
   ``stream_options.include_obfuscation: false`` (no padding is sent); chat's ``store: false`` (nothing is kept),
   ``modalities: ["text"]`` and ``verbosity`` (as the Responses API's ``text.verbosity``: read by no template here,
   as in vLLM);
-- refused: ``include_obfuscation: true`` (the padding against size side channels is not built), another
-  ``service_tier``, chat's ``store: true`` (stored chat completions are not built), ``modalities`` other than
-  ``"text"`` (audio output), ``prediction`` (predicted outputs) and ``web_search_options`` (web search); the
+- refused: ``include_obfuscation: true`` (the padding against size side channels is not built), a
+  ``service_tier`` not OpenAI's, chat's ``store: true`` (stored chat completions are not built), ``modalities``
+  other than ``"text"`` (audio output), ``prediction`` (predicted outputs) and ``web_search_options`` (web search); the
   Responses API's ``prompt`` and ``conversation`` (responses_api.py).
 """
 
@@ -28,11 +29,13 @@ from msgspec import UNSET, UnsetType
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["METADATA_LIMITS", "Metadata", "Verbosity", "BaseStreamOptions", "StreamOptions", "check_stream_options",
-           "check_service_fields", "check_chat_service_fields", "refuse_failed"]
+__all__ = ["METADATA_LIMITS", "SERVICE_TIERS", "Metadata", "Verbosity", "BaseStreamOptions", "StreamOptions",
+           "check_stream_options", "check_service_fields", "check_chat_service_fields", "refuse_failed"]
 
 METADATA_LIMITS = (16, 64, 512)
 """OpenAI's bounds of ``metadata``: pairs, characters of a key, of a value."""
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+"""OpenAI's ``service_tier`` values (vLLM's ``ResponsesRequest``'s): each accepted and served alike."""
 
 Metadata = dict[str, str] | None
 """OpenAI's ``metadata``: string pairs within `METADATA_LIMITS` (`check_service_fields`)."""
@@ -85,8 +88,9 @@ def check_stream_options(options: BaseStreamOptions | None, stream: bool) -> Non
 def check_service_fields(req: Any) -> None:
     """The hosted service's fields chat completions and the Responses API share: ``service_tier`` and ``metadata``
     (``prompt_cache_key`` and ``safety_identifier`` take any string)."""
-    refuse_failed([(req.service_tier not in (None, "auto", "default"), "service_tier",
-                    "this server has one tier ('auto' or 'default')")])
+    refuse_failed([(req.service_tier is not None and req.service_tier not in SERVICE_TIERS, "service_tier",
+                    f"must be one of {', '.join(map(repr, SERVICE_TIERS))} (all served alike: this server has one "
+                    f"tier), got {req.service_tier!r}")])
     _check_metadata(req.metadata or {})
 
 

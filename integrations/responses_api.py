@@ -7,7 +7,8 @@ multimodal model, ``input_image`` parts) and ``instructions`` become chat messag
 ``tools`` (flat function tools, and a ``namespace`` tool's as ``<namespace>__<name>``, its calls named back with
 their ``namespace``, as vLLM's; tools of other types, ``web_search``, ``local_shell``, ``custom``, ..., are left
 out, as vLLM leaves them out of the template), ``tool_choice`` (``"auto"``, the default, is no tool calling on a
-server without a tool-call parser, as vLLM's Responses API), ``reasoning.effort`` (the template's
+server without a tool-call parser, as vLLM's Responses API; OpenAI's other choice objects are ``"none"``:
+`OTHER_TOOL_CHOICES`), ``reasoning.effort`` (the template's
 ``reasoning_effort``), ``text.format`` and the
 sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
 reasoning parsers and structured output behave exactly as in chat
@@ -204,7 +205,7 @@ def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None
     fields: dict[str, Any] = {
         "model": req.model, "messages": input_messages(items, req.instructions),
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "tools": tools, "tool_choice": _chat_tool_choice(req.tool_choice, tools, auto_tools),
+        "tools": tools, "tool_choice": _chat_tool_choice(req.tool_choice, tools, auto_tools, req.tools),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
         "reasoning_effort": (req.reasoning or {}).get("effort"),
         **{name: getattr(req, name) for name in _PASSED_THROUGH},
@@ -255,20 +256,55 @@ def namespaced_calls(tools: list[dict[str, Any]] | None) -> dict[str, tuple[str,
             for inner in tool.get("tools") or () if isinstance(inner, dict) and inner.get("type") == "function"}
 
 
-def _chat_tool_choice(choice: Any, tools: list[Any] | None, auto_tools: bool = True) -> Any:
+OTHER_TOOL_CHOICES = {
+    "allowed_tools": ("mode", "tools"), "custom": ("name",), "mcp": ("server_label",), "shell": (),
+    "apply_patch": (), "file_search": (), "web_search_preview": (), "web_search_preview_2025_03_11": (),
+    "computer": (), "computer_use": (), "computer_use_preview": (), "image_generation": (), "code_interpreter": ()}
+"""OpenAI's ``tool_choice`` objects other than a function's (openai's ``ToolChoice``, which vLLM's request takes): each
+type's required keys. vLLM parses calls for none of them (``_parse_tool_calls``: ``auto``, ``required`` and a
+function only), so they are served as ``"none"``: the tools in the template, the reply text."""
+
+
+def _chat_tool_choice(choice: Any, tools: list[Any] | None, auto_tools: bool = True,
+                      sent_tools: list[Any] | None = None) -> Any:
     """The choice as chat's; ``"auto"`` (the Responses API's default) without function tools is no tool calling, as
     OpenAI's and vLLM's, where chat refuses it, and so is it on a server that does not read replies for calls
-    (`auto_tools` false), as vLLM's Responses API."""
-    if (choice is None or choice == "auto") and (not tools or not auto_tools):
+    (`auto_tools` false), as vLLM's Responses API, and so is any of `OTHER_TOOL_CHOICES`. A forced function may name a
+    ``namespace`` tool's function by its own name (with or without ``namespace``). `sent_tools`: the request's own
+    (`tools` are the chat's)."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice in (None, "auto") and (not tools or not auto_tools) or _other_tool_choice(choice, kind):
         return "none" if tools else None
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if choice == "required" and not tools:
+        raise InvalidRequestError("tool_choice", "'required' needs function tools, and the request has none" + (
+            " (its tools of other types are not run by this server)" if sent_tools else ""))
+    if kind == "function" and isinstance(choice.get("name"), str):
         if not tools:
             raise InvalidRequestError("tool_choice", f"names {choice['name']!r}, but the request has no tools")
-        return {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None and choice not in ("auto", "none", "required"):  # worded with the Responses API's shape
+        return {"type": "function", "function": {"name": _forced_name(choice, tools, sent_tools)}}
+    if choice not in (None, "auto", "none", "required"):  # worded with the Responses API's shape
         raise InvalidRequestError("tool_choice", "must be 'none', 'auto', 'required' or {'type': 'function', "
                                                  f"'name': ...}}, got {choice!r}")
     return choice
+
+
+def _other_tool_choice(choice: Any, kind: Any) -> bool:
+    """Whether `choice` is one of `OTHER_TOOL_CHOICES`, its required keys there (``allowed_tools``' mode ``auto`` or
+    ``required``, its tools a list)."""
+    if kind not in OTHER_TOOL_CHOICES or any(choice.get(key) is None for key in OTHER_TOOL_CHOICES[kind]):
+        return False
+    return kind != "allowed_tools" or choice["mode"] in ("auto", "required") and isinstance(choice["tools"], list)
+
+
+def _forced_name(choice: dict[str, Any], tools: list[Any], sent_tools: list[Any] | None) -> str:
+    """The template's name of a forced function: its ``name``; ``<namespace>__<name>`` with a ``namespace``, or where
+    ``name`` is no flat tool's but one ``namespace`` tool's function's (the name its client knows it by)."""
+    name, namespace = choice["name"], choice.get("namespace")
+    if isinstance(namespace, str):
+        return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+    nested = [full for full, (_, short) in namespaced_calls(sent_tools).items() if short == name]
+    flat = any(tool["function"].get("name") == name for tool in tools)
+    return nested[0] if not flat and len(nested) == 1 else name
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -37,12 +37,22 @@ async def test_no_op_fields_are_accepted_and_change_nothing(client) -> None:
     assert events[-1].response.output_text == plain_response.output_text
 
 
+@pytest.mark.parametrize("tier", ["flex", "scale", "priority"])
+async def test_every_openai_service_tier_is_accepted(client, tier) -> None:
+    """vLLM's Responses API takes OpenAI's five tiers and echoes the request's; its chat completions ignore the field
+    (Codex sends ``priority``); until 2026-12-08 all but ``auto`` and ``default`` were a 400."""
+    chat = await client.chat.completions.create(**CHAT, service_tier=tier)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.service_tier is None
+    response = await client.responses.create(**RESPONSE, service_tier=tier)
+    assert response.service_tier == tier
+
+
 @pytest.mark.parametrize("route, fields, param", [
     ("chat", {"store": True}, "store"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"prediction": {"type": "content", "content": "abc"}}, "prediction"),
     ("chat", {"web_search_options": {}}, "web_search_options"),
-    ("chat", {"service_tier": "flex"}, "service_tier"),
+    ("chat", {"service_tier": "fast"}, "service_tier"),
     ("chat", {"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ("chat", {"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ("completions", {"stream": True, "stream_options": {"include_obfuscation": True}},
@@ -52,7 +62,7 @@ async def test_no_op_fields_are_accepted_and_change_nothing(client) -> None:
     ("responses", {"stream_options": {"include_obfuscation": False}}, "stream_options"),  # only with stream
     ("responses", {"prompt": {"id": "pmpt_1"}}, "prompt"),  # its own name, not the chat prompt's ``input``
     ("responses", {"conversation": "conv_1"}, "conversation"),
-    ("responses", {"service_tier": "priority"}, "service_tier"),
+    ("responses", {"service_tier": "fast"}, "service_tier"),
 ])
 async def test_what_is_not_built_is_a_400_naming_it(client, route, fields, param) -> None:
     create = {"chat": lambda: client.chat.completions.create(**CHAT, **fields),

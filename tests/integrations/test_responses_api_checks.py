@@ -148,7 +148,9 @@ def test_text_verbosity_other_than_openai_values_is_refused(verbosity) -> None:
 
 
 @pytest.mark.parametrize("choice", ["bogus", {"type": "function"}, {"type": "function", "name": 5},
-                                    {"type": "function", "function": {"name": "f"}}, {"type": "file_search"}])
+                                    {"type": "function", "function": {"name": "f"}}, {"type": "bogus"},
+                                    {"type": "custom"}, {"type": "mcp"}, {"type": "allowed_tools", "mode": "x",
+                                                                          "tools": []}])
 @pytest.mark.parametrize("tools", [None, [{"type": "function", "name": "f", "parameters": {}}]])
 def test_bad_tool_choice_is_worded_with_the_responses_shape(choice, tools) -> None:
     # until 2026-12-08 chat's check answered: "'bogus' needs tools", or named chat's {'function': {'name'}} shape
@@ -163,6 +165,15 @@ def test_named_tool_choice_without_tools_names_the_responses_choice(tools) -> No
     with pytest.raises(InvalidRequestError, match="names 'f', but the request has no tools") as caught:
         chat_request(ResponsesRequest(input="hi", tools=tools, tool_choice={"type": "function", "name": "f"}))
     assert caught.value.field == "tool_choice"
+
+
+@pytest.mark.parametrize("tools", [None, [], [{"type": "web_search"}]])
+def test_required_without_function_tools_says_so(tools) -> None:
+    # until 2026-12-08: "'required' needs tools", though the request may have sent tools (of other types)
+    with pytest.raises(InvalidRequestError, match="'required' needs function tools") as caught:
+        chat_request(ResponsesRequest(input="hi", tools=tools, tool_choice="required"))
+    assert caught.value.field == "tool_choice"
+    assert ("are not run by this server" in caught.value.message) == bool(tools)
 
 
 def _bodies(reply) -> list[dict]:

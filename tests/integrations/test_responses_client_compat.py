@@ -88,6 +88,39 @@ def test_auto_on_a_server_without_a_tool_parser_calls_none(choice) -> None:
                         auto_tools=False).tool_choice == "required"
 
 
+@pytest.mark.parametrize("choice", [
+    {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "shell"}]},
+    {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]},
+    {"type": "web_search_preview"}, {"type": "file_search"}, {"type": "code_interpreter"},
+    {"type": "image_generation"}, {"type": "custom", "name": "apply_patch"}, {"type": "mcp", "server_label": "x"},
+    {"type": "shell"}, {"type": "apply_patch"}])
+def test_tool_choices_of_other_types_call_none(choice) -> None:
+    """OpenAI's other ``tool_choice`` objects (vLLM's ``ResponsesRequest`` takes openai's ``ToolChoice``) are accepted:
+    as vLLM's ``_parse_tool_calls``, which parses calls only for ``auto``, ``required`` and a function, the tools
+    reach the template and the reply is text; the response echoes the choice. They were a 400 naming
+    ``tool_choice``."""
+    req = ResponsesRequest(input="hi", tools=[*HOSTED, SHELL], tool_choice=choice)
+    chat = chat_request(req)
+    assert (chat.tool_choice, [tool["function"]["name"] for tool in chat.tools]) == ("none", ["shell"])
+    assert chat_request(ResponsesRequest(input="hi", tools=HOSTED, tool_choice=choice)).tool_choice is None
+    assert response_body(req, MODEL, [], "stop", USAGE)["tool_choice"] == choice
+
+
+def test_a_forced_namespaced_function_by_its_own_name() -> None:
+    """A forced ``{"type": "function", "name": "read"}`` names a ``namespace`` tool's function as the client knows
+    it (vLLM accepts it and names the call ``read``); here the call is forced on the template's ``mcp__files__read``
+    and written back with its namespace. It was a 400: "names 'read', which is not among the tools"."""
+    files = {"type": "namespace", "name": "mcp__files", "tools": [
+        {"type": "function", "name": "read", "parameters": {"type": "object"}}]}
+    for choice in ({"type": "function", "name": "read"},
+                   {"type": "function", "name": "read", "namespace": "mcp__files"}):
+        chat = chat_request(ResponsesRequest(input="hi", tools=[SHELL, files], tool_choice=choice))
+        assert chat.tool_choice == {"type": "function", "function": {"name": "mcp__files__read"}}
+    flat = chat_request(ResponsesRequest(input="hi", tools=[SHELL, files], tool_choice={"type": "function",
+                                                                                        "name": "shell"}))
+    assert flat.tool_choice == {"type": "function", "function": {"name": "shell"}}
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_codex_like_turns_through_the_official_client(app) -> None:
     """Two streamed turns as Codex sends them, on a server without a tool-call parser: the first with the reply's

@@ -13,7 +13,7 @@ from asyncllm.cli import _parser, parse_args
 from asyncllm.cli_commands import request_logger
 from asyncllm.cli_config import expand_config_file
 from asyncllm.errors import ConfigError
-from asyncllm.integrations.openai_protocol import ChatTemplates, CompletionRequest
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ChatTemplates, CompletionRequest
 from asyncllm.integrations.openai_request_log import RequestLogger, _prompt_parts, log_prompts
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client
@@ -86,6 +86,23 @@ async def test_default_chat_template_kwargs_under_the_requests(bundled_engine, b
     assert chat.json()["prompt_token_ids"] == quiet
     with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
         ChatTemplates.create(default_kwargs={"tools": []})  # an argument of apply_chat_template, not a variable
+
+
+def test_request_fields_win_over_default_chat_template_kwargs() -> None:
+    """vLLM's ``ChatParams.with_defaults``: the server's defaults lie under the request's template variables, its
+    ``reasoning_effort`` and ``add_generation_prompt`` included; until 2026-12-08 a default ``reasoning_effort`` (or
+    ``add_generation_prompt``) overrode the request's field."""
+    templates = ChatTemplates.create(default_kwargs={"reasoning_effort": "low", "add_generation_prompt": False,
+                                                     "enable_thinking": False})
+    messages = [{"role": "user", "content": "hi"}]
+    asked = templates.kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="high"))
+    assert (asked["reasoning_effort"], asked["add_generation_prompt"], asked["enable_thinking"]) == (
+        "high", True, False)
+    unset = templates.kwargs(ChatCompletionRequest(messages=messages))
+    assert (unset["reasoning_effort"], unset["add_generation_prompt"]) == ("low", True)
+    own = templates.kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="high",
+                                                 chat_template_kwargs={"enable_thinking": True}))
+    assert (own["reasoning_effort"], own["enable_thinking"]) == ("high", True)
 
 
 @pytest.mark.asyncio(loop_scope="session")
