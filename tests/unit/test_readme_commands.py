@@ -10,8 +10,9 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,6 +51,7 @@ def test_the_readmes_test_command_is_cis_and_runs_two_processes_a_file_at_a_time
     pin = re.match(r"pip install (torch==\S+) ", generate_install).group(1)
     assert install.startswith(f"pip install {pin} -e \".[test]\""), install  # one pinned torch for both commands
     assert f"pip install {pin} ." in _bash_blocks("docs/quickstart.md")[0]
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (the README says 3.10+)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     pytest_options = project["tool"]["pytest"]["ini_options"]
     assert shlex.split(pytest_options["addopts"]) == ["-n", "2", "--dist", "loadfile"]
