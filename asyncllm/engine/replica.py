@@ -286,8 +286,7 @@ async def _start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpe
     if core is None:  # attached: labelled as the core's launcher named the model (its Ready), not with its folder
         replica.observer.set_model_name(ready.model or prepared.config.model)
     replica.observer.max_model_len = ready.max_model_len  # an unset max_tokens' request_params_max_tokens
-    if replica.observer.stats.scheduler.num_gpu_blocks == 0:  # no snapshot yet: stats() names the cache's size
-        replica.observer.stats.scheduler.num_gpu_blocks = ready.num_gpu_blocks  # in place: admission's same object
+    replica.observer.stats.core_ready(ready.num_gpu_blocks)  # before its first snapshot: stats() names its cache
     replica.processor, replica.core, replica.max_model_len = processor, core, ready.max_model_len
     return prepared
 

@@ -160,6 +160,13 @@ class HostStats:
         the view meanwhile), again after a restart."""
         self.engine = self.engine._replace(cache_config=cache_config_labels(cache_config))
 
+    def core_ready(self, num_gpu_blocks: int) -> None:
+        """A core's `Ready` (a start, or a core restart): until its first snapshot, stats() names its KV cache's size,
+        not 0 nor a dead core's (a restarted core may size its cache anew). A snapshot of it taken already wins."""
+        view = self.engine
+        if view.closed or view.scheduler.num_gpu_blocks == 0:  # no snapshot of this core yet
+            view.scheduler.num_gpu_blocks = num_gpu_blocks  # in place: the admission's `Delivered` holds this object
+
     def count_finished(self, finish_reason: str) -> None:
         self.request_success[finish_reason] = self.request_success.get(finish_reason, 0) + 1
 
