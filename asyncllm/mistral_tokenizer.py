@@ -149,13 +149,29 @@ def is_mistral(tokenizer: object) -> bool:
     return any(cls.__name__ == "MistralCommonBackend" for cls in type(tokenizer).__mro__)
 
 
+def _without_effort_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` less what vLLM's Mistral tokenizer drops of a ``reasoning_effort``: the ``enable_thinking`` the
+    server derives from it (`openai_protocol.template_kwargs`; one that says otherwise is the request's own, refused),
+    and the effort itself below tokenizer v15 (mistral_common refuses it there; vLLM passes it from v15 on)."""
+    if "reasoning_effort" not in kwargs:
+        return kwargs
+    effort = kwargs["reasoning_effort"]
+    drop = {"enable_thinking"} if kwargs.get("enable_thinking", effort != "none") == (effort != "none") else set()
+    version = str(tokenizer.tokenizer.instruct_tokenizer.tokenizer.version)  # "v13"
+    if int(version.rsplit("v", 1)[-1]) < 15:
+        drop.add("reasoning_effort")
+    return {k: v for k, v in kwargs.items() if k not in drop}
+
+
 def render_mistral_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                         kwargs: dict[str, Any]) -> MistralChat:
     """``messages`` encoded by mistral_common (``kwargs``: `asyncllm.tokenizer.template_arguments`' for the
-    request); what it refuses (a conversation it does not take, an unknown role) an `InvalidRequestError`."""
+    request, less `_without_effort_kwargs`); what it refuses (a conversation it does not take, an unknown role, a
+    template variable it does not read) an `InvalidRequestError`."""
     if "chat_template" in kwargs:
         raise InvalidRequestError("chat_template", "tokenizer_mode='mistral' has no Jinja template to replace: "
                                                    "mistral_common encodes the chat")
+    kwargs = _without_effort_kwargs(tokenizer, kwargs)
     unknown = sorted(set(kwargs) - _CHAT_KWARGS - {"tools"})
     if unknown:
         raise InvalidRequestError("chat_template_kwargs", f"{unknown} are not read by mistral_common's chat "

@@ -197,7 +197,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: the image processor's settings for this request's images (``{"max_pixels": ...}``)."""
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     """OpenAI's (vLLM's values): passed to the chat template as ``reasoning_effort`` (gpt-oss's template reads it; a
-    ``chat_template_kwargs`` key of that name wins)."""
+    ``chat_template_kwargs`` key of that name wins), and as ``enable_thinking``, false for "none"
+    (`template_kwargs`)."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not), and with it the
     choices' ``logprobs`` and ``token_ids``, which would show it."""
@@ -313,15 +314,18 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
                     defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The chat template's variables of a request: the server's `defaults` (``--default-chat-template-kwargs``)
     under the request's ``add_generation_prompt``, ``continue_final_message`` and a chat completion's
-    ``reasoning_effort``, under its ``chat_template_kwargs`` (which win key by key); the request's over the defaults as
-    vLLM's ``ChatParams.with_defaults`` (until 2026-12-08 a default overrode the request's ``reasoning_effort``)."""
+    ``reasoning_effort`` (with ``enable_thinking``: whether it is not ``"none"``, as vLLM's ``build_chat_params``,
+    unless ``chat_template_kwargs`` has that key; mistral_common drops it), under its ``chat_template_kwargs`` (which
+    win key by key); the request's over the defaults as vLLM's ``ChatParams.with_defaults`` (until 2026-12-08 a
+    default overrode the request's ``reasoning_effort``, and ``reasoning_effort`` set no ``enable_thinking``)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "continues the last message: set add_generation_prompt "
                                                             "to false (a new assistant turn cannot follow it)")
-    extra = {"continue_final_message": True} if req.continue_final_message else {}
+    extra: dict[str, Any] = {"continue_final_message": True} if req.continue_final_message else {}
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:
         extra["reasoning_effort"] = effort
+        extra["enable_thinking"] = effort != "none"  # a chat_template_kwargs key of that name wins, below
     return {**(defaults or {}), "add_generation_prompt": req.add_generation_prompt, **extra,
             **(req.chat_template_kwargs or {})}
 

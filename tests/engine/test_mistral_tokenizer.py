@@ -134,6 +134,36 @@ async def test_the_server_serves_chat_and_tokenize(engine: AsyncEngine, tekken_m
     assert detokenize.json()["prompt"] == "<s>Beautiful"
 
 
+async def test_reasoning_effort_is_served_without_its_enable_thinking(engine: AsyncEngine) -> None:
+    """``reasoning_effort`` sets the template's ``enable_thinking`` (vLLM's ``build_chat_params``), which
+    mistral_common never reads: dropped, as vLLM's Mistral tokenizer drops it, and so is the effort itself below
+    tokenizer v15 (this checkpoint's v13; mistral_common refused it, a 400), chat and Responses API alike; a
+    request's own ``enable_thinking`` that says otherwise is still refused."""
+    from asyncllm.integrations.openai_server import create_app
+
+    body = {"messages": CHAT, "max_tokens": 2, "temperature": 0.0, "return_token_ids": True}
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        plain = (await client.post("/v1/chat/completions", json=body)).json()
+        efforts = [await client.post("/v1/chat/completions", json={**body, "reasoning_effort": effort})
+                   for effort in ("none", "high")]
+        response = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2,
+                                                             "reasoning": {"effort": "low"}})
+        own = await client.post("/v1/chat/completions", json={**body, "reasoning_effort": "high",
+                                                               "chat_template_kwargs": {"enable_thinking": False}})
+    assert [r.status_code for r in efforts] == [200, 200], efforts[0].text
+    assert all(r.json()["prompt_token_ids"] == plain["prompt_token_ids"] for r in efforts)  # v13: the effort dropped
+    assert response.status_code == 200, response.text
+    assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template_kwargs"
+    from types import SimpleNamespace
+
+    from asyncllm.mistral_tokenizer import _without_effort_kwargs
+
+    v15 = SimpleNamespace(tokenizer=SimpleNamespace(instruct_tokenizer=SimpleNamespace(
+        tokenizer=SimpleNamespace(version="v15"))))
+    assert _without_effort_kwargs(v15, {"reasoning_effort": "none", "enable_thinking": False}) == {
+        "reasoning_effort": "none"}  # from v15 on, mistral_common reads the effort (as vLLM passes it)
+
+
 async def test_a_detokenizer_that_cannot_be_made_fails_its_request_alone(engine: AsyncEngine, monkeypatch) -> None:
     """A tokenizer that cannot stream a request's options (a Mistral one lacked added tokens) fails that request,
     not the processor thread every request shares."""

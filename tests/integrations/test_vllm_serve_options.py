@@ -90,16 +90,17 @@ async def test_default_chat_template_kwargs_under_the_requests(bundled_engine, b
 
 def test_request_fields_win_over_default_chat_template_kwargs() -> None:
     """vLLM's ``ChatParams.with_defaults``: the server's defaults lie under the request's template variables, its
-    ``reasoning_effort`` and ``add_generation_prompt`` included; until 2026-12-08 a default ``reasoning_effort`` (or
-    ``add_generation_prompt``) overrode the request's field."""
+    ``reasoning_effort`` and ``add_generation_prompt`` included, and the ``enable_thinking`` that ``reasoning_effort``
+    sets (``build_chat_params``); until 2026-12-08 a default ``reasoning_effort`` (or ``add_generation_prompt``)
+    overrode the request's field, and ``reasoning_effort`` set no ``enable_thinking``."""
     templates = ChatTemplates.create(default_kwargs={"reasoning_effort": "low", "add_generation_prompt": False,
                                                      "enable_thinking": False})
     messages = [{"role": "user", "content": "hi"}]
     asked = templates.kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="high"))
     assert (asked["reasoning_effort"], asked["add_generation_prompt"], asked["enable_thinking"]) == (
-        "high", True, False)
+        "high", True, True)
     unset = templates.kwargs(ChatCompletionRequest(messages=messages))
-    assert (unset["reasoning_effort"], unset["add_generation_prompt"]) == ("low", True)
+    assert (unset["reasoning_effort"], unset["add_generation_prompt"], unset["enable_thinking"]) == ("low", True, False)
     own = templates.kwargs(ChatCompletionRequest(messages=messages, reasoning_effort="high",
                                                  chat_template_kwargs={"enable_thinking": True}))
     assert (own["reasoning_effort"], own["enable_thinking"]) == ("high", True)
