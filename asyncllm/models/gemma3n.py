@@ -22,6 +22,7 @@ are not built: a `NotBuiltError` names the vision tower).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -104,7 +105,9 @@ class Gemma3nMLP(GemmaMLP):
     def __init__(self, b: Gemma4Build, size: int, sparsity: float) -> None:
         super().__init__(b, size)
         self.size, self.tp = size, b.tp
-        self.std_multiplier = float(torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(sparsity)))
+        # on the CPU when the model is built on the meta device (the roofline's count), whose tensors hold no value
+        with torch.device("cpu") if torch.get_default_device().type == "meta" else contextlib.nullcontext():
+            self.std_multiplier = float(torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(sparsity)))
         self.sparse = sparsity > 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

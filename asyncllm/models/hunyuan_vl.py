@@ -65,7 +65,8 @@ class XDRotaryEmbedding(RotaryEmbedding):
         if len(section) not in (3, 4) or sum(section) != self.rotary_dim // 2:
             raise ConfigError("rope_parameters.mrope_section", section,
                               f"three or four axis sizes adding up to head_dim / 2 = {self.rotary_dim // 2}")
-        axes = torch.repeat_interleave(torch.arange(len(section)), 2 * torch.tensor(section))
+        axes = torch.repeat_interleave(torch.arange(len(section)), 2 * torch.tensor(section),
+                                       output_size=2 * sum(section))  # a meta tensor (the roofline's) cannot count it
         self.register_buffer("column_axis", axes, persistent=False)
         self.num_axes = len(section)
         self.step: tuple[torch.Tensor, torch.Tensor] | None = None

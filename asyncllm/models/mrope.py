@@ -52,7 +52,8 @@ def frequency_axes(section: Sequence[int], interleaved: bool) -> torch.Tensor:
     row; Qwen3-VL's interleaved ``t h w t h w ...`` (height on frequencies 1, 4, ... below ``3 * section[1]``,
     width on 2, 5, ... below ``3 * section[2]``, time on the rest)."""
     if not interleaved:
-        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
+        # output_size: a meta tensor (the roofline's build) cannot count its own repeats
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)), output_size=sum(section))
     axes = torch.zeros(sum(section), dtype=torch.int64)
     for axis in (1, 2):
         axes[axis : 3 * section[axis] : 3] = axis

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 import torch
@@ -265,3 +266,77 @@ def test_roofline_of_a_multimodal_model_counts_its_decoder(tmp_path) -> None:
     assert weights == 4 * sum(p.numel() for p in decoder.parameters())
     text = load_hf_config(path).text_config
     assert kv == 2 * 4 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim
+
+
+def _meta_build_configs(kind: str) -> Any:
+    """A tiny config (no weights) of a family whose model once failed to build on the meta device."""
+    import transformers
+
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    if kind in ("qwen2_vl", "qwen2_5_vl"):  # M-RoPE's bands: a repeat_interleave a meta tensor cannot size
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]}
+        if kind == "qwen2_vl":
+            return transformers.Qwen2VLConfig(text_config=text, vision_config=dict(
+                depth=1, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=14))
+        return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            depth=1, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64, patch_size=14,
+            window_size=56, fullatt_block_indexes=[0]))
+    if kind == "hunyuan_vl":  # XD-RoPE's axes: the same repeat_interleave
+        rope = {"type": "xdrope", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10_000.0, "xdrope_section": [2] * 4}
+        return transformers.HunYuanVLConfig(text_config={**text, "head_dim": 16, "rope_scaling": rope},
+                                            vision_config=dict(num_hidden_layers=1, hidden_size=32,
+                                                               num_attention_heads=2, intermediate_size=64,
+                                                               patch_size=8, spatial_merge_size=2),
+                                            tie_word_embeddings=True)
+    # Gemma 3n: its sparse MLPs' Gaussian quantile (a torch.distributions value: .item() on the meta device)
+    gemma3n_text = dict(text, model_type="gemma3n_text", head_dim=16, num_hidden_layers=4, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=100, laurel_rank=8,
+                        activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0], sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=True)
+    if kind == "gemma3n":
+        return transformers.Gemma3nTextConfig(**gemma3n_text, architectures=["Gemma3nForCausalLM"])
+    return transformers.Gemma3nConfig(text_config=gemma3n_text, vision_config=dict(hidden_size=24, vocab_size=4,
+                                                                                  vocab_offset=120),
+                                      audio_config=dict(hidden_size=32, vocab_size=4, vocab_offset=124,
+                                                        conf_num_hidden_layers=1,
+                                                        conf_num_attention_heads=2, sscp_conv_channel_size=[8, 4]),
+                                      architectures=["Gemma3nForConditionalGeneration"])
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "hunyuan_vl", "gemma3n", "gemma3n_mm"])
+def test_roofline_builds_on_the_meta_device(kind: str, tmp_path) -> None:
+    """`asyncllm bench` counts the roofline on a model built on the meta device after its run: Qwen2-VL's and
+    HunYuan-VL's rotary axes (a repeat_interleave without ``output_size``) and Gemma 3n's sparse-MLP quantile (an
+    ``.item()``) failed there with a traceback that lost the run's results. They build now and count what the
+    CPU-built language model holds (less its embedding tables), the CPU build unchanged."""
+    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+    from asyncllm.models.loader import build_model
+
+    config = _meta_build_configs(kind)
+    config.architectures = config.architectures or [type(config).__name__.replace("Config", "ForConditionalGeneration")]
+    config.save_pretrained(tmp_path)  # config.json only: the meta device needs no weights
+    path = str(tmp_path)
+    hf_config = load_hf_config(path)
+    built = build_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    decoder = getattr(built, "language_model", built)
+    owner = {}
+    for module in decoder.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in owner or isinstance(module, ParallelLMHead):  # a tied table: read whole by the LM head
+                owner[id(p)] = (module, p.numel())
+    every = sum(n for m, n in owner.values()
+                if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding))
+    weights, kv = model_bytes(path, torch.float32, 10**6, mean_context=4.0)
+    assert weights == 4 * every and kv > 0
+    assert 0 < model_bytes(path, torch.bfloat16, 1, mean_context=100.0)[0] <= 2 * every
+    if kind.startswith("gemma3n"):  # the quantile the meta build takes on the CPU is the CPU build's
+        meta = build_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32,
+                           tensor_device=torch.device("meta"))
+        sparse = [m.std_multiplier for m in built.modules() if getattr(m, "sparse", False)]
+        assert sparse == [m.std_multiplier for m in meta.modules() if getattr(m, "sparse", False)]
+        assert sparse and sparse[0] == pytest.approx(1.6448536)  # icdf(0.95)
+    else:  # each rotary column's axis (cos, then sin), as before
+        axes = next(m.column_axis for m in decoder.modules() if hasattr(m, "column_axis")).tolist()
+        section = [2, 3, 3] if kind != "hunyuan_vl" else [4] * 4
+        assert axes == [a for a, n in enumerate(section) for _ in range(n)] * (2 if kind != "hunyuan_vl" else 1)
