@@ -61,6 +61,10 @@ class Submit:
     """Set by tokenization for a prompt given as embeddings (asyncllm/engine/prompt_embeds.py)."""
     lora_check: concurrent.futures.Future[LoRARequest] | None = None
     """The check of its adapter, new here, off the processor thread (asyncllm/engine/processor_lora.py)."""
+    max_tokens_param: int | None = None
+    """vLLM's ``max_tokens_param``, set once its prompt is read: the caller's max_tokens, or unset, what vLLM fills in
+    (the served max_model_len less the prompt's tokens), before the served length may cut ``params``
+    (`prompt_tokens.length_capped`): what ``request_params_max_tokens`` and its span record (None: ``params``')."""
 
 
 class ProcessorRequests(ProcessorLoRA):
@@ -113,7 +117,9 @@ class ProcessorRequests(ProcessorLoRA):
             check_params_vocab(job.params, self._vocab_size)
             check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
             check_allowed_tokens(job.params, self._eos_token_ids)
+            asked = job.params.max_tokens  # the caller's: `token_ids` may cut job.params to the served length's room
             token_ids = self._prompts.token_ids(job)
+            job.max_tokens_param = self._prompts.max_model_len - len(token_ids) if asked is None else asked
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
             if job.params.structured is not None:  # its JSON schema as text: msgpack carries no int beyond 64 bits
                 job.params = msgspec.structs.replace(job.params, structured=job.params.structured.for_core())

@@ -65,6 +65,12 @@ class _SampleSpans:
         return [(index, span) for index, span in enumerate(self.spans) if span is not None]
 
 
+def _max_tokens_param(job: Submit) -> int | None:
+    """The max_tokens its metrics and span record: the caller's (vLLM's ``max_tokens_param``), as the processor read
+    it before the served max_model_len may cut ``job.params`` (`Submit.max_tokens_param`); None: unset."""
+    return job.params.max_tokens if job.max_tokens_param is None else job.max_tokens_param
+
+
 class RequestObserver:
     """Owns one engine's `HostStats`, its registry attachment and its request spans.
 
@@ -105,7 +111,8 @@ class RequestObserver:
         self._most_generated: dict[str, int] = {}
         """n > 1 requests: the most tokens one of their finished samples generated (vLLM's `ParentRequest`)."""
         self.max_model_len = 0
-        """The core's (`Ready`): an unset max_tokens counts as max_model_len - the prompt's tokens, as vLLM's."""
+        """The core's (`Ready`): an unset max_tokens counts as max_model_len - the prompt's tokens, as vLLM's (a request
+        the processor sent comes with it filled in from the served length: `Submit.max_tokens_param`)."""
         self._step_outputs = False
         """Whether the core message being processed (`on_step_start`) brought a request output."""
 
@@ -150,7 +157,7 @@ class RequestObserver:
     def on_added(self, job: Submit) -> None:
         """The request was tokenized and sent to the core."""
         if job.options.pooling is None:
-            self._max_tokens[job.collector.request_id] = job.params.max_tokens
+            self._max_tokens[job.collector.request_id] = _max_tokens_param(job)
         if self._tracer is not None:
             traced = self._start_traced(job, len(job.collector.prompt_token_ids))
             if traced is not None:
@@ -173,7 +180,7 @@ class RequestObserver:
     def _start_span(self, job: Submit, num_prompt_tokens: int, sample_index: int | None) -> Any:
         assert self._tracer is not None
         operation = span_operation(job.chat, job.options.pooling is not None)
-        max_tokens = self._vllm_max_tokens(job.params.max_tokens, num_prompt_tokens) if num_prompt_tokens else None
+        max_tokens = self._vllm_max_tokens(_max_tokens_param(job), num_prompt_tokens) if num_prompt_tokens else None
         return self._span_call("start", self._tracer.start, job.collector.request_id, job.params, operation,
                                num_prompt_tokens, job.trace_context, job.collector.metrics.arrival_time,
                                sample_index, max_tokens)
