@@ -213,8 +213,9 @@ async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[An
 
 def roofline(ctx: BenchContext, decode_batch: float, mean_context: float) -> Roofline:
     """The decode roofline on this device: measured copy bandwidth, the model's bytes (an MXFP4 checkpoint's experts
-    packed where the engine serves them so: the triton backend, CUDA's default), the KV cache in the dtype the engine
-    serves (``auto``: the fp8 cache a checkpoint declares, `resolve_kv_cache_dtype`)."""
+    packed where the engine serves them so: the triton backend, CUDA's default; a pre-quantized checkpoint's
+    quantized weights as served, AWQ / GPTQ / pack-quantized integers packed on CUDA only), the KV cache in the dtype
+    the engine serves (``auto``: the fp8 cache a checkpoint declares, `resolve_kv_cache_dtype`)."""
     from asyncllm.attention.selector import default_backend_name
     from asyncllm.models.checkpoint import resolve_kv_cache_dtype
     from asyncllm.models.loader import load_hf_config
@@ -226,7 +227,7 @@ def roofline(ctx: BenchContext, decode_batch: float, mean_context: float) -> Roo
     packed = serves_packed(hf_config, backend, ctx.args.tensor_parallel_size, ctx.args.enable_expert_parallel)
     kv_cache_dtype = resolve_kv_cache_dtype(ctx.args.kv_cache_dtype, hf_config)  # the engine's: auto may be fp8
     return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context,
-                           kv_cache_dtype, ctx.args.quantization, packed)
+                           kv_cache_dtype, ctx.args.quantization, packed, int_packed=ctx.device.type == "cuda")
 
 
 def finish(

@@ -74,7 +74,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
 
 def model_bytes(
     path: str, dtype: torch.dtype, decode_batch: float = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
-    mean_context: float | None = None, mxfp4_packed: bool = False,
+    mean_context: float | None = None, mxfp4_packed: bool = False, int_packed: bool = True,
 ) -> tuple[int, float]:
     """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
 
@@ -85,7 +85,10 @@ def model_bytes(
     ``E * (1 - (1 - k / E) ** batch)`` of them on average under uniform routing
     (k at batch 1, all of them for large batches). With ``quantization="fp8"``
     the decoder's linear weights count one byte each (docs/quantization.md), with
-    an fp8 ``kv_cache_dtype`` the KV cache one byte per element. gpt-oss adds its attention sinks
+    an fp8 ``kv_cache_dtype`` the KV cache one byte per element. A pre-quantized checkpoint's quantized linears and
+    experts (fp8, AWQ, GPTQ, compressed-tensors: its ``quantization_config``) count as the engine serves them
+    (`_ServedWeight`; integer ones in the model dtype unless ``int_packed``: the CPU dequantizes them at load).
+    gpt-oss adds its attention sinks
     and its router's and experts' biases (the experts' as expected, like their weights); with ``mxfp4_packed`` (an
     MXFP4 checkpoint's experts served packed: `mxfp4_experts.serves_packed`) its expert weights count
     `MXFP4_BYTES_PER_WEIGHT` each, else the model dtype's (dequantized at load: docs/gpt-oss.md).
@@ -103,7 +106,8 @@ def model_bytes(
     cfg = load_hf_config(path)
     model_cls = get_model_class(cfg)
     if not (mxfp4_packed and checkpoint_quantization(cfg) == "mxfp4"):  # counted on the model
-        return _built_model_bytes(path, cfg, dtype, decode_batch, kv_cache_dtype, quantization, mean_context)
+        return _built_model_bytes(path, cfg, dtype, decode_batch, kv_cache_dtype, quantization, mean_context,
+                                  int_packed)
     flags = model_cls.decoder_flags(cfg)  # type: ignore[attr-defined]
     hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
     q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -128,9 +132,11 @@ def model_bytes(
 
 
 def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: float, kv_cache_dtype: str,
-                       quantization: str | None, mean_context: float | None) -> tuple[int, float]:
+                       quantization: str | None, mean_context: float | None, int_packed: bool = True
+                       ) -> tuple[int, float]:
     """`model_bytes` counted on the model itself, built on the meta device: each linear layer whole (one byte per
-    weight under fp8), the LM head whole, an embedding table not at all (a step reads only its batch's rows), the
+    weight under fp8; a pre-quantized checkpoint's quantized ones as served, `_prequantized_bytes`), the LM head
+    whole, an embedding table not at all (a step reads only its batch's rows), the
     stacked experts times the share of them the batch routes to (wherever a layer keeps them), every other parameter
     whole (a learned position table, GPT-2's, not at all: its batch's rows); the KV bytes per token
     summed over the layers, a KV-sharing layer reading its source layer's cache (Gemma 4), a latent cache
@@ -157,6 +163,7 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: fl
         else []
     top_k = {id(moe): spec.top_k for layer, spec in zip(model.model.layers, specs) if spec is not None
              for moe in layer.modules() if isinstance(moe, FusedMoE)}  # wherever the layer keeps its experts
+    served = _prequantized_bytes(built, spec_cfg, path, quantization, int_packed)  # id(module) -> (bytes, numel)
     total = 0.0
     for module in model.modules():
         numel = sum(p.numel() for p in module.parameters(recurse=False))
@@ -164,6 +171,10 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: fl
             share = 1.0
             if isinstance(module, FusedMoE):
                 share = 1 - (1 - top_k[id(module)] / module.num_local_experts) ** max(1, decode_batch)
+            if id(module) in served:  # its quantized weights as served, its other parameters (biases) as built
+                quantized, replaced = served[id(module)]
+                total += (quantized + (numel - replaced) * itemsize) * share
+                continue
             fp8 = isinstance(module, LinearBase) or isinstance(module, FusedMoE) and takes_online_fp8(module)
             total += numel * share * (linear_itemsize if fp8 else itemsize)
     kv_itemsize = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
@@ -178,6 +189,82 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: fl
         return int(total), float(sum(parts * kv_itemsize * heads * dim for heads, dim in shapes))
     windows = (_window_share(sliding_window_of(cfg, i), mean_context) for i in range(cfg.num_hidden_layers))
     return int(total), float(sum(b * w for b, w in zip(per_layer, windows)))
+
+
+@dataclass(frozen=True)
+class _ServedWeight:
+    """How the engine serves a pre-quantized checkpoint's weight matrix: ``bits`` per weight and, for the integer
+    formats (AWQ, GPTQ, compressed-tensors pack-quantized: ``group`` set), a scale and a zero point of
+    ``scale_bytes`` each per ``group`` inputs of each output row (-1: the whole input) and, GPTQ act-order
+    (``g_idx``), an int32 group index per input; for fp8 and int8 weights a float32 scale per ``block`` (rows,
+    columns), per output row (``per_row``) or one per matrix."""
+
+    bits: int
+    group: int = 0
+    block: tuple[int, int] | None = None
+    per_row: bool = False
+    g_idx: bool = False
+
+    def nbytes(self, rows: int, cols: int, scale_bytes: int) -> float:
+        if self.group:
+            groups = -(-cols // self.group) if self.group > 0 else 1
+            return rows * cols * self.bits / 8 + 2 * scale_bytes * rows * groups + 4 * cols * self.g_idx
+        scales = -(-rows // self.block[0]) * -(-cols // self.block[1]) if self.block else rows if self.per_row else 1
+        return rows * cols * self.bits / 8 + 4 * scales
+
+
+def _served_weight(qcfg: Any, checkpoint_module: str, int_packed: bool) -> _ServedWeight | None:
+    """The `_ServedWeight` of a checkpoint module under a pre-quantized config (asyncllm/models/checkpoint.py's
+    `prequantized_config`), None where it is served in the model dtype: a module the config leaves unquantized
+    (``ignore``, ``modules_to_not_convert``, ``ignored_layers``, the LM head), or integer weights off CUDA
+    (``int_packed`` False: dequantized at load)."""
+    from asyncllm.models.checkpoint import Fp8CheckpointConfig
+    from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig
+    from asyncllm.models.int4_config import Int4CheckpointConfig
+
+    if isinstance(qcfg, Fp8CheckpointConfig):  # per tensor: requantized to one scale (fp8_checkpoint.py)
+        return None if qcfg.is_ignored(checkpoint_module) else _ServedWeight(8, block=qcfg.weight_block_size)
+    if isinstance(qcfg, Int4CheckpointConfig):
+        if qcfg.is_ignored(checkpoint_module) or not int_packed:
+            return None
+        return _ServedWeight(qcfg.bits, qcfg.group_size, g_idx=qcfg.desc_act)
+    if isinstance(qcfg, CompressedTensorsCheckpointConfig):
+        scheme = qcfg.scheme_of(checkpoint_module)
+        if scheme is None or scheme.kind == "int" and not int_packed:
+            return None
+        if scheme.kind == "int":
+            return _ServedWeight(scheme.bits, scheme.group_size)
+        return _ServedWeight(8, block=scheme.block, per_row=True)  # a per-tensor scale repeated over its rows
+    return None  # a float checkpoint, gpt-oss's MXFP4 (counted apart), GGUF (dequantized at load)
+
+
+def _prequantized_bytes(built: Any, hf_config: Any, path: str, quantization: str | None, int_packed: bool
+                        ) -> dict[int, tuple[float, int]]:
+    """``id(module) -> (bytes of its quantized weights as served, the model-dtype parameters they replace)`` for
+    every linear layer (its ``weight``) and `FusedMoE` (its ``w13_weight`` / ``w2_weight``, each expert's gate, up
+    and down matrices apart) a pre-quantized checkpoint quantized; empty for a float one. Integer scales and zero
+    points are served float16 in dense layers (their checkpoints' scales are float16 values), float32 in experts."""
+    from asyncllm.models.checkpoint import prequantized_config
+    from asyncllm.models.int4_experts import expert_checkpoint_module
+    from asyncllm.models.moe import FusedMoE
+    from asyncllm.models.quantized_layers import checkpoint_modules, quantized_layers
+
+    qcfg = prequantized_config(hf_config, path, quantization)
+    if qcfg is None:
+        return {}
+    served: dict[int, tuple[float, int]] = {}
+    for name, layer in quantized_layers(built, lambda module: _served_weight(qcfg, module, int_packed) is None):
+        fmt = _served_weight(qcfg, checkpoint_modules(built, name)[0], int_packed)
+        assert fmt is not None
+        served[id(layer)] = fmt.nbytes(*layer.weight.shape, scale_bytes=2), layer.weight.numel()
+    for name, moe in built.named_modules():
+        if isinstance(moe, FusedMoE) and (fmt := _served_weight(qcfg, expert_checkpoint_module(built, name),
+                                                                int_packed)) is not None:
+            experts, hidden, inter = moe.w2_weight.shape
+            matrices = moe.w13_weight.shape[1] // inter  # gate and up (one without a gate)
+            nbytes = experts * (matrices * fmt.nbytes(inter, hidden, 4) + fmt.nbytes(hidden, inter, 4))
+            served[id(moe)] = nbytes, moe.w13_weight.numel() + moe.w2_weight.numel()
+    return served
 
 
 def _window_share(window: int | None, mean_context: float | None) -> float | int:
@@ -211,10 +298,11 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
 def decode_roofline(
     path: str, dtype: torch.dtype, bandwidth: float, decode_batch: float, mean_context: float,
     kv_cache_dtype: str = "auto", quantization: str | None = None, mxfp4_packed: bool = False,
+    int_packed: bool = True,
 ) -> Roofline:
     batch = max(1, decode_batch)
     weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization, mean_context,
-                                             mxfp4_packed)
+                                             mxfp4_packed, int_packed)
     step_bytes = weight_bytes + batch * mean_context * kv_per_token
     return Roofline(
         copy_bandwidth_gb_s=bandwidth / 1e9,

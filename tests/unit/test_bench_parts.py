@@ -340,3 +340,87 @@ def test_roofline_builds_on_the_meta_device(kind: str, tmp_path) -> None:
         axes = next(m.column_axis for m in decoder.modules() if hasattr(m, "column_axis")).tolist()
         section = [2, 3, 3] if kind != "hunyuan_vl" else [4] * 4
         assert axes == [a for a, n in enumerate(section) for _ in range(n)] * (2 if kind != "hunyuan_vl" else 1)
+
+
+_CT_W8A8 = {"weights": {"type": "int", "num_bits": 8, "strategy": "channel", "symmetric": True},
+            "input_activations": {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True,
+                                  "symmetric": True}}
+_CT_W4A16 = {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128, "symmetric": True}}
+
+
+def _ct(scheme: dict[str, Any], fmt: str) -> dict[str, Any]:
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], **scheme}}}
+
+
+_PREQUANTIZED = {  # quantization_config -> the bytes of one served [rows, cols] linear weight and its scales
+    "fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, lambda n, k: n * k + 4),
+    "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                  lambda n, k: n * k + 4 * -(-n // 128) * -(-k // 128)),
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
+            lambda n, k: n * k // 2 + (2 + 2) * n * -(-k // 128)),  # float16 scales and zero points per group
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False},
+             lambda n, k: n * k // 2 + (2 + 2) * n * -(-k // 128)),
+    "ct_w8a8": (_ct(_CT_W8A8, "int-quantized"), lambda n, k: n * k + 4 * n),  # a float32 scale per row
+    "ct_w4a16": (_ct(_CT_W4A16, "pack-quantized"), lambda n, k: n * k // 2 + (2 + 2) * n * -(-k // 128)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_PREQUANTIZED))
+def test_roofline_counts_a_prequantized_checkpoint_as_served(kind: str, tmp_path) -> None:
+    """A pre-quantized checkpoint builds on the meta device with model-dtype weights (it is quantized at load): its
+    linear weights counted 2 bytes each in bf16, twice an fp8 checkpoint's bytes, four times an int4 one's. They
+    count as served now: the packed weights and their scales (and zero points) at their group or block size; the
+    LM head, norms and modules the config leaves unquantized in bf16; int4 in bf16 off CUDA (dequantized)."""
+    import transformers
+
+    quantization_config, served = _PREQUANTIZED[kind]
+    hidden, inter, vocab, layers, q, kv = 256, 512, 512, 2, 256, 128  # 4 heads of 64, 2 KV heads
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    float_bytes = model_bytes(_save_config(config, tmp_path / "float"), torch.bfloat16)[0]
+    config.quantization_config = quantization_config
+    path = _save_config(config, tmp_path / kind)
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]  # qkv, o, gate_up, down
+    linear = layers * sum(n * k for n, k in shapes)
+    other = 2 * (vocab * hidden + (2 * layers + 1) * hidden)  # the LM head and the norms in bf16
+    assert float_bytes == 2 * linear + other
+    assert model_bytes(path, torch.bfloat16)[0] == layers * sum(served(n, k) for n, k in shapes) + other
+    if kind in ("awq", "gptq", "ct_w4a16"):  # the CPU serves them dequantized
+        assert model_bytes(path, torch.bfloat16, int_packed=False)[0] == float_bytes
+    if kind in ("awq", "fp8"):  # an unquantized module (modules_to_not_convert) stays in bf16
+        config.quantization_config = {**quantization_config, "modules_to_not_convert": ["down_proj"]}
+        down = shapes[3]
+        expected = layers * (sum(served(n, k) for n, k in shapes[:3]) + 2 * down[0] * down[1]) + other
+        assert model_bytes(_save_config(config, tmp_path / "ignored"), torch.bfloat16)[0] == expected
+
+
+def _save_config(config: Any, path: Any) -> str:
+    config.save_pretrained(path)  # config.json only: the meta device needs no weights
+    return str(path)
+
+
+def test_roofline_counts_prequantized_experts_as_served(tmp_path) -> None:
+    """A block-wise fp8 mixture of experts: the dense layers and the experts at one byte a weight and a float32 scale
+    per block, as the loaded model (``load_format="dummy"``) stores them."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    src = Path(tiny_checkpoint("qwen3_moe"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for tokenizer_file in src.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, tmp_path)
+    path = str(tmp_path)
+    model = load_model(EngineConfig.create(path, load_format="dummy"), load_hf_config(path), torch.device("cpu"),
+                       torch.bfloat16)
+    assert model.model.layers[0].mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+    stored = sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
+                 if "cos_sin" not in name) - 2 * model.model.embed_tokens.weight.numel()
+    assert model_bytes(path, torch.bfloat16, 10**6)[0] == stored
