@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -240,6 +241,7 @@ class OpenAIServer:
         with admission_group(len(prompts) * params.n):  # the request's group (`guard`) may pass the limits by these
             streams = [self.engine.stream(p, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
                                           check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req),
+                                          fit_max_tokens=not sets_max_tokens(req),
                                           add_special_tokens=req.add_special_tokens) for p in prompts]
         as_ids = self.ids_as_text(req)
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False,
@@ -299,16 +301,26 @@ class OpenAIServer:
                     # errors before the first token keep their status code; a client gone while queued: 499
                     firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
                     count_prompts(streams, choices)
+                    self._fit_echo(chat, choices)
                     events = ResponseEvents(turn.req, model, identity, turn.keep,  # kept before its last event
                                             params=choices.sampling)
                     return EventStream(response_events(request, events, streams, firsts, choices))
                 async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
                     choices.add(prompt_index, delta)
         count_prompts(streams, choices)
+        self._fit_echo(chat, choices)
         deltas, finish_reason = choices.reply_deltas(0)
         body = response_body(turn.req, model, deltas, finish_reason, choices.usage(reasoning_tokens=True), identity,
                              choices.sampling)
         return json_response(turn.keep(body))
+
+    def _fit_echo(self, chat: ChatCompletionRequest, choices: Choices) -> None:
+        """A Responses request that set no max_output_tokens echoes its default cut to the room its prompt left, as
+        the engine ran it (``fit_max_tokens``; vLLM's ``get_max_tokens``), once its prompt's length is known."""
+        params = choices.sampling
+        if params is not None and params.max_tokens is not None and not sets_max_tokens(chat):
+            room = max(self.engine.config.max_model_len - choices.prompt_tokens[0], 1)
+            choices.sampling = msgspec.structs.replace(params, max_tokens=min(params.max_tokens, room))
 
     async def _sampling_defaults(self) -> dict[str, Any]:
         """The engine's default sampling fields for those a request leaves unset, and the max_tokens cap (vLLM's)."""
@@ -330,7 +342,7 @@ class OpenAIServer:
                                     chat_template_kwargs=template_kwargs, tools=template_tools(req.tools),
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
-                                    check_max_tokens=sets_max_tokens(req),
+                                    check_max_tokens=sets_max_tokens(req), fit_max_tokens=not sets_max_tokens(req),
                                     chat_template_content_format=self.content_format,
                                     add_special_tokens=req.add_special_tokens)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,

@@ -63,7 +63,7 @@ class EngineRequests:
                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                data_parallel_rank: int | None = None, check_max_tokens: bool = False,
                echo_only: bool = False, add_special_tokens: bool | None = None,
-               sampling_params: SamplingParams | None = None) -> RequestStream:
+               sampling_params: SamplingParams | None = None, fit_max_tokens: bool = False) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
@@ -71,10 +71,13 @@ class EngineRequests:
         a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit;
         `echo_only` (its echo with max_tokens 0, max_tokens 1 here): the prompt may fill max_model_len.
         `add_special_tokens` (vLLM's; None: True) whether a text prompt's tokens start with BOS and the like.
-        `sampling_params` is vLLM's name for `params` (give one of them)."""
+        `sampling_params` is vLLM's name for `params` (give one of them). `fit_max_tokens` (the OpenAI server's, for
+        a request that set no max_tokens): max_tokens cut to the room the prompt leaves, and recorded cut
+        (`RequestOptions.fit_max_tokens`)."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
                                  data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens,
-                                 echo_only=echo_only, add_special_tokens=add_special_tokens)
+                                 echo_only=echo_only, add_special_tokens=add_special_tokens,
+                                 fit_max_tokens=fit_max_tokens)
         params = _checked_params(_one_params(params, sampling_params))
         if echo_only and (params is None or params.max_tokens != 1):
             raise InvalidRequestError("echo_only", "needs params with max_tokens=1 (the token sampled for it is "
@@ -88,7 +91,7 @@ class EngineRequests:
              lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False,
              chat_template_content_format: str = "auto", add_special_tokens: bool | None = None,
-             sampling_params: SamplingParams | None = None) -> RequestStream:
+             sampling_params: SamplingParams | None = None, fit_max_tokens: bool = False) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -98,18 +101,18 @@ class EngineRequests:
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
         `chat_template` (Jinja) replaces the tokenizer's template for this request; `mm_processor_kwargs` (vLLM's)
         the image processor's settings for its images (over the engine's; docs/multimodal.md); `check_max_tokens`
-        as for `stream`. `chat_template_content_format` (vLLM's ``LLM.chat`` argument) is how a message's content
-        reaches the template: "string" (text parts joined with "\\n"), "openai" (a list of ``{"type": "text",
-        "text": ...}`` and media parts) or "auto" (the default: "openai" when the template loops over a message's
-        content; asyncllm/chat_content.py). `add_special_tokens` (vLLM's; None: False, the template writes them)
-        True adds the tokenizer's special tokens to the rendered text's as well. `sampling_params` is vLLM's name
-        for `params` (give one of them).
+        and `fit_max_tokens` as for `stream`. `chat_template_content_format` (vLLM's ``LLM.chat`` argument) is how
+        a message's content reaches the template: "string" (text parts joined with "\\n"), "openai" (a list of
+        ``{"type": "text", "text": ...}`` and media parts) or "auto" (the default: "openai" when the template loops
+        over a message's content; asyncllm/chat_content.py). `add_special_tokens` (vLLM's; None: False, the
+        template writes them) True adds the tokenizer's special tokens to the rendered text's as well.
+        `sampling_params` is vLLM's name for `params` (give one of them).
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request, data_parallel_rank=data_parallel_rank,
                                  mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens,
                                  chat_template_content_format=chat_template_content_format,
-                                 add_special_tokens=add_special_tokens)
+                                 add_special_tokens=add_special_tokens, fit_max_tokens=fit_max_tokens)
         return RequestStream(self, messages, _checked_params(_one_params(params, sampling_params)), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, *,

@@ -119,6 +119,8 @@ class ProcessorRequests(ProcessorLoRA):
             check_allowed_tokens(job.params, self._eos_token_ids)
             asked = job.params.max_tokens  # the caller's: `token_ids` may cut job.params to the served length's room
             token_ids = self._prompts.token_ids(job)
+            if job.options.fit_max_tokens:  # the server's unset max_tokens: vLLM's get_max_tokens, the cut value
+                asked = job.params.max_tokens
             job.max_tokens_param = self._prompts.max_model_len - len(token_ids) if asked is None else asked
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
             if job.params.structured is not None:  # its JSON schema as text: msgpack carries no int beyond 64 bits

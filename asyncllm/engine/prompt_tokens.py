@@ -70,11 +70,12 @@ class PromptTokenizer:
 
         With the option ``check_max_tokens`` (the OpenAI server's, for a request that set max_tokens), a prompt
         plus max_tokens over max_model_len is an error (else the engine cuts max_tokens to the room left: the core
-        at its own max_model_len, ``job.params`` here when the host serves less)."""
+        at its own max_model_len, ``job.params`` here when the host serves less or the option ``fit_max_tokens``
+        asks it)."""
         token_ids = self._token_ids(job)
         if job.options.check_max_tokens and not job.options.echo_only:  # the prompt alone was checked when built
             errors.check_context_length(self.max_model_len, len(token_ids), job.params.max_tokens)
-        if self.max_model_len < self.core_max_model_len:
+        if job.options.fit_max_tokens or self.max_model_len < self.core_max_model_len:
             job.params = length_capped(job.params, self.max_model_len - len(token_ids))
         return token_ids
 

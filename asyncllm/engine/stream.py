@@ -69,6 +69,10 @@ class RequestOptions:
     check_max_tokens: bool = False
     """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
     `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
+    fit_max_tokens: bool = False
+    """The OpenAI server's, for a request that set no max_tokens (vLLM's ``get_max_tokens``): its ``max_tokens`` (the
+    model's generation-config default, or none) is cut to the room the prompt leaves in max_model_len, and the cut
+    value is the request's max_tokens in its metrics and span, as vLLM's server hands its engine the least of them."""
     echo_only: bool = False
     """The OpenAI server's echo with max_tokens 0 (params' max_tokens 1, the sampled token dropped): the prompt may
     fill max_model_len, as vLLM's server (`errors.check_context_length`); the request ends at its first token."""
