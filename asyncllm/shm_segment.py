@@ -48,7 +48,8 @@ class MappedSegment:
     """``/dev/shm/NAME`` mapped, with SharedMemory's interface: name, size, buf, close."""
 
     def __init__(self, name: str, flags: int = os.O_RDWR, size: int | None = None, hold: bool = False) -> None:
-        fd = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, flags, 0o600)
         try:
             if hold:
                 owner_lock.hold(fd)
@@ -59,6 +60,8 @@ class MappedSegment:
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
+            if flags & os.O_CREAT and flags & os.O_EXCL:  # made here, never mapped: no sweep takes a live pid's file
+                os.unlink(path)
             raise
         if not hold:
             os.close(fd)

@@ -86,3 +86,32 @@ def test_the_weights_a_killed_host_pushed_are_swept() -> None:
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_segment_that_fails_to_map_leaves_no_file() -> None:
+    """An `OwnedSegment` whose mapping fails (an empty size, or one past the address space) removes the file it
+    created: nothing of a live process is swept, so until 2026-12-08 it stayed in /dev/shm for the process's life."""
+    for size in (0, 2**48):
+        name = f"asyncllm-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(shm_segment.SHM_DIR, name)
+        try:
+            try:
+                shm_segment.OwnedSegment(name, size)
+            except (OSError, ValueError):
+                pass
+            assert not os.path.exists(path), size
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+    name = f"asyncllm-{os.getpid()}-{secrets.token_hex(4)}"  # a name taken: the other owner's file stays
+    kept = shm_segment.OwnedSegment(name, 4096)
+    try:
+        try:
+            shm_segment.OwnedSegment(name, 4096)
+        except FileExistsError:
+            pass
+        assert os.path.exists(kept_path := os.path.join(shm_segment.SHM_DIR, name))
+    finally:
+        kept.unlink()
+        kept.close()
+    assert not os.path.exists(kept_path)
