@@ -89,7 +89,8 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "
                                              trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ImportError...
         check_remote_code(exc, trust_remote_code, name_or_path, "tokenizer")
-        raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
+        why = " ".join(str(exc).split())  # transformers' text runs over lines; the CLI prints one
+        raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({why})") from exc
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True,

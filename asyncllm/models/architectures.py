@@ -256,6 +256,10 @@ def architecture_of(hf_config: Any) -> str:
         raise ConfigError("model", getattr(hf_config, "name_or_path", None) or None,
                           "a checkpoint whose config.json lists its architectures: it lists none (no model "
                           "architectures are specified; hf_overrides={'architectures': [...]} can name one)")
+    if not isinstance(architectures, (list, tuple)):  # a string's [0] would be its first letter
+        raise ConfigError("model", getattr(hf_config, "name_or_path", None) or None,
+                          f"a checkpoint whose config.json lists its architectures (a list of names, as "
+                          f"[\"LlamaForCausalLM\"]): it gives {architectures!r}")
     arch = ARCHITECTURE_ALIASES.get(architectures[0], architectures[0])
     if arch != architectures[0]:
         hf_config.architectures = [arch, *architectures[1:]]

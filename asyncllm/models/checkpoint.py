@@ -54,9 +54,12 @@ def load_hf_config(path: str, trust_remote_code: bool = False, config_format: st
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, StrictDataclassError) as exc:
+    # ImportError: the checkpoint's own code (trust_remote_code) imports a package that is not installed;
+    # TypeError: config.json holds JSON that is no object (null, a number)
+    except (OSError, ValueError, KeyError, StrictDataclassError, ImportError, TypeError) as exc:
         check_remote_code(exc, trust_remote_code, path, "configuration")
-        allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
+        why = " ".join(str(exc).split())  # transformers' text runs over lines; the CLI prints one
+        allowed = f"a checkpoint folder whose config.json transformers can read ({why})"
         raise ConfigError("model", path, allowed) from exc
     from asyncllm.models.family_config import omni_thinker_config  # Qwen2.5-Omni: its thinker's config is served
     from asyncllm.models.rotary_bert_config import rotary_bert_config  # NomicBERT's hub names, GTE's options

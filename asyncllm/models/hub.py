@@ -88,7 +88,8 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         return path if not pickles else snapshot_download(  # no safetensors, or a Dense module's pickle only
             model, **hub, allow_patterns=[*files, *tensors, *pickles])
     except HFValidationError as exc:
-        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
+        why = " ".join(str(exc).split())  # huggingface_hub's text runs over lines; the CLI prints one
+        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({why})") from exc
     except LocalEntryNotFoundError as exc:
         why = ("offline mode is on (HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 or download it first" if offline
                else f"the hub could not be reached (network? {unreachable or exc}); download it first when online")
@@ -97,7 +98,8 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                                           f"not in the cache{at} ({cache_dir}), and {why} "
                                           f"(`{_download_command(model, revision, download_dir)}`)") from exc
     except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
-        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+        why = " ".join(str(exc).split())
+        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {why})") from exc
 
 
 def _download_command(model: str, revision: str | None, download_dir: str | None) -> str:

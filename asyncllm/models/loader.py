@@ -52,7 +52,8 @@ _DUMMY_STD = 0.02
 
 
 _FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text", "plamo2", "glm4")
-"""vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS`` (numerical instability): ``auto`` never picks float16 for them."""
+"""vLLM's ``_FLOAT16_NOT_SUPPORTED_MODELS`` (numerical instability): ``auto`` never picks float16 for them, and
+``float16`` asked for them is a `ConfigError`, as vLLM's ``ValueError``."""
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device, pooling: bool = False) -> torch.dtype:
@@ -63,6 +64,10 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device, pooling: boo
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ConfigError("dtype", dtype, f"one of 'auto', {', '.join(map(repr, _DTYPES))}")
+        model_type = getattr(hf_config, "model_type", None)
+        if dtype == "float16" and model_type in _FLOAT16_UNSTABLE:  # vLLM's _check_valid_dtype refuses it too
+            raise ConfigError("dtype", dtype, f"'bfloat16' or 'float32': the model type {model_type!r} does not "
+                                              "support float16 (numerical instability)")
         return _DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32

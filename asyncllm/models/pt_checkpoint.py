@@ -66,7 +66,8 @@ def iterate_pt(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             state = _load(file)
         except Exception as exc:
-            raise ConfigError("model", file, f"a PyTorch checkpoint of tensors only ({type(exc).__name__}: {exc})") \
+            why = " ".join(str(exc).split())  # torch's text runs over lines; the CLI prints one
+            raise ConfigError("model", file, f"a PyTorch checkpoint of tensors only ({type(exc).__name__}: {why})") \
                 from exc
         if not isinstance(state, dict):
             raise ConfigError("model", file, f"a PyTorch checkpoint holding a dict of tensors, not a {type(state)}")
