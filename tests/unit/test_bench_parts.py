@@ -222,6 +222,21 @@ def test_decode_shape_bytes_bound_a_step_by_step_count() -> None:
     assert former < 0.95 * step_bytes
 
 
+def _parameters_read(model: Any) -> int:
+    """Parameters a large decode batch reads: every module's own, a tied table once (by the LM head, whole), an
+    input embedding or learned-position table not at all (only the batch's rows)."""
+    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+    from asyncllm.models.gpt2 import LearnedPositions
+
+    owner = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if id(p) not in owner or isinstance(module, ParallelLMHead):  # a tied table: read whole by the LM head
+                owner[id(p)] = (module, p.numel())
+    return sum(n for m, n in owner.values()
+               if isinstance(m, ParallelLMHead) or not isinstance(m, (VocabParallelEmbedding, LearnedPositions)))
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "dbrx", "kimi_linear", "gpt2", "mpt", "starcoder2", "gemma2",
                                   "qwen3_5"])
 def test_roofline_of_families_counted_on_the_built_model(arch: str) -> None:
@@ -231,21 +246,13 @@ def test_roofline_of_families_counted_on_the_built_model(arch: str) -> None:
     norms, a hybrid's linear-attention layers (Qwen3.5: no KV cache) are what the model holds, not a Llama's. A large
     batch reads every parameter but the embedding tables (GPT-2's learned positions too: only the batch's rows);
     batch 1 of a mixture of experts fewer."""
-    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
-    from asyncllm.models.gpt2 import LearnedPositions
     from asyncllm.models.registry import kv_cache_spec
     from asyncllm.tiny import tiny_checkpoint
 
     path = tiny_checkpoint(arch)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
-    owner = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in owner or isinstance(module, ParallelLMHead):  # a tied table: read whole by the LM head
-                owner[id(p)] = (module, p.numel())
-    every = sum(n for m, n in owner.values()
-                if isinstance(m, ParallelLMHead) or not isinstance(m, (VocabParallelEmbedding, LearnedPositions)))
+    every = _parameters_read(model)
     weights, kv = model_bytes(path, torch.float32, 10**6, mean_context=4.0)  # inside every sliding window
     assert weights == 4 * every
     spec = kv_cache_spec(hf_config, 1)
@@ -310,7 +317,6 @@ def test_roofline_builds_on_the_meta_device(kind: str, tmp_path) -> None:
     HunYuan-VL's rotary axes (a repeat_interleave without ``output_size``) and Gemma 3n's sparse-MLP quantile (an
     ``.item()``) failed there with a traceback that lost the run's results. They build now and count what the
     CPU-built language model holds (less its embedding tables), the CPU build unchanged."""
-    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
     from asyncllm.models.loader import build_model
 
     config = _meta_build_configs(kind)
@@ -320,13 +326,7 @@ def test_roofline_builds_on_the_meta_device(kind: str, tmp_path) -> None:
     hf_config = load_hf_config(path)
     built = build_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
     decoder = getattr(built, "language_model", built)
-    owner = {}
-    for module in decoder.modules():
-        for p in module.parameters(recurse=False):
-            if id(p) not in owner or isinstance(module, ParallelLMHead):  # a tied table: read whole by the LM head
-                owner[id(p)] = (module, p.numel())
-    every = sum(n for m, n in owner.values()
-                if isinstance(m, ParallelLMHead) or not isinstance(m, VocabParallelEmbedding))
+    every = _parameters_read(decoder)
     weights, kv = model_bytes(path, torch.float32, 10**6, mean_context=4.0)
     assert weights == 4 * every and kv > 0
     assert 0 < model_bytes(path, torch.bfloat16, 1, mean_context=100.0)[0] <= 2 * every

@@ -6,16 +6,22 @@ import shutil
 
 import pytest
 
+from asyncllm.bundled import bundled_model_path
 from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.tokenizer import load_tokenizer
 
-TINY = os.path.join(os.path.dirname(__file__), "..", "..", "asyncllm", "data", "tiny-llama")
 
-
-def _copy(tmp_path) -> str:
+def _copy(tmp_path, **config_fields) -> str:
+    """The bundled tiny model copied into `tmp_path`, its config.json's `config_fields` changed."""
     folder = str(tmp_path / "model")
-    shutil.copytree(TINY, folder)
+    shutil.copytree(bundled_model_path(), folder)
+    if config_fields:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**config, **config_fields}, f)
     return folder
 
 
@@ -31,11 +37,7 @@ def test_a_folder_without_tokenizer_files_is_one_line_naming_the_tokenizer(tmp_p
 
 
 def test_an_unknown_model_type_is_one_line_naming_it(tmp_path):
-    folder = _copy(tmp_path)
-    path = os.path.join(folder, "config.json")
-    config = json.load(open(path))
-    config["model_type"] = "foobarxyz"
-    json.dump(config, open(path, "w"))
+    folder = _copy(tmp_path, model_type="foobarxyz")
     with pytest.raises(ConfigError) as info:
         load_hf_config(folder)
     assert "\n" not in str(info.value)
@@ -43,11 +45,7 @@ def test_an_unknown_model_type_is_one_line_naming_it(tmp_path):
 
 
 def test_remote_code_needing_a_missing_package_is_a_config_error_naming_it(tmp_path):
-    folder = _copy(tmp_path)
-    path = os.path.join(folder, "config.json")
-    config = json.load(open(path))
-    config.update(auto_map={"AutoConfig": "configuration_x.XConfig"}, model_type="xmodel")
-    json.dump(config, open(path, "w"))
+    folder = _copy(tmp_path, auto_map={"AutoConfig": "configuration_x.XConfig"}, model_type="xmodel")
     with open(os.path.join(folder, "configuration_x.py"), "w") as f:
         f.write("import not_a_real_module_xyz\n")
     with pytest.raises(ConfigError) as info:  # was transformers' ImportError, a traceback from `asyncllm serve`
@@ -82,11 +80,7 @@ def test_a_config_json_holding_null_is_a_config_error(tmp_path):
 def test_architectures_given_as_a_string_is_named_not_its_first_letter(tmp_path):
     from asyncllm.models.architectures import architecture_of
 
-    folder = _copy(tmp_path)
-    path = os.path.join(folder, "config.json")
-    config = json.load(open(path))
-    config["architectures"] = "LlamaForCausalLM"
-    json.dump(config, open(path, "w"))
+    folder = _copy(tmp_path, architectures="LlamaForCausalLM")
     with pytest.raises(ConfigError) as info:  # was NotBuiltError: "the L architecture"
         architecture_of(load_hf_config(folder))
     assert "'LlamaForCausalLM'" in str(info.value) and "the L architecture" not in str(info.value)
