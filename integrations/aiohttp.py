@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
-from asyncllm.integrations.errors import error_body, renamed_fields, text_stream_end
+from asyncllm.integrations.errors import error_body, renamed_error, renamed_fields, text_stream_end
 from asyncllm.integrations.streams import (
     TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, first_deltas, merge_streams,
 )
@@ -140,13 +140,7 @@ def _structured_as_sent(body: dict[str, Any]) -> dict[str, str]:
 
 def _as_sent(exc: Exception, renames: dict[str, str]) -> Exception:
     """`exc`, an `InvalidRequestError` naming the client's field (`renames`)."""
-    if not renames or not isinstance(exc, InvalidRequestError):
-        return exc
-    try:
-        with renamed_fields(renames):
-            raise exc
-    except InvalidRequestError as named:
-        return named
+    return renamed_error(exc, renames) if isinstance(exc, InvalidRequestError) else exc
 
 
 def create_app(engine: AsyncEngine | None = None) -> web.Application:

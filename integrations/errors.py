@@ -19,7 +19,7 @@ from asyncllm.errors import (
     RequestAbortedError, RequestTimeoutError,
 )
 
-__all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_fields", "status_of",
+__all__ = ["CONTEXT_PARAM", "ApiError", "context_param", "error_body", "renamed_error", "renamed_fields", "status_of",
            "text_stream_end"]
 
 logger = logging.getLogger("asyncllm.integrations")
@@ -63,11 +63,19 @@ def renamed_fields(renames: Mapping[str, str], *, uncoded_only: bool = False) ->
     try:
         yield
     except InvalidRequestError as exc:
-        field = exc.field if exc.field in renames else re.split(r"[\[.]", exc.field, maxsplit=1)[0]
-        if field not in renames or (uncoded_only and exc.code is not None):
+        renamed = renamed_error(exc, renames, uncoded_only=uncoded_only)
+        if renamed is exc:
             raise
-        raise InvalidRequestError(renames[field], _renamed_message(exc.message, renames, renames[field]),
-                                  code=exc.code) from None
+        raise renamed from None
+
+
+def renamed_error(exc: InvalidRequestError, renames: Mapping[str, str], *,
+                  uncoded_only: bool = False) -> InvalidRequestError:
+    """`exc` naming the client's field (`renamed_fields`' rule), or `exc` itself when it names none of `renames`."""
+    field = exc.field if exc.field in renames else re.split(r"[\[.]", exc.field, maxsplit=1)[0]
+    if field not in renames or (uncoded_only and exc.code is not None):
+        return exc
+    return InvalidRequestError(renames[field], _renamed_message(exc.message, renames, renames[field]), code=exc.code)
 
 
 CONTEXT_PARAM = "input_tokens"
