@@ -33,7 +33,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body, text_stream_end
-from asyncllm.integrations.streams import TEXT_STREAM_HEADERS, check_not_aborted, check_one_sample
+from asyncllm.integrations.streams import TEXT_STREAM_HEADERS, check_not_aborted, check_one_sample, empty_body
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -103,7 +103,7 @@ async def stream_response(stream: RequestStream, request: HttpRequest | None = N
         check_not_aborted(first)  # before its first token (a queued request, the engine closing)
         if request is not None and request.method == "HEAD":  # GET's status and headers, no body
             await stream.aclose()  # aborted, not generated to its end (the server would drop the text)
-            return _with_stream_headers(StreamingHttpResponse(_nothing() if _asgi(request) else iter(()),
+            return _with_stream_headers(StreamingHttpResponse(empty_body() if _asgi(request) else iter(()),
                                                               content_type=content_type))
         if request is not None and not _asgi(request):
             return HttpResponse(await _whole(stream, first), content_type=content_type)
@@ -119,10 +119,6 @@ def _with_stream_headers(response: StreamingHttpResponse) -> StreamingHttpRespon
     return response
 
 
-async def _nothing() -> AsyncIterator[str]:
-    """An empty body (a HEAD request's)."""
-    return
-    yield  # an async generator
 
 
 def _asgi(request: HttpRequest) -> bool:

@@ -26,7 +26,8 @@ from starlette.types import Receive, Scope, Send
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body, text_stream_end
 from asyncllm.integrations.streams import (
-    TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, first_deltas, merge_streams,
+    TEXT_STREAM_HEADERS, ClientDisconnected, check_not_aborted, check_one_sample, empty_body, first_deltas,
+    merge_streams,
 )
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class _TextStreamResponse(StreamingResponse):
             return
         if scope.get("method") == "HEAD":  # GET's status and headers, no body: not generated to its end
             await self._stream.aclose()
-            self.body_iterator = _nothing()
+            self.body_iterator = empty_body()
         try:
             await super().__call__(scope, receive, send)
         finally:  # Starlette drops the body iterator unclosed when a send fails: abort now, not at a GC pass
@@ -145,7 +146,3 @@ class _TextStreamResponse(StreamingResponse):
             yield text_stream_end(exc)
 
 
-async def _nothing() -> AsyncIterator[str]:
-    """An empty body (a HEAD request's)."""
-    return
-    yield  # an async generator

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from asyncllm.outputs import StreamDelta
 
 __all__ = ["ClientDisconnected", "TEXT_STREAM_HEADERS", "first_deltas", "accepted_streams", "merge_streams",
-           "gather_until", "check_one_sample", "check_not_aborted"]
+           "gather_until", "check_one_sample", "check_not_aborted", "empty_body"]
 
 T = TypeVar("T")
 _UNCANCEL = hasattr(asyncio.Task, "uncancel")  # Python 3.11+; on 3.10 one stream is merged as several are
@@ -30,6 +30,12 @@ class ClientDisconnected(Exception):
 TEXT_STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """A streamed text reply's headers (the web adapters'), as the OpenAI server's event streams': not cached, and not
 buffered by a proxy (nginx) that would hold its chunks back until the end."""
+
+
+async def empty_body() -> AsyncIterator[str]:
+    """A text response's body sent for a HEAD request (the web adapters'): nothing."""
+    return
+    yield  # an async generator
 
 
 def check_not_aborted(delta: StreamDelta) -> None:
